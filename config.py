@@ -1,0 +1,178 @@
+"""The one typed config. Every default and every help text lives in these dataclasses.
+
+    python train.py --help                                  # every option with its help
+    python train.py --config configs/x.yaml steps=50 algo.kl_coef=0.01
+
+A YAML file and `key=value` overrides (dotted for nested sections) map onto `Config`; an unknown key
+or a value of the wrong type is a one-line error that names the key.
+"""
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+from data import ArithmeticConfig
+
+
+class UserError(Exception):
+    """Bad input from the user: train.py prints it as one line and exits non-zero."""
+
+
+def opt(default, help: str):
+    """A config field with its help text. Sections (dataclass defaults) get a fresh instance per Config."""
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=type(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class AlgoConfig:
+    name: str = opt("grpo", "algorithm, by registered name (see algos/)")
+    clip_eps: float = opt(0.2, "PPO-style ratio clip: ratio is kept in [1 - clip_eps, 1 + clip_eps_high]")
+    clip_eps_high: float = opt(0.2, "upper clip (DAPO's clip-higher uses a larger value than clip_eps)")
+    kl_coef: float = opt(0.0, "weight of the KL penalty to the reference model (0 = no reference model)")
+    kl_estimator: str = opt("k3", "KL estimator: k1, k2 or k3 (Schulman's approximations)")
+    loss_agg: str = opt("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, "
+                                      "seq-mean-token-sum-norm")
+    scale_rewards: bool = opt(True, "divide group-centred rewards by the group's std (GRPO); off = Dr. GRPO style")
+    epochs: int = opt(1, "passes over each rollout batch (PPO epochs); >1 reuses samples off-policy")
+    minibatch_size: int = opt(0, "samples per optimizer step; 0 = the whole rollout batch (one step, on-policy)")
+
+
+@dataclass
+class Config:
+    # what to train
+    model: str = opt("assets/tiny-model", "local folder or hub id of a transformers causal LM")
+    task: str = opt("arithmetic", "prompt source, by registered name; its settings are the section of that name")
+    rewards: str = opt("arithmetic", "reward plugins with weights: 'name[:weight],name[:weight]'")
+    engine: str = opt("builtin", "rollout engine: builtin or vllm")
+    algo: AlgoConfig = opt(AlgoConfig(), "algorithm settings")
+    arithmetic: ArithmeticConfig = opt(ArithmeticConfig(), "settings of the embedded arithmetic task")
+    # how long and how big
+    steps: int = opt(60, "RL steps (one step = rollout + score + update + sync)")
+    prompts_per_step: int = opt(32, "prompts sampled per step")
+    samples_per_prompt: int = opt(8, "completions per prompt (the GRPO group size)")
+    max_new_tokens: int = opt(8, "completion length limit")
+    temperature: float = opt(1.0, "sampling temperature for rollouts (log-probs are taken at this temperature)")
+    top_p: float = opt(1.0, "nucleus sampling for rollouts")
+    # optimisation
+    lr: float = opt(1e-4, "AdamW learning rate")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    grad_clip: float = opt(1.0, "max global grad norm (0 = off)")
+    warmup_steps: int = opt(0, "linear LR warm-up steps")
+    # evaluation, logging, saving
+    eval_every: int = opt(10, "held-out evaluation every N steps (and at start and end)")
+    eval_size: int = opt(200, "held-out prompts per evaluation (0 = all)")
+    eval_temperature: float = opt(0.0, "temperature for held-out evaluation (0 = greedy)")
+    save_every: int = opt(0, "save a checkpoint every N steps (0 = only at the end)")
+    out_dir: str = opt("", "run directory (default: runs/<algo>-<time>)")
+    seed: int = opt(0, "seed for data order, sampling and init")
+    device: str = opt("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = opt("auto", "model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16")
+    threads: int = opt(0, "torch CPU threads (0 = torch's default)")
+    progress: bool = opt(True, "show a progress bar")
+
+
+def _type_name(t) -> str:
+    return getattr(t, "__name__", str(t))
+
+
+def _convert(key: str, value, t):
+    """Coerce a YAML/CLI value to the field type t, or raise a UserError naming the key."""
+    if t is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif t is int and not isinstance(value, bool):
+        try:
+            if isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
+                return int(value)
+        except ValueError:
+            pass
+    elif t is float and not isinstance(value, bool):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    elif t is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise UserError(f"config key '{key}' expects {_type_name(t)}, got {value!r}")
+
+
+def apply(cfg, updates: dict, prefix: str = ""):
+    """Set (possibly nested) values from a dict onto the dataclass cfg, checking keys and types."""
+    hints = typing.get_type_hints(type(cfg))
+    for key, value in updates.items():
+        name = f"{prefix}{key}"
+        if key not in hints:
+            raise UserError(f"unknown config key '{name}' (see python train.py --help)")
+        t = hints[key]
+        if dataclasses.is_dataclass(t):
+            if not isinstance(value, dict):
+                raise UserError(f"config key '{name}' is a section; set its fields, e.g. {name}.<field>=...")
+            apply(getattr(cfg, key), value, prefix=f"{name}.")
+        else:
+            setattr(cfg, key, _convert(name, value, t))
+    return cfg
+
+
+def _nest(dotted: str, value) -> dict:
+    out = value
+    for part in reversed(dotted.split(".")):
+        out = {part: out}
+    return out
+
+
+def _merge(a: dict, b: dict) -> dict:
+    for k, v in b.items():
+        a[k] = _merge(a.get(k, {}), v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+    return a
+
+
+def help_text(cfg=None, prefix: str = "") -> str:
+    cfg = cfg or Config()
+    lines = [] if prefix else ["usage: python train.py [--config FILE.yaml] [key=value ...]", "", "options:"]
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            lines.append(f"  [{prefix}{f.name}]  {f.metadata.get('help', '')}")
+            lines.append(help_text(value, prefix=f"{prefix}{f.name}.").rstrip("\n"))
+        else:
+            lines.append(f"  {prefix}{f.name}={value!r:<22} ({_type_name(hints[f.name])}) {f.metadata.get('help', '')}")
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv: list[str]) -> Config:
+    """argv -> Config. Order: defaults < YAML file < key=value overrides."""
+    updates: dict = {}
+    args = list(argv)
+    while args:
+        a = args.pop(0)
+        if a in ("-h", "--help"):
+            print(help_text())
+            sys.exit(0)
+        if a == "--config" or a.startswith("--config="):
+            path = a.split("=", 1)[1] if "=" in a else (args.pop(0) if args else "")
+            try:
+                with open(path) as f:
+                    loaded = yaml.safe_load(f) or {}
+            except OSError as e:
+                raise UserError(f"cannot read config file '{path}': {e.strerror}")
+            if not isinstance(loaded, dict):
+                raise UserError(f"config file '{path}' must hold a mapping of keys to values")
+            updates = _merge(updates, loaded)
+        elif "=" in a and not a.startswith("-"):
+            key, value = a.split("=", 1)
+            updates = _merge(updates, _nest(key, yaml.safe_load(value) if value else ""))
+        else:
+            raise UserError(f"unexpected argument '{a}': use key=value or --config FILE (see --help)")
+    return apply(Config(), updates)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,53 @@
+"""Loading the policy and getting per-token log-probs out of it.
+
+`load_model` takes a local folder or a hub id (any transformers causal LM); the embedded default is the
+project's own tiny checkpoint in assets/tiny-model. `completion_logprobs` is the one forward pass every
+stage uses (old, reference and training log-probs), so they cannot drift apart.
+"""
+import os
+
+import torch
+from torch import Tensor
+
+from config import UserError
+from registry import get
+from rollout import position_ids
+
+
+def load_model(name: str, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()            # our own progress bar is the only one on screen
+    path = os.path.expanduser(name)
+    # a hub id is 'org/name'; anything else that names a path must exist here
+    if not os.path.exists(path) and (name.startswith((".", "/", "~")) or name.count("/") != 1):
+        raise UserError(f"model path '{name}' does not exist")
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as e:
+        raise UserError(f"cannot load model '{name}': {str(e).splitlines()[0]}")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model.to(device), tok
+
+
+def encode_prompts(tok, prompts: list[str]) -> list[list[int]]:
+    """Prompt strings -> token ids; chat models get their chat template (with the generation prompt)."""
+    if getattr(tok, "chat_template", None):
+        return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+                for p in prompts]
+    return [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+
+def context_length(model) -> int:
+    return getattr(model.config, "max_position_embeddings", None) or 1 << 30
+
+
+def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int,
+                        temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Teacher-forced log-probs and entropies of the last C tokens: (B, T) ids -> two (B, C) tensors."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                logits_to_keep=C + 1, use_cache=False)
+    logits = out.logits[:, :-1]                                  # (B, C, V): position t predicts token t + 1
+    return get("kernel", "token_logprobs")(logits, input_ids[:, -C:], temperature)

@@ -1,0 +1,286 @@
+"""The master loop: rollout -> reward -> (reference log-probs) -> advantages -> update -> sync -> log.
+
+    python train.py                                   # embedded default: GRPO on the tiny arithmetic model, CPU ok
+    python train.py --help                            # every option
+    python train.py algo.name=grpo algo.kl_coef=0.02 steps=100 out_dir=runs/kl
+    python train.py --config configs/gsm8k.yaml model=/path/to/Qwen2.5-0.5B-Instruct
+    torchrun --nproc_per_node=1 train.py              # same script under torchrun
+
+Each run writes one directory (README.md, "Run directory"): config.yaml, metrics.jsonl, tensorboard
+events, curve.png and the final policy in final/ (loadable with transformers' from_pretrained).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+import registry
+from buffer import Experience, OnPolicyBuffer
+from config import Config, UserError, parse, to_dict
+from models import completion_logprobs, context_length, encode_prompts, load_model
+from rewards import parse_spec
+from rollout import SamplingParams
+
+
+def print0(*a, **kw):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*a, **kw, flush=True)
+
+
+def setup_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.device == "auto":
+        device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype)
+    if dtype is None:
+        raise UserError(f"config key 'dtype' must be auto, float32 or bfloat16, got {cfg.dtype!r}")
+    return device, dtype
+
+
+def write_atomic(path: str, text: str):
+    """Write to a temporary name, then rename: a crash never leaves a half-written file."""
+    tmp = path + ".tmp"
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def git_state() -> dict:
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True).stdout.strip()
+    try:
+        return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain"))}
+    except OSError:
+        return {}
+
+
+def score(specs, samples: list[dict], completions: list[str]) -> tuple[torch.Tensor, dict]:
+    """Weighted sum of the reward plugins for each sample (B,); a failing reward gives 0, counted."""
+    fns = [(name, weight, registry.get("reward", name)) for name, weight in specs]
+    total, failures = torch.zeros(len(completions)), {}
+    for i, (sample, completion) in enumerate(zip(samples, completions)):
+        fields = {k: v for k, v in sample.items() if k != "prompt"}
+        for name, weight, fn in fns:
+            try:
+                total[i] += weight * float(fn(sample["prompt"], completion, **fields))
+            except Exception:  # a reward must never kill the trainer: record and score 0
+                failures[name] = failures.get(name, 0) + 1
+    return total, {f"reward_failures/{k}": v for k, v in failures.items()}
+
+
+def decode(tok, rollout) -> list[str]:
+    C = rollout.completion_mask.shape[1]
+    ids = rollout.input_ids[:, -C:]
+    lengths = rollout.completion_mask.sum(-1).long()
+    return [tok.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(ids, lengths)]
+
+
+@torch.no_grad()
+def evaluate(cfg, engine, tok, samples, prompt_ids, specs, generator) -> dict:
+    """Held-out accuracy: the fraction of prompts whose total reward reaches its maximum (greedy by default)."""
+    sampling = SamplingParams(temperature=max(cfg.eval_temperature, 1e-5), top_p=cfg.top_p if cfg.eval_temperature else 1.0,
+                              max_new_tokens=cfg.max_new_tokens)
+    rewards = []
+    for start in range(0, len(samples), 256):
+        rollout = engine.generate(prompt_ids[start:start + 256], 1, sampling, generator)
+        rewards.append(score(specs, samples[start:start + 256], decode(tok, rollout))[0])
+    r = torch.cat(rewards)
+    best = sum(w for _, w in specs)
+    return {"eval/reward": r.mean().item(), "eval/accuracy": (r >= best - 1e-6).float().mean().item()}
+
+
+def save_plot(run_dir: str, rows: list[dict]):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["reward"] for r in rows], label="train reward", alpha=0.7)
+    ev = [r for r in rows if "eval/accuracy" in r]
+    ax.plot([r["step"] for r in ev], [r["eval/accuracy"] for r in ev], "o-", label="held-out accuracy")
+    ax.set_xlabel("step"), ax.set_ylim(-0.02, 1.02), ax.grid(alpha=0.3), ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "curve.png.tmp"), format="png")
+    os.replace(os.path.join(run_dir, "curve.png.tmp"), os.path.join(run_dir, "curve.png"))
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> dict:
+    cfg = parse(argv)
+    if "RANK" in os.environ and not torch.distributed.is_initialized():   # launched by torchrun
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.distributed.get_world_size() > 1:
+            raise UserError("world size > 1 is not supported yet: run with --nproc_per_node=1")
+    torch.manual_seed(cfg.seed)
+    device, dtype = setup_device(cfg)
+    algo = registry.get("algo", cfg.algo.name)
+    specs = parse_spec(cfg.rewards)
+    for name, _ in specs:
+        registry.get("reward", name)                     # fail on an unknown reward before any work
+
+    # --- data ---
+    task_fn = registry.get("task", cfg.task)
+    try:
+        train_set, eval_set = task_fn(getattr(cfg, cfg.task, None))
+    except (ValueError, OSError) as e:   # tasks report bad settings or unreadable files this way
+        raise UserError(f"task '{cfg.task}': {e}")
+    if not train_set:
+        raise UserError(f"task '{cfg.task}' produced an empty training set")
+    eval_set = eval_set[:cfg.eval_size] if cfg.eval_size else eval_set
+
+    # --- models and engine ---
+    policy, tok = load_model(cfg.model, device, dtype)
+    policy.train()
+    train_ids = encode_prompts(tok, [s["prompt"] for s in train_set])
+    eval_ids = encode_prompts(tok, [s["prompt"] for s in eval_set])
+    longest = max(len(p) for p in train_ids + eval_ids)
+    if longest + cfg.max_new_tokens > context_length(policy):
+        raise UserError(f"a prompt of {longest} tokens + max_new_tokens={cfg.max_new_tokens} exceeds the model's "
+                        f"context of {context_length(policy)} tokens")
+    reference = None
+    if algo.needs_ref(cfg.algo):
+        reference, _ = load_model(cfg.model, device, dtype)
+        reference.eval().requires_grad_(False)
+    engine = registry.get("engine", cfg.engine)(model=policy, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                                                 model_path=cfg.model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
+    sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+    generator = torch.Generator().manual_seed(cfg.seed)   # data order and mini-batch shuffles (CPU)
+    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)   # token sampling
+
+    # --- run directory ---
+    run_dir = cfg.out_dir or os.path.join("runs", f"{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(run_dir, exist_ok=True)
+    import yaml
+    write_atomic(os.path.join(run_dir, "config.yaml"), yaml.safe_dump({**to_dict(cfg), "git": git_state()}, sort_keys=False))
+    from torch.utils.tensorboard import SummaryWriter
+    writer = SummaryWriter(run_dir)
+    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+    rows: list[dict] = []
+
+    start = evaluate(cfg, engine, tok, eval_set, eval_ids, specs, sample_gen)
+    print0(f"step 0: held-out accuracy {start['eval/accuracy']:.3f} (reward {start['eval/reward']:.3f})")
+    order, cursor = torch.randperm(len(train_set), generator=generator), 0
+    buffer = OnPolicyBuffer()
+    from tqdm import tqdm
+    bar = tqdm(range(1, cfg.steps + 1), disable=not cfg.progress or int(os.environ.get("RANK", "0")) != 0,
+               dynamic_ncols=True)
+    t_run = time.perf_counter()
+    for step in bar:
+        times, t0 = {}, time.perf_counter()
+        # 1. rollout: the next prompts, n samples each
+        if cursor + cfg.prompts_per_step > len(order):
+            order, cursor = torch.randperm(len(train_set), generator=generator), 0
+        idx = order[cursor:cursor + cfg.prompts_per_step].tolist()
+        cursor += len(idx)
+        rollout = engine.generate([train_ids[i] for i in idx], cfg.samples_per_prompt, sampling, sample_gen)
+        times["time/rollout"] = time.perf_counter() - t0
+
+        # 2. score
+        t0 = time.perf_counter()
+        samples = [train_set[i] for i in idx for _ in range(cfg.samples_per_prompt)]
+        rewards, reward_info = score(specs, samples, decode(tok, rollout))
+        times["time/reward"] = time.perf_counter() - t0
+
+        # 3. the experience batch, with the extra log-probs the algorithm needs
+        t0 = time.perf_counter()
+        batch = Experience(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
+                           completion_mask=rollout.completion_mask, sample_logprobs=rollout.logprobs,
+                           rewards=rewards, group_ids=rollout.group_ids,
+                           versions=torch.full_like(rewards, step - 1, dtype=torch.long), truncated=rollout.truncated)
+        mb_size = cfg.algo.minibatch_size or len(batch)
+        updates_per_step = cfg.algo.epochs * math.ceil(len(batch) / mb_size)
+        on_device = batch.to(device)
+        C = batch.completion_mask.shape[1]
+        with torch.no_grad():
+            if updates_per_step > 1:   # the policy moves between mini-batches: keep the pre-update log-probs
+                batch.old_logprobs = completion_logprobs(policy, on_device.input_ids, on_device.attention_mask, C,
+                                                         cfg.temperature)[0].cpu()
+            if reference is not None:
+                batch.ref_logprobs = completion_logprobs(reference, on_device.input_ids, on_device.attention_mask, C,
+                                                         cfg.temperature)[0].cpu()
+        batch.advantages = algo.advantages(batch, cfg.algo)
+        times["time/logprobs"] = time.perf_counter() - t0
+
+        # 4. update
+        t0 = time.perf_counter()
+        buffer.add(batch)
+        stats: dict[str, list[float]] = {}
+        mismatch = []
+        for mb in buffer.minibatches(mb_size, cfg.algo.epochs, generator, group_size=cfg.samples_per_prompt):
+            mb = mb.to(device)
+            logp, entropy = completion_logprobs(policy, mb.input_ids, mb.attention_mask, C, cfg.temperature)
+            loss, m = algo.loss({"logprobs": logp, "entropy": entropy}, mb, cfg.algo)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
+            optimizer.step()
+            schedule.step()
+            mismatch.append(((logp.detach() - mb.sample_logprobs).abs() * mb.completion_mask).sum().item()
+                            / mb.completion_mask.sum().clamp(min=1).item())
+            for k, v in {**m, "loss": loss.item(), "grad_norm": grad_norm.item()}.items():
+                stats.setdefault(k, []).append(v)
+        buffer.clear()
+        times["time/update"] = time.perf_counter() - t0
+
+        # 5. sync the new weights into the engine, in place
+        t0 = time.perf_counter()
+        engine.load_weights(policy.named_parameters())
+        times["time/sync"] = time.perf_counter() - t0
+
+        # 6. log
+        n_tokens = int(batch.attention_mask.sum())
+        row = {"step": step, "reward": rewards.mean().item(),
+               "accuracy": (rewards >= sum(w for _, w in specs) - 1e-6).float().mean().item(),
+               **{k: sum(v) / len(v) for k, v in stats.items()},
+               "logprob_mismatch": sum(mismatch) / len(mismatch),
+               "completion_len": batch.completion_mask.sum(-1).mean().item(),
+               "truncated_frac": batch.truncated.float().mean().item(),
+               "lr": schedule.get_last_lr()[0], **reward_info, **times}
+        row["tokens_per_s"] = n_tokens / sum(times.values())
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            row.update(evaluate(cfg, engine, tok, eval_set, eval_ids, specs, sample_gen))
+        rows.append(row)
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+        for k, v in row.items():
+            if k != "step":
+                writer.add_scalar(k if "/" in k else f"train/{k}", v, step)
+        bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row.get('eval/accuracy', float('nan')):.3f}")
+
+    wall = time.perf_counter() - t_run
+    final_dir = os.path.join(run_dir, "final")
+    policy.save_pretrained(final_dir + ".tmp")
+    tok.save_pretrained(final_dir + ".tmp")
+    if os.path.exists(final_dir):
+        import shutil
+        shutil.rmtree(final_dir)
+    os.replace(final_dir + ".tmp", final_dir)
+    save_plot(run_dir, [{"step": 0, "reward": float("nan"), **start}] + rows)
+    writer.close()
+    metrics_file.close()
+    end = rows[-1]["eval/accuracy"] if rows else start["eval/accuracy"]
+    print0(f"held-out accuracy: {start['eval/accuracy']:.3f} -> {end:.3f} in {wall:.0f} s over {cfg.steps} steps; "
+           f"run directory: {run_dir}")
+    return {"start_accuracy": start["eval/accuracy"], "end_accuracy": end, "run_dir": run_dir, "wall_s": wall}
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (UserError, registry.RegistryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
