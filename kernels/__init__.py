@@ -1,0 +1,45 @@
+"""Kernels, registered by name. The caller asks the registry for a name and never checks the device:
+the dispatchers registered here pick the fused Triton version where it runs (CUDA tensors and an
+importable triton, or TRITON_INTERPRET=1 for tests on CPU), the torch reference elsewhere.
+
+    logp, ent = get("kernel", "token_logprobs")(logits, targets, temperature)           # logits (..., V)
+    logp, ent = get("kernel", "linear_logprobs")(hidden, lm_head_weight, targets, temperature)  # hidden (..., H)
+    kl = get("kernel", "token_kl")(logp, ref_logp, "k3")                                 # k1 | k2 | k3
+
+Targets < 0 mark padded tokens: logp = entropy = 0 there, and no gradient flows from them.
+"""
+import os
+
+from torch import Tensor
+
+from registry import register
+from kernels.linear_logprob import linear_logprob_entropy
+from kernels.logprob import HAS_TRITON, logprob_entropy, logprob_entropy_reference, token_kl
+
+
+def use_triton(*tensors: Tensor) -> bool:
+    if not HAS_TRITON:
+        return False
+    return os.environ.get("TRITON_INTERPRET") == "1" or all(t.is_cuda for t in tensors)
+
+
+@register("kernel", "token_logprobs")
+def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """logits (..., V), targets (...) -> (logp, entropy), each shaped like targets."""
+    shape = targets.shape
+    flat, tgt = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    if use_triton(logits):
+        logp, ent = logprob_entropy(flat, tgt, temperature)
+    else:
+        logp, ent = logprob_entropy_reference(flat, tgt, temperature)
+    return logp.view(shape), ent.view(shape)
+
+
+@register("kernel", "linear_logprobs")
+def linear_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """hidden (..., H), lm_head weight (V, H), targets (...) -> (logp, entropy), each shaped like targets.
+    Gradients flow to hidden and weight; the (N, V) logits are never held whole on either path."""
+    return linear_logprob_entropy(hidden, weight, targets, temperature, use_triton=use_triton(hidden, weight))
+
+
+register("kernel", "token_kl")(token_kl)

@@ -1,0 +1,209 @@
+"""Per-token log-probs and entropies from logits, in one pass over the vocabulary.
+
+    logits (N, V), targets (N,)  ->  logp (N,) = log softmax(logits / T)[target],  entropy (N,)
+
+    from kernels.logprob import logprob_entropy, logprob_entropy_reference, token_kl
+    logp, ent = logprob_entropy(logits, targets, temperature, use_triton=True)   # fused, with backward
+
+A target < 0 (e.g. -100) marks a padded token: its logp and entropy are 0 and it gets no gradient.
+Layers, as in modded-nanogpt: Triton kernels (`_stats_kernel`, `_grad_kernel`) -> launchers
+(`chunk_stats`, `chunk_grad`, which take a `use_triton` flag and have a torch twin each) ->
+`autograd.Function` -> `logprob_entropy`. The launchers work on a block of vocabulary columns
+starting at `col0` and keep a running (max, sum, shifted-sum) state per row, so
+kernels/linear_logprob.py reuses them on logits chunks it never holds whole.
+
+Math, with z = logits / T, p = softmax(z), lse = logsumexp(z):
+    logp = z_y - lse        entropy = lse - E_p[z]
+    d logp / dz = onehot(y) - p        d entropy / dz = -p * (z - E_p[z])
+so the backward needs only lse and E_p[z] per row (saved by the forward) and re-reads the logits once.
+
+`logprob_entropy_reference` is the plain PyTorch ground truth: it materialises the (N, V) softmax in
+float32 (the memory wall the kernels avoid); the loop uses it on CPU.
+"""
+import torch
+from torch import Tensor
+
+try:  # triton is optional: without it (or off CUDA without TRITON_INTERPRET=1) the torch twins run
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the machine
+    HAS_TRITON = False
+
+BLOCK_V = 4096  # vocabulary columns per kernel step: 8 warps x 32 lanes x 16 elements
+
+
+def logprob_entropy_reference(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    valid = targets >= 0                                          # (N,)
+    logits = logits.float() / temperature                         # (N, V)
+    logp_all = torch.log_softmax(logits, dim=-1)                  # (N, V)
+    logp = logp_all.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (N,)
+    p = logp_all.exp()
+    entropy = -torch.where(p > 0, p * logp_all, 0).sum(-1)        # (N,) 0*log0 = 0 for masked vocab
+    return torch.where(valid, logp, 0), torch.where(valid, entropy, 0)
+
+
+def token_kl(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token KL(policy || reference) estimate from the sampled token's log-probs (Schulman's k1/k2/k3).
+    Elementwise on the fused kernel's logp, so autograd carries its gradient; no kernel is needed for it."""
+    d = ref_logp - logp                                           # (N,) log(ref / policy)
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        return torch.exp(d) - d - 1
+    raise ValueError(f"unknown KL estimator {kind!r}; known: k1, k2, k3")
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _stats_kernel(x_ptr, stride_x, tgt_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, n_cols, col0, inv_t,
+                      BLOCK: tl.constexpr):
+        # one program per row; state: m = running max of z, s = sum exp(z - m), t = sum exp(z - m) * (z - m)
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * stride_x
+        m = tl.load(m_ptr + row)
+        s = tl.load(s_ptr + row)
+        t = tl.load(t_ptr + row)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            z = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32) * inv_t
+            m_new = tl.maximum(m, tl.max(z, 0))
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # an all -inf prefix must not give nan
+            alpha = tl.exp(m - shift)
+            e = tl.exp(z - shift)
+            dm = tl.where(alpha > 0, m - shift, 0.0)               # finite even when m is still -inf
+            t = alpha * (t + dm * s) + tl.sum(e * tl.where(e > 0, z - shift, 0.0), 0)
+            s = alpha * s + tl.sum(e, 0)
+            m = m_new
+        tl.store(m_ptr + row, m)
+        tl.store(s_ptr + row, s)
+        tl.store(t_ptr + row, t)
+        tgt = tl.load(tgt_ptr + row)
+        here = (tgt >= col0) & (tgt < col0 + n_cols)
+        zy = tl.load(x_row + tl.where(here, tgt - col0, 0)).to(tl.float32) * inv_t
+        tl.store(zy_ptr + row, tl.where(here, zy, tl.load(zy_ptr + row)))
+
+    @triton.jit
+    def _grad_kernel(x_ptr, stride_x, g_ptr, stride_g, tgt_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr,
+                     n_cols, col0, inv_t, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr):
+        # d loss / d logits = (g_logp * (onehot - p) - g_ent * p * (z - E[z])) / T; g may alias x
+        row = tl.program_id(0).to(tl.int64)
+        tgt = tl.load(tgt_ptr + row)
+        valid = tgt >= 0
+        lse = tl.load(lse_ptr + row)
+        glp = tl.where(valid, tl.load(glp_ptr + row), 0.0)
+        if HAS_ENT:
+            gent = tl.where(valid, tl.load(gent_ptr + row), 0.0)
+            ez = tl.load(ez_ptr + row)
+        local_t = tgt - col0
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            z = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_t
+            p = tl.exp(z - lse)
+            g = glp * (tl.where(cols == local_t, 1.0, 0.0) - p)
+            if HAS_ENT:
+                g -= gent * p * tl.where(p > 0, z - ez, 0.0)      # masked vocab (z = -inf) has p = 0
+            tl.store(g_ptr + row * stride_g + cols, (g * inv_t).to(g_ptr.dtype.element_ty), mask=mask)
+
+
+def new_state(n: int, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Empty running state for n rows: (max, sum, shifted sum, target logit), all float32 (n,)."""
+    m = torch.full((n,), -float("inf"), dtype=torch.float32, device=device)
+    return m, torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
+
+
+def chunk_stats(x: Tensor, targets: Tensor, state, col0: int, inv_t: float, use_triton: bool):
+    """Fold logits columns [col0, col0 + x.shape[1]) of each row into the running state (in place)."""
+    m, s, t, zy = state
+    if use_triton:
+        _stats_kernel[(x.shape[0],)](x, x.stride(0), targets, m, s, t, zy, x.shape[1], col0, inv_t,
+                                     BLOCK=min(BLOCK_V, triton.next_power_of_2(x.shape[1])), num_warps=8)
+        return
+    z = x.float() * inv_t                                          # (n, v)
+    m_new = torch.maximum(m, z.max(-1).values)                     # (n,)
+    shift = torch.where(m_new == -float("inf"), 0.0, m_new)        # (n,)
+    alpha = torch.exp(m - shift)                                   # (n,)
+    e = torch.exp(z - shift[:, None])                              # (n, v)
+    dm = torch.where(alpha > 0, m - shift, 0.0)                    # finite even when m is still -inf
+    t.copy_(alpha * (t + dm * s) + (e * torch.where(e > 0, z - shift[:, None], 0.0)).sum(-1))
+    s.copy_(alpha * s + e.sum(-1))
+    m.copy_(m_new)
+    here = (targets >= col0) & (targets < col0 + x.shape[1])       # (n,)
+    idx = (targets - col0).clamp(0, x.shape[1] - 1)
+    zy.copy_(torch.where(here, z.gather(1, idx[:, None]).squeeze(1), zy))
+
+
+def finish_stats(state, targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Running state -> (logp, entropy, lse, E[z]), each (n,) float32; padded tokens get logp = entropy = 0."""
+    m, s, t, zy = state
+    lse = m + torch.log(s)
+    ez = m + t / s
+    valid = targets >= 0
+    logp = torch.where(valid, zy - lse, 0.0)
+    entropy = torch.where(valid, torch.log(s) - t / s, 0.0)   # lse - E[z] without the large m cancelling
+    return logp, entropy, lse, ez
+
+
+def chunk_grad(x: Tensor, out: Tensor, targets: Tensor, lse: Tensor, ez: Tensor, g_logp: Tensor,
+               g_ent, col0: int, inv_t: float, use_triton: bool):
+    """d loss / d logits for columns [col0, col0 + x.shape[1]) into out (may be x itself)."""
+    if use_triton:
+        has_ent = g_ent is not None
+        _grad_kernel[(x.shape[0],)](x, x.stride(0), out, out.stride(0), targets, lse, ez, g_logp,
+                                    g_ent if has_ent else g_logp, x.shape[1], col0, inv_t, HAS_ENT=has_ent,
+                                    BLOCK=min(BLOCK_V, triton.next_power_of_2(x.shape[1])), num_warps=8)
+        return
+    valid = targets >= 0
+    z = x.float() * inv_t                                          # (n, v)
+    p = torch.exp(z - lse[:, None])                                # (n, v)
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == (targets - col0)[:, None]
+    g = torch.where(valid, g_logp, 0.0)[:, None] * (onehot.float() - p)
+    if g_ent is not None:
+        g -= torch.where(valid, g_ent, 0.0)[:, None] * p * torch.where(p > 0, z - ez[:, None], 0.0)
+    out.copy_(g * inv_t)
+
+
+class _LogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, use_triton):
+        state = new_state(logits.shape[0], logits.device)
+        ctx.set_materialize_grads(False)                           # an unused output's gradient stays None
+        chunk_stats(logits, targets, state, 0, 1.0 / temperature, use_triton)
+        logp, entropy, lse, ez = finish_stats(state, targets)
+        ctx.save_for_backward(logits, targets, lse, ez)
+        ctx.temperature, ctx.use_triton = temperature, use_triton
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, targets, lse, ez = ctx.saved_tensors
+        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.float().contiguous()
+        g_ent = None if g_ent is None else g_ent.float().contiguous()
+        grad = torch.empty_like(logits)                            # (N, V)
+        chunk_grad(logits, grad, targets, lse, ez, g_logp, g_ent, 0, 1.0 / ctx.temperature, ctx.use_triton)
+        return grad, None, None, None
+
+
+def check_inputs(targets: Tensor, vocab: int, temperature: float, n_rows: int):
+    if targets.shape != (n_rows,):
+        raise ValueError(f"targets have shape {tuple(targets.shape)}, expected ({n_rows},)")
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"targets must be int32 or int64, got {targets.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if targets.numel() and int(targets.max()) >= vocab:   # one host sync; a bad id would read out of bounds
+        raise ValueError(f"target id {int(targets.max())} is out of range for a vocabulary of {vocab}")
+
+
+def logprob_entropy(logits: Tensor, targets: Tensor, temperature: float = 1.0,
+                    use_triton: bool = True) -> tuple[Tensor, Tensor]:
+    """Fused version of logprob_entropy_reference; logits (N, V) any float dtype, targets (N,)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (N, V), got shape {tuple(logits.shape)}")
+    check_inputs(targets, logits.shape[1], temperature, logits.shape[0])
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return _LogprobEntropy.apply(logits, targets.contiguous(), float(temperature), use_triton and HAS_TRITON)
