@@ -28,17 +28,59 @@ def opt(default, help: str):
 
 
 @dataclass
+class PPOConfig:
+    gamma: float = opt(1.0, "discount of the per-token return")
+    gae_lambda: float = opt(0.95, "GAE lambda: 1 = Monte-Carlo return minus value, 0 = one-step TD")
+    vf_coef: float = opt(0.5, "weight of the value loss")
+    value_clip: float = opt(0.2, "clip of the new value around the rollout value (0 = off)")
+    whiten: bool = opt(True, "normalise advantages to mean 0, std 1 over each mini-batch's tokens")
+    critic_lr: float = opt(1e-4, "AdamW learning rate of the critic (its own optimizer)")
+
+
+@dataclass
+class DPOConfig:
+    loss: str = opt("sigmoid", "preference loss: sigmoid (DPO), ipo, or simpo (reference-free, length-normalised)")
+    beta: float = opt(0.1, "DPO/IPO inverse temperature; SimPO's reward scale")
+    simpo_gamma: float = opt(0.5, "SimPO's target margin")
+    data: str = opt("assets/arithmetic_prefs.jsonl", "preference file for offline DPO (train_dpo.py): jsonl of "
+                                                   "{prompt, chosen, rejected}")
+
+
+@dataclass
+class DAPOConfig:
+    clip_eps_high: float = opt(0.28, "clip-higher: the ratio may rise to 1 + this (the low side uses algo.clip_eps)")
+    overlong_buffer: int = opt(2, "soft overlong penalty starts this many tokens before max_new_tokens (0 = off)")
+    overlong_penalty: float = opt(1.0, "penalty at max_new_tokens; falls linearly to 0 over the buffer")
+    dynamic_sampling: bool = opt(True, "drop groups whose rewards are all equal (no signal) before the update")
+
+
+@dataclass
+class GSPOConfig:
+    clip_eps: float = opt(3e-4, "lower clip of the sequence-level (length-normalised) ratio")
+    clip_eps_high: float = opt(4e-4, "upper clip of the sequence-level ratio")
+
+
+@dataclass
 class AlgoConfig:
-    name: str = opt("grpo", "algorithm, by registered name (see algos/)")
+    name: str = opt("grpo", "algorithm, by registered name (see algos/): grpo, dr_grpo, dapo, gspo, rloo, "
+                            "reinforce_pp, reinforce_pp_baseline, ppo, online_dpo")
     clip_eps: float = opt(0.2, "PPO-style ratio clip: ratio is kept in [1 - clip_eps, 1 + clip_eps_high]")
     clip_eps_high: float = opt(0.2, "upper clip (DAPO's clip-higher uses a larger value than clip_eps)")
     kl_coef: float = opt(0.0, "weight of the KL penalty to the reference model (0 = no reference model)")
     kl_estimator: str = opt("k3", "KL estimator: k1, k2 or k3 (Schulman's approximations)")
+    kl_in_reward: bool = opt(False, "put the KL penalty in the reward (per token, no gradient) instead of the loss")
     loss_agg: str = opt("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, "
                                       "seq-mean-token-sum-norm")
+    norm_len: int = opt(0, "constant divisor of seq-mean-token-sum-norm (0 = max_new_tokens)")
     scale_rewards: bool = opt(True, "divide group-centred rewards by the group's std (GRPO); off = Dr. GRPO style")
+    tis: str = opt("off", "truncated importance sampling against rollout/train log-prob mismatch: off, token, seq")
+    tis_cap: float = opt(2.0, "truncation of the importance weight pi_train / pi_sample")
     epochs: int = opt(1, "passes over each rollout batch (PPO epochs); >1 reuses samples off-policy")
     minibatch_size: int = opt(0, "samples per optimizer step; 0 = the whole rollout batch (one step, on-policy)")
+    ppo: PPOConfig = opt(PPOConfig(), "PPO (algo.name=ppo): critic and GAE")
+    dpo: DPOConfig = opt(DPOConfig(), "DPO family (algo.name=online_dpo, and train_dpo.py)")
+    dapo: DAPOConfig = opt(DAPOConfig(), "DAPO (algo.name=dapo)")
+    gspo: GSPOConfig = opt(GSPOConfig(), "GSPO (algo.name=gspo)")
 
 
 @dataclass

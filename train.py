@@ -19,8 +19,10 @@ import time
 import torch
 
 import registry
+from algos import check_config
 from buffer import Experience, OnPolicyBuffer
 from config import Config, UserError, parse, to_dict
+from critic import Critic
 from models import completion_logprobs, context_length, encode_prompts, load_model
 from rewards import parse_spec
 from rollout import SamplingParams
@@ -123,6 +125,7 @@ def main(argv: list[str]) -> dict:
     torch.manual_seed(cfg.seed)
     device, dtype = setup_device(cfg)
     algo = registry.get("algo", cfg.algo.name)
+    check_config(cfg)                                    # algorithm choices are known names; fills defaults
     specs = parse_spec(cfg.rewards)
     for name, _ in specs:
         registry.get("reward", name)                     # fail on an unknown reward before any work
@@ -150,6 +153,7 @@ def main(argv: list[str]) -> dict:
     if algo.needs_ref(cfg.algo):
         reference, _ = load_model(cfg.model, device, dtype)
         reference.eval().requires_grad_(False)
+    critic = Critic(cfg, device, dtype) if algo.needs_critic else None   # critic: PPO's value model
     engine = registry.get("engine", cfg.engine)(model=policy, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                                                  model_path=cfg.model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -209,25 +213,36 @@ def main(argv: list[str]) -> dict:
             if reference is not None:
                 batch.ref_logprobs = completion_logprobs(reference, on_device.input_ids, on_device.attention_mask, C,
                                                          cfg.temperature)[0].cpu()
+            if critic is not None:                                                   # critic: V(s_t) of the rollout
+                batch.values = critic.values(on_device, C).cpu()
         batch.advantages = algo.advantages(batch, cfg.algo)
         times["time/logprobs"] = time.perf_counter() - t0
 
         # 4. update
         t0 = time.perf_counter()
-        buffer.add(batch)
+        keep = algo.keep(batch, cfg.algo) if algo.keep is not None else None   # e.g. DAPO's dynamic sampling
+        buffer.add(batch.select(keep.nonzero().squeeze(-1)) if keep is not None and keep.any() else batch)
         stats: dict[str, list[float]] = {}
         mismatch = []
         for mb in buffer.minibatches(mb_size, cfg.algo.epochs, generator, group_size=cfg.samples_per_prompt):
             mb = mb.to(device)
             logp, entropy = completion_logprobs(policy, mb.input_ids, mb.attention_mask, C, cfg.temperature)
-            loss, m = algo.loss({"logprobs": logp, "entropy": entropy}, mb, cfg.algo)
+            new = {"logprobs": logp, "entropy": entropy}
+            if critic is not None:                                                       # critic: trained by the loss
+                new["values"] = critic.values(mb, C, grad=True)
+            loss, m = algo.loss(new, mb, cfg.algo)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
             optimizer.step()
             schedule.step()
-            mismatch.append(((logp.detach() - mb.sample_logprobs).abs() * mb.completion_mask).sum().item()
-                            / mb.completion_mask.sum().clamp(min=1).item())
+            if critic is not None:                                                       # critic: its own optimizer
+                m["critic_grad_norm"] = critic.step()
+            # the trainer's log-probs of the sampling policy: after the first update only old_logprobs are
+            trainer = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
+            gap = (trainer - mb.sample_logprobs).abs() * mb.completion_mask                # (B, C)
+            mismatch.append(gap.sum().item() / mb.completion_mask.sum().clamp(min=1).item())
+            stats.setdefault("logprob_mismatch_max", []).append(gap.max().item())
             for k, v in {**m, "loss": loss.item(), "grad_norm": grad_norm.item()}.items():
                 stats.setdefault(k, []).append(v)
         buffer.clear()
@@ -243,6 +258,8 @@ def main(argv: list[str]) -> dict:
         row = {"step": step, "reward": rewards.mean().item(),
                "accuracy": (rewards >= sum(w for _, w in specs) - 1e-6).float().mean().item(),
                **{k: sum(v) / len(v) for k, v in stats.items()},
+               "logprob_mismatch_max": max(stats["logprob_mismatch_max"]),
+               **({"kept_frac": keep.float().mean().item()} if keep is not None else {}),
                "logprob_mismatch": sum(mismatch) / len(mismatch),
                "completion_len": batch.completion_mask.sum(-1).mean().item(),
                "truncated_frac": batch.truncated.float().mean().item(),

@@ -1,4 +1,11 @@
-"""Small shared pieces of the losses: masked means, loss aggregation, KL estimators."""
+"""Small shared pieces of the algorithms: masked means, loss aggregation, KL estimators (in the reward or in
+the loss), truncated importance sampling, and the clipped policy-gradient loss most algorithms share.
+
+    from algos.common import aggregate, kl_estimate, clipped_policy_loss
+    loss, metrics = clipped_policy_loss(new, batch, cfg, loss_agg="token-mean", clip=(0.2, 0.28))
+
+Every function here is pure: tensors in, tensors out; `cfg` is the `algo` section of the config.
+"""
 import torch
 from torch import Tensor
 
@@ -9,12 +16,22 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / std over the masked entries (the whole batch); masked-out entries come back as 0."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
 def aggregate(loss: Tensor, mask: Tensor, mode: str, max_len: int | None = None) -> Tensor:
     """Reduce per-token losses (B, C) to a scalar.
 
-    token-mean:              every token in the batch weighs the same (DAPO, Dr. GRPO)
+    token-mean:              every token in the batch weighs the same (DAPO, Dr. GRPO's recommendation)
     seq-mean-token-mean:     mean over each sequence, then over sequences (original GRPO)
-    seq-mean-token-sum:      sum over each sequence, then mean over sequences
+    seq-mean-token-sum:      sum over each sequence, then mean over sequences (REINFORCE on sequences)
     seq-mean-token-sum-norm: sum over each sequence / a constant (max_len), then mean (Dr. GRPO)
     """
     if mode == "token-mean":
@@ -25,8 +42,7 @@ def aggregate(loss: Tensor, mask: Tensor, mode: str, max_len: int | None = None)
         return (loss * mask).sum(-1).mean()
     if mode == "seq-mean-token-sum-norm":
         return ((loss * mask).sum(-1) / (max_len or loss.shape[-1])).mean()
-    raise ValueError(f"unknown loss_agg {mode!r}; known: token-mean, seq-mean-token-mean, "
-                     "seq-mean-token-sum, seq-mean-token-sum-norm")
+    raise ValueError(f"unknown loss_agg {mode!r}; known: {', '.join(AGG_MODES)}")
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
@@ -45,3 +61,87 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     if estimator == "k3":
         return torch.exp(-log_ratio) - 1 + log_ratio
     raise ValueError(f"unknown kl_estimator {estimator!r}; known: k1, k2, k3")
+
+
+def rollout_logprobs(batch) -> Tensor:
+    """The trainer's log-probs of the policy that sampled the batch (B, C): old_logprobs when the loop kept
+    them (several updates per batch), else the engine's own (equal up to numerics: see logprob_mismatch)."""
+    return batch.old_logprobs if batch.old_logprobs is not None else batch.sample_logprobs
+
+
+def kl_in_reward(batch, cfg) -> Tensor:
+    """Per-token KL penalty folded into the reward (B, C): -kl_coef * KL_t, or zeros when the KL is off or
+    sits in the loss. No gradient flows through it: it is part of the return, like the score."""
+    if cfg.kl_coef <= 0 or not cfg.kl_in_reward:
+        return torch.zeros_like(batch.completion_mask)
+    kl = kl_estimate(rollout_logprobs(batch), batch.ref_logprobs, cfg.kl_estimator)     # (B, C)
+    return -cfg.kl_coef * kl * batch.completion_mask
+
+
+def sequence_rewards(batch, cfg) -> Tensor:
+    """Scalar reward per sample (B,), minus the summed KL penalty when kl_in_reward is on."""
+    return batch.rewards.float() + kl_in_reward(batch, cfg).sum(-1)
+
+
+def token_rewards(batch, cfg, score: Tensor | None = None) -> Tensor:
+    """Per-token rewards (B, C): the score (B,) (default: batch.rewards) on the last completion token, plus
+    the per-token KL penalty when it sits in the reward."""
+    mask = batch.completion_mask
+    score = batch.rewards.float() if score is None else score
+    last = (mask.sum(-1).long() - 1).clamp(min=0)                                       # (B,)
+    at_end = torch.zeros_like(mask).scatter(1, last[:, None], score[:, None])           # (B, C)
+    return at_end * mask + kl_in_reward(batch, cfg)
+
+
+def tis_weights(train_logp: Tensor, sample_logp: Tensor, mask: Tensor, mode: str, cap: float) -> Tensor:
+    """Truncated importance sampling (B, C): corrects for the rollout engine sampling from a slightly
+    different distribution than the trainer computes (bf16 vs fp32, kernels, vLLM).
+
+    token: w_t = min(pi_train(y_t) / pi_sample(y_t), cap)
+    seq:   w   = min(prod_t pi_train / pi_sample, cap), the same on every token of the sequence
+    Both are detached: they reweight the gradient, they are not optimised.
+    """
+    log_w = (train_logp.detach() - sample_logp) * mask                                 # (B, C)
+    if mode == "token":
+        return log_w.exp().clamp(max=cap) * mask
+    if mode == "seq":
+        return log_w.sum(-1, keepdim=True).clamp(max=30).exp().clamp(max=cap) * mask   # (B, 1) -> (B, C)
+    if mode == "off":
+        return mask
+    raise ValueError(f"unknown tis {mode!r}; known: off, token, seq")
+
+
+def clipped_policy_loss(new: dict, batch, cfg, loss_agg: str | None = None,
+                        clip: tuple[float, float] | None = None) -> tuple[Tensor, dict]:
+    """PPO's clipped surrogate on per-token advantages, plus the KL term when it sits in the loss.
+
+        ratio = exp(logp_new - logp_old)
+        loss  = agg( w * max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)) + kl_coef * KL )
+    w is the truncated importance weight (1 when tis=off). Variants pass their own aggregation and clip
+    range; the defaults come from cfg.
+    """
+    logp, mask, adv = new["logprobs"], batch.completion_mask, batch.advantages               # (B, C) each
+    old = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
+    lo, hi = clip if clip is not None else (cfg.clip_eps, cfg.clip_eps_high)
+    ratio = torch.exp(logp - old)                                                           # (B, C)
+    clipped = ratio.clamp(1 - lo, 1 + hi)
+    per_token = torch.maximum(-adv * ratio, -adv * clipped)                                 # (B, C)
+    metrics = {"clip_frac": masked_mean(((ratio - clipped).abs() > 0).float(), mask).item(),
+               "ratio": masked_mean(ratio.detach(), mask).item()}
+    if cfg.tis != "off":
+        w = tis_weights(old, batch.sample_logprobs, mask, cfg.tis, cfg.tis_cap)             # (B, C)
+        per_token = per_token * w
+        metrics["tis_weight"] = masked_mean(w, mask).item()
+    per_token = per_token + kl_in_loss(logp, batch, cfg, metrics)
+    loss = aggregate(per_token, mask, loss_agg or cfg.loss_agg, cfg.norm_len)
+    metrics["entropy"] = masked_mean(new["entropy"].detach(), mask).item()
+    return loss, metrics
+
+
+def kl_in_loss(logp: Tensor, batch, cfg, metrics: dict) -> Tensor:
+    """kl_coef * KL_t (B, C) when the KL sits in the loss (else 0); logs the KL's mean either way it is on."""
+    if cfg.kl_coef <= 0:
+        return torch.zeros_like(logp)
+    kl = kl_estimate(logp, batch.ref_logprobs, cfg.kl_estimator)                            # (B, C)
+    metrics["kl"] = masked_mean(kl.detach(), batch.completion_mask).item()
+    return torch.zeros_like(logp) if cfg.kl_in_reward else cfg.kl_coef * kl

@@ -1,0 +1,52 @@
+"""DAPO (Yu et al. 2025): GRPO with four changes, each a line here.
+
+    r'_i  = r_i + overlong(|y_i|)        soft overlong penalty: 0 up to L - buffer, then falls linearly to
+                                          -penalty at L = max_new_tokens (and stays there when truncated)
+    A_i   = (r'_i - mean(r'_group)) / (std(r'_group) + eps)
+    loss  = token-mean( max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)) ),  eps_high > eps_low
+    keep  = groups whose rewards are not all equal (dynamic sampling: zero-advantage groups carry no signal)
+
+Simplified: dynamic sampling here *drops* the zero-signal groups of the step (the update sees fewer
+samples) instead of sampling more prompts until the batch is full, as the paper does; the loop skips the
+update when no group is left. The paper's recipe has no KL; algo.kl_coef still works if you set it.
+"""
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from algos import Algorithm
+from algos.common import clipped_policy_loss, sequence_rewards
+from algos.grpo import group_advantages, group_stats
+from registry import register
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
+    """lengths (B,) -> reward shaping (B,): 0 for |y| <= L - buffer, -penalty * (|y| - (L - buffer)) / buffer above."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float)
+    over = (lengths.float() - (max_len - buffer)).clamp(min=0, max=buffer)                  # (B,)
+    return -penalty * over / buffer
+
+
+def dapo_advantages(batch, cfg) -> Tensor:
+    lengths = batch.completion_mask.sum(-1)                                                 # (B,)
+    shaped = sequence_rewards(batch, cfg) + overlong_penalty(lengths, cfg.norm_len, cfg.dapo.overlong_buffer,
+                                                             cfg.dapo.overlong_penalty)
+    adv = group_advantages(shaped, batch.group_ids, scale=True)                             # (B,)
+    return adv[:, None] * batch.completion_mask                                             # (B, C)
+
+
+def dapo_loss(new: dict, batch, cfg):
+    return clipped_policy_loss(new, batch, cfg, loss_agg="token-mean", clip=(cfg.clip_eps, cfg.dapo.clip_eps_high))
+
+
+def keep_groups_with_signal(batch, cfg) -> Tensor:
+    """(B,) bool: True for samples whose group's rewards are not all equal (or every sample when off)."""
+    if not cfg.dapo.dynamic_sampling:
+        return torch.ones(len(batch), dtype=torch.bool)
+    _, _, std = group_stats(batch.rewards.float(), batch.group_ids)
+    return std > 0
+
+
+register("algo", "dapo")(Algorithm(advantages=dapo_advantages, loss=dapo_loss, keep=keep_groups_with_signal))

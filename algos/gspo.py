@@ -1,0 +1,38 @@
+"""GSPO (Zheng et al. 2025, Qwen3): GRPO's advantages with a sequence-level, length-normalised ratio.
+
+    A_i   = (r_i - mean(r_group)) / std(r_group)
+    s_i   = exp( mean_t (logp_new - logp_old) )          one ratio per sequence, not per token
+    loss  = mean_i max(-A_i * s_i, -A_i * clip(s_i, 1 - eps_low, 1 + eps_high))
+            + kl_coef * token-mean KL (when the KL is in the loss)
+
+The clip range is tiny (3e-4 / 4e-4 in the paper) because s_i is a geometric mean over tokens.
+On-policy (s_i = 1, one update per batch) the gradient is mean_i A_i * mean_t grad logp_t: REINFORCE
+with seq-mean-token-mean aggregation. Simplified: no GSPO-token variant (per-token advantages).
+"""
+import torch
+
+from algos import Algorithm
+from algos.common import kl_in_loss, masked_mean, tis_weights
+from algos.grpo import grpo_advantages
+from registry import register
+
+
+def gspo_loss(new: dict, batch, cfg):
+    logp, mask = new["logprobs"], batch.completion_mask                                     # (B, C)
+    old = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
+    adv = batch.advantages[:, 0]                                                            # (B,) sequence-level
+    log_s = masked_mean(logp - old, mask, dim=-1)                                           # (B,)
+    s = log_s.exp()
+    clipped = s.clamp(1 - cfg.gspo.clip_eps, 1 + cfg.gspo.clip_eps_high)
+    per_seq = torch.maximum(-adv * s, -adv * clipped)                                       # (B,)
+    metrics = {"clip_frac": ((s - clipped).abs() > 0).float().mean().item(), "ratio": s.detach().mean().item()}
+    if cfg.tis != "off":   # the sequence weight is the natural one here: token mode is reduced to its mean
+        w = masked_mean(tis_weights(old, batch.sample_logprobs, mask, cfg.tis, cfg.tis_cap), mask, dim=-1)
+        per_seq = per_seq * w
+        metrics["tis_weight"] = w.mean().item()
+    loss = per_seq.mean() + masked_mean(kl_in_loss(logp, batch, cfg, metrics), mask)
+    metrics["entropy"] = masked_mean(new["entropy"].detach(), mask).item()
+    return loss, metrics
+
+
+register("algo", "gspo")(Algorithm(advantages=grpo_advantages, loss=gspo_loss))

@@ -1,0 +1,52 @@
+"""The critic for algorithms that declare `needs_critic` (PPO): a value model with its own optimizer.
+
+    critic = Critic(cfg, device, dtype)                 # the policy's backbone + a Linear(H, 1) head
+    batch.values = critic.values(batch, C)              # (B, C) V(s_t) for each completion token, no grad
+    new["values"] = critic.values(mb, C, grad=True)     # in the update; the loss backpropagates into it
+    critic.step()                                       # clip, step and zero its own gradients
+
+The value model is `AutoModelForTokenClassification(num_labels=1)` loaded from the policy's folder: the
+same backbone weights (a warm start that already "reads" the task) and a fresh 1-unit head, zero-initialised
+so the first values are 0 and the first advantages are the plain returns. V(s_t), the value before token t,
+is read from the hidden state that predicts token t (position P + t - 1), as the policy's log-prob is.
+"""
+import torch
+from torch import Tensor
+
+from config import UserError
+from rollout import position_ids
+
+
+class Critic:
+    def __init__(self, cfg, device: torch.device, dtype: torch.dtype):
+        from transformers import AutoModelForTokenClassification
+        from transformers.utils import logging as hf_logging
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()          # the fresh head is expected: no "newly initialized" table
+        try:
+            self.model = AutoModelForTokenClassification.from_pretrained(cfg.model, num_labels=1, dtype=dtype)
+        except (OSError, ValueError) as e:   # e.g. an architecture without a token-classification class
+            raise UserError(f"cannot build a critic from '{cfg.model}': {str(e).splitlines()[0]}")
+        finally:
+            hf_logging.set_verbosity(level)
+        head = getattr(self.model, "score", None) or self.model.classifier
+        torch.nn.init.zeros_(head.weight)
+        if getattr(head, "bias", None) is not None:
+            torch.nn.init.zeros_(head.bias)
+        self.model.to(device).train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.algo.ppo.critic_lr,
+                                           weight_decay=cfg.weight_decay)
+        self.grad_clip = cfg.grad_clip
+
+    def values(self, batch, C: int, grad: bool = False) -> Tensor:
+        """(B, T) batch -> (B, C) values of the states before each completion token (float32)."""
+        with torch.set_grad_enabled(grad):
+            out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                             position_ids=position_ids(batch.attention_mask), use_cache=False)
+        return out.logits[:, -C - 1:-1, 0].float() * batch.completion_mask                   # (B, C)
+
+    def step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm.item()
