@@ -1,0 +1,54 @@
+"""Tier-2 smoke tests of the offline preference script (train_dpo.py), the shipped preference file and ablate.py."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_shipped_preferences_are_right_vs_wrong_and_never_held_out():
+    from data import is_heldout, ArithmeticConfig
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "assets", "arithmetic_prefs.jsonl"))]
+    assert len(rows) >= 500
+    for r in rows:
+        a, b = map(int, r["prompt"][:-1].split("+"))
+        assert r["chosen"] == str(a + b) and r["rejected"] != r["chosen"] and r["rejected"].isdigit()
+        assert not is_heldout(a, b, ArithmeticConfig.heldout_percent)
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo"])
+def test_offline_dpo_raises_the_margin(loss, random_model_dir, tmp_path):
+    import train_dpo
+    prefs = tmp_path / "p.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a)}) + "\n"
+                             for a in range(8)))
+    out = train_dpo.main([f"model={random_model_dir}", f"algo.dpo.data={prefs}", f"algo.dpo.loss={loss}", "steps=6",
+                          "prompts_per_step=8", "lr=3e-3", "eval_every=6", "eval_size=8", f"out_dir={tmp_path / 'run'}"])
+    rows = [json.loads(line) for line in open(os.path.join(out["run_dir"], "metrics.jsonl"))]
+    assert rows[-1]["margin"] > rows[0]["margin"] and rows[-1]["loss"] < rows[0]["loss"]   # same 8 pairs each step
+    assert os.path.exists(os.path.join(out["run_dir"], "final", "config.json"))
+
+
+def test_offline_dpo_bad_file_is_one_line_error(random_model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "chosen": "2"}\n')
+    for path, message in [(tmp_path / "none.jsonl", "cannot read preference file"), (bad, "line 1 needs string fields")]:
+        r = subprocess.run([sys.executable, "train_dpo.py", f"model={random_model_dir}", f"algo.dpo.data={path}"],
+                           cwd=ROOT, capture_output=True, text=True)
+        err = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(err) == 1 and message in err[0], r.stderr[-1000:]
+
+
+def test_ablate_runs_entries_x_seeds_and_writes_plot_and_table(random_model_dir, tmp_path):
+    import ablate
+    text = ablate.main(["--runs", "grpo,rloo:algo.loss_agg=seq-mean-token-mean", "--seeds", "0,1",
+                        "--out", str(tmp_path), f"model={random_model_dir}", "steps=2", "eval_every=1", "eval_size=8",
+                        "prompts_per_step=2", "samples_per_prompt=2"])
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    table = (tmp_path / "results.md").read_text()
+    assert table == text and "| `grpo` | 2 |" in table and "| `rloo:algo.loss_agg=seq-mean-token-mean` | 2 |" in table
+    cfg = (tmp_path / "rloo__algo.loss_agg=seq-mean-token-mean" / "seed1" / "config.yaml").read_text()
+    assert "name: rloo" in cfg and "loss_agg: seq-mean-token-mean" in cfg and "seed: 1" in cfg
