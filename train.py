@@ -238,11 +238,10 @@ def main(argv: list[str]) -> dict:
             schedule.step()
             if critic is not None:                                                       # critic: its own optimizer
                 m["critic_grad_norm"] = critic.step()
-            # the trainer's log-probs of the sampling policy: after the first update only old_logprobs are
+            # the trainer's log-probs of the sampling policy (after a first update only old_logprobs still are)
             trainer = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
             gap = (trainer - mb.sample_logprobs).abs() * mb.completion_mask                # (B, C)
-            mismatch.append(gap.sum().item() / mb.completion_mask.sum().clamp(min=1).item())
-            stats.setdefault("logprob_mismatch_max", []).append(gap.max().item())
+            mismatch.append((gap.sum().item() / mb.completion_mask.sum().clamp(min=1).item(), gap.max().item()))
             for k, v in {**m, "loss": loss.item(), "grad_norm": grad_norm.item()}.items():
                 stats.setdefault(k, []).append(v)
         buffer.clear()
@@ -258,9 +257,9 @@ def main(argv: list[str]) -> dict:
         row = {"step": step, "reward": rewards.mean().item(),
                "accuracy": (rewards >= sum(w for _, w in specs) - 1e-6).float().mean().item(),
                **{k: sum(v) / len(v) for k, v in stats.items()},
-               "logprob_mismatch_max": max(stats["logprob_mismatch_max"]),
                **({"kept_frac": keep.float().mean().item()} if keep is not None else {}),
-               "logprob_mismatch": sum(mismatch) / len(mismatch),
+               "logprob_mismatch": sum(m for m, _ in mismatch) / len(mismatch),
+               "logprob_mismatch_max": max(x for _, x in mismatch),
                "completion_len": batch.completion_mask.sum(-1).mean().item(),
                "truncated_frac": batch.truncated.float().mean().item(),
                "lr": schedule.get_last_lr()[0], **reward_info, **times}
