@@ -175,6 +175,8 @@ def process_tasks(rows: list[dict], cfg: DataFilesConfig, where: str, tok=None, 
             continue
         seen.add(key)
         sample["prompt"] = render(sample["prompt"], cfg, tok)
+        if tok is not None:
+            sample["chat_rendered"] = True       # the loop must not apply a chat template a second time
         too_long = (cfg.max_prompt_chars and len(sample["prompt"]) > cfg.max_prompt_chars) or \
                    (cfg.max_prompt_tokens and len(tok(sample["prompt"], add_special_tokens=False)["input_ids"]) > cfg.max_prompt_tokens)
         if too_long:

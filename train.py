@@ -135,8 +135,8 @@ def main(argv: list[str]) -> dict:
     # --- models and engine ---
     policy, tok = load_model(cfg.model, device, dtype)
     policy.train()
-    train_ids = encode_prompts(tok, [s["prompt"] for s in train_set])
-    eval_ids = encode_prompts(tok, [s["prompt"] for s in eval_set])
+    train_ids = encode_prompts(tok, [s["prompt"] for s in train_set], [bool(s.get("chat_rendered")) for s in train_set])
+    eval_ids = encode_prompts(tok, [s["prompt"] for s in eval_set], [bool(s.get("chat_rendered")) for s in eval_set])
     longest = max(len(p) for p in train_ids + eval_ids)
     if longest + cfg.max_new_tokens > context_length(policy):
         raise UserError(f"a prompt of {longest} tokens + max_new_tokens={cfg.max_new_tokens} exceeds the model's "
