@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from data import ArithmeticConfig
+from replay import ReplayConfig
 
 
 class UserError(Exception):
@@ -50,6 +51,7 @@ class Config:
     engine: str = opt("builtin", "rollout engine: builtin or vllm")
     algo: AlgoConfig = opt(AlgoConfig(), "algorithm settings")
     arithmetic: ArithmeticConfig = opt(ArithmeticConfig(), "settings of the embedded arithmetic task")
+    replay: ReplayConfig = opt(ReplayConfig(), "replay buffer (off by default: on-policy)")
     # how long and how big
     steps: int = opt(60, "RL steps (one step = rollout + score + update + sync)")
     prompts_per_step: int = opt(32, "prompts sampled per step")
@@ -61,12 +63,16 @@ class Config:
     lr: float = opt(1e-4, "AdamW learning rate")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float = opt(1.0, "max global grad norm (0 = off)")
+    max_bad_updates: int = opt(5, "stop (with a checkpoint) after this many updates in a row with a non-finite "
+                                  "loss or gradient; each one is skipped")
     warmup_steps: int = opt(0, "linear LR warm-up steps")
     # evaluation, logging, saving
     eval_every: int = opt(10, "held-out evaluation every N steps (and at start and end)")
     eval_size: int = opt(200, "held-out prompts per evaluation (0 = all)")
     eval_temperature: float = opt(0.0, "temperature for held-out evaluation (0 = greedy)")
     save_every: int = opt(0, "save a checkpoint every N steps (0 = only at the end)")
+    keep_checkpoints: int = opt(3, "keep the newest N checkpoints in <out_dir>/checkpoints (0 = all)")
+    resume: str = opt("", "continue from a checkpoint dir or a run dir's newest one (an out_dir holding one resumes too)")
     out_dir: str = opt("", "run directory (default: runs/<algo>-<time>)")
     seed: int = opt(0, "seed for data order, sampling and init")
     device: str = opt("auto", "auto, cpu, cuda or cuda:N")
