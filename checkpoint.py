@@ -197,7 +197,10 @@ def load(ckpt: str, policy, optimizer, schedule, buffer, generators: dict) -> di
     opts = StateDictOptions(full_state_dict=True)
     weights = load_file(os.path.join(ckpt, "model.safetensors"))
     weights.update({k: weights[v] for k, v in meta["aliases"].items()})
-    set_model_state_dict(policy, weights, options=opts)
+    try:
+        set_model_state_dict(policy, weights, options=opts)
+    except (RuntimeError, KeyError) as e:
+        raise UserError(f"checkpoint {ckpt} does not fit this model: {str(e).strip().splitlines()[0]}")
     state: dict = {}
     for key, v in {**load_file(os.path.join(ckpt, "optimizer.safetensors")), **meta["optimizer_scalars"]}.items():
         name, k = key.rsplit("/", 1)
@@ -218,7 +221,7 @@ def load(ckpt: str, policy, optimizer, schedule, buffer, generators: dict) -> di
     random.setstate((meta["python_rng"][0], tuple(meta["python_rng"][1]), meta["python_rng"][2]))
     n = meta["numpy_rng"]
     np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
-    if hasattr(buffer, "load_state_dict"):
+    if hasattr(buffer, "load_state_dict") and meta["buffer"][rank] is not None:   # else: replay switched on now
         buffer.load_state_dict({k[7:]: v for k, v in mine.items() if k.startswith("buffer.")}, meta["buffer"][rank])
 
     # the run continues from here: later checkpoints and logged steps belong to a future that is replayed

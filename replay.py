@@ -48,8 +48,8 @@ class ReplayConfig:
     log: bool = field(default=True, metadata={"help": "append every experience to <out_dir>/replay.jsonl"})
 
 
-def make_buffer(cfg, run_dir: str):
-    """The loop's buffer: on-policy unless replay.enabled."""
+def make_buffer(cfg, run_dir: str, resume: bool = False):
+    """The loop's buffer: on-policy unless replay.enabled. A fresh run starts a fresh log; a resumed one appends."""
     rc = cfg.replay
     if not rc.enabled:
         return OnPolicyBuffer()
@@ -60,11 +60,11 @@ def make_buffer(cfg, run_dir: str):
                          "'replay.max_staleness' >= 0 and 'replay.decay' in (0, 1]")
     rank = int(os.environ.get("RANK", "0"))   # each rank keeps (and logs) the samples it generated
     name = "replay.jsonl" if rank == 0 else f"replay.rank{rank}.jsonl"
-    return ReplayBuffer(rc, os.path.join(run_dir, name) if rc.log else None)
+    return ReplayBuffer(rc, os.path.join(run_dir, name) if rc.log else None, resume)
 
 
 class ReplayBuffer:
-    def __init__(self, cfg: ReplayConfig, log_path: str | None = None):
+    def __init__(self, cfg: ReplayConfig, log_path: str | None = None, append: bool = True):
         self.cfg, self.log_path = cfg, log_path
         self.data: Experience | None = None    # all held samples, oldest first (N rows)
         self.uid = torch.zeros(0, dtype=torch.long)    # (N,) insertion number of each sample
@@ -72,7 +72,7 @@ class ReplayBuffer:
         self.next_uid = 0
         self.version = 0                       # newest policy version seen (of the newest batch)
         self.n_new = 0                         # samples in the newest batch: they set the number of mini-batches
-        self._log = open(log_path, "a") if log_path else None
+        self._log = open(log_path, "a" if append else "w") if log_path else None
 
     def __len__(self) -> int:
         return 0 if self.data is None else len(self.data)

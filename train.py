@@ -167,7 +167,7 @@ def main(argv: list[str]) -> dict:
     write_atomic(os.path.join(run_dir, "config.yaml"), yaml.safe_dump({**to_dict(cfg), "git": git_state()}, sort_keys=False))
     from torch.utils.tensorboard import SummaryWriter
     try:
-        buffer = make_buffer(cfg, run_dir)
+        buffer = make_buffer(cfg, run_dir, resume=bool(resume_from))
     except ValueError as e:
         raise UserError(str(e))
     # evaluation samples from its own generator: it never shifts the training RNG streams
@@ -184,7 +184,7 @@ def main(argv: list[str]) -> dict:
         print0(f"step 0: held-out accuracy {start['eval/accuracy']:.3f} (reward {start['eval/reward']:.3f})")
         order, cursor = torch.randperm(len(train_set), generator=generator), 0
     writer = SummaryWriter(run_dir, purge_step=first_step)   # purge: a resumed run overwrites later events
-    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume_from else "w")   # no stale rows
     from tqdm import tqdm
     bar = tqdm(range(first_step, cfg.steps + 1), disable=not cfg.progress or int(os.environ.get("RANK", "0")) != 0,
                dynamic_ncols=True)

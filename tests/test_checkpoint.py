@@ -47,7 +47,7 @@ def assert_checkpoints_whole(run_dir):
     """Every checkpoint directory under its final name is complete and loads."""
     root = os.path.join(run_dir, "checkpoints")
     names = [n for n in os.listdir(root) if checkpoint.STEP_DIR.match(n)]
-    assert names and checkpoint.latest(str(run_dir)) is not None
+    assert (checkpoint.latest(str(run_dir)) is not None) == bool(names)
     for name in names:
         d = os.path.join(root, name)
         meta = json.load(open(os.path.join(d, "meta.json")))
@@ -62,7 +62,11 @@ def test_sigkill_anywhere_then_resume_is_exact(tmp_path, random_model_dir):
     r = run_train(small_run(random_model_dir, base))
     assert r.returncode == 0, r.stderr[-3000:]
 
-    # each run resumes from the newest checkpoint the previous one left (save_every=1)
+    # killed while writing the first checkpoint: nothing to resume, the next run starts afresh (no stale rows)
+    r = run_train(small_run(random_model_dir, killed), crash_at="checkpoint:1")
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    assert assert_checkpoints_whole(killed) == [] and len(metrics(killed)) == 1
+    # each later run resumes from the newest checkpoint the previous one left (save_every=1)
     for crash_at, expect in [("rollout:2", ["step_000001"]),
                              ("update:4", ["step_000002", "step_000003"]),       # keep_checkpoints=2
                              ("checkpoint:5", ["step_000003", "step_000004"])]:   # step_000005.tmp half written
@@ -137,3 +141,48 @@ def test_too_many_non_finite_updates_stop_with_a_checkpoint(tmp_path, random_mod
         train.main(nan_run(random_model_dir, tmp_path / "run"))
     assert [r["skipped_updates"] for r in metrics(tmp_path / "run")] == [1, 1, 1]
     assert checkpoint.latest(str(tmp_path / "run")).endswith("step_000003")
+
+
+def _two_rank_worker(rank: int, init_file: str, run_dir: str):
+    """One of two gloo ranks: train a step, save (rank 0 writes), rebuild from scratch, load, compare."""
+    import torch.distributed as dist
+    from config import Config
+    from replay import ReplayBuffer, ReplayConfig
+    from test_replay import make_batch
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+        buf = ReplayBuffer(ReplayConfig(enabled=True), os.path.join(run_dir, f"replay.rank{rank}.jsonl"))
+        return model, opt, sched, buf, {"data": torch.Generator(), "sample": torch.Generator()}
+
+    model, opt, sched, buf, gens = build()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step(), sched.step()
+    buf.add(make_batch(2 + rank, version=rank, seed=rank))           # each rank holds its own samples
+    gens["sample"].manual_seed(100 + rank)
+    torch.rand(rank + 1, generator=gens["sample"])
+    torch.manual_seed(7 + rank)
+    order = torch.randperm(10 + rank)
+    written = checkpoint.save(run_dir, Config(), 3, 2, model, opt, sched, buf, gens, order, 5, {"start": {}})
+    assert (written is not None) == (rank == 0)                      # rank 0 alone writes
+    expect = {"sample": gens["sample"].get_state(), "torch": torch.get_rng_state(), "uid": buf.uid.clone(),
+              "params": [p.detach().clone() for p in model.parameters()], "lr": sched.get_last_lr()}
+
+    model, opt, sched, buf, gens = build()
+    s = checkpoint.load(os.path.join(run_dir, "checkpoints", "step_000003"), model, opt, sched, buf, gens)
+    assert s["step"] == 3 and s["version"] == 2 and s["cursor"] == 5 and len(s["order"]) == 10 + rank
+    assert torch.equal(gens["sample"].get_state(), expect["sample"]) and torch.equal(torch.get_rng_state(), expect["torch"])
+    assert torch.equal(buf.uid, expect["uid"]) and len(buf) == 2 + rank
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), expect["params"]))
+    assert sched.get_last_lr() == expect["lr"] and len(opt.state) == 4
+    dist.destroy_process_group()
+
+
+def test_two_ranks_rank0_writes_every_rank_loads_its_own_state(tmp_path):
+    import torch.multiprocessing as mp
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
