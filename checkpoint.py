@@ -4,7 +4,7 @@
     python train.py resume=runs/a                                # continue from the run's newest checkpoint
     python train.py resume=runs/a/checkpoints/step_000020        # continue from that one (newer ones are removed)
     python train.py out_dir=runs/a                               # a run directory with a checkpoint resumes by itself
-    python train.py resume=runs/a steps=200                      # keys given on the command line override the saved config
+    python train.py resume=runs/a steps=200                      # command-line keys override the saved config
 
 One checkpoint is one directory; every file is readable without this code:
     model.safetensors      the policy's full (unsharded) state dict; tied tensors stored once (meta "aliases")

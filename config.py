@@ -72,7 +72,7 @@ class Config:
     eval_temperature: float = opt(0.0, "temperature for held-out evaluation (0 = greedy)")
     save_every: int = opt(0, "save a checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = opt(3, "keep the newest N checkpoints in <out_dir>/checkpoints (0 = all)")
-    resume: str = opt("", "continue from a checkpoint dir or a run dir's newest one (an out_dir holding one resumes too)")
+    resume: str = opt("", "continue from a checkpoint dir, or a run dir's newest one (so does an out_dir holding one)")
     out_dir: str = opt("", "run directory (default: runs/<algo>-<time>)")
     seed: int = opt(0, "seed for data order, sampling and init")
     device: str = opt("auto", "auto, cpu, cuda or cuda:N")

@@ -36,7 +36,7 @@ _DTYPES = {"input_ids": torch.long, "attention_mask": torch.long, "group_ids": t
 
 @dataclass
 class ReplayConfig:
-    enabled: bool = field(default=False, metadata={"help": "keep experiences across steps and reuse them (off = on-policy)"})
+    enabled: bool = field(default=False, metadata={"help": "keep experiences across steps, reuse them (off = on-policy)"})
     capacity: int = field(default=1024, metadata={"help": "samples held; the oldest are evicted first (FIFO)"})
     max_uses: int = field(default=4, metadata={"help": "a sample is retired after this many mini-batches"})
     max_staleness: int = field(default=4, metadata={"help": "evict samples generated more than this many policy "

@@ -217,7 +217,7 @@ def main(argv: list[str]) -> dict:
         on_device = batch.to(device)
         C = batch.completion_mask.shape[1]
         with torch.no_grad():
-            if updates_per_step > 1 or cfg.replay.enabled:   # the policy moves before (re)use: keep the behaviour log-probs
+            if updates_per_step > 1 or cfg.replay.enabled:   # the policy moves before (re)use: keep these log-probs
                 batch.old_logprobs = completion_logprobs(policy, on_device.input_ids, on_device.attention_mask, C,
                                                          cfg.temperature)[0].cpu()
             if reference is not None:
