@@ -242,7 +242,11 @@ def main(argv: list[str]) -> dict:
                             / mb.completion_mask.sum().clamp(min=1).item())
             for k, v in {**m, "loss": loss.item(), "grad_norm": grad_norm.item()}.items():
                 stats.setdefault(k, []).append(v)
-            if not (math.isfinite(stats["loss"][-1]) and math.isfinite(stats["grad_norm"][-1])):   # skip, keep the run
+            finite = torch.tensor(float(math.isfinite(stats["loss"][-1]) and math.isfinite(stats["grad_norm"][-1])),
+                                  device=device)
+            if torch.distributed.is_initialized():   # every rank must skip together or its shard drifts
+                torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+            if not finite.item():   # skip this update, keep the run
                 bad_updates, skipped = bad_updates + 1, skipped + 1
                 print0(f"step {step}: non-finite loss or gradient, update skipped ({bad_updates} in a row)")
                 if bad_updates >= cfg.max_bad_updates:
