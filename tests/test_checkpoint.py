@@ -91,6 +91,18 @@ def test_sigkill_anywhere_then_resume_is_exact(tmp_path, random_model_dir):
     assert metrics(killed) == metrics(base)
 
 
+def test_default_on_policy_resume_is_exact(tmp_path, random_model_dir):
+    args = lambda out: [f"model={random_model_dir}", f"out_dir={out}", "steps=4", "prompts_per_step=2",
+                        "samples_per_prompt=4", "eval_every=2", "eval_size=8", "arithmetic.n_train=200",
+                        "arithmetic.n_eval=20", "save_every=2", "algo.epochs=2", "threads=1", "progress=false"]
+    assert run_train(args(tmp_path / "base")).returncode == 0
+    r = run_train(args(tmp_path / "killed"), crash_at="update:3")   # second of two PPO epochs never runs
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    r = run_train(args(tmp_path / "killed"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert metrics(tmp_path / "killed") == metrics(tmp_path / "base")
+
+
 def test_resume_errors_are_one_line(tmp_path, random_model_dir):
     r = run_train([f"model={random_model_dir}", f"resume={tmp_path}/nothing", "progress=false"])
     assert r.returncode == 2 and r.stderr.strip() == \
