@@ -1,8 +1,8 @@
 """The critic for algorithms that declare `needs_critic` (PPO): a value model with its own optimizer.
 
     critic = Critic(cfg, device, dtype)                 # the policy's backbone + a Linear(H, 1) head
-    batch.values = critic.values(batch, C)              # (B, C) V(s_t) for each completion token, no grad
-    new["values"] = critic.values(mb, C, grad=True)     # in the update; the loss backpropagates into it
+    values = critic.values(input_ids, attention_mask, completion_mask)      # (B, C) V(s_t) per completion token
+    new["values"] = critic.values(..., grad=True)       # in the update (drops stale grads); the loss trains it
     critic.step()                                       # clip, step and zero its own gradients
 
 The value model is `AutoModelForTokenClassification(num_labels=1)` loaded from the policy's folder: the
@@ -38,12 +38,16 @@ class Critic:
                                            weight_decay=cfg.weight_decay)
         self.grad_clip = cfg.grad_clip
 
-    def values(self, batch, C: int, grad: bool = False) -> Tensor:
-        """(B, T) batch -> (B, C) values of the states before each completion token (float32)."""
+    def values(self, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, grad: bool = False) -> Tensor:
+        """(B, T) ids and mask, (B, C) completion mask -> (B, C) values of the states before each completion token.
+        A call with grad=True starts an update: gradients left by a skipped (non-finite) update are dropped."""
+        if grad:
+            self.optimizer.zero_grad(set_to_none=True)
+        C = completion_mask.shape[1]
         with torch.set_grad_enabled(grad):
-            out = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                             position_ids=position_ids(batch.attention_mask), use_cache=False)
-        return out.logits[:, -C - 1:-1, 0].float() * batch.completion_mask                   # (B, C)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids(attention_mask), use_cache=False)
+        return out.logits[:, -C - 1:-1, 0].float() * completion_mask                       # (B, C)
 
     def step(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or float("inf"))

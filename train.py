@@ -17,14 +17,18 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
+import checkpoint
 import registry
 from algos import check_config
-from buffer import Experience, OnPolicyBuffer
+from buffer import Experience
 from config import Config, UserError, parse, to_dict
 from critic import Critic
 from models import completion_logprobs, context_length, encode_prompts, load_model
-from rewards import parse_spec
+from replay import make_buffer
+from rewards import parse_reward_args, parse_spec
+from rewards.pool import RewardPool
 from rollout import SamplingParams
 
 
@@ -66,18 +70,10 @@ def git_state() -> dict:
         return {}
 
 
-def score(specs, samples: list[dict], completions: list[str]) -> tuple[torch.Tensor, dict]:
-    """Weighted sum of the reward plugins for each sample (B,); a failing reward gives 0, counted."""
-    fns = [(name, weight, registry.get("reward", name)) for name, weight in specs]
-    total, failures = torch.zeros(len(completions)), {}
-    for i, (sample, completion) in enumerate(zip(samples, completions)):
-        fields = {k: v for k, v in sample.items() if k != "prompt"}
-        for name, weight, fn in fns:
-            try:
-                total[i] += weight * float(fn(sample["prompt"], completion, **fields))
-            except Exception:  # a reward must never kill the trainer: record and score 0
-                failures[name] = failures.get(name, 0) + 1
-    return total, {f"reward_failures/{k}": v for k, v in failures.items()}
+def submit_rewards(pool, samples: list[dict], completions: list[str]):
+    """Start scoring in the reward workers and return at once; `.result()` gives (rewards (B,), info)."""
+    return pool.submit([s["prompt"] for s in samples], completions,
+                       [{k: v for k, v in s.items() if k != "prompt"} for s in samples])
 
 
 def decode(tok, rollout) -> list[str]:
@@ -88,14 +84,14 @@ def decode(tok, rollout) -> list[str]:
 
 
 @torch.no_grad()
-def evaluate(cfg, engine, tok, samples, prompt_ids, specs, generator) -> dict:
+def evaluate(cfg, engine, tok, samples, prompt_ids, pool, specs, generator) -> dict:
     """Held-out accuracy: the fraction of prompts whose total reward reaches its maximum (greedy by default)."""
     sampling = SamplingParams(temperature=max(cfg.eval_temperature, 1e-5), top_p=cfg.top_p if cfg.eval_temperature else 1.0,
                               max_new_tokens=cfg.max_new_tokens)
     rewards = []
     for start in range(0, len(samples), 256):
         rollout = engine.generate(prompt_ids[start:start + 256], 1, sampling, generator)
-        rewards.append(score(specs, samples[start:start + 256], decode(tok, rollout))[0])
+        rewards.append(submit_rewards(pool, samples[start:start + 256], decode(tok, rollout)).result()[0])
     r = torch.cat(rewards)
     best = sum(w for _, w in specs)
     return {"eval/reward": r.mean().item(), "eval/accuracy": (r >= best - 1e-6).float().mean().item()}
@@ -117,7 +113,7 @@ def save_plot(run_dir: str, rows: list[dict]):
 
 
 def main(argv: list[str]) -> dict:
-    cfg = parse(argv)
+    cfg, resume_from = checkpoint.resolve_resume(parse(argv), argv)   # resume=<dir>, or out_dir holds a checkpoint
     if "RANK" in os.environ and not torch.distributed.is_initialized():   # launched by torchrun
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.distributed.get_world_size() > 1:
@@ -127,8 +123,9 @@ def main(argv: list[str]) -> dict:
     algo = registry.get("algo", cfg.algo.name)
     check_config(cfg)                                    # algorithm choices are known names; fills defaults
     specs = parse_spec(cfg.rewards)
-    for name, _ in specs:
-        registry.get("reward", name)                     # fail on an unknown reward before any work
+    reward_args = parse_reward_args(cfg.reward_args, specs)
+    pool = RewardPool([(name, weight, reward_args.get(name, {})) for name, weight in specs],
+                      workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)   # unknown reward -> error here
 
     # --- data ---
     task_fn = registry.get("task", cfg.task)
@@ -143,8 +140,8 @@ def main(argv: list[str]) -> dict:
     # --- models and engine ---
     policy, tok = load_model(cfg.model, device, dtype)
     policy.train()
-    train_ids = encode_prompts(tok, [s["prompt"] for s in train_set])
-    eval_ids = encode_prompts(tok, [s["prompt"] for s in eval_set])
+    train_ids = encode_prompts(tok, [s["prompt"] for s in train_set], [bool(s.get("chat_rendered")) for s in train_set])
+    eval_ids = encode_prompts(tok, [s["prompt"] for s in eval_set], [bool(s.get("chat_rendered")) for s in eval_set])
     longest = max(len(p) for p in train_ids + eval_ids)
     if longest + cfg.max_new_tokens > context_length(policy):
         raise UserError(f"a prompt of {longest} tokens + max_new_tokens={cfg.max_new_tokens} exceeds the model's "
@@ -168,16 +165,26 @@ def main(argv: list[str]) -> dict:
     import yaml
     write_atomic(os.path.join(run_dir, "config.yaml"), yaml.safe_dump({**to_dict(cfg), "git": git_state()}, sort_keys=False))
     from torch.utils.tensorboard import SummaryWriter
-    writer = SummaryWriter(run_dir)
-    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+    try:
+        buffer = make_buffer(cfg, run_dir, resume=bool(resume_from))
+    except ValueError as e:
+        raise UserError(str(e))
+    # evaluation samples from its own generator: it never shifts the training RNG streams
+    eval_gen = lambda: torch.Generator(device=device).manual_seed(cfg.seed + 2)
     rows: list[dict] = []
-
-    start = evaluate(cfg, engine, tok, eval_set, eval_ids, specs, sample_gen)
-    print0(f"step 0: held-out accuracy {start['eval/accuracy']:.3f} (reward {start['eval/reward']:.3f})")
-    order, cursor = torch.randperm(len(train_set), generator=generator), 0
-    buffer = OnPolicyBuffer()
-    from tqdm import tqdm
-    bar = tqdm(range(1, cfg.steps + 1), disable=not cfg.progress or int(os.environ.get("RANK", "0")) != 0,
+    first_step, version, bad_updates = 1, 0, 0      # version: optimizer updates applied so far, in RL steps
+    if resume_from:   # --- exact resume: weights, optimizer, schedule, buffer, RNGs, data position, logs ---
+        s = checkpoint.load(resume_from, policy, optimizer, schedule, buffer, {"data": generator, "sample": sample_gen})
+        first_step, version, order, cursor, start, rows = s["step"] + 1, s["version"], s["order"], s["cursor"], \
+            s["extra"]["start"], s["rows"]
+        engine.load_weights(policy.named_parameters())
+    else:
+        start = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, eval_gen())
+        print0(f"step 0: held-out accuracy {start['eval/accuracy']:.3f} (reward {start['eval/reward']:.3f})")
+        order, cursor = torch.randperm(len(train_set), generator=generator), 0
+    writer = SummaryWriter(run_dir, purge_step=first_step)   # purge: a resumed run overwrites later events
+    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume_from else "w")   # no stale rows
+    bar = tqdm(range(first_step, cfg.steps + 1), disable=not cfg.progress or int(os.environ.get("RANK", "0")) != 0,
                dynamic_ncols=True)
     t_run = time.perf_counter()
     for step in bar:
@@ -188,63 +195,79 @@ def main(argv: list[str]) -> dict:
         idx = order[cursor:cursor + cfg.prompts_per_step].tolist()
         cursor += len(idx)
         rollout = engine.generate([train_ids[i] for i in idx], cfg.samples_per_prompt, sampling, sample_gen)
+        checkpoint.crash_point("rollout", step)
         times["time/rollout"] = time.perf_counter() - t0
 
-        # 2. score
+        # 2. score in the reward workers, overlapped with the log-prob forwards of step 3
         t0 = time.perf_counter()
         samples = [train_set[i] for i in idx for _ in range(cfg.samples_per_prompt)]
-        rewards, reward_info = score(specs, samples, decode(tok, rollout))
-        times["time/reward"] = time.perf_counter() - t0
+        reward_handle = submit_rewards(pool, samples, decode(tok, rollout))
 
-        # 3. the experience batch, with the extra log-probs the algorithm needs
+        # 3. the extra log-probs the algorithm needs, then the experience batch
+        mb_size = cfg.algo.minibatch_size or len(samples)
+        updates_per_step = cfg.algo.epochs * math.ceil(len(samples) / mb_size)
+        ids, attn = rollout.input_ids.to(device), rollout.attention_mask.to(device)
+        C = rollout.completion_mask.shape[1]
+        old_logprobs = ref_logprobs = None
+        with torch.no_grad():
+            if updates_per_step > 1 or cfg.replay.enabled:   # the policy moves before (re)use: keep these log-probs
+                old_logprobs = completion_logprobs(policy, ids, attn, C, cfg.temperature)[0].cpu()
+            if reference is not None:
+                ref_logprobs = completion_logprobs(reference, ids, attn, C, cfg.temperature)[0].cpu()
+            values = None if critic is None else critic.values(ids, attn, rollout.completion_mask.to(device)).cpu()  # critic
+        times["time/logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        rewards, reward_info = reward_handle.result()
+        times["time/reward"] = time.perf_counter() - t0     # only the part not hidden behind step 3
+        if reward_info["reasons"]:
+            tqdm.write(f"step {step}: {len(reward_info['reasons'])} reward failures, e.g. {reward_info['reasons'][0]}")
         batch = Experience(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
                            completion_mask=rollout.completion_mask, sample_logprobs=rollout.logprobs,
                            rewards=rewards, group_ids=rollout.group_ids,
-                           versions=torch.full_like(rewards, step - 1, dtype=torch.long), truncated=rollout.truncated)
-        mb_size = cfg.algo.minibatch_size or len(batch)
-        updates_per_step = cfg.algo.epochs * math.ceil(len(batch) / mb_size)
-        on_device = batch.to(device)
-        C = batch.completion_mask.shape[1]
-        with torch.no_grad():
-            if updates_per_step > 1:   # the policy moves between mini-batches: keep the pre-update log-probs
-                batch.old_logprobs = completion_logprobs(policy, on_device.input_ids, on_device.attention_mask, C,
-                                                         cfg.temperature)[0].cpu()
-            if reference is not None:
-                batch.ref_logprobs = completion_logprobs(reference, on_device.input_ids, on_device.attention_mask, C,
-                                                         cfg.temperature)[0].cpu()
-            if critic is not None:                                                   # critic: V(s_t) of the rollout
-                batch.values = critic.values(on_device, C).cpu()
+                           versions=torch.full_like(rewards, version, dtype=torch.long), truncated=rollout.truncated,
+                           old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values)
         batch.advantages = algo.advantages(batch, cfg.algo)
-        times["time/logprobs"] = time.perf_counter() - t0
 
         # 4. update
         t0 = time.perf_counter()
         keep = algo.keep(batch, cfg.algo) if algo.keep is not None else None   # e.g. DAPO's dynamic sampling
         buffer.add(batch.select(keep.nonzero().squeeze(-1)) if keep is not None and keep.any() else batch)
         stats: dict[str, list[float]] = {}
-        mismatch = []
+        mismatch, skipped, applied = [], 0, 0
         for mb in buffer.minibatches(mb_size, cfg.algo.epochs, generator, group_size=cfg.samples_per_prompt):
             mb = mb.to(device)
             logp, entropy = completion_logprobs(policy, mb.input_ids, mb.attention_mask, C, cfg.temperature)
             new = {"logprobs": logp, "entropy": entropy}
             if critic is not None:                                                       # critic: trained by the loss
-                new["values"] = critic.values(mb, C, grad=True)
+                new["values"] = critic.values(mb.input_ids, mb.attention_mask, mb.completion_mask, grad=True)
             loss, m = algo.loss(new, mb, cfg.algo)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
-            optimizer.step()
-            schedule.step()
-            if critic is not None:                                                       # critic: its own optimizer
-                m["critic_grad_norm"] = critic.step()
             # the trainer's log-probs of the sampling policy (after a first update only old_logprobs still are)
             trainer = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
             gap = (trainer - mb.sample_logprobs).abs() * mb.completion_mask                # (B, C)
             mismatch.append((gap.sum().item() / mb.completion_mask.sum().clamp(min=1).item(), gap.max().item()))
             for k, v in {**m, "loss": loss.item(), "grad_norm": grad_norm.item()}.items():
                 stats.setdefault(k, []).append(v)
-        buffer.clear()
+            finite = torch.tensor(float(math.isfinite(stats["loss"][-1]) and math.isfinite(stats["grad_norm"][-1])),
+                                  device=device)
+            if torch.distributed.is_initialized():   # every rank must skip together or its shard drifts
+                torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+            if not finite.item():   # skip this update, keep the run
+                bad_updates, skipped = bad_updates + 1, skipped + 1
+                print0(f"step {step}: non-finite loss or gradient, update skipped ({bad_updates} in a row)")
+                if bad_updates >= cfg.max_bad_updates:
+                    break
+                continue
+            optimizer.step()
+            schedule.step()
+            if critic is not None:                                                       # critic: its own optimizer
+                stats.setdefault("critic_grad_norm", []).append(critic.step())
+            bad_updates, applied = 0, applied + 1
+            checkpoint.crash_point("update", step)
+        buffer.end_step()
+        version += applied > 0          # a new policy exists only if some update went through
         times["time/update"] = time.perf_counter() - t0
 
         # 5. sync the new weights into the engine, in place
@@ -262,10 +285,10 @@ def main(argv: list[str]) -> dict:
                "logprob_mismatch_max": max(x for _, x in mismatch),
                "completion_len": batch.completion_mask.sum(-1).mean().item(),
                "truncated_frac": batch.truncated.float().mean().item(),
-               "lr": schedule.get_last_lr()[0], **reward_info, **times}
+               "lr": schedule.get_last_lr()[0], "skipped_updates": skipped, **reward_info["metrics"], **times}
         row["tokens_per_s"] = n_tokens / sum(times.values())
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            row.update(evaluate(cfg, engine, tok, eval_set, eval_ids, specs, sample_gen))
+            row.update(evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, eval_gen()))
         rows.append(row)
         metrics_file.write(json.dumps(row) + "\n")
         metrics_file.flush()
@@ -274,7 +297,17 @@ def main(argv: list[str]) -> dict:
                 writer.add_scalar(k if "/" in k else f"train/{k}", v, step)
         bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row.get('eval/accuracy', float('nan')):.3f}")
 
+        # 7. checkpoint: the whole state, at the end of a step (checkpoint.py)
+        stop = bad_updates >= cfg.max_bad_updates
+        if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            saved = checkpoint.save(run_dir, cfg, step, version, policy, optimizer, schedule, buffer,
+                                    {"data": generator, "sample": sample_gen}, order, cursor, {"start": start})
+        if stop:
+            raise UserError(f"{bad_updates} updates in a row had a non-finite loss or gradient (last at step {step}); "
+                            f"stopped with a checkpoint in {saved}")
+
     wall = time.perf_counter() - t_run
+    pool.close()
     final_dir = os.path.join(run_dir, "final")
     policy.save_pretrained(final_dir + ".tmp")
     tok.save_pretrained(final_dir + ".tmp")
