@@ -26,7 +26,8 @@ from algos import check_config
 from algos.dpo import pair_loss
 from config import UserError, parse, to_dict
 from models import completion_logprobs, encode_prompts, load_model
-from rewards import parse_spec
+from rewards import parse_reward_args, parse_spec
+from rewards.pool import RewardPool
 from rollout import left_pad
 from train import evaluate, git_state, print0, save_plot, setup_device, write_atomic
 
@@ -73,6 +74,8 @@ def main(argv: list[str]) -> dict:
     device, dtype = setup_device(cfg)
     pairs = read_pairs(cfg.algo.dpo.data)
     specs = parse_spec(cfg.rewards)
+    pool = RewardPool([(name, weight, parse_reward_args(cfg.reward_args, specs).get(name, {})) for name, weight in specs],
+                      workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)   # scores the held-out evaluation
     _, eval_set = registry.get("task", cfg.task)(getattr(cfg, cfg.task, None))
     eval_set = eval_set[:cfg.eval_size] if cfg.eval_size else eval_set
     policy, tok = load_model(cfg.model, device, dtype)
@@ -91,7 +94,7 @@ def main(argv: list[str]) -> dict:
     import yaml
     write_atomic(os.path.join(run_dir, "config.yaml"), yaml.safe_dump({**to_dict(cfg), "git": git_state()}, sort_keys=False))
     metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "w")
-    start = evaluate(cfg, engine, tok, eval_set, eval_ids, specs, sample_gen)
+    start = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, sample_gen)
     print0(f"step 0: held-out accuracy {start['eval/accuracy']:.3f}; {len(pairs)} pairs from {cfg.algo.dpo.data}")
     order, cursor, rows, t_run = torch.randperm(len(pairs), generator=generator), 0, [], time.perf_counter()
     for step in range(1, cfg.steps + 1):
@@ -113,7 +116,7 @@ def main(argv: list[str]) -> dict:
         optimizer.step()
         row = {"step": step, "loss": loss.item(), "grad_norm": grad_norm.item(), **m, "reward": float("nan")}
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            row.update(evaluate(cfg, engine, tok, eval_set, eval_ids, specs, sample_gen))
+            row.update(evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, sample_gen))
             print0(f"step {step}: loss {row['loss']:.4f} pref_acc {row['pref_acc']:.2f} "
                    f"held-out accuracy {row['eval/accuracy']:.3f}")
         rows.append(row)
@@ -121,6 +124,7 @@ def main(argv: list[str]) -> dict:
         metrics_file.flush()
     wall = time.perf_counter() - t_run
     metrics_file.close()
+    pool.close()
     policy.save_pretrained(os.path.join(run_dir, "final"))
     tok.save_pretrained(os.path.join(run_dir, "final"))
     save_plot(run_dir, [{"step": 0, "reward": float("nan"), **start}] + rows)
