@@ -21,6 +21,7 @@ import torch
 import registry
 from buffer import Experience, OnPolicyBuffer
 from config import Config, UserError, parse, to_dict
+from microbatch import micro_batches
 from models import completion_logprobs, context_length, encode_prompts, load_model
 from rewards import parse_spec
 from rollout import SamplingParams
@@ -140,6 +141,8 @@ def main(argv: list[str]) -> dict:
     # --- models and engine ---
     policy, tok = load_model(cfg.model, device, dtype)
     policy.train()
+    if cfg.grad_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     train_ids = encode_prompts(tok, [s["prompt"] for s in train_set])
     eval_ids = encode_prompts(tok, [s["prompt"] for s in eval_set])
     longest = max(len(p) for p in train_ids + eval_ids)
@@ -218,17 +221,23 @@ def main(argv: list[str]) -> dict:
         stats: dict[str, list[float]] = {}
         mismatch = []
         for mb in buffer.minibatches(mb_size, cfg.algo.epochs, generator, group_size=cfg.samples_per_prompt):
-            mb = mb.to(device)
-            logp, entropy = completion_logprobs(policy, mb.input_ids, mb.attention_mask, C, cfg.temperature)
-            loss, m = algo.loss({"logprobs": logp, "entropy": entropy}, mb, cfg.algo)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            m, diff = {}, torch.zeros((), device=device)
+            # gradient accumulation over length-bucketed micro-batches (microbatch.py); size 0 = one pass
+            for micro, weight in micro_batches(mb, cfg.micro_batch_size, cfg.algo.loss_agg):
+                micro = micro.to(device)
+                logp, entropy = completion_logprobs(policy, micro.input_ids, micro.attention_mask,
+                                                    micro.completion_mask.shape[1], cfg.temperature)
+                loss, mm = algo.loss({"logprobs": logp, "entropy": entropy}, micro, cfg.algo)
+                (loss * weight).backward()
+                diff += ((logp.detach() - micro.sample_logprobs).abs() * micro.completion_mask).sum()
+                for k, v in {**mm, "loss": loss.item()}.items():
+                    m[k] = m.get(k, 0.0) + weight * v
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
             optimizer.step()
             schedule.step()
-            mismatch.append(((logp.detach() - mb.sample_logprobs).abs() * mb.completion_mask).sum().item()
-                            / mb.completion_mask.sum().clamp(min=1).item())
-            for k, v in {**m, "loss": loss.item(), "grad_norm": grad_norm.item()}.items():
+            mismatch.append(diff.item() / mb.completion_mask.sum().clamp(min=1).item())
+            for k, v in {**m, "grad_norm": grad_norm.item()}.items():
                 stats.setdefault(k, []).append(v)
         buffer.clear()
         times["time/update"] = time.perf_counter() - t0
