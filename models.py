@@ -35,8 +35,9 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
 def encode_prompts(tok, prompts: list[str]) -> list[list[int]]:
     """Prompt strings -> token ids; chat models get their chat template (with the generation prompt)."""
     if getattr(tok, "chat_template", None):
-        return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-                for p in prompts]
+        # render to text first: apply_chat_template(tokenize=True) returns a list in transformers 4, a dict in 5
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+                   for p in prompts]
     return [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
 

@@ -195,3 +195,12 @@ def test_top_p_keeps_smallest_nucleus():
     kept = torch.isfinite(top_p_filter(logits, 0.7))
     assert kept.tolist() == [[True, True, False, False]]
     assert torch.isfinite(top_p_filter(logits, 1.0)).all()
+
+
+def test_chat_template_is_applied_when_present(random_model_dir):
+    from transformers import AutoTokenizer
+    from models import encode_prompts
+    tok = AutoTokenizer.from_pretrained(random_model_dir)
+    plain = encode_prompts(tok, ["12+3"])
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    assert encode_prompts(tok, ["12+3"]) == [plain[0] + tok("=")["input_ids"]]
