@@ -52,6 +52,7 @@ def test_hand_written_forward_equals_transformers(random_model_dir):
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[1, :4] = 0                                                     # left padding on one row
     st = dec._state(3, 16, ids.device, torch.float32)
+    dec.refresh()
     S = torch.arange(16)
     key_ok = (S[:9, None] >= S[None]) & torch.nn.functional.pad(mask.bool(), (0, 7))[:, None]
     key_ok |= (S[:9, None] == S[None])
