@@ -142,6 +142,8 @@ def part_engine(a) -> dict:
                 dict(compile=False)), ("plain loop (dynamic cache)", dict(fast=False), {})]
     if not torch.cuda.is_available():
         variants = [("fast: eager (CPU)", dict(fast=True), dict(use_graph=False)), variants[2]]
+    if a.fast_only:
+        variants = variants[:1]
     for name, kw, dec_kw in variants:
         engine = engines[name] = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, **kw)
         if kw["fast"]:
@@ -301,6 +303,7 @@ def main():
     p.add_argument("--ckpt", default="false", help="our grad_checkpointing (true/false)")
     p.add_argument("--repeats", type=int, default=3, help="timed generate calls per engine variant")
     p.add_argument("--repeats-hf", type=int, default=2, help="timed transformers generate calls")
+    p.add_argument("--fast-only", action="store_true", help="engine part: only the default fast path")
     p.add_argument("--part", help=argparse.SUPPRESS)        # internal: run one part in this process
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -328,7 +331,8 @@ def main():
                     continue
             args = [sys.executable, __file__, "--part", part, "--model", model_dir, "--tmp", tmp, "--out", a.out,
                     "--steps", str(a.steps), "--micro", micro, "--ckpt", a.ckpt, "--repeats", str(a.repeats),
-                    "--repeats-hf", str(a.repeats_hf)] + (["--small"] if a.small else [])
+                    "--repeats-hf", str(a.repeats_hf)] + (["--small"] if a.small else []) + \
+                   (["--fast-only"] if a.fast_only else [])
             t0 = time.perf_counter()
             proc = subprocess.run(args, capture_output=True, text=True)
             with open(os.path.join(a.out, f"{key}.log"), "w") as f:

@@ -32,9 +32,20 @@ SUPPORTED = ("qwen2", "llama")   # model_type values whose layers have exactly t
 
 
 def supported(model) -> bool:
+    """Llama-shaped decoder whose projections are plain nn.Linear holding plain tensors: adapters (LoRA wraps
+    q_proj) or sharded parameters (FSDP's DTensors) would be bypassed by the hand-written step, so they keep the
+    plain loop."""
     c = model.config
-    return (getattr(c, "model_type", None) in SUPPORTED and not getattr(c, "use_sliding_window", False)
-            and hasattr(getattr(model, "model", None), "layers"))
+    if getattr(c, "model_type", None) not in SUPPORTED or getattr(c, "use_sliding_window", False):
+        return False
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        return False
+    linears = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                               layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                                               layer.mlp.down_proj)]
+    return (all(type(m) is torch.nn.Linear for m in linears)
+            and all(type(p.data) is torch.Tensor for p in model.parameters()))
 
 
 def rotate_half(x: Tensor) -> Tensor:

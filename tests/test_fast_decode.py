@@ -60,3 +60,19 @@ def test_hand_written_forward_equals_transformers(random_model_dir):
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits[:, -1]
     assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+
+
+def test_wrapped_projection_keeps_the_plain_loop(random_model_dir):
+    from models import load_model
+    model, _ = load_model(random_model_dir, torch.device("cpu"), torch.float32)
+    assert supported(model)
+
+    class Adapter(torch.nn.Module):          # stands in for a LoRA wrapper around q_proj
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.weight, self.bias = base, base.weight, base.bias
+
+        def forward(self, x):
+            return self.base(x) + 1.0
+    model.model.layers[0].self_attn.q_proj = Adapter(model.model.layers[0].self_attn.q_proj)
+    assert not supported(model)
