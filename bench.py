@@ -279,7 +279,7 @@ def table(results: dict, a) -> str:
     engines.pop("profile", None)
     if engines:
         base = engines.get("hf generate, default cache", {}).get("median_s")
-        lines += ["", "| generate 128 x 256 tokens | median | first call | new tokens/s | vs HF default | "
+        lines += ["", f"| generate {W['prompts'] * W['samples']} x {W['new']} tokens | median | first call | new tokens/s | vs HF default | "
                       "completion len | logprob diff mean / max |", "|---|---|---|---|---|---|---|"]
         for name, r in engines.items():
             vs = f"{base / r['median_s']:.1f}x" if base else ""
