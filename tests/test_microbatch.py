@@ -64,3 +64,26 @@ def test_train_runs_with_micro_batches_and_checkpointing(tmp_path, random_model_
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(abs(row["logprob_mismatch"]) < 1e-4 for row in rows)
+
+
+def test_fused_head_path_equals_logits_path(rollout_batch):
+    """completion_logprobs takes the hidden-state kernel for plain heads; same values and gradients as logits."""
+    import registry
+    from models import plain_head
+    from rollout import position_ids
+    model, batch = rollout_batch
+    assert plain_head(model)
+    ids, mask, C = batch.input_ids, batch.attention_mask, batch.completion_mask.shape[1]
+    adv = torch.randn(len(ids), 1, generator=torch.Generator().manual_seed(5))
+    results = []
+    for fused in (True, False):
+        model.zero_grad()
+        if fused:
+            logp, ent = completion_logprobs(model, ids, mask, C, 0.8)
+        else:
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits[:, -C - 1:-1]
+            logp, ent = registry.get("kernel", "token_logprobs")(logits, ids[:, -C:], 0.8)
+        (-(logp * adv * batch.completion_mask).sum() + 0.1 * ent.sum()).backward()
+        results.append((logp.detach(), ent.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
