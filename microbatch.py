@@ -34,8 +34,10 @@ def trim(batch: Experience) -> Experience:
             out[name] = t
         elif t.shape[1] == P + C:                                                  # (B, T): input_ids, attention
             out[name] = t[:, first:P + c]
-        else:                                                                      # (B, C): per-token fields
+        elif t.shape[1] == C:                                                      # (B, C): per-token fields
             out[name] = t[:, :c]
+        else:
+            raise ValueError(f"Experience field {name!r} is (B, {t.shape[1]}): neither (B, T) nor (B, C)")
     return Experience(**out)
 
 
