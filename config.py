@@ -81,6 +81,9 @@ class Config:
     max_bad_updates: int = opt(5, "stop (with a checkpoint) after this many updates in a row with a non-finite "
                                   "loss or gradient; each one is skipped")
     warmup_steps: int = opt(0, "linear LR warm-up steps")
+    micro_batch_size: int = opt(0, "samples per forward/backward; gradients accumulate up to the mini-batch "
+                                   "(bounds memory; 0 = the whole mini-batch in one pass)")
+    grad_checkpointing: bool = opt(False, "recompute activations in backward (less memory, ~30% more update time)")
     # evaluation, logging, saving
     eval_every: int = opt(10, "held-out evaluation every N steps (and at start and end)")
     eval_size: int = opt(200, "held-out prompts per evaluation (0 = all)")

@@ -23,11 +23,12 @@ import checkpoint
 import registry
 from buffer import Experience
 from config import Config, UserError, parse, to_dict
+from microbatch import micro_batches
 from models import completion_logprobs, context_length, encode_prompts, load_model
 from replay import make_buffer
 from rewards import parse_reward_args, parse_spec
 from rewards.pool import RewardPool
-from rollout import SamplingParams, logprob_mismatch
+from rollout import SamplingParams
 
 
 def print0(*a, **kw):
@@ -137,6 +138,8 @@ def main(argv: list[str]) -> dict:
     # --- models and engine ---
     policy, tok = load_model(cfg.model, device, dtype)
     policy.train()
+    if cfg.grad_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     train_ids = encode_prompts(tok, [s["prompt"] for s in train_set], [bool(s.get("chat_rendered")) for s in train_set])
     eval_ids = encode_prompts(tok, [s["prompt"] for s in eval_set], [bool(s.get("chat_rendered")) for s in eval_set])
     longest = max(len(p) for p in train_ids + eval_ids)
@@ -227,18 +230,28 @@ def main(argv: list[str]) -> dict:
         t0 = time.perf_counter()
         buffer.add(batch)
         stats: dict[str, list[float]] = {}
-        mismatch, skipped, applied = {}, 0, 0
+        skipped, applied = 0, 0
+        mis_sum, mis_max, mis_n, first_mb = 0.0, 0.0, 0.0, True   # engine-vs-trainer log-prob gap, see below
         for mb in buffer.minibatches(mb_size, cfg.algo.epochs, generator, group_size=cfg.samples_per_prompt):
-            mb = mb.to(device)
-            logp, entropy = completion_logprobs(policy, mb.input_ids, mb.attention_mask, C, cfg.temperature)
-            loss, m = algo.loss({"logprobs": logp, "entropy": entropy}, mb, cfg.algo)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            m = {}
+            # gradient accumulation over length-bucketed micro-batches (microbatch.py); size 0 = one pass
+            for micro, weight in micro_batches(mb, cfg.micro_batch_size, cfg.algo.loss_agg):
+                micro = micro.to(device)
+                logp, entropy = completion_logprobs(policy, micro.input_ids, micro.attention_mask,
+                                                    micro.completion_mask.shape[1], cfg.temperature)
+                loss, mm = algo.loss({"logprobs": logp, "entropy": entropy}, micro, cfg.algo)
+                (loss * weight).backward()
+                if first_mb:   # before any update, on fresh samples: the gap is numerics or a broken sync
+                    fresh = micro.completion_mask * (micro.versions == version).float()[:, None]   # (b, c)
+                    gap = (logp.detach().float() - micro.sample_logprobs).abs() * fresh
+                    mis_sum, mis_n = mis_sum + gap.sum().item(), mis_n + fresh.sum().item()
+                    mis_max = max(mis_max, gap.max().item() if gap.numel() else 0.0)
+                for k, v in {**mm, "loss": loss.item()}.items():
+                    m[k] = m.get(k, 0.0) + weight * v
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
-            if not mismatch:   # first mini-batch, before any update: engine vs trainer on the same weights
-                fresh = (mb.versions == version).float()[:, None]   # replayed samples were drawn from older weights
-                mismatch = logprob_mismatch(mb.sample_logprobs, logp, mb.completion_mask * fresh)
-            for k, v in {**m, "loss": loss.item(), "grad_norm": grad_norm.item()}.items():
+            first_mb = False
+            for k, v in {**m, "grad_norm": grad_norm.item()}.items():
                 stats.setdefault(k, []).append(v)
             finite = torch.tensor(float(math.isfinite(stats["loss"][-1]) and math.isfinite(stats["grad_norm"][-1])),
                                   device=device)
@@ -268,7 +281,7 @@ def main(argv: list[str]) -> dict:
         row = {"step": step, "reward": rewards.mean().item(),
                "accuracy": (rewards >= sum(w for _, w in specs) - 1e-6).float().mean().item(),
                **{k: sum(v) / len(v) for k, v in stats.items()},
-               **mismatch,
+               "logprob_mismatch/mean": mis_sum / max(mis_n, 1.0), "logprob_mismatch/max": mis_max,
                "completion_len": batch.completion_mask.sum(-1).mean().item(),
                "truncated_frac": batch.truncated.float().mean().item(),
                "lr": schedule.get_last_lr()[0], "skipped_updates": skipped, **reward_info["metrics"], **times}
