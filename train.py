@@ -18,6 +18,7 @@ import time
 
 import torch
 
+import distributed
 import registry
 from buffer import Experience, OnPolicyBuffer
 from config import Config, UserError, parse, to_dict
@@ -90,13 +91,15 @@ def evaluate(cfg, engine, tok, samples, prompt_ids, specs, generator) -> dict:
     """Held-out accuracy: the fraction of prompts whose total reward reaches its maximum (greedy by default)."""
     sampling = SamplingParams(temperature=max(cfg.eval_temperature, 1e-5), top_p=cfg.top_p if cfg.eval_temperature else 1.0,
                               max_new_tokens=cfg.max_new_tokens)
-    rewards = []
+    samples, prompt_ids = distributed.share(samples), distributed.share(prompt_ids)   # dist: each rank its part
+    rewards = [torch.zeros(0)]
     for start in range(0, len(samples), 256):
         rollout = engine.generate(prompt_ids[start:start + 256], 1, sampling, generator)
         rewards.append(score(specs, samples[start:start + 256], decode(tok, rollout))[0])
     r = torch.cat(rewards)
     best = sum(w for _, w in specs)
-    return {"eval/reward": r.mean().item(), "eval/accuracy": (r >= best - 1e-6).float().mean().item()}
+    total, correct, count = distributed.all_sum([r.sum(), (r >= best - 1e-6).sum(), len(r)])
+    return {"eval/reward": total / max(count, 1), "eval/accuracy": correct / max(count, 1)}
 
 
 def save_plot(run_dir: str, rows: list[dict]):
@@ -116,10 +119,11 @@ def save_plot(run_dir: str, rows: list[dict]):
 
 def main(argv: list[str]) -> dict:
     cfg = parse(argv)
-    if "RANK" in os.environ and not torch.distributed.is_initialized():   # launched by torchrun
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        if torch.distributed.get_world_size() > 1:
-            raise UserError("world size > 1 is not supported yet: run with --nproc_per_node=1")
+    rank, world = distributed.init()          # (0, 1) unless launched by torchrun; see distributed.py
+    if world > 1 and distributed.check(cfg.prompts_per_step, cfg.algo.minibatch_size):
+        raise UserError(distributed.check(cfg.prompts_per_step, cfg.algo.minibatch_size))
+    if cfg.offload and not torch.distributed.is_initialized():
+        raise UserError("offload=true shards the policy with FSDP: launch with torchrun (--nproc_per_node=1 is fine)")
     torch.manual_seed(cfg.seed)
     device, dtype = setup_device(cfg)
     algo = registry.get("algo", cfg.algo.name)
@@ -139,6 +143,11 @@ def main(argv: list[str]) -> dict:
 
     # --- models and engine ---
     policy, tok = load_model(cfg.model, device, dtype)
+    engine_model = policy   # one process: the engine samples with the policy's own parameters
+    fsdp = world > 1 or cfg.offload
+    if fsdp:   # dist: float32 master weights, sharded; the engine keeps the full copy in `dtype` loaded above
+        policy = distributed.shard(load_model(cfg.model, torch.device("cpu"), torch.float32)[0], device, dtype,
+                                   cfg.offload)
     policy.train()
     train_ids = encode_prompts(tok, [s["prompt"] for s in train_set])
     eval_ids = encode_prompts(tok, [s["prompt"] for s in eval_set])
@@ -150,22 +159,25 @@ def main(argv: list[str]) -> dict:
     if algo.needs_ref(cfg.algo):
         reference, _ = load_model(cfg.model, device, dtype)
         reference.eval().requires_grad_(False)
-    engine = registry.get("engine", cfg.engine)(model=policy, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+        reference = distributed.shard(reference, device, dtype, cfg.offload) if fsdp else reference
+    engine = registry.get("engine", cfg.engine)(model=engine_model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                                                  model_path=cfg.model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     generator = torch.Generator().manual_seed(cfg.seed)   # data order and mini-batch shuffles (CPU)
-    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)   # token sampling
+    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1_000_003 * rank)   # token sampling, per rank
 
     # --- run directory ---
     run_dir = cfg.out_dir or os.path.join("runs", f"{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(run_dir, exist_ok=True)
-    import yaml
-    write_atomic(os.path.join(run_dir, "config.yaml"), yaml.safe_dump({**to_dict(cfg), "git": git_state()}, sort_keys=False))
-    from torch.utils.tensorboard import SummaryWriter
-    writer = SummaryWriter(run_dir)
-    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+    writer = metrics_file = None   # dist: rank 0 alone writes the run directory
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        import yaml
+        write_atomic(os.path.join(run_dir, "config.yaml"), yaml.safe_dump({**to_dict(cfg), "git": git_state()}, sort_keys=False))
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(run_dir)
+        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
     rows: list[dict] = []
 
     start = evaluate(cfg, engine, tok, eval_set, eval_ids, specs, sample_gen)
@@ -183,6 +195,7 @@ def main(argv: list[str]) -> dict:
             order, cursor = torch.randperm(len(train_set), generator=generator), 0
         idx = order[cursor:cursor + cfg.prompts_per_step].tolist()
         cursor += len(idx)
+        idx = distributed.share(idx)   # dist: this rank's prompts (whole groups)
         rollout = engine.generate([train_ids[i] for i in idx], cfg.samples_per_prompt, sampling, sample_gen)
         times["time/rollout"] = time.perf_counter() - t0
 
@@ -198,7 +211,7 @@ def main(argv: list[str]) -> dict:
                            completion_mask=rollout.completion_mask, sample_logprobs=rollout.logprobs,
                            rewards=rewards, group_ids=rollout.group_ids,
                            versions=torch.full_like(rewards, step - 1, dtype=torch.long), truncated=rollout.truncated)
-        mb_size = cfg.algo.minibatch_size or len(batch)
+        mb_size = cfg.algo.minibatch_size // world or len(batch)
         updates_per_step = cfg.algo.epochs * math.ceil(len(batch) / mb_size)
         on_device = batch.to(device)
         C = batch.completion_mask.shape[1]
@@ -221,6 +234,7 @@ def main(argv: list[str]) -> dict:
             mb = mb.to(device)
             logp, entropy = completion_logprobs(policy, mb.input_ids, mb.attention_mask, C, cfg.temperature)
             loss, m = algo.loss({"logprobs": logp, "entropy": entropy}, mb, cfg.algo)
+            loss = loss * distributed.loss_scale(mb.completion_mask, cfg.algo.loss_agg)   # dist: global-batch loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
@@ -228,14 +242,14 @@ def main(argv: list[str]) -> dict:
             schedule.step()
             mismatch.append(((logp.detach() - mb.sample_logprobs).abs() * mb.completion_mask).sum().item()
                             / mb.completion_mask.sum().clamp(min=1).item())
-            for k, v in {**m, "loss": loss.item(), "grad_norm": grad_norm.item()}.items():
+            for k, v in {**m, "loss": loss.item(), "grad_norm": distributed.grad_norm_value(grad_norm)}.items():
                 stats.setdefault(k, []).append(v)
         buffer.clear()
         times["time/update"] = time.perf_counter() - t0
 
         # 5. sync the new weights into the engine, in place
         t0 = time.perf_counter()
-        engine.load_weights(policy.named_parameters())
+        engine.load_weights(distributed.sync_weights(policy))   # dist: gathers the shards one unit at a time
         times["time/sync"] = time.perf_counter() - t0
 
         # 6. log
@@ -248,27 +262,34 @@ def main(argv: list[str]) -> dict:
                "truncated_frac": batch.truncated.float().mean().item(),
                "lr": schedule.get_last_lr()[0], **reward_info, **times}
         row["tokens_per_s"] = n_tokens / sum(times.values())
+        row = distributed.reduce_metrics(row)   # dist: means over ranks (tokens_per_s: the sum)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             row.update(evaluate(cfg, engine, tok, eval_set, eval_ids, specs, sample_gen))
         rows.append(row)
-        metrics_file.write(json.dumps(row) + "\n")
-        metrics_file.flush()
-        for k, v in row.items():
-            if k != "step":
-                writer.add_scalar(k if "/" in k else f"train/{k}", v, step)
+        if rank == 0:
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+            for k, v in row.items():
+                if k != "step":
+                    writer.add_scalar(k if "/" in k else f"train/{k}", v, step)
         bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row.get('eval/accuracy', float('nan')):.3f}")
 
     wall = time.perf_counter() - t_run
     final_dir = os.path.join(run_dir, "final")
-    policy.save_pretrained(final_dir + ".tmp")
-    tok.save_pretrained(final_dir + ".tmp")
-    if os.path.exists(final_dir):
-        import shutil
-        shutil.rmtree(final_dir)
-    os.replace(final_dir + ".tmp", final_dir)
-    save_plot(run_dir, [{"step": 0, "reward": float("nan"), **start}] + rows)
-    writer.close()
-    metrics_file.close()
+    full = distributed.full_state(policy)[0] if fsdp else None   # dist: every rank gathers, rank 0 writes
+    if full:   # a tied lm_head is one parameter under two names: save it once, as save_pretrained does
+        keep = {n for n, _ in policy.named_parameters()} | {n for n, _ in policy.named_buffers()}
+        full = {k: v for k, v in full.items() if k in keep}
+    if rank == 0:
+        policy.save_pretrained(final_dir + ".tmp", **({"state_dict": full} if fsdp else {}))
+        tok.save_pretrained(final_dir + ".tmp")
+        if os.path.exists(final_dir):
+            import shutil
+            shutil.rmtree(final_dir)
+        os.replace(final_dir + ".tmp", final_dir)
+        save_plot(run_dir, [{"step": 0, "reward": float("nan"), **start}] + rows)
+        writer.close()
+        metrics_file.close()
     end = rows[-1]["eval/accuracy"] if rows else start["eval/accuracy"]
     print0(f"held-out accuracy: {start['eval/accuracy']:.3f} -> {end:.3f} in {wall:.0f} s over {cfg.steps} steps; "
            f"run directory: {run_dir}")
