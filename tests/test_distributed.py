@@ -61,7 +61,7 @@ def test_fsdp_update_matches_one_process(tmp_path, random_model_dir):
 def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
     args = [f"model={random_model_dir}", "steps=2", "eval_every=1", "eval_size=8", "prompts_per_step=4",
             "samples_per_prompt=2", "top_p=1e-6", "algo.kl_coef=0.1", "algo.kl_estimator=k1", "lr=1e-2",
-            "progress=false"]
+            "dtype=float32", "progress=false"]   # float32 on GPUs too (python -m pytest there runs NCCL)
     run([sys.executable, "train.py", *args, f"out_dir={tmp_path / 'one'}"],
         [*TORCHRUN, "train.py", *args, f"out_dir={tmp_path / 'two'}"])
     rows = {n: [json.loads(l) for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in ("one", "two")}
