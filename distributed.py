@@ -32,12 +32,14 @@ import torch
 import torch.distributed as dist
 
 
-def init() -> tuple[int, int]:
-    """Join the process group when launched by torchrun; return (rank, world size). (0, 1) without torchrun."""
+def init(offload: bool = False) -> tuple[int, int]:
+    """Join the process group when launched by torchrun; return (rank, world size). (0, 1) without torchrun.
+    With offload the gradient norm is reduced over CPU shards, so GPUs get gloo for CPU tensors beside NCCL."""
     if "RANK" in os.environ and not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))   # before NCCL picks a device
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        gpu_backend = "cuda:nccl,cpu:gloo" if offload else "nccl"
+        dist.init_process_group(gpu_backend if torch.cuda.is_available() else "gloo")
     return rank(), world()
 
 
@@ -65,7 +67,7 @@ def share(items: list) -> list:
 
 def _device() -> torch.device:
     # NCCL reduces CUDA tensors only; gloo reduces CPU tensors
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")
 
 
 def all_sum(values: list[float]) -> list[float]:

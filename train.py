@@ -119,7 +119,7 @@ def save_plot(run_dir: str, rows: list[dict]):
 
 def main(argv: list[str]) -> dict:
     cfg = parse(argv)
-    rank, world = distributed.init()          # (0, 1) unless launched by torchrun; see distributed.py
+    rank, world = distributed.init(cfg.offload)        # (0, 1) unless launched by torchrun; see distributed.py
     if world > 1 and distributed.check(cfg.prompts_per_step, cfg.algo.minibatch_size):
         raise UserError(distributed.check(cfg.prompts_per_step, cfg.algo.minibatch_size))
     if cfg.offload and not torch.distributed.is_initialized():

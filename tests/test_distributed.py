@@ -8,7 +8,8 @@ Two checks, each honest about where its samples come from:
 - `test_train_under_torchrun_matches_one_process`: train.py end to end. Sampling streams differ per rank,
   so rollouts are made deterministic with top_p -> 0 (greedy tokens; log-probs still at temperature 1).
   Greedy groups have identical samples, so GRPO's advantages are 0 and the gradient comes from a k1 KL
-  term (its gradient is nonzero even at step 1). Step 2's rollouts come from the synced engine.
+  term (its gradient is nonzero even at step 1). Step 2's rollouts come from the synced engine. A third run,
+  one rank with offload=true, checks FSDP at world size 1 with CPU-offloaded shards and AdamW state.
 """
 import json
 import os
@@ -55,26 +56,31 @@ def test_fsdp_update_matches_one_process(tmp_path, random_model_dir):
     s1, s2 = (torch.load(d / "state1.pt") for d in (one, two))   # full optimizer state: same keys and values
     assert s1["optim"]["state"].keys() == s2["optim"]["state"].keys()
     for k, v in s1["optim"]["state"].items():
-        torch.testing.assert_close(s2["optim"]["state"][k]["exp_avg"], v["exp_avg"], rtol=1e-4, atol=1e-8)
+        torch.testing.assert_close(s2["optim"]["state"][k]["exp_avg"].cpu(), v["exp_avg"].cpu(), rtol=1e-4, atol=1e-8)
 
 
 def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
     args = [f"model={random_model_dir}", "steps=2", "eval_every=1", "eval_size=8", "prompts_per_step=4",
             "samples_per_prompt=2", "top_p=1e-6", "algo.kl_coef=0.1", "algo.kl_estimator=k1", "lr=1e-2",
             "dtype=float32", "progress=false"]   # float32 on GPUs too (python -m pytest there runs NCCL)
+    one_rank = [*TORCHRUN[:-1], "--nproc_per_node=1"]   # FSDP with CPU offload at world size 1
     run([sys.executable, "train.py", *args, f"out_dir={tmp_path / 'one'}"],
-        [*TORCHRUN, "train.py", *args, f"out_dir={tmp_path / 'two'}"])
-    rows = {n: [json.loads(l) for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in ("one", "two")}
-    for a, b in zip(rows["one"], rows["two"], strict=True):
+        [*TORCHRUN, "train.py", *args, f"out_dir={tmp_path / 'two'}"],
+        [*one_rank, "train.py", *args, "offload=true", f"out_dir={tmp_path / 'offload'}"])
+    runs = ("one", "two", "offload")
+    rows = {n: [json.loads(l) for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in runs}
+    for a, b, c in zip(*rows.values(), strict=True):
         for key in ("loss", "grad_norm", "kl", "completion_len", "reward", "eval/reward", "eval/accuracy"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+            assert c[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     assert rows["two"][0]["grad_norm"] > 0.1 and abs(rows["two"][1]["kl"]) > 0.01   # the policy moved
     assert rows["two"][1]["logprob_mismatch"] < 1e-4    # step 2 sampled with the synced weights, not stale ones
     from safetensors.torch import load_file
-    a, b = (load_file(tmp_path / n / "final" / "model.safetensors") for n in ("one", "two"))
-    assert a.keys() == b.keys()
+    a, b, c = (load_file(tmp_path / n / "final" / "model.safetensors") for n in runs)
+    assert a.keys() == b.keys() == c.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4)   # lr 1e-2: the weights moved ~1e-2
+        torch.testing.assert_close(c[k], a[k], rtol=0, atol=1e-4)
 
 
 def test_offload_needs_torchrun(random_model_dir, tmp_path):
