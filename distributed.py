@@ -174,6 +174,8 @@ def sync_weights(model):
                 if not isinstance(p, DTensor):    # units below this one stay sharded: they get their own turn
                     yield name, p
             module.reshard()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()      # so that time/sync measures the gathers and copies, not their launch
 
 
 def full_state(model, optimizer=None) -> tuple[dict, dict]:
