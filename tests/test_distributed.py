@@ -28,9 +28,9 @@ def run(*cmds, timeout=300):
     """Run the commands side by side (most of their time is importing torch and transformers)."""
     procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
              for c in cmds]
-    for p in procs:
+    for cmd, p in zip(cmds, procs):
         _, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, err[-3000:]
+        assert p.returncode == 0, f"{' '.join(cmd[-4:])} failed:\n{err[-3000:]}"
 
 
 def test_fsdp_update_matches_one_process(tmp_path, random_model_dir):
