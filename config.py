@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from data import ArithmeticConfig
+from data_files import DataFilesConfig
 
 
 class UserError(Exception):
@@ -50,6 +51,10 @@ class Config:
     engine: str = opt("builtin", "rollout engine: builtin or vllm")
     algo: AlgoConfig = opt(AlgoConfig(), "algorithm settings")
     arithmetic: ArithmeticConfig = opt(ArithmeticConfig(), "settings of the embedded arithmetic task")
+    files: DataFilesConfig = opt(DataFilesConfig(), "settings of the file-based task (task=files: jsonl, parquet, HF folder)")
+    reward_args: str = opt("", "keyword arguments for reward plugins: 'code.wall_s=5,reward_model.path=/x'")
+    reward_workers: int = opt(2, "reward worker processes (rewards run there, overlapped with the log-prob forwards)")
+    reward_timeout_s: float = opt(30.0, "per-call reward time limit; a call past it scores 0 with a recorded reason")
     # how long and how big
     steps: int = opt(60, "RL steps (one step = rollout + score + update + sync)")
     prompts_per_step: int = opt(32, "prompts sampled per step")

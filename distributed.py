@@ -79,7 +79,7 @@ def all_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-SUMMED = ("tokens_per_s", "reward_failures/")   # totals over ranks; time/* takes the slowest rank; the rest: mean
+SUMMED = ("tokens_per_s", "reward_fail")   # totals over ranks (reward_fail/*: counts); time/*: the slowest rank; the rest: mean
 
 
 def reduce_metrics(row: dict) -> dict:

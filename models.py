@@ -32,12 +32,14 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
     return model.to(device), tok
 
 
-def encode_prompts(tok, prompts: list[str]) -> list[list[int]]:
-    """Prompt strings -> token ids; chat models get their chat template (with the generation prompt)."""
+def encode_prompts(tok, prompts: list[str], rendered: list[bool] | None = None) -> list[list[int]]:
+    """Prompt strings -> token ids; chat models get their chat template (with the generation prompt),
+    except prompts the task already rendered with one (rendered[i] True)."""
+    rendered = rendered or [False] * len(prompts)
     if getattr(tok, "chat_template", None):
         # render to text first: apply_chat_template(tokenize=True) returns a list in transformers 4, a dict in 5
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-                   for p in prompts]
+        prompts = [p if done else tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                          tokenize=False) for p, done in zip(prompts, rendered)]
     return [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
 

@@ -51,3 +51,4 @@ def load_plugins():
     import kernels  # noqa: F401
     import rollout  # noqa: F401
     import data  # noqa: F401
+    import data_files  # noqa: F401

@@ -17,13 +17,15 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 import distributed
 import registry
 from buffer import Experience, OnPolicyBuffer
 from config import Config, UserError, parse, to_dict
 from models import completion_logprobs, context_length, encode_prompts, load_model
-from rewards import parse_spec
+from rewards import parse_reward_args, parse_spec
+from rewards.pool import RewardPool
 from rollout import SamplingParams
 
 
@@ -65,18 +67,10 @@ def git_state() -> dict:
         return {}
 
 
-def score(specs, samples: list[dict], completions: list[str]) -> tuple[torch.Tensor, dict]:
-    """Weighted sum of the reward plugins for each sample (B,); a failing reward gives 0, counted."""
-    fns = [(name, weight, registry.get("reward", name)) for name, weight in specs]
-    total, failures = torch.zeros(len(completions)), {}
-    for i, (sample, completion) in enumerate(zip(samples, completions)):
-        fields = {k: v for k, v in sample.items() if k != "prompt"}
-        for name, weight, fn in fns:
-            try:
-                total[i] += weight * float(fn(sample["prompt"], completion, **fields))
-            except Exception:  # a reward must never kill the trainer: record and score 0
-                failures[name] = failures.get(name, 0) + 1
-    return total, {f"reward_failures/{k}": v for k, v in failures.items()}
+def submit_rewards(pool, samples: list[dict], completions: list[str]):
+    """Start scoring in the reward workers and return at once; `.result()` gives (rewards (B,), info)."""
+    return pool.submit([s["prompt"] for s in samples], completions,
+                       [{k: v for k, v in s.items() if k != "prompt"} for s in samples])
 
 
 def decode(tok, rollout) -> list[str]:
@@ -87,7 +81,7 @@ def decode(tok, rollout) -> list[str]:
 
 
 @torch.no_grad()
-def evaluate(cfg, engine, tok, samples, prompt_ids, specs, generator) -> dict:
+def evaluate(cfg, engine, tok, samples, prompt_ids, pool, specs, generator) -> dict:
     """Held-out accuracy: the fraction of prompts whose total reward reaches its maximum (greedy by default)."""
     sampling = SamplingParams(temperature=max(cfg.eval_temperature, 1e-5), top_p=cfg.top_p if cfg.eval_temperature else 1.0,
                               max_new_tokens=cfg.max_new_tokens)
@@ -95,7 +89,7 @@ def evaluate(cfg, engine, tok, samples, prompt_ids, specs, generator) -> dict:
     rewards = [torch.zeros(0)]
     for start in range(0, len(samples), 256):
         rollout = engine.generate(prompt_ids[start:start + 256], 1, sampling, generator)
-        rewards.append(score(specs, samples[start:start + 256], decode(tok, rollout))[0])
+        rewards.append(submit_rewards(pool, samples[start:start + 256], decode(tok, rollout)).result()[0])
     r = torch.cat(rewards)
     best = sum(w for _, w in specs)
     total, correct, count = distributed.all_sum([r.sum(), (r >= best - 1e-6).sum(), len(r)])
@@ -128,8 +122,9 @@ def main(argv: list[str]) -> dict:
     device, dtype = setup_device(cfg)
     algo = registry.get("algo", cfg.algo.name)
     specs = parse_spec(cfg.rewards)
-    for name, _ in specs:
-        registry.get("reward", name)                     # fail on an unknown reward before any work
+    reward_args = parse_reward_args(cfg.reward_args, specs)
+    pool = RewardPool([(name, weight, reward_args.get(name, {})) for name, weight in specs],
+                      workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)   # unknown reward -> error here
 
     # --- data ---
     task_fn = registry.get("task", cfg.task)
@@ -149,8 +144,8 @@ def main(argv: list[str]) -> dict:
         policy = distributed.shard(load_model(cfg.model, torch.device("cpu"), torch.float32)[0], device, dtype,
                                    cfg.offload)
     policy.train()
-    train_ids = encode_prompts(tok, [s["prompt"] for s in train_set])
-    eval_ids = encode_prompts(tok, [s["prompt"] for s in eval_set])
+    train_ids = encode_prompts(tok, [s["prompt"] for s in train_set], [bool(s.get("chat_rendered")) for s in train_set])
+    eval_ids = encode_prompts(tok, [s["prompt"] for s in eval_set], [bool(s.get("chat_rendered")) for s in eval_set])
     longest = max(len(p) for p in train_ids + eval_ids)
     if longest + cfg.max_new_tokens > context_length(policy):
         raise UserError(f"a prompt of {longest} tokens + max_new_tokens={cfg.max_new_tokens} exceeds the model's "
@@ -180,11 +175,10 @@ def main(argv: list[str]) -> dict:
         metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
     rows: list[dict] = []
 
-    start = evaluate(cfg, engine, tok, eval_set, eval_ids, specs, sample_gen)
+    start = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, sample_gen)
     print0(f"step 0: held-out accuracy {start['eval/accuracy']:.3f} (reward {start['eval/reward']:.3f})")
     order, cursor = torch.randperm(len(train_set), generator=generator), 0
     buffer = OnPolicyBuffer()
-    from tqdm import tqdm
     bar = tqdm(range(1, cfg.steps + 1), disable=not cfg.progress or int(os.environ.get("RANK", "0")) != 0,
                dynamic_ncols=True)
     t_run = time.perf_counter()
@@ -199,31 +193,34 @@ def main(argv: list[str]) -> dict:
         rollout = engine.generate([train_ids[i] for i in idx], cfg.samples_per_prompt, sampling, sample_gen)
         times["time/rollout"] = time.perf_counter() - t0
 
-        # 2. score
+        # 2. score in the reward workers, overlapped with the log-prob forwards of step 3
         t0 = time.perf_counter()
         samples = [train_set[i] for i in idx for _ in range(cfg.samples_per_prompt)]
-        rewards, reward_info = score(specs, samples, decode(tok, rollout))
-        times["time/reward"] = time.perf_counter() - t0
+        reward_handle = submit_rewards(pool, samples, decode(tok, rollout))
 
-        # 3. the experience batch, with the extra log-probs the algorithm needs
+        # 3. the extra log-probs the algorithm needs, then the experience batch
+        mb_size = cfg.algo.minibatch_size // world or len(samples)   # dist: minibatch_size is global
+        updates_per_step = cfg.algo.epochs * math.ceil(len(samples) / mb_size)
+        ids, attn = rollout.input_ids.to(device), rollout.attention_mask.to(device)
+        C = rollout.completion_mask.shape[1]
+        old_logprobs = ref_logprobs = None
+        with torch.no_grad():
+            if updates_per_step > 1:   # the policy moves between mini-batches: keep the pre-update log-probs
+                old_logprobs = completion_logprobs(policy, ids, attn, C, cfg.temperature)[0].cpu()
+            if reference is not None:
+                ref_logprobs = completion_logprobs(reference, ids, attn, C, cfg.temperature)[0].cpu()
+        times["time/logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        rewards, reward_info = reward_handle.result()
+        times["time/reward"] = time.perf_counter() - t0     # only the part not hidden behind step 3
+        if reward_info["reasons"]:
+            tqdm.write(f"step {step}: {len(reward_info['reasons'])} reward failures, e.g. {reward_info['reasons'][0]}")
         batch = Experience(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
                            completion_mask=rollout.completion_mask, sample_logprobs=rollout.logprobs,
                            rewards=rewards, group_ids=rollout.group_ids,
-                           versions=torch.full_like(rewards, step - 1, dtype=torch.long), truncated=rollout.truncated)
-        mb_size = cfg.algo.minibatch_size // world or len(batch)
-        updates_per_step = cfg.algo.epochs * math.ceil(len(batch) / mb_size)
-        on_device = batch.to(device)
-        C = batch.completion_mask.shape[1]
-        with torch.no_grad():
-            if updates_per_step > 1:   # the policy moves between mini-batches: keep the pre-update log-probs
-                batch.old_logprobs = completion_logprobs(policy, on_device.input_ids, on_device.attention_mask, C,
-                                                         cfg.temperature)[0].cpu()
-            if reference is not None:
-                batch.ref_logprobs = completion_logprobs(reference, on_device.input_ids, on_device.attention_mask, C,
-                                                         cfg.temperature)[0].cpu()
+                           versions=torch.full_like(rewards, step - 1, dtype=torch.long), truncated=rollout.truncated,
+                           old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
         batch.advantages = algo.advantages(batch, cfg.algo)
-        times["time/logprobs"] = time.perf_counter() - t0
 
         # 4. update
         t0 = time.perf_counter()
@@ -260,11 +257,11 @@ def main(argv: list[str]) -> dict:
                "logprob_mismatch": sum(mismatch) / len(mismatch),
                "completion_len": batch.completion_mask.sum(-1).mean().item(),
                "truncated_frac": batch.truncated.float().mean().item(),
-               "lr": schedule.get_last_lr()[0], **reward_info, **times}
+               "lr": schedule.get_last_lr()[0], **reward_info["metrics"], **times}
         row["tokens_per_s"] = n_tokens / sum(times.values())
         row = distributed.reduce_metrics(row)   # dist: means over ranks (tokens_per_s: the sum)
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            row.update(evaluate(cfg, engine, tok, eval_set, eval_ids, specs, sample_gen))
+            row.update(evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, sample_gen))
         rows.append(row)
         if rank == 0:
             metrics_file.write(json.dumps(row) + "\n")
@@ -275,6 +272,7 @@ def main(argv: list[str]) -> dict:
         bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row.get('eval/accuracy', float('nan')):.3f}")
 
     wall = time.perf_counter() - t_run
+    pool.close()
     final_dir = os.path.join(run_dir, "final")
     full = distributed.full_state(policy)[0] if fsdp else None   # dist: every rank gathers, rank 0 writes
     if full:   # a tied lm_head is one parameter under two names: save it once, as save_pretrained does

@@ -8,12 +8,18 @@
     (logp * adv).sum().backward()        # -> hidden.grad (N, H), weight.grad (V, H)
 
 How: tokens are cut into blocks of up to 8192 rows and the vocabulary into blocks sized so that one
-(tokens x vocab) logits tile fits `chunk_bytes` (256 MB). For each tile cuBLAS computes the logits and
+(tokens x vocab) logits tile fits `chunk_bytes` (192 MB). For each tile cuBLAS computes the logits and
 a Triton kernel (kernels/logprob.py) folds them into a running (max, sum, shifted sum) per token
 (an online logsumexp), so the forward keeps only lse and E[z] per token. The backward recomputes each
 tile, turns it into d loss / d logits in place (one more Triton pass), and feeds it to two matmuls:
 d hidden += G @ W_tile (float32 accumulator per token block) and d W_tile += G.T @ hidden_block.
 Peak extra memory is one tile plus one float32 (8192, H) accumulator, whatever N and V are.
+
+`fuse_matmul=True` swaps the cuBLAS logits + elementwise pass for Triton matmuls (`_fwd_kernel`,
+`_bwd_kernel`) whose epilogue does the softmax work in registers: the logits are never rounded to
+bf16, so logp is ~1000x closer to float64 (3e-7 vs 3e-4 relative), but it ran 4-8% slower than
+cuBLAS + elementwise on an H100 and an H200 (kernels/bench.py: its matmul is slower than cuBLAS's),
+so it is not the default.
 
 Cost: four matmuls of N*V*H (forward, recompute, two gradients) instead of eager's three; the
 recompute is what buys the memory. Padded tokens (target < 0) are dropped before the matmuls.
@@ -22,14 +28,118 @@ Where weight.grad is bf16 and the float32 copy of it would not fit the budget, i
 bf16 across token blocks (ceil(N / 8192) roundings: 4 at N = 32k).
 """
 import math
+import os
 
 import torch
 from torch import Tensor
 
 from kernels.logprob import HAS_TRITON, check_inputs, chunk_grad, chunk_stats, finish_stats, new_state
 
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
 TOKENS_PER_BLOCK = 8192
-CHUNK_BYTES = 256 * 2**20
+CHUNK_BYTES = 192 * 2**20  # one logits tile; with the (8192, H) accumulators, peak extra < 0.5 GiB at H = 4096
+MAX_COLS = 16384          # vocabulary columns per tile at most (small N would otherwise get very wide tiles)
+# Tiles of the fused matmuls: bf16 on Hopper runs wgmma with 128 x 256 output tiles, 3 smem stages.
+GEMM = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+if HAS_TRITON:
+    @triton.jit
+    def _logits_tile(h_ptr, w_ptr, M, V, H, pid, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     GROUP_M: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        """One (BM, BN) tile of h @ w.T in float32 (h (M, H), w (V, H), both row-major), grouped order."""
+        n_m, n_n = tl.cdiv(M, BM), tl.cdiv(V, BN)
+        group = GROUP_M * n_n                                       # tiles sharing GROUP_M row blocks: L2 reuse
+        first_m = (pid // group) * GROUP_M
+        size_m = min(n_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % size_m
+        pid_n = (pid % group) // size_m
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        a_ptrs = h_ptr + (offs_m % M).to(tl.int64)[:, None] * H + offs_k[None, :]      # (BM, BK)
+        b_ptrs = w_ptr + (offs_n % V).to(tl.int64)[None, :] * H + offs_k[:, None]      # (BK, BN) = w.T
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.cdiv(H, BK)):
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < H - k * BK, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < H - k * BK, other=0.0)
+            if INTERPRET:  # the CPU interpreter's bf16 dot returns garbage (triton 3.9): do it in float32
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            if IEEE:  # float32 inputs: full precision (tf32 would miss the 1e-4 bar)
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BK
+            b_ptrs += BK
+        return acc, offs_m, offs_n, pid_n
+
+    @triton.jit
+    def _fwd_kernel(h_ptr, w_ptr, pm_ptr, ps_ptr, pt_ptr, M, V, H, n_tiles_v, inv_t,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        # logits tile -> per-row (max, sum exp, shifted sum) of this tile; the logits never reach memory
+        acc, offs_m, offs_n, pid_n = _logits_tile(h_ptr, w_ptr, M, V, H, tl.program_id(0), BM, BN, BK, GROUP_M, IEEE, INTERPRET)
+        z = tl.where(offs_n[None, :] < V, acc * inv_t, -float("inf"))            # (BM, BN)
+        m = tl.max(z, 1)
+        shift = tl.where(m == -float("inf"), 0.0, m)
+        e = tl.exp(z - shift[:, None])
+        out = offs_m.to(tl.int64) * n_tiles_v + pid_n
+        mask = offs_m < M
+        tl.store(pm_ptr + out, m, mask=mask)
+        tl.store(ps_ptr + out, tl.sum(e, 1), mask=mask)
+        tl.store(pt_ptr + out, tl.sum(e * tl.where(e > 0, z - shift[:, None], 0.0), 1), mask=mask)
+
+    @triton.jit
+    def _bwd_kernel(h_ptr, w_ptr, g_ptr, tgt_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, M, V, H, col0, inv_t,
+                    HAS_ENT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    GROUP_M: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        # logits tile -> d loss / d logits tile, written once in the input dtype: g (M, V) row-major
+        acc, offs_m, offs_n, pid_n = _logits_tile(h_ptr, w_ptr, M, V, H, tl.program_id(0), BM, BN, BK, GROUP_M, IEEE, INTERPRET)
+        row_ok = offs_m < M
+        tgt = tl.load(tgt_ptr + offs_m, mask=row_ok, other=-1)
+        valid = tgt >= 0
+        lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
+        glp = tl.where(valid, tl.load(glp_ptr + offs_m, mask=row_ok, other=0.0), 0.0)
+        z = acc * inv_t
+        p = tl.exp(z - lse[:, None])                                              # (BM, BN)
+        g = glp[:, None] * (tl.where(offs_n[None, :] == (tgt - col0)[:, None], 1.0, 0.0) - p)
+        if HAS_ENT:
+            gent = tl.where(valid, tl.load(gent_ptr + offs_m, mask=row_ok, other=0.0), 0.0)
+            ez = tl.load(ez_ptr + offs_m, mask=row_ok, other=0.0)
+            g -= gent[:, None] * p * (z - ez[:, None])
+        ptrs = g_ptr + offs_m.to(tl.int64)[:, None] * V + offs_n[None, :]
+        tl.store(ptrs, (g * inv_t).to(g_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < V))
+
+
+def _grid(M: int, V: int):
+    return (triton.cdiv(M, GEMM["BM"]) * triton.cdiv(V, GEMM["BN"]),)
+
+
+def _gemm_args(h: Tensor):
+    return dict(IEEE=h.dtype == torch.float32, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", **GEMM)
+
+
+def fused_block_stats(h: Tensor, w: Tensor, targets: Tensor, inv_t: float):
+    """Whole-vocabulary running state for a token block, logits kept in registers: (max, sum, shifted, z_y)."""
+    M, V = h.shape[0], w.shape[0]
+    n_tiles = triton.cdiv(V, GEMM["BN"])
+    pm, ps, pt = (torch.empty(M, n_tiles, dtype=torch.float32, device=h.device) for _ in range(3))
+    _fwd_kernel[_grid(M, V)](h, w, pm, ps, pt, M, V, h.shape[1], n_tiles, inv_t, **_gemm_args(h))
+    m = pm.max(1).values                                           # (M,) merge the per-tile states
+    alpha = torch.exp(pm - m[:, None])                             # (M, tiles); 0 for all -inf tiles
+    dm = torch.where(alpha > 0, pm - m[:, None], 0.0)
+    s, t = (alpha * ps).sum(1), (alpha * (pt + dm * ps)).sum(1)
+    # the target logit as its own dot product: (M, H) work instead of a gather from every tile
+    zy = (h.float() * w[targets.clamp(min=0)].float()).sum(1) * inv_t
+    return m, s, t, zy
+
+
+def fused_tile_grad(h: Tensor, w: Tensor, out: Tensor, targets, lse, ez, g_logp, g_ent, col0: int, inv_t: float):
+    """out (M, v) = d loss / d logits for vocabulary rows w = weight[col0:col0 + v], from a recomputed tile."""
+    M, V = h.shape[0], w.shape[0]
+    _bwd_kernel[_grid(M, V)](h, w, out, targets, lse, ez, g_logp, g_logp if g_ent is None else g_ent,
+                             M, V, h.shape[1], col0, inv_t, HAS_ENT=g_ent is not None, **_gemm_args(h))
 
 
 def _blocks(total: int, most: int, align: int = 128) -> list[tuple[int, int]]:
@@ -43,7 +153,7 @@ def _blocks(total: int, most: int, align: int = 128) -> list[tuple[int, int]]:
 def _plan(N: int, V: int, itemsize: int, chunk_bytes: int):
     rows = _blocks(N, TOKENS_PER_BLOCK)
     n_rows = rows[0][1] - rows[0][0]
-    cols = _blocks(V, max(128, chunk_bytes // (itemsize * n_rows)))
+    cols = _blocks(V, max(128, min(MAX_COLS, chunk_bytes // (itemsize * n_rows))))
     return rows, cols
 
 
@@ -52,36 +162,36 @@ def _tile(buf: Tensor, r: int, c: int) -> Tensor:
 
 
 def _addmm_f32(acc: Tensor, a: Tensor, b: Tensor):
-    """acc (float32) += a @ b for a, b of any float dtype, without a full-size temporary where torch allows."""
+    """acc (float32) += a @ b for a, b of any float dtype; bf16 products are rounded once, then added in float32."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif acc.is_cuda:
-        try:  # cuBLAS: bf16 inputs, float32 accumulate and output, in place (torch >= 2.8)
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        except (TypeError, RuntimeError):
-            acc.add_(torch.mm(a, b).float())
     else:
-        acc.add_((a @ b).float())
+        acc.add_(torch.mm(a, b))                                   # add_ upcasts on the fly: no float32 temporary
 
 
 class _LinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, use_triton, chunk_bytes):
+    def forward(ctx, hidden, weight, targets, temperature, use_triton, chunk_bytes, fuse_matmul):
         (N, H), V = hidden.shape, weight.shape[0]
         ctx.set_materialize_grads(False)                           # unused entropy -> g_ent None, less work
         inv_t = 1.0 / temperature
         rows, cols = _plan(N, V, hidden.element_size(), chunk_bytes)
         state = new_state(N, hidden.device)
-        buf = hidden.new_empty((rows[0][1] - rows[0][0]) * (cols[0][1] - cols[0][0]))
+        fuse = fuse_matmul and use_triton
+        buf = None if fuse else hidden.new_empty((rows[0][1] - rows[0][0]) * (cols[0][1] - cols[0][0]))
         for r0, r1 in rows:
             part = [x[r0:r1] for x in state]                       # views: the kernel updates them in place
+            if fuse:
+                for x, y in zip(part, fused_block_stats(hidden[r0:r1], weight, targets[r0:r1], inv_t)):
+                    x.copy_(y)
+                continue
             for c0, c1 in cols:
                 logits = torch.mm(hidden[r0:r1], weight[c0:c1].T, out=_tile(buf, r1 - r0, c1 - c0))  # (n, v)
                 chunk_stats(logits, targets[r0:r1], part, c0, inv_t, use_triton)
         del buf
         logp, entropy, lse, ez = finish_stats(state, targets)
         ctx.save_for_backward(hidden, weight, targets, lse, ez)
-        ctx.inv_t, ctx.use_triton, ctx.chunk_bytes = inv_t, use_triton, chunk_bytes
+        ctx.inv_t, ctx.use_triton, ctx.chunk_bytes, ctx.fuse = inv_t, use_triton, chunk_bytes, fuse
         return logp, entropy
 
     @staticmethod
@@ -102,9 +212,12 @@ class _LinearLogprobEntropy(torch.autograd.Function):
             acc = torch.zeros(r1 - r0, H, dtype=torch.float32, device=hidden.device) if need_h else None
             for c0, c1 in cols:
                 w = weight[c0:c1]                                  # (v, H)
-                g = torch.mm(h, w.T, out=_tile(buf, r1 - r0, c1 - c0))  # (n, v) logits, then their gradient
-                chunk_grad(g, g, targets[r0:r1], lse[r0:r1], ez[r0:r1], g_logp[r0:r1],
-                           None if g_ent is None else g_ent[r0:r1], c0, ctx.inv_t, ctx.use_triton)
+                g = _tile(buf, r1 - r0, c1 - c0)                   # (n, v) d loss / d logits
+                rows_of = (targets[r0:r1], lse[r0:r1], ez[r0:r1], g_logp[r0:r1], None if g_ent is None else g_ent[r0:r1])
+                if ctx.fuse:
+                    fused_tile_grad(h, w, g, *rows_of, c0, ctx.inv_t)
+                else:                                              # logits through cuBLAS, then in place
+                    chunk_grad(torch.mm(h, w.T, out=g), g, *rows_of, c0, ctx.inv_t, ctx.use_triton)
                 if need_h:
                     _addmm_f32(acc, g, w)                          # (n, H)
                 if need_w:
@@ -116,11 +229,12 @@ class _LinearLogprobEntropy(torch.autograd.Function):
                 grad_h[r0:r1] = acc
         if need_w and grad_w.dtype != weight.dtype:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def linear_logprob_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
-                           use_triton: bool = True, chunk_bytes: int = CHUNK_BYTES) -> tuple[Tensor, Tensor]:
+                           use_triton: bool = True, chunk_bytes: int = CHUNK_BYTES,
+                           fuse_matmul: bool = False) -> tuple[Tensor, Tensor]:
     """hidden (..., H), weight (V, H), targets (...) -> (logp, entropy) float32, shaped like targets."""
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden (..., H) and weight (V, H) do not match: {tuple(hidden.shape)} vs {tuple(weight.shape)}")
@@ -135,12 +249,12 @@ def linear_logprob_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, temp
     keep = (targets >= 0).nonzero().squeeze(1)                     # (M,) padded tokens cost no matmul
     if keep.numel() == targets.numel():
         logp, ent = _LinearLogprobEntropy.apply(hidden.contiguous(), weight.contiguous(), targets.contiguous(),
-                                                float(temperature), use_triton, chunk_bytes)
+                                                float(temperature), use_triton, chunk_bytes, fuse_matmul)
         return logp.view(shape), ent.view(shape)
     logp = hidden.new_zeros(targets.shape, dtype=torch.float32)
     ent = torch.zeros_like(logp)
     if keep.numel():
         lp, en = _LinearLogprobEntropy.apply(hidden[keep], weight.contiguous(), targets[keep].contiguous(),
-                                             float(temperature), use_triton, chunk_bytes)
+                                             float(temperature), use_triton, chunk_bytes, fuse_matmul)
         logp, ent = logp.index_put((keep,), lp), ent.index_put((keep,), en)
     return logp.view(shape), ent.view(shape)

@@ -4,7 +4,7 @@ Pick them in the config as `rewards=name[:weight],name[:weight]`; the total rewa
 Each module below registers its functions on import; a new reward family is one new file plus one line here.
 """
 from registry import RegistryError
-from rewards import task  # noqa: F401  (the embedded arithmetic verifier)
+from rewards import code, format, k12, math, reward_model, task  # noqa: F401  (each registers its rewards)
 
 
 def parse_spec(spec: str) -> list[tuple[str, float]]:
@@ -18,4 +18,20 @@ def parse_spec(spec: str) -> list[tuple[str, float]]:
             raise RegistryError(f"reward weight in {part!r} is not a number")
     if not out:
         raise RegistryError("no reward given: set rewards=name[:weight],...")
+    return out
+
+
+def parse_reward_args(spec: str, rewards: list[tuple[str, float]]) -> dict[str, dict]:
+    """'code.wall_s=5,reward_model.path=/x' -> {'code': {'wall_s': 5}, 'reward_model': {'path': '/x'}}."""
+    import yaml
+    out: dict[str, dict] = {}
+    names = {name for name, _ in rewards}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, eq, value = part.partition("=")
+        name, dot, arg = key.partition(".")
+        if not (eq and dot and arg):
+            raise RegistryError(f"reward_args entry {part!r} must look like reward.arg=value")
+        if name not in names:
+            raise RegistryError(f"reward_args names reward {name!r}, which is not in rewards ({', '.join(sorted(names))})")
+        out.setdefault(name, {})[arg] = yaml.safe_load(value)
     return out

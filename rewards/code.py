@@ -1,0 +1,77 @@
+"""Code reward: run the completion's program against test cases in the sandbox; reward = fraction passed.
+
+    from registry import get
+    code = get("reward", "code")
+    code(prompt, completion, tests=[{"input": "1 2\\n", "output": "3"}])     # stdin -> stdout cases
+    code(prompt, completion, asserts=["assert add(1, 2) == 3"])             # function-style cases
+    score, reasons = evaluate(completion, tests=..., asserts=...)          # the reasons behind a score
+
+Sample fields: `tests` (list of {"input", "output"} dicts, or the same list as a JSON string, as many
+parquet datasets store it) and/or `asserts` (list of Python statements run after the program).
+The program is the last fenced ```python block of the completion (or the whole completion when it has
+no fence). Each test case runs in its own sandbox (rewards/sandbox.py: namespaces, dedicated uid,
+rlimits, wall-time kill). Output matches when it equals the expected output after stripping trailing
+whitespace on each line and trailing blank lines.
+Give the reward pool a per-call timeout above (number of cases) x wall_s, or slow honest programs
+score 0 as pool timeouts. A case that times out ends the evaluation: the remaining cases count as failed (a program that loops
+on one input almost always loops on the next, and this keeps a hostile sample's cost at one time limit).
+"""
+import json
+import re
+
+from registry import register
+from rewards.sandbox import Limits, run
+
+FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(completion: str) -> str:
+    blocks = FENCE.findall(completion)
+    return blocks[-1] if blocks else completion
+
+
+def _norm(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.strip("\n").splitlines()).rstrip()
+
+
+def _cases(tests, asserts) -> list[tuple[str, str | None, str]]:
+    """-> [(stdin, expected stdout or None, statement to append)]"""
+    if isinstance(tests, str):
+        tests = json.loads(tests)
+    if isinstance(tests, dict) and "inputs" in tests:      # {"inputs": [...], "outputs": [...]} layout
+        tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"])]
+    cases = []
+    for t in tests or []:
+        if not isinstance(t, dict) or "input" not in t or "output" not in t:
+            raise ValueError(f"code reward: a test case must be a dict with 'input' and 'output', got {t!r:.80}")
+        cases.append((str(t["input"]), str(t["output"]), ""))
+    if isinstance(asserts, str):
+        asserts = [asserts]
+    cases += [("", None, a) for a in asserts or []]
+    if not cases:
+        raise ValueError("code reward: the sample has no 'tests' or 'asserts' field")
+    return cases
+
+
+def evaluate(completion: str, tests=None, asserts=None, limits: Limits | None = None) -> tuple[float, list[str]]:
+    """-> (fraction of cases passed, one reason per failed case)."""
+    cases = _cases(tests, asserts)
+    program = extract_code(completion)
+    passed, reasons = 0, []
+    for k, (stdin, expected, statement) in enumerate(cases):
+        r = run(program + ("\n\n" + statement + "\n" if statement else ""), stdin, limits)
+        if r.status == "ok" and (expected is None or _norm(r.stdout) == _norm(expected)):
+            passed += 1
+            continue
+        reasons.append(f"case {k}: " + (r.reason if r.status != "ok" else "wrong answer"))
+        if r.status == "timeout":
+            reasons.append(f"cases {k + 1}..{len(cases) - 1}: skipped after a timeout")
+            break
+    return passed / len(cases), reasons
+
+
+@register("reward", "code")
+def code_reward(prompt: str, completion: str, tests=None, asserts=None, wall_s: float = 5.0,
+                memory_mb: int = 512, **fields) -> float:
+    limits = Limits(wall_s=wall_s, cpu_s=max(1, int(wall_s)), memory_mb=memory_mb)
+    return evaluate(completion, tests, asserts, limits)[0]

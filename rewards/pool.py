@@ -1,0 +1,313 @@
+"""Overlapped reward execution: score a batch in worker processes while the trainer runs its forwards.
+
+    from rewards.pool import RewardPool
+    pool = RewardPool([("math", 1.0), ("format", 0.2)], workers=4, timeout_s=30)   # names from the registry
+    handle = pool.submit(prompts, completions, fields)     # returns at once; fields: one dict per sample
+    ref_logprobs = reference_forward(batch)                # ... overlaps with the scoring
+    rewards, info = handle.result()                        # rewards: float32 tensor (B,) of weighted sums
+    pool.close()                                           # or use `with RewardPool(...) as pool:`
+
+A spec is (name_or_fn, weight) or (name_or_fn, weight, kwargs), or a dict {"name", "weight", "args"}
+as it comes from YAML; kwargs are passed to every call (e.g. {"wall_s": 5} for the code reward).
+
+Per-sample rewards `fn(prompt, completion, **fields) -> float` run one call at a time in `workers`
+fresh Python processes (`python -c "from rewards.pool import serve; ..."`, like multiprocessing's
+"spawn": safe beside torch and CUDA, where forking the trainer is not; unlike it, a worker does not
+re-import the trainer's main script, so it starts in about a second and without torch). The functions
+travel by reference (module + name, with the trainer's sys.path), so any module-level function works,
+registered or not. Each call has a deadline of `timeout_s`: a call past it has its worker SIGKILLed
+(a code sandbox under it dies with it) and replaced. A call that raises, returns a non-finite value,
+times out, or kills its worker scores 0; the reason is kept in `info`.
+Batched rewards (a function with `fn.batched = True`, called as `fn(prompts, completions, fields,
+**kwargs) -> list[float]`, e.g. the learned reward model holding a GPU model) run on a thread of this
+process instead; a timeout there also scores 0, though the thread itself cannot be stopped.
+
+info = {"names": [...], "per_reward": {name: tensor (B,)}, "failures": {name: count},
+        "reasons": ["code[3]: timeout after 30s", ...], "metrics": {"reward/code": mean, "reward_fail/code": n}}
+"""
+import math
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection, wait
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _parse_spec(spec):
+    if isinstance(spec, dict):
+        unknown = set(spec) - {"name", "weight", "args"}
+        if unknown or "name" not in spec:
+            raise ValueError(f"reward spec {spec!r}: expected keys name, weight, args")
+        spec = (spec["name"], spec.get("weight", 1.0), spec.get("args") or {})
+    if not isinstance(spec, (tuple, list)) or len(spec) not in (2, 3):
+        raise ValueError(f"reward spec {spec!r}: expected (name, weight) or (name, weight, kwargs)")
+    target, weight, kwargs = (*spec, {})[:3]
+    if isinstance(target, str):
+        import registry
+        name, fn = target, registry.get("reward", target)
+    else:
+        name, fn = target.__name__, target
+    return name, float(weight), fn, dict(kwargs)
+
+
+def serve(fd: int):
+    """Worker loop: receive (sys.path, pickled rewards), then score one job at a time until told to stop."""
+    # Ctrl-C belongs to the trainer, which closes the pool; a worker dying on it would only add noise
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = Connection(fd)
+    try:
+        path, blob = conn.recv()
+        sys.path[:] = path
+        fns, kwargs = pickle.loads(blob)     # imports each reward's module
+    except BaseException:  # noqa: BLE001
+        conn.send(("error", traceback.format_exc(limit=3)))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):     # the trainer is gone
+            return
+        if job is None:
+            return
+        j, prompt, completion, fields = job
+        try:
+            value = float(fns[j](prompt, completion, **fields, **kwargs[j]))
+            err = None if math.isfinite(value) else f"non-finite value {value}"
+        except BaseException as e:      # noqa: BLE001  a reward must never take the worker down quietly
+            value, err = 0.0, f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        conn.send(("done", value if err is None else 0.0, err))
+
+
+class _Worker:
+    def __init__(self, blob: bytes):
+        ours, theirs = socket.socketpair()
+        code = f"import sys; sys.path.insert(0, {REPO!r}); from rewards.pool import serve; serve({theirs.fileno()})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send((sys.path, blob))
+        self.ready, self.job, self.deadline = False, None, math.inf
+
+
+class RewardHandle:
+    def __init__(self, pool, n: int):
+        self.pool, self.n = pool, n
+        R = len(pool.specs)
+        self.values = [[0.0] * R for _ in range(n)]   # (B, R)
+        self.errors: list[tuple[int, int, str]] = []
+        self.remaining = n * R
+        self.futures = []          # batched rewards: (j, future, deadline)
+        self.done_event = threading.Event()
+        if self.remaining == 0:
+            self.done_event.set()
+
+    def _set(self, i: int, j: int, value: float, err: str | None):
+        with self.pool.lock:
+            self.values[i][j] = value
+            if err:
+                self.errors.append((i, j, err))
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.done_event.set()
+
+    def done(self) -> bool:
+        return self.done_event.is_set()
+
+    def result(self):
+        """Block until every call finished or timed out -> (rewards (B,) float32 tensor, info)."""
+        import torch   # imported here so that spawned workers never pay for torch
+        futures, self.futures = self.futures, []    # a second result() call must not count them twice
+        for j, fut, deadline in futures:
+            try:
+                vals = [float(v) for v in fut.result(timeout=max(0.0, deadline - time.monotonic()))]
+                if len(vals) != self.n:
+                    raise ValueError(f"returned {len(vals)} values for {self.n} samples")
+            except BaseException as e:  # noqa: BLE001  including the timeout
+                why = f"timeout after {self.pool.timeout_s:g}s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+                vals = [why.splitlines()[0][:300]] * self.n
+            for i, v in enumerate(vals):
+                if isinstance(v, str):
+                    self._set(i, j, 0.0, v)
+                else:
+                    self._set(i, j, v if math.isfinite(v) else 0.0, None if math.isfinite(v) else f"non-finite value {v}")
+        self.done_event.wait()
+        names = [s[0] for s in self.pool.specs]
+        weights = torch.tensor([s[1] for s in self.pool.specs], dtype=torch.float32)      # (R,)
+        values = torch.tensor(self.values, dtype=torch.float32).view(self.n, len(names))  # (B, R)
+        failures = {name: 0 for name in names}
+        for _, j, _ in self.errors:
+            failures[names[j]] += 1
+        reasons = [f"{names[j]}[{i}]: {err}" for i, j, err in sorted(self.errors)]
+        metrics = {}
+        for j, name in enumerate(names):
+            metrics[f"reward/{name}"] = values[:, j].mean().item() if self.n else 0.0
+            metrics[f"reward_fail/{name}"] = float(failures[name])
+        info = {"names": names, "per_reward": {n: values[:, j] for j, n in enumerate(names)},
+                "failures": failures, "reasons": reasons, "metrics": metrics}
+        return values @ weights, info                                                   # (B,)
+
+
+class RewardPool:
+    def __init__(self, specs, workers: int = 2, timeout_s: float = 30.0):
+        if not specs:
+            raise ValueError("RewardPool needs at least one reward spec")
+        if workers < 1 or timeout_s <= 0:
+            raise ValueError(f"RewardPool: workers must be >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
+        self.specs = [_parse_spec(s) for s in specs]
+        names = [s[0] for s in self.specs]
+        # the same reward twice (say with other kwargs) gets a numbered name in info and metrics
+        self.specs = [(n if names.count(n) == 1 else f"{n}#{names[:j].count(n) + 1}", *rest)
+                      for j, (n, *rest) in enumerate(self.specs)]
+        self.timeout_s = timeout_s
+        self.lock = threading.Lock()
+        self.pending: deque = deque()                        # (handle, i, j, prompt, completion, fields)
+        self.per_sample = [j for j, s in enumerate(self.specs) if not getattr(s[2], "batched", False)]
+        batched = [j for j, s in enumerate(self.specs) if getattr(s[2], "batched", False)]
+        self.threads = ThreadPoolExecutor(max_workers=len(batched), thread_name_prefix="reward") if batched else None
+        fns = [s[2] if j in self.per_sample else None for j, s in enumerate(self.specs)]
+        self.blob = pickle.dumps((fns, [s[3] for s in self.specs]))   # fails here, early, if not picklable
+        self.workers = [_Worker(self.blob) for _ in range(workers if self.per_sample else 0)]
+        self.wake_r, self.wake_w = os.pipe()
+        self.closed = False
+        self.restarts, self.start_failures, self.broken = 0, 0, ""
+        self.dispatcher = threading.Thread(target=self._dispatch, name="reward-dispatch", daemon=True)
+        self.dispatcher.start()
+
+    # ------------------------------------------------------------------------------------ public
+    def submit(self, prompts: list[str], completions: list[str], fields: list[dict] | None = None) -> RewardHandle:
+        fields = fields if fields is not None else [{} for _ in prompts]
+        if not len(prompts) == len(completions) == len(fields):
+            raise ValueError(f"submit: {len(prompts)} prompts, {len(completions)} completions, {len(fields)} fields")
+        if self.closed:
+            raise RuntimeError("submit on a closed RewardPool")
+        h = RewardHandle(self, len(prompts))
+        for j, (_, _, fn, kw) in enumerate(self.specs):
+            if j not in self.per_sample and len(prompts):
+                fut = self.threads.submit(fn, list(prompts), list(completions), list(fields), **kw)
+                h.futures.append((j, fut, time.monotonic() + self.timeout_s))
+        with self.lock:
+            for i in range(len(prompts)):
+                for j in self.per_sample:
+                    self.pending.append((h, i, j, prompts[i], completions[i], fields[i]))
+        os.write(self.wake_w, b"x")
+        return h
+
+    def wait_ready(self, timeout: float = 60.0):
+        """Block until every worker has started (to keep start-up out of a measurement)."""
+        end = time.monotonic() + timeout
+        while not all(w.ready for w in self.workers) and time.monotonic() < end:
+            time.sleep(0.01)
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        os.write(self.wake_w, b"x")
+        self.dispatcher.join(timeout=10)
+        for w in self.workers:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+            w.conn.close()
+        if self.threads:
+            self.threads.shutdown(wait=False, cancel_futures=True)
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------------------ dispatcher
+    def _replace(self, k: int, why: str):
+        w = self.workers[k]
+        if w.job is not None:
+            h, i, j = w.job
+            h._set(i, j, 0.0, why)
+        w.proc.kill()          # no-op if it is already dead
+        w.proc.wait()
+        w.conn.close()
+        # a worker that dies before it is ready cannot import its rewards: stop retrying after a few
+        self.start_failures = 0 if w.ready else self.start_failures + 1
+        if self.start_failures >= 3:
+            self.broken = f"reward workers cannot start ({why})"
+        self.restarts += 1
+        self.workers[k] = None if self.broken else _Worker(self.blob)
+
+    def _dispatch(self):
+        try:
+            self._dispatch_loop()
+        except BaseException as e:  # noqa: BLE001  a bug here must not leave result() waiting forever
+            traceback.print_exc()
+            self.broken = f"reward dispatcher crashed: {type(e).__name__}: {e}"
+        finally:   # on close (or a crash) every unfinished call scores 0 with the reason
+            with self.lock:
+                jobs = [job[:3] for job in self.pending] + [w.job for w in self.workers if w.job]
+                self.pending.clear()
+                for w in self.workers:
+                    w.job = None
+            for h, i, j in jobs:
+                h._set(i, j, 0.0, self.broken or "reward pool closed")
+
+    def _dispatch_loop(self):
+        while not self.closed:
+            dead = []
+            with self.lock:
+                if self.broken:
+                    dead, self.pending = list(self.pending), deque()
+                for w in self.workers:
+                    if w.ready and w.job is None and self.pending:
+                        h, i, j, prompt, completion, fields = self.pending.popleft()
+                        w.job, w.deadline = (h, i, j), time.monotonic() + self.timeout_s
+                        try:
+                            w.conn.send((j, prompt, completion, fields))
+                        except OSError:     # it just died: the end-of-file below fails the job
+                            pass
+            for h, i, j, *_ in dead:
+                h._set(i, j, 0.0, self.broken)
+            now = time.monotonic()
+            timeout = max(0.0, min([w.deadline for w in self.workers if w.job] + [now + 1.0]) - now)
+            # a worker's death shows as end-of-file on its socket
+            ready = set(wait([self.wake_r] + [w.conn for w in self.workers], timeout=timeout))
+            if self.wake_r in ready:
+                os.read(self.wake_r, 4096)
+            for k, w in enumerate(self.workers):
+                if w.conn in ready:
+                    try:
+                        msg = w.conn.recv()
+                    except (EOFError, OSError):
+                        msg = None
+                    if msg is None:
+                        self._replace(k, f"worker died (exit code {w.proc.wait()})")
+                    elif msg[0] == "ready":
+                        w.ready = True
+                    elif msg[0] == "error":     # its rewards do not import: retrying will not help
+                        self.broken = "reward workers cannot start: " + msg[1].strip().splitlines()[-1]
+                        print(f"reward pool: a worker failed to start:\n{msg[1]}", file=sys.stderr)
+                        self._replace(k, self.broken)
+                    elif w.job is not None:
+                        h, i, j = w.job
+                        w.job, w.deadline = None, math.inf
+                        h._set(i, j, msg[1], msg[2])
+                elif w.job is not None and time.monotonic() > w.deadline:
+                    self._replace(k, f"timeout after {self.timeout_s:g}s")
+            self.workers = [w for w in self.workers if w is not None]

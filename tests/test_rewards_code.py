@@ -1,0 +1,225 @@
+"""Code reward and its sandbox: real programs, honest ones and hostile ones.
+
+Each hostile program is written so that it would PASS its test case if it escaped (it prints the secret,
+"connected", "written", ...), so reward 0 means containment, not merely a crash.
+"""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rewards.code import code_reward, evaluate, extract_code  # noqa: E402
+from rewards.sandbox import UID_BASE, Limits, capabilities, run  # noqa: E402
+
+LIM = Limits(wall_s=3.0, cpu_s=2)
+CAPS = capabilities()
+ADD = [{"input": "1 2\n", "output": "3\n"}, {"input": "-10 4\n", "output": "-6"}, {"input": "0 0\n", "output": "0"}]
+
+
+def sandbox_processes() -> list[int]:
+    """Host pids still running under a sandbox uid (there must be none after a run)."""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+        except (OSError, StopIteration):
+            continue
+        if uid >= UID_BASE:
+            left.append(int(pid))
+    return left
+
+
+def hostile(code: str, expected: str, max_s: float = LIM.wall_s + 2.0):
+    t0 = time.monotonic()
+    score, reasons = evaluate(code, tests=[{"input": "", "output": expected}], limits=LIM)
+    took = time.monotonic() - t0
+    assert score == 0.0, f"the hostile program escaped: {reasons}"
+    assert reasons and reasons[0].startswith("case 0: ")
+    assert took < max_s, f"took {took:.1f}s, limit {max_s}s"
+    assert sandbox_processes() == []
+    return reasons[0]
+
+
+# --------------------------------------------------------------------------------- honest programs
+
+def test_passing_program_scores_one():
+    completion = "Here you go:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```\nDone."
+    assert extract_code(completion).startswith("a, b =")
+    assert code_reward("", completion, tests=ADD) == 1.0
+
+
+def test_partly_wrong_program_scores_fraction():
+    score, reasons = evaluate("a, b = map(int, input().split())\nprint(abs(a) + b)", tests=ADD, limits=LIM)
+    assert score == pytest.approx(2 / 3)
+    assert reasons == ["case 1: wrong answer"]
+
+
+def test_crashing_program_scores_zero_with_the_error():
+    score, reasons = evaluate("raise ValueError('boom')", tests=ADD[:1], limits=LIM)
+    assert score == 0.0 and "ValueError: boom" in reasons[0]
+    score, reasons = evaluate("def f(:\n", tests=ADD[:1], limits=LIM)
+    assert score == 0.0 and "SyntaxError" in reasons[0]
+
+
+def test_asserts_and_json_string_tests():
+    prog = "def add(a, b):\n    return a + b\n"
+    assert code_reward("", prog, asserts=["assert add(1, 2) == 3", "assert add(2, 2) == 5"]) == 0.5
+    assert code_reward("", "print(int(input()) * 2)", tests='[{"input": "4", "output": "8"}]') == 1.0
+
+
+def test_missing_tests_is_a_named_error():
+    with pytest.raises(ValueError, match="no 'tests' or 'asserts'"):
+        code_reward("", "print(1)")
+
+
+# -------------------------------------------------------------------------------- hostile programs
+
+def test_infinite_loop_is_stopped():
+    reason = hostile("while True:\n    pass", "never")
+    assert "time limit" in reason
+
+
+def test_sleeping_forever_hits_the_wall_clock():
+    reason = hostile("import time\ntime.sleep(1000)", "never")
+    assert "wall time" in reason
+
+
+def test_fork_bomb_is_contained():
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    reason = hostile(bomb, "never")
+    assert "time limit" in reason
+
+
+def test_setsid_escape_dies_with_the_sandbox():
+    # a daemon that leaves the process group still lives in the PID namespace, which dies with its init
+    if not CAPS["pid_namespace"]:
+        pytest.skip("no PID namespace here: " + CAPS["probe"])
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')"
+    hostile(code, "never")
+
+
+def test_memory_bomb_is_contained():
+    reason = hostile("a = []\nwhile True:\n    a.append(bytearray(64 * 2**20))", "never")
+    assert "memory limit" in reason
+
+
+def test_disk_fill_is_contained():
+    one_big = "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * 2**20)"
+    assert "size limit" in hostile(one_big, "never")
+    many = ("i = 0\nwhile True:\n    with open(f'f{i}', 'wb') as f:\n        f.write(b'x' * 8 * 2**20)\n"
+            "    i += 1")
+    reason = hostile(many, "never")
+    assert "No space left" in reason or "size limit" in reason
+
+
+def test_environment_and_file_secrets_are_out_of_reach(tmp_path, monkeypatch):
+    import tempfile
+    secret = "hunter2-" + os.urandom(4).hex()
+    monkeypatch.setenv("REWARD_TEST_SECRET", secret)         # the trainer's environment
+    files = [tmp_path / "secret.txt"]                         # a private file under /tmp
+    if CAPS["dedicated_uid"]:      # a 0600 file outside /tmp is protected by the uid drop (root only)
+        fd, home_file = tempfile.mkstemp(dir=os.path.expanduser("~"), prefix=".reward-test-secret-")
+        os.close(fd)
+        files.append(home_file)
+    try:
+        for f in files:
+            with open(f, "w") as out:
+                out.write(secret)
+            os.chmod(f, 0o600)
+        code = f"""
+import glob, os
+found = [v for v in os.environ.values() if 'hunter2' in v]
+for p in glob.glob('/proc/*/environ') + ['/proc/{os.getpid()}/environ'] + {[str(f) for f in files]!r}:
+    try:
+        data = open(p, 'rb').read().decode('latin1')
+        found += [w for w in data.replace('=', ' ').split() if 'hunter2' in w]
+    except OSError:
+        pass
+print(found[0] if found else 'nothing found')
+"""
+        hostile(code, secret)
+    finally:
+        for f in files[1:]:
+            os.unlink(f)
+
+
+def test_writing_outside_the_workdir_is_contained(tmp_path):
+    # host-only places must refuse the write; the world-writable ones (/tmp, /var/tmp, /dev/shm, /run/lock)
+    # may accept it, but into the sandbox's private tmpfs: nothing may appear on the host either way
+    name = "escaped-" + os.urandom(4).hex()
+    host_only = [str(tmp_path / name), os.path.join(os.path.dirname(os.path.abspath(__file__)), name)]
+    shared = [os.path.join(d, name) for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock") if os.path.isdir(d)]
+    code = f"""
+written = []
+for p in {host_only + shared!r}:
+    try:
+        open(p, 'w').write('x')
+        written.append(p)
+    except OSError:
+        pass
+print('escaped' if set(written) & set({host_only!r}) else 'blocked')
+"""
+    hostile(code, "escaped")
+    assert [p for p in host_only + shared if os.path.exists(p)] == []
+
+
+def test_network_is_unreachable():
+    if not CAPS["network_namespace"]:
+        pytest.skip("no network namespace here: " + CAPS["probe"])
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.setblocking(False)
+    port = server.getsockname()[1]
+    code = f"""
+import socket
+try:
+    s = socket.create_connection(('127.0.0.1', {port}), timeout=1)
+    s.sendall(b'hello')
+    print('connected')
+except OSError as e:
+    print('blocked', e)
+"""
+    try:
+        hostile(code, "connected")
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    finally:
+        server.close()
+
+
+def test_killing_the_parent_and_everyone_fails():
+    bystander = subprocess.Popen(["sleep", "30"])       # kill(-1) from an unconfined root would take it
+    try:
+        code = f"""
+import os, signal
+for pid in (os.getppid(), {os.getpid()}, {bystander.pid}, 1, -1):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+print('killed')
+"""
+        hostile(code, "definitely not this")
+        assert bystander.poll() is None, "a process outside the sandbox was killed"
+    finally:
+        bystander.kill()
+        bystander.wait()
+    os.kill(os.getpid(), 0)   # and we are alive
+
+
+def test_output_flood_is_capped():
+    r = run("while True:\n    print('x' * 1000)", limits=LIM)
+    assert r.status == "output_limit" and len(r.stdout) <= LIM.output_chars
+
+
+def test_capabilities_report_is_honest():
+    caps = capabilities()
+    assert caps["probe"] == "ok"
+    if os.geteuid() == 0:
+        assert caps["dedicated_uid"], "running as root, the sandbox must drop to its own uid"

@@ -1,0 +1,161 @@
+"""The reward pool: weighted sums, failures that score 0 with a reason, real overlap with a forward pass."""
+import math
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rewards.pool import RewardPool  # noqa: E402
+# the rewards live in a module of their own: the workers import it by name, like any plugin
+from reward_fns import batched_len, flaky, length, matches, slow  # noqa: E402
+
+
+def test_weighted_sum_and_per_reward_values():
+    with RewardPool([(length, 0.5), (matches, 2.0)], workers=2, timeout_s=30) as pool:
+        h = pool.submit(["p"] * 3, ["ab", "42", "x"], [{"answer": "x"}, {"answer": "42"}, {"answer": "x"}])
+        rewards, info = h.result()
+    assert rewards.dtype == torch.float32 and rewards.shape == (3,)
+    assert rewards.tolist() == [1.0, 3.0, 2.5]
+    assert info["per_reward"]["matches"].tolist() == [0.0, 1.0, 1.0]
+    assert info["failures"] == {"length": 0, "matches": 0} and info["reasons"] == []
+    assert info["metrics"]["reward/length"] == pytest.approx(5 / 3)
+
+
+def test_failures_score_zero_with_reasons_and_the_pool_recovers():
+    t0 = time.monotonic()
+    with RewardPool([(flaky, 1.0)], workers=2, timeout_s=2.0) as pool:
+        rewards, info = pool.submit([""] * 5, ["ok", "boom", "nan", "hang", "die"]).result()
+        took = time.monotonic() - t0
+        assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+        assert info["failures"] == {"flaky": 4}
+        reasons = "\n".join(info["reasons"])
+        assert "flaky[1]: RuntimeError: cannot score this" in reasons
+        assert "flaky[2]: non-finite value nan" in reasons
+        assert "flaky[3]: timeout after 2s" in reasons
+        assert "flaky[4]: worker died (exit code 3)" in reasons
+        assert took < 15, f"a hung reward must cost about its timeout, took {took:.1f}s"
+        # replaced workers keep serving
+        rewards, info = pool.submit([""] * 4, ["ok"] * 4).result()
+        assert rewards.tolist() == [1.0] * 4 and pool.restarts == 2
+
+
+def test_a_reward_the_workers_cannot_import_scores_zero_with_the_reason():
+    import types
+    mod = types.ModuleType("only_in_the_trainer")        # exists in this process, not in a fresh one
+    exec("def ghost(prompt, completion, **f):\n    return 1.0", mod.__dict__)
+    sys.modules["only_in_the_trainer"] = mod
+    try:
+        with RewardPool([(mod.ghost, 1.0)], workers=1, timeout_s=30) as pool:
+            rewards, info = pool.submit(["a", "b"], ["c", "d"]).result()
+    finally:
+        del sys.modules["only_in_the_trainer"]
+    assert rewards.tolist() == [0.0, 0.0] and info["failures"] == {"ghost": 2}
+    assert "cannot start: ModuleNotFoundError" in info["reasons"][0]
+
+
+def test_kwargs_and_dict_specs_and_batched_rewards():
+    specs = [{"name": batched_len, "weight": 1.0, "args": {"scale": 10.0}}, (length, 1.0)]
+    with RewardPool(specs, workers=1, timeout_s=30) as pool:
+        rewards, info = pool.submit(["a", "b"], ["xyz", ""]).result()
+    assert rewards.tolist() == [33.0, 0.0]
+    assert info["names"] == ["batched_len", "length"]
+
+
+def test_bad_specs_are_named():
+    with pytest.raises(ValueError, match="expected keys name, weight, args"):
+        RewardPool([{"nmae": "math"}])
+    with pytest.raises(ValueError, match="2 prompts, 1 completions"):
+        with RewardPool([(length, 1.0)], workers=1) as pool:
+            pool.submit(["a", "b"], ["c"])
+
+
+def test_scoring_overlaps_a_forward_pass():
+    """A 1.5 s reward and a ~1.5 s forward pass take about the max of the two, not the sum."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+    x = torch.randn(256, 512)
+
+    def forward_for(seconds):
+        end = time.monotonic() + seconds
+        with torch.no_grad():
+            while time.monotonic() < end:
+                model(x)
+
+    with RewardPool([(slow, 1.0)], workers=2, timeout_s=30) as pool:
+        pool.wait_ready()
+        t0 = time.monotonic()
+        h = pool.submit(["", ""], ["1.5", "1.5"])
+        assert not h.done(), "submit must return before scoring finishes"
+        forward_for(1.5)
+        rewards, _ = h.result()
+        both = time.monotonic() - t0
+    assert rewards.tolist() == [1.0, 1.0]
+    print(f"overlap: reward 1.5 s + forward 1.5 s took {both:.2f} s")
+    assert both < 2.4, f"reward (1.5 s) + forward (1.5 s) took {both:.2f}s: not overlapped (sum would be 3.0)"
+
+
+def test_hostile_code_through_the_pool():
+    from rewards.code import code_reward
+    tests = {"tests": [{"input": "", "output": "1"}]}
+    with RewardPool([(code_reward, 1.0, {"wall_s": 2.0})], workers=2, timeout_s=20) as pool:
+        programs = ["print(1)", "while True: pass", "import os\nos.kill(os.getppid(), 9)", "print(2)"]
+        rewards, info = pool.submit([""] * 4, programs, [tests] * 4).result()
+    assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert info["failures"]["code_reward"] == 0       # a failing program is a score, not a reward failure
+
+
+def test_names_from_the_registry():
+    import registry
+    import rewards.format  # noqa: F401  (rewards/__init__.py imports these too; explicit so this test stands alone)
+    import rewards.math  # noqa: F401
+    try:
+        registry.load_plugins()
+    except ImportError as e:
+        pytest.skip(f"plugin modules not all importable yet: {e}")
+    with RewardPool([("math", 1.0), ("format", 0.5)], workers=1, timeout_s=60) as pool:
+        total, info = pool.submit(["q"], ["<think>2+2</think><answer>\\boxed{4}</answer>"], [{"answer": "4"}]).result()
+    assert info["reasons"] == [] and math.isclose(total.item(), 1.5)
+
+
+def test_closing_with_calls_in_flight_scores_them_zero():
+    pool = RewardPool([(slow, 1.0)], workers=1, timeout_s=30)
+    h = pool.submit(["", ""], ["5", "5"])
+    pool.close()
+    rewards, info = h.result()
+    assert rewards.tolist() == [0.0, 0.0] and info["failures"] == {"slow": 2}
+    assert all("reward pool closed" in r for r in info["reasons"])
+
+
+def bad_batched(prompts, completions, fields):
+    return [1.0] * (len(prompts) - 1) + ["not a number"]
+
+
+bad_batched.batched = True
+
+
+def test_a_broken_batched_reward_and_repeated_names():
+    with RewardPool([(bad_batched, 1.0), (length, 1.0), (length, 2.0)], workers=1, timeout_s=30) as pool:
+        h = pool.submit(["a", "b"], ["xy", "z"])
+        rewards, info = h.result()
+        again, _ = h.result()
+    assert rewards.tolist() == [6.0, 3.0] and again.tolist() == rewards.tolist()
+    assert info["names"] == ["bad_batched", "length#1", "length#2"]
+    assert info["failures"]["bad_batched"] == 2 and "could not convert" in info["reasons"][0]
+
+
+def test_a_pool_timeout_takes_the_sandbox_down_with_the_worker():
+    from rewards.code import code_reward
+    from test_rewards_code import sandbox_processes
+    spec = (code_reward, 1.0, {"wall_s": 60.0})             # the sandbox alone would wait a minute
+    with RewardPool([spec], workers=1, timeout_s=2.0) as pool:
+        t0 = time.monotonic()
+        rewards, info = pool.submit([""], ["while True:\n    pass"], [{"tests": [{"input": "", "output": "1"}]}]).result()
+        took = time.monotonic() - t0
+    assert rewards.tolist() == [0.0] and info["reasons"] == ["code_reward[0]: timeout after 2s"] and took < 6
+    deadline = time.monotonic() + 5                       # PR_SET_PDEATHSIG: the launcher dies with the worker
+    while sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sandbox_processes() == []
