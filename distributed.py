@@ -79,7 +79,8 @@ def all_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-SUMMED = ("tokens_per_s", "reward_fail")   # totals over ranks (reward_fail/*: counts); time/*: the slowest rank; the rest: mean
+# totals over ranks (reward_fail/* are counts); time/* takes the slowest rank; the rest: the mean
+SUMMED = ("tokens_per_s", "reward_fail")
 
 
 def reduce_metrics(row: dict) -> dict:

@@ -161,7 +161,8 @@ def main(argv: list[str]) -> dict:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     generator = torch.Generator().manual_seed(cfg.seed)   # data order and mini-batch shuffles (CPU)
-    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1_000_003 * rank)   # token sampling, per rank
+    # token sampling: one stream per rank (rank 0's is the one-process stream)
+    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1_000_003 * rank)
 
     # --- run directory ---
     run_dir = cfg.out_dir or os.path.join("runs", f"{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -169,7 +170,8 @@ def main(argv: list[str]) -> dict:
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
         import yaml
-        write_atomic(os.path.join(run_dir, "config.yaml"), yaml.safe_dump({**to_dict(cfg), "git": git_state()}, sort_keys=False))
+        write_atomic(os.path.join(run_dir, "config.yaml"),
+                     yaml.safe_dump({**to_dict(cfg), "git": git_state()}, sort_keys=False))
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(run_dir)
         metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
