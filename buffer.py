@@ -102,3 +102,7 @@ class OnPolicyBuffer:
 
     def clear(self):
         self.batches.clear()
+
+    def end_step(self):
+        """The loop calls this after each update phase: on-policy samples serve their own step only."""
+        self.clear()

@@ -15,6 +15,7 @@ import yaml
 
 from data import ArithmeticConfig
 from data_files import DataFilesConfig
+from replay import ReplayConfig
 
 
 class UserError(Exception):
@@ -55,6 +56,7 @@ class Config:
     reward_args: str = opt("", "keyword arguments for reward plugins: 'code.wall_s=5,reward_model.path=/x'")
     reward_workers: int = opt(2, "reward worker processes (rewards run there, overlapped with the log-prob forwards)")
     reward_timeout_s: float = opt(30.0, "per-call reward time limit; a call past it scores 0 with a recorded reason")
+    replay: ReplayConfig = opt(ReplayConfig(), "replay buffer (off by default: on-policy)")
     # how long and how big
     steps: int = opt(60, "RL steps (one step = rollout + score + update + sync)")
     prompts_per_step: int = opt(32, "prompts sampled per step")
@@ -66,12 +68,16 @@ class Config:
     lr: float = opt(1e-4, "AdamW learning rate")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float = opt(1.0, "max global grad norm (0 = off)")
+    max_bad_updates: int = opt(5, "stop (with a checkpoint) after this many updates in a row with a non-finite "
+                                  "loss or gradient; each one is skipped")
     warmup_steps: int = opt(0, "linear LR warm-up steps")
     # evaluation, logging, saving
     eval_every: int = opt(10, "held-out evaluation every N steps (and at start and end)")
     eval_size: int = opt(200, "held-out prompts per evaluation (0 = all)")
     eval_temperature: float = opt(0.0, "temperature for held-out evaluation (0 = greedy)")
     save_every: int = opt(0, "save a checkpoint every N steps (0 = only at the end)")
+    keep_checkpoints: int = opt(3, "keep the newest N checkpoints in <out_dir>/checkpoints (0 = all)")
+    resume: str = opt("", "continue from a checkpoint dir, or a run dir's newest one (so does an out_dir holding one)")
     out_dir: str = opt("", "run directory (default: runs/<algo>-<time>)")
     seed: int = opt(0, "seed for data order, sampling and init")
     device: str = opt("auto", "auto, cpu, cuda or cuda:N")

@@ -19,11 +19,13 @@ import time
 import torch
 from tqdm import tqdm
 
+import checkpoint
 import distributed
 import registry
-from buffer import Experience, OnPolicyBuffer
+from buffer import Experience
 from config import Config, UserError, parse, to_dict
 from models import completion_logprobs, context_length, encode_prompts, load_model
+from replay import make_buffer
 from rewards import parse_reward_args, parse_spec
 from rewards.pool import RewardPool
 from rollout import SamplingParams
@@ -112,7 +114,7 @@ def save_plot(run_dir: str, rows: list[dict]):
 
 
 def main(argv: list[str]) -> dict:
-    cfg = parse(argv)
+    cfg, resume_from = checkpoint.resolve_resume(parse(argv), argv)   # resume=<dir>, or out_dir holds a checkpoint
     rank, world = distributed.init(cfg.offload)        # (0, 1) unless launched by torchrun; see distributed.py
     if world > 1 and distributed.check(cfg.prompts_per_step, cfg.algo.minibatch_size):
         raise UserError(distributed.check(cfg.prompts_per_step, cfg.algo.minibatch_size))
@@ -166,22 +168,34 @@ def main(argv: list[str]) -> dict:
 
     # --- run directory ---
     run_dir = cfg.out_dir or os.path.join("runs", f"{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    writer = metrics_file = None   # dist: rank 0 alone writes the run directory
-    if rank == 0:
+    if rank == 0:   # dist: rank 0 alone writes the run directory
         os.makedirs(run_dir, exist_ok=True)
         import yaml
         write_atomic(os.path.join(run_dir, "config.yaml"),
                      yaml.safe_dump({**to_dict(cfg), "git": git_state()}, sort_keys=False))
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(run_dir)
-        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+    from torch.utils.tensorboard import SummaryWriter
+    try:
+        buffer = make_buffer(cfg, run_dir, resume=bool(resume_from))
+    except ValueError as e:
+        raise UserError(str(e))
+    # evaluation samples from its own generator: it never shifts the training RNG streams
+    eval_gen = lambda: torch.Generator(device=device).manual_seed(cfg.seed + 2)
     rows: list[dict] = []
-
-    start = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, sample_gen)
-    print0(f"step 0: held-out accuracy {start['eval/accuracy']:.3f} (reward {start['eval/reward']:.3f})")
-    order, cursor = torch.randperm(len(train_set), generator=generator), 0
-    buffer = OnPolicyBuffer()
-    bar = tqdm(range(1, cfg.steps + 1), disable=not cfg.progress or int(os.environ.get("RANK", "0")) != 0,
+    first_step, version, bad_updates = 1, 0, 0      # version: optimizer updates applied so far, in RL steps
+    if resume_from:   # --- exact resume: weights, optimizer, schedule, buffer, RNGs, data position, logs ---
+        s = checkpoint.load(resume_from, policy, optimizer, schedule, buffer, {"data": generator, "sample": sample_gen})
+        first_step, version, order, cursor, start, rows = s["step"] + 1, s["version"], s["order"], s["cursor"], \
+            s["extra"]["start"], s["rows"]
+        engine.load_weights(distributed.sync_weights(policy))
+    else:
+        start = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, eval_gen())
+        print0(f"step 0: held-out accuracy {start['eval/accuracy']:.3f} (reward {start['eval/reward']:.3f})")
+        order, cursor = torch.randperm(len(train_set), generator=generator), 0
+    writer = metrics_file = None
+    if rank == 0:
+        writer = SummaryWriter(run_dir, purge_step=first_step)   # purge: a resumed run overwrites later events
+        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume_from else "w")   # no stale rows
+    bar = tqdm(range(first_step, cfg.steps + 1), disable=not cfg.progress or int(os.environ.get("RANK", "0")) != 0,
                dynamic_ncols=True)
     t_run = time.perf_counter()
     for step in bar:
@@ -193,6 +207,7 @@ def main(argv: list[str]) -> dict:
         cursor += len(idx)
         idx = distributed.share(idx)   # dist: this rank's prompts (whole groups)
         rollout = engine.generate([train_ids[i] for i in idx], cfg.samples_per_prompt, sampling, sample_gen)
+        checkpoint.crash_point("rollout", step)
         times["time/rollout"] = time.perf_counter() - t0
 
         # 2. score in the reward workers, overlapped with the log-prob forwards of step 3
@@ -207,7 +222,7 @@ def main(argv: list[str]) -> dict:
         C = rollout.completion_mask.shape[1]
         old_logprobs = ref_logprobs = None
         with torch.no_grad():
-            if updates_per_step > 1:   # the policy moves between mini-batches: keep the pre-update log-probs
+            if updates_per_step > 1 or cfg.replay.enabled:   # the policy moves before (re)use: keep these log-probs
                 old_logprobs = completion_logprobs(policy, ids, attn, C, cfg.temperature)[0].cpu()
             if reference is not None:
                 ref_logprobs = completion_logprobs(reference, ids, attn, C, cfg.temperature)[0].cpu()
@@ -220,7 +235,7 @@ def main(argv: list[str]) -> dict:
         batch = Experience(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
                            completion_mask=rollout.completion_mask, sample_logprobs=rollout.logprobs,
                            rewards=rewards, group_ids=rollout.group_ids,
-                           versions=torch.full_like(rewards, step - 1, dtype=torch.long), truncated=rollout.truncated,
+                           versions=torch.full_like(rewards, version, dtype=torch.long), truncated=rollout.truncated,
                            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
         batch.advantages = algo.advantages(batch, cfg.algo)
 
@@ -228,7 +243,7 @@ def main(argv: list[str]) -> dict:
         t0 = time.perf_counter()
         buffer.add(batch)
         stats: dict[str, list[float]] = {}
-        mismatch = []
+        mismatch, skipped, applied = [], 0, 0
         for mb in buffer.minibatches(mb_size, cfg.algo.epochs, generator, group_size=cfg.samples_per_prompt):
             mb = mb.to(device)
             logp, entropy = completion_logprobs(policy, mb.input_ids, mb.attention_mask, C, cfg.temperature)
@@ -237,13 +252,26 @@ def main(argv: list[str]) -> dict:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
-            optimizer.step()
-            schedule.step()
             mismatch.append(((logp.detach() - mb.sample_logprobs).abs() * mb.completion_mask).sum().item()
                             / mb.completion_mask.sum().clamp(min=1).item())
             for k, v in {**m, "loss": loss.item(), "grad_norm": distributed.grad_norm_value(grad_norm)}.items():
                 stats.setdefault(k, []).append(v)
-        buffer.clear()
+            finite = torch.tensor(float(math.isfinite(stats["loss"][-1]) and math.isfinite(stats["grad_norm"][-1])),
+                                  device=device)
+            if torch.distributed.is_initialized():   # every rank must skip together or its shard drifts
+                torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+            if not finite.item():   # skip this update, keep the run
+                bad_updates, skipped = bad_updates + 1, skipped + 1
+                print0(f"step {step}: non-finite loss or gradient, update skipped ({bad_updates} in a row)")
+                if bad_updates >= cfg.max_bad_updates:
+                    break
+                continue
+            optimizer.step()
+            schedule.step()
+            bad_updates, applied = 0, applied + 1
+            checkpoint.crash_point("update", step)
+        buffer.end_step()
+        version += applied > 0          # a new policy exists only if some update went through
         times["time/update"] = time.perf_counter() - t0
 
         # 5. sync the new weights into the engine, in place
@@ -259,11 +287,11 @@ def main(argv: list[str]) -> dict:
                "logprob_mismatch": sum(mismatch) / len(mismatch),
                "completion_len": batch.completion_mask.sum(-1).mean().item(),
                "truncated_frac": batch.truncated.float().mean().item(),
-               "lr": schedule.get_last_lr()[0], **reward_info["metrics"], **times}
+               "lr": schedule.get_last_lr()[0], "skipped_updates": skipped, **reward_info["metrics"], **times}
         row["tokens_per_s"] = n_tokens / sum(times.values())
         row = distributed.reduce_metrics(row)   # dist: means over ranks (tokens_per_s: the sum)
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            row.update(evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, sample_gen))
+            row.update(evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, eval_gen()))
         rows.append(row)
         if rank == 0:
             metrics_file.write(json.dumps(row) + "\n")
@@ -272,6 +300,15 @@ def main(argv: list[str]) -> dict:
                 if k != "step":
                     writer.add_scalar(k if "/" in k else f"train/{k}", v, step)
         bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row.get('eval/accuracy', float('nan')):.3f}")
+
+        # 7. checkpoint: the whole state, at the end of a step (checkpoint.py)
+        stop = bad_updates >= cfg.max_bad_updates
+        if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            saved = checkpoint.save(run_dir, cfg, step, version, policy, optimizer, schedule, buffer,
+                                    {"data": generator, "sample": sample_gen}, order, cursor, {"start": start})
+        if stop:
+            raise UserError(f"{bad_updates} updates in a row had a non-finite loss or gradient (last at step {step}); "
+                            f"stopped with a checkpoint in {saved}")
 
     wall = time.perf_counter() - t_run
     pool.close()

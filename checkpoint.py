@@ -1,0 +1,244 @@
+"""Checkpoints of the whole training state, and exact resume.
+
+    python train.py save_every=10 out_dir=runs/a                 # runs/a/checkpoints/step_000010, ... (newest 3 kept)
+    python train.py resume=runs/a                                # continue from the run's newest checkpoint
+    python train.py resume=runs/a/checkpoints/step_000020        # continue from that one (newer ones are removed)
+    python train.py out_dir=runs/a                               # a run directory with a checkpoint resumes by itself
+    python train.py resume=runs/a steps=200                      # command-line keys override the saved config
+
+One checkpoint is one directory; every file is readable without this code:
+    model.safetensors      the policy's full (unsharded) state dict; tied tensors stored once (meta "aliases")
+    optimizer.safetensors  optimizer state tensors by "<param name>/<key>" (exp_avg, ...); hyper-parameters in meta
+    rank_state.safetensors per-rank state under "rank<r>/": torch/CUDA RNG, the loop's generators, the data order,
+                           the replay buffer's contents
+    config.yaml            the resolved config (what `resume` starts from)
+    meta.json              step, policy version, data cursor, LR schedule, python/numpy RNG, byte lengths of
+                           metrics.jsonl and replay logs at save time, ... (`written last`)
+It is written under `step_N.tmp/` and renamed (atomic), so a crash mid-write leaves the previous checkpoint
+intact; old checkpoints are renamed to `.del` before removal for the same reason. On resume, metrics.jsonl and
+the replay log are truncated to their saved lengths, so no step appears twice.
+
+Distributed: every rank joins the collectives (full state dicts, gathering per-rank state); rank 0 alone writes;
+every rank loads the files (a shared filesystem is assumed) and keeps its own rank's part.
+Kill points for tests: RL_CRASH_AT=<point>:<step> makes the process SIGKILL itself at `crash_point(point, step)`.
+"""
+import json
+import os
+import random
+import re
+import shutil
+import signal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from config import UserError, parse, to_dict
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def crash_point(point: str, step: int):
+    """Test hook: SIGKILL this process when RL_CRASH_AT names this point and step (e.g. 'update:3')."""
+    if os.environ.get("RL_CRASH_AT") == f"{point}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def latest(run_dir: str) -> str | None:
+    """The newest complete checkpoint directory of a run, or None."""
+    root = os.path.join(run_dir, "checkpoints")
+    steps = sorted(int(m.group(1)) for m in map(STEP_DIR.match, os.listdir(root) if os.path.isdir(root) else []) if m)
+    done = [s for s in steps if os.path.exists(os.path.join(root, f"step_{s:06d}", "meta.json"))]
+    return os.path.join(root, f"step_{done[-1]:06d}") if done else None
+
+
+def resolve_resume(cfg, argv: list[str]):
+    """-> (cfg, checkpoint dir or None). On resume the config is the checkpoint's, overridden by argv."""
+    if cfg.resume:
+        path = os.path.expanduser(cfg.resume)
+        ckpt = path if os.path.exists(os.path.join(path, "meta.json")) else latest(path)
+        if ckpt is None:
+            raise UserError(f"resume='{cfg.resume}' is neither a checkpoint nor a run directory holding one")
+    else:
+        ckpt = latest(cfg.out_dir) if cfg.out_dir else None
+        if ckpt is None:
+            return cfg, None
+    ckpt = os.path.abspath(ckpt)
+    run_dir = os.path.dirname(os.path.dirname(ckpt))
+    if cfg.out_dir and os.path.abspath(cfg.out_dir) != run_dir:
+        raise UserError(f"resume continues in the checkpoint's own run directory {run_dir}; "
+                        f"out_dir={cfg.out_dir} differs (drop out_dir)")
+    saved = parse(["--config", os.path.join(ckpt, "config.yaml")])
+    new = parse(["--config", os.path.join(ckpt, "config.yaml"), *argv])
+    new.out_dir, new.resume = run_dir, ckpt
+    changed = {k: (v, to_dict(new)[k]) for k, v in to_dict(saved).items()
+               if k not in ("out_dir", "resume") and to_dict(new)[k] != v}
+    if int(os.environ.get("RANK", "0")) == 0:   # called before torch.distributed starts
+        print(f"resuming from {ckpt}" + "".join(f"; {k}: {a} -> {b}" for k, (a, b) in changed.items()), flush=True)
+    return new, ckpt
+
+
+def _fsync_dir(path: str):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: str):
+    """Remove a checkpoint directory so that a crash midway never leaves a half-deleted one under its name."""
+    if os.path.exists(path):
+        os.replace(path, path + ".del")
+        shutil.rmtree(path + ".del")
+
+
+def _clean(root: str):
+    for name in os.listdir(root):   # leftovers of a crash while writing or deleting
+        if name.endswith((".tmp", ".del")):
+            shutil.rmtree(os.path.join(root, name))
+
+
+def _dedupe(sd: dict) -> tuple[dict, dict]:
+    """safetensors refuses tensors that share memory (tied embeddings): store each storage once."""
+    out, aliases, seen = {}, {}, {}
+    for k, v in sd.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if key in seen:
+            aliases[k] = seen[key]
+        else:
+            seen[key], out[k] = k, v.contiguous()
+    return out, aliases
+
+
+def _rng_state(generators: dict) -> dict:
+    state = {"torch": torch.get_rng_state(), **{f"gen.{k}": g.get_state() for k, g in generators.items()}}
+    if torch.cuda.is_available():
+        state.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return state
+
+
+def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule, buffer, generators: dict,
+         order: torch.Tensor, cursor: int, extra: dict) -> str | None:
+    """Write checkpoints/step_<step>/ (all ranks call this; rank 0 writes). Returns the directory on rank 0."""
+    rank, world = _rank_world()
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(policy, options=opts)                    # collective under FSDP
+    optim_sd = get_optimizer_state_dict(policy, optimizer, options=opts)
+    mine = {f"rng.{k}": v for k, v in _rng_state(generators).items()}
+    mine["order"] = order
+    buffer_meta = None
+    if hasattr(buffer, "state_dict"):
+        tensors, buffer_meta = buffer.state_dict()
+        mine.update({f"buffer.{k}": v for k, v in tensors.items()})
+    per_rank = [(mine, buffer_meta)]
+    if world > 1:
+        per_rank = [None] * world if rank == 0 else None
+        dist.gather_object((mine, buffer_meta), per_rank, dst=0)
+    out = None
+    if rank == 0:
+        root = os.path.join(run_dir, "checkpoints")
+        os.makedirs(root, exist_ok=True)
+        _clean(root)
+        out, tmp = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f"step_{step:06d}.tmp")
+        os.makedirs(tmp)
+        weights, aliases = _dedupe(model_sd)
+        save_file(weights, os.path.join(tmp, "model.safetensors"))
+        crash_point("checkpoint", step)
+        tensors, scalars = {}, {}
+        for name, st in optim_sd["state"].items():
+            for k, v in st.items():
+                (tensors if torch.is_tensor(v) else scalars)[f"{name}/{k}"] = v
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, "optimizer.safetensors"))
+        save_file({f"rank{r}/{k}": v.contiguous() for r, (m, _) in enumerate(per_rank) for k, v in m.items()},
+                  os.path.join(tmp, "rank_state.safetensors"))
+        with open(os.path.join(tmp, "config.yaml"), "w") as f:
+            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        np_state = np.random.get_state()
+        meta = {"step": step, "version": version, "cursor": cursor, "world_size": world,
+                "aliases": aliases, "optimizer_param_groups": optim_sd["param_groups"],
+                "optimizer_scalars": scalars, "schedule": schedule.state_dict(),
+                "python_rng": random.getstate(), "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+                "metrics_bytes": os.path.getsize(metrics) if os.path.exists(metrics) else 0,
+                "buffer": [m for _, m in per_rank], "extra": extra}
+        with open(os.path.join(tmp, "meta.json"), "w") as f:   # written last: its presence marks a whole checkpoint
+            json.dump(meta, f)
+        for name in os.listdir(tmp):
+            with open(os.path.join(tmp, name), "rb") as f:
+                os.fsync(f.fileno())
+        _remove(out)                     # only when re-saving a step (e.g. the final save after a resume)
+        os.replace(tmp, out)
+        _fsync_dir(root)
+        done = sorted(int(m.group(1)) for m in map(STEP_DIR.match, os.listdir(root)) if m)
+        for s in done[:-cfg.keep_checkpoints] if cfg.keep_checkpoints > 0 else []:
+            _remove(os.path.join(root, f"step_{s:06d}"))
+    if world > 1:
+        dist.barrier()
+    return out
+
+
+def load(ckpt: str, policy, optimizer, schedule, buffer, generators: dict) -> dict:
+    """Restore everything save() wrote (every rank calls this). Returns step, version, order, cursor, extra, rows."""
+    rank, world = _rank_world()
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        meta = json.load(f)
+    if meta["world_size"] != world:
+        raise UserError(f"checkpoint {ckpt} was written by {meta['world_size']} ranks; this run has {world}")
+    opts = StateDictOptions(full_state_dict=True)
+    weights = load_file(os.path.join(ckpt, "model.safetensors"))
+    weights.update({k: weights[v] for k, v in meta["aliases"].items()})
+    try:
+        set_model_state_dict(policy, weights, options=opts)
+    except (RuntimeError, KeyError) as e:
+        raise UserError(f"checkpoint {ckpt} does not fit this model: {str(e).strip().splitlines()[0]}")
+    state: dict = {}
+    for key, v in {**load_file(os.path.join(ckpt, "optimizer.safetensors")), **meta["optimizer_scalars"]}.items():
+        name, k = key.rsplit("/", 1)
+        state.setdefault(name, {})[k] = v
+    set_optimizer_state_dict(policy, optimizer, {"state": state, "param_groups": meta["optimizer_param_groups"]},
+                             options=opts)
+    schedule.load_state_dict(meta["schedule"])
+
+    prefix = f"rank{rank}/"
+    mine = {k[len(prefix):]: v for k, v in load_file(os.path.join(ckpt, "rank_state.safetensors")).items()
+            if k.startswith(prefix)}
+    torch.set_rng_state(mine["rng.torch"])
+    for k, g in generators.items():
+        g.set_state(mine[f"rng.gen.{k}"])
+    cuda = [mine[f"rng.cuda.{i}"] for i in range(sum(k.startswith("rng.cuda.") for k in mine))]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate((meta["python_rng"][0], tuple(meta["python_rng"][1]), meta["python_rng"][2]))
+    n = meta["numpy_rng"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    if hasattr(buffer, "load_state_dict") and meta["buffer"][rank] is not None:   # else: replay switched on now
+        buffer.load_state_dict({k[7:]: v for k, v in mine.items() if k.startswith("buffer.")}, meta["buffer"][rank])
+
+    # the run continues from here: later checkpoints and logged steps belong to a future that is replayed
+    run_dir = os.path.dirname(os.path.dirname(ckpt))
+    if rank == 0:
+        root = os.path.join(run_dir, "checkpoints")
+        _clean(root)
+        for m in map(STEP_DIR.match, os.listdir(root)):
+            if m and int(m.group(1)) > meta["step"]:
+                print(f"removing checkpoint {m.group(0)}: it is newer than the one resumed", flush=True)
+                _remove(os.path.join(root, m.group(0)))
+        from replay import truncate
+        truncate(os.path.join(run_dir, "metrics.jsonl"), meta["metrics_bytes"])
+    if world > 1:
+        dist.barrier()
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    with open(metrics) if os.path.exists(metrics) else open(os.devnull) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {"step": meta["step"], "version": meta["version"], "order": mine["order"], "cursor": meta["cursor"],
+            "extra": meta["extra"], "rows": rows}

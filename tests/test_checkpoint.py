@@ -1,0 +1,201 @@
+"""Checkpoint/resume and the non-finite guard.
+
+The kill test SIGKILLs a training subprocess at named points (RL_CRASH_AT, see checkpoint.crash_point): during a
+rollout, in the middle of an update and in the middle of a checkpoint write. After each kill the checkpoint
+directory must be loadable; the run then resumes by itself (out_dir holds a checkpoint) and, on CPU with a fixed
+seed, must end with exactly the metrics, replay log and weights of an uninterrupted run.
+"""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import checkpoint
+import registry
+from algos import Algorithm, grpo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMING = ("time/", "tokens_per_s")
+
+
+def small_run(model_dir, out_dir, *extra) -> list[str]:
+    # replay on with |advantage| priority and two mini-batches per step: every piece of state matters
+    return [f"model={model_dir}", f"out_dir={out_dir}", "steps=6", "prompts_per_step=2", "samples_per_prompt=4",
+            "eval_every=3", "eval_size=8", "arithmetic.n_train=200", "arithmetic.n_eval=20", "save_every=1",
+            "keep_checkpoints=2", "algo.minibatch_size=4", "replay.enabled=true", "replay.priority=advantage",
+            "replay.max_uses=2", "replay.capacity=12", "threads=1", "progress=false", *extra]
+
+
+def run_train(args, crash_at=None):
+    env = {**os.environ, **({"RL_CRASH_AT": crash_at} if crash_at else {})}
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)} for line in f]
+
+
+def assert_checkpoints_whole(run_dir):
+    """Every checkpoint directory under its final name is complete and loads."""
+    root = os.path.join(run_dir, "checkpoints")
+    names = [n for n in os.listdir(root) if checkpoint.STEP_DIR.match(n)]
+    assert (checkpoint.latest(str(run_dir)) is not None) == bool(names)
+    for name in names:
+        d = os.path.join(root, name)
+        meta = json.load(open(os.path.join(d, "meta.json")))
+        assert f"step_{meta['step']:06d}" == name
+        for f in ("model.safetensors", "optimizer.safetensors", "rank_state.safetensors"):
+            assert load_file(os.path.join(d, f))
+    return sorted(names)
+
+
+def test_sigkill_anywhere_then_resume_is_exact(tmp_path, random_model_dir):
+    base, killed = tmp_path / "base", tmp_path / "killed"
+    r = run_train(small_run(random_model_dir, base))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    # killed while writing the first checkpoint: nothing to resume, the next run starts afresh (no stale rows)
+    r = run_train(small_run(random_model_dir, killed), crash_at="checkpoint:1")
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    assert assert_checkpoints_whole(killed) == [] and len(metrics(killed)) == 1
+    # each later run resumes from the newest checkpoint the previous one left (save_every=1)
+    for crash_at, expect in [("rollout:2", ["step_000001"]),
+                             ("update:4", ["step_000002", "step_000003"]),       # keep_checkpoints=2
+                             ("checkpoint:5", ["step_000003", "step_000004"])]:   # step_000005.tmp half written
+        r = run_train(small_run(random_model_dir, killed), crash_at=crash_at)
+        assert r.returncode == -signal.SIGKILL, (crash_at, r.stderr[-3000:])
+        assert assert_checkpoints_whole(killed) == expect, crash_at
+    assert os.path.isdir(killed / "checkpoints" / "step_000005.tmp")
+    assert len(metrics(killed)) == 5            # step 5 was logged, but its checkpoint never completed
+
+    r = run_train(small_run(random_model_dir, killed))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from" in r.stdout
+    assert metrics(killed) == metrics(base)     # same steps, once each, same numbers (timings aside)
+    assert (killed / "replay.jsonl").read_bytes() == (base / "replay.jsonl").read_bytes()
+    a, b = load_file(killed / "final" / "model.safetensors"), load_file(base / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert assert_checkpoints_whole(killed) == ["step_000005", "step_000006"]
+
+    # resume=<an older checkpoint> rewinds: later checkpoints go, steps 6.. run again, identically
+    r = run_train(small_run(random_model_dir, killed)[1:] + [f"resume={killed}/checkpoints/step_000005"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert metrics(killed) == metrics(base)
+
+
+def test_default_on_policy_resume_is_exact(tmp_path, random_model_dir):
+    args = lambda out: [f"model={random_model_dir}", f"out_dir={out}", "steps=4", "prompts_per_step=2",
+                        "samples_per_prompt=4", "eval_every=2", "eval_size=8", "arithmetic.n_train=200",
+                        "arithmetic.n_eval=20", "save_every=2", "algo.epochs=2", "threads=1", "progress=false"]
+    assert run_train(args(tmp_path / "base")).returncode == 0
+    r = run_train(args(tmp_path / "killed"), crash_at="update:3")   # second of two PPO epochs never runs
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    r = run_train(args(tmp_path / "killed"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert metrics(tmp_path / "killed") == metrics(tmp_path / "base")
+
+
+def test_resume_errors_are_one_line(tmp_path, random_model_dir):
+    r = run_train([f"model={random_model_dir}", f"resume={tmp_path}/nothing", "progress=false"])
+    assert r.returncode == 2 and r.stderr.strip() == \
+        f"error: resume='{tmp_path}/nothing' is neither a checkpoint nor a run directory holding one"
+
+
+def nan_algo(monkeypatch, bad_calls):
+    """GRPO whose loss (odd calls) or gradient (even calls) is non-finite on the given update numbers."""
+    calls = []
+
+    def loss_fn(new, batch, cfg):
+        loss, m = grpo.clipped_policy_loss(new, batch, cfg)
+        calls.append(1)
+        if bad_calls == "all" or len(calls) in bad_calls:
+            if len(calls) % 2:
+                loss = loss * float("nan")
+            else:   # finite value, NaN gradient: d sqrt(x)/dx is inf at 0, times d(x - x) = 0
+                s = new["logprobs"].sum()
+                loss = loss + torch.sqrt(s - s)
+        return loss, m
+    monkeypatch.setitem(registry._REGISTRY["algo"], "nan_test", Algorithm(grpo.grpo_advantages, loss_fn))
+
+
+def nan_run(model_dir, out_dir, *extra):
+    return [f"model={model_dir}", f"out_dir={out_dir}", "algo.name=nan_test", "steps=5", "prompts_per_step=2",
+            "samples_per_prompt=4", "eval_every=5", "eval_size=8", "arithmetic.n_train=200", "arithmetic.n_eval=20",
+            "max_bad_updates=3", "progress=false", *extra]
+
+
+def test_non_finite_updates_are_skipped_and_the_run_goes_on(tmp_path, random_model_dir, monkeypatch):
+    import train
+    nan_algo(monkeypatch, {2, 3})                 # steps 2 (NaN gradient) and 3 (NaN loss); one update per step
+    train.main(nan_run(random_model_dir, tmp_path / "run"))
+    rows = metrics(tmp_path / "run")
+    assert [r["skipped_updates"] for r in rows] == [0, 1, 1, 0, 0]
+    assert math.isfinite(rows[1]["loss"]) and math.isnan(rows[1]["grad_norm"]) and math.isnan(rows[2]["loss"])
+    weights = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert checkpoint.latest(str(tmp_path / "run")).endswith("step_000005")
+
+
+def test_too_many_non_finite_updates_stop_with_a_checkpoint(tmp_path, random_model_dir, monkeypatch):
+    import train
+    from config import UserError
+    nan_algo(monkeypatch, "all")
+    with pytest.raises(UserError, match=r"3 updates in a row had a non-finite loss or gradient \(last at step 3\); "
+                                        r"stopped with a checkpoint in .*step_000003"):
+        train.main(nan_run(random_model_dir, tmp_path / "run"))
+    assert [r["skipped_updates"] for r in metrics(tmp_path / "run")] == [1, 1, 1]
+    assert checkpoint.latest(str(tmp_path / "run")).endswith("step_000003")
+
+
+def _two_rank_worker(rank: int, init_file: str, run_dir: str):
+    """One of two gloo ranks: train a step, save (rank 0 writes), rebuild from scratch, load, compare."""
+    import torch.distributed as dist
+    from config import Config
+    from replay import ReplayBuffer, ReplayConfig
+    from test_replay import make_batch
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+        buf = ReplayBuffer(ReplayConfig(enabled=True), os.path.join(run_dir, f"replay.rank{rank}.jsonl"))
+        return model, opt, sched, buf, {"data": torch.Generator(), "sample": torch.Generator()}
+
+    model, opt, sched, buf, gens = build()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step(), sched.step()
+    buf.add(make_batch(2 + rank, version=rank, seed=rank))           # each rank holds its own samples
+    gens["sample"].manual_seed(100 + rank)
+    torch.rand(rank + 1, generator=gens["sample"])
+    torch.manual_seed(7 + rank)
+    order = torch.randperm(10 + rank)
+    written = checkpoint.save(run_dir, Config(), 3, 2, model, opt, sched, buf, gens, order, 5, {"start": {}})
+    assert (written is not None) == (rank == 0)                      # rank 0 alone writes
+    expect = {"sample": gens["sample"].get_state(), "torch": torch.get_rng_state(), "uid": buf.uid.clone(),
+              "params": [p.detach().clone() for p in model.parameters()], "lr": sched.get_last_lr()}
+
+    model, opt, sched, buf, gens = build()
+    s = checkpoint.load(os.path.join(run_dir, "checkpoints", "step_000003"), model, opt, sched, buf, gens)
+    assert s["step"] == 3 and s["version"] == 2 and s["cursor"] == 5 and len(s["order"]) == 10 + rank
+    assert torch.equal(gens["sample"].get_state(), expect["sample"])
+    assert torch.equal(torch.get_rng_state(), expect["torch"])
+    assert torch.equal(buf.uid, expect["uid"]) and len(buf) == 2 + rank
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), expect["params"]))
+    assert sched.get_last_lr() == expect["lr"] and len(opt.state) == 4
+    dist.destroy_process_group()
+
+
+def test_two_ranks_rank0_writes_every_rank_loads_its_own_state(tmp_path):
+    import torch.multiprocessing as mp
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
