@@ -44,12 +44,22 @@ class AlgoConfig:
 
 
 @dataclass
+class VLLMConfig:
+    gpu_memory_utilization: float = opt(0.4, "GPU memory share for vLLM (weights + KV cache); the trainer shares the card")
+    kv_cache_memory_bytes: int = opt(0, "KV cache size in bytes; 0 = 1 GiB on CPU, gpu_memory_utilization on GPU")
+    max_model_len: int = opt(0, "context length for vLLM; 0 = the model's")
+    enforce_eager: bool = opt(True, "no CUDA graphs / torch.compile: fast start")
+    sleep_level: int = opt(1, "vLLM sleep level on GPU: 1 = weights to CPU, 2 = discard (sync after wake)")
+
+
+@dataclass
 class Config:
     # what to train
     model: str = opt("assets/tiny-model", "local folder or hub id of a transformers causal LM")
     task: str = opt("arithmetic", "prompt source, by registered name; its settings are the section of that name")
     rewards: str = opt("arithmetic", "reward plugins with weights: 'name[:weight],name[:weight]'")
-    engine: str = opt("builtin", "rollout engine: builtin or vllm")
+    engine: str = opt("builtin", "rollout engine: builtin or vllm (pip install -r requirements-vllm.txt)")
+    vllm: VLLMConfig = opt(VLLMConfig(), "settings of engine=vllm")
     algo: AlgoConfig = opt(AlgoConfig(), "algorithm settings")
     arithmetic: ArithmeticConfig = opt(ArithmeticConfig(), "settings of the embedded arithmetic task")
     files: DataFilesConfig = opt(DataFilesConfig(), "settings of the file-based task (task=files: jsonl, parquet, HF folder)")

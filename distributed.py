@@ -79,7 +79,7 @@ def all_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-# totals over ranks (reward_fail/* are counts); time/* takes the slowest rank; the rest: the mean
+# totals over ranks (reward_fail/* are counts); time/* and */max take the largest; the rest: the mean
 SUMMED = ("tokens_per_s", "reward_fail")
 
 
@@ -98,7 +98,7 @@ def reduce_metrics(row: dict) -> dict:
             out[key] = vals[0]
         elif key.startswith(SUMMED):
             out[key] = sum(vals)
-        elif key.startswith("time/"):
+        elif key.startswith("time/") or key.endswith("/max"):
             out[key] = max(vals)
         else:
             out[key] = sum(vals) / len(vals)

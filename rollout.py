@@ -71,6 +71,19 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def logprob_mismatch(sample_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
+    """Mean and max |engine log-prob - trainer log-prob| over the completion tokens in mask. All (B, C).
+
+    Take trainer_logprobs from the weights the engine sampled with (before any optimizer step on this
+    batch): then any difference is numerics or a broken sync, not learning.
+    """
+    m = mask.bool()
+    diff = (sample_logprobs.float() - trainer_logprobs.detach().float().to(sample_logprobs.device)).abs()[m]
+    if diff.numel() == 0:
+        return {"logprob_mismatch/mean": 0.0, "logprob_mismatch/max": 0.0}
+    return {"logprob_mismatch/mean": diff.mean().item(), "logprob_mismatch/max": diff.max().item()}
+
+
 @register("engine", "builtin")
 class BuiltinEngine:
     """Sampling with transformers' KV cache, batched over all prompts x n samples."""
@@ -134,3 +147,6 @@ class BuiltinEngine:
 
     def wake(self) -> str:
         return "builtin engine: nothing to restore"
+
+    def close(self):
+        pass

@@ -28,7 +28,7 @@ from models import completion_logprobs, context_length, encode_prompts, load_mod
 from replay import make_buffer
 from rewards import parse_reward_args, parse_spec
 from rewards.pool import RewardPool
-from rollout import SamplingParams
+from rollout import SamplingParams, logprob_mismatch
 
 
 def print0(*a, **kw):
@@ -158,7 +158,7 @@ def main(argv: list[str]) -> dict:
         reference.eval().requires_grad_(False)
         reference = distributed.shard(reference, device, dtype, cfg.offload) if fsdp else reference
     engine = registry.get("engine", cfg.engine)(model=engine_model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                                                 model_path=cfg.model)
+                                                 model_path=cfg.model, seed=cfg.seed, **to_dict(cfg.vllm))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
@@ -243,7 +243,7 @@ def main(argv: list[str]) -> dict:
         t0 = time.perf_counter()
         buffer.add(batch)
         stats: dict[str, list[float]] = {}
-        mismatch, skipped, applied = [], 0, 0
+        mismatch, skipped, applied = {}, 0, 0
         for mb in buffer.minibatches(mb_size, cfg.algo.epochs, generator, group_size=cfg.samples_per_prompt):
             mb = mb.to(device)
             logp, entropy = completion_logprobs(policy, mb.input_ids, mb.attention_mask, C, cfg.temperature)
@@ -252,8 +252,9 @@ def main(argv: list[str]) -> dict:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
-            mismatch.append(((logp.detach() - mb.sample_logprobs).abs() * mb.completion_mask).sum().item()
-                            / mb.completion_mask.sum().clamp(min=1).item())
+            if not mismatch:   # first mini-batch, before any update: engine vs trainer on the same weights
+                fresh = (mb.versions == version).float()[:, None]   # replayed samples were drawn from older weights
+                mismatch = logprob_mismatch(mb.sample_logprobs, logp, mb.completion_mask * fresh)
             for k, v in {**m, "loss": loss.item(), "grad_norm": distributed.grad_norm_value(grad_norm)}.items():
                 stats.setdefault(k, []).append(v)
             finite = torch.tensor(float(math.isfinite(stats["loss"][-1]) and math.isfinite(stats["grad_norm"][-1])),
@@ -284,7 +285,7 @@ def main(argv: list[str]) -> dict:
         row = {"step": step, "reward": rewards.mean().item(),
                "accuracy": (rewards >= sum(w for _, w in specs) - 1e-6).float().mean().item(),
                **{k: sum(v) / len(v) for k, v in stats.items()},
-               "logprob_mismatch": sum(mismatch) / len(mismatch),
+               **mismatch,
                "completion_len": batch.completion_mask.sum(-1).mean().item(),
                "truncated_frac": batch.truncated.float().mean().item(),
                "lr": schedule.get_last_lr()[0], "skipped_updates": skipped, **reward_info["metrics"], **times}
@@ -312,6 +313,7 @@ def main(argv: list[str]) -> dict:
 
     wall = time.perf_counter() - t_run
     pool.close()
+    engine.close()   # before the process group goes: vLLM's shutdown destroys the default group itself
     final_dir = os.path.join(run_dir, "final")
     full = distributed.full_state(policy)[0] if fsdp else None   # dist: every rank gathers, rank 0 writes
     if full:   # a tied lm_head is one parameter under two names: save it once, as save_pretrained does
