@@ -96,6 +96,8 @@ class Config:
     device: str = opt("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = opt("auto", "model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16")
     threads: int = opt(0, "torch CPU threads (0 = torch's default)")
+    offload: bool = opt(False, "keep FSDP shards, gradients and AdamW state in CPU memory (torchrun only; "
+                               "see distributed.py)")
     progress: bool = opt(True, "show a progress bar")
 
 

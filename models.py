@@ -51,7 +51,9 @@ def plain_head(model) -> bool:
     """Are the logits exactly hidden @ lm_head.weight.T (no bias, soft-capping or scale)? Then the fused kernel
     can take the hidden states instead."""
     head, c = model.get_output_embeddings(), model.config
-    return (type(head) is torch.nn.Linear and head.bias is None and hasattr(model, model.base_model_prefix)
+    # FSDP2-sharded models must run their root forward (it gathers the embeddings and the head): logits path
+    sharded = type(head.weight).__name__ == "DTensor" or type(head.weight.data).__name__ == "DTensor"
+    return (not sharded and type(head) is torch.nn.Linear and head.bias is None and hasattr(model, model.base_model_prefix)
             and not getattr(c, "final_logit_softcapping", None) and getattr(c, "logit_scale", None) is None)
 
 
