@@ -86,12 +86,22 @@ class AlgoConfig:
 
 
 @dataclass
+class VLLMConfig:
+    gpu_memory_utilization: float = opt(0.4, "GPU memory share for vLLM (weights + KV cache); the trainer shares the card")
+    kv_cache_memory_bytes: int = opt(0, "KV cache size in bytes; 0 = 1 GiB on CPU, gpu_memory_utilization on GPU")
+    max_model_len: int = opt(0, "context length for vLLM; 0 = the model's")
+    enforce_eager: bool = opt(True, "no CUDA graphs / torch.compile: fast start")
+    sleep_level: int = opt(1, "vLLM sleep level on GPU: 1 = weights to CPU, 2 = discard (sync after wake)")
+
+
+@dataclass
 class Config:
     # what to train
     model: str = opt("assets/tiny-model", "local folder or hub id of a transformers causal LM")
     task: str = opt("arithmetic", "prompt source, by registered name; its settings are the section of that name")
     rewards: str = opt("arithmetic", "reward plugins with weights: 'name[:weight],name[:weight]'")
-    engine: str = opt("builtin", "rollout engine: builtin or vllm")
+    engine: str = opt("builtin", "rollout engine: builtin or vllm (pip install -r requirements-vllm.txt)")
+    vllm: VLLMConfig = opt(VLLMConfig(), "settings of engine=vllm")
     algo: AlgoConfig = opt(AlgoConfig(), "algorithm settings")
     arithmetic: ArithmeticConfig = opt(ArithmeticConfig(), "settings of the embedded arithmetic task")
     files: DataFilesConfig = opt(DataFilesConfig(), "settings of the file-based task (task=files: jsonl, parquet, HF folder)")
@@ -113,6 +123,9 @@ class Config:
     max_bad_updates: int = opt(5, "stop (with a checkpoint) after this many updates in a row with a non-finite "
                                   "loss or gradient; each one is skipped")
     warmup_steps: int = opt(0, "linear LR warm-up steps")
+    micro_batch_size: int = opt(0, "samples per forward/backward; gradients accumulate up to the mini-batch "
+                                   "(bounds memory; 0 = the whole mini-batch in one pass)")
+    grad_checkpointing: bool = opt(False, "recompute activations in backward (less memory, ~30% more update time)")
     # evaluation, logging, saving
     eval_every: int = opt(10, "held-out evaluation every N steps (and at start and end)")
     eval_size: int = opt(200, "held-out prompts per evaluation (0 = all)")
@@ -125,6 +138,8 @@ class Config:
     device: str = opt("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = opt("auto", "model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16")
     threads: int = opt(0, "torch CPU threads (0 = torch's default)")
+    offload: bool = opt(False, "keep FSDP shards, gradients and AdamW state in CPU memory (torchrun only; "
+                               "see distributed.py)")
     progress: bool = opt(True, "show a progress bar")
 
 

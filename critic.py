@@ -2,7 +2,7 @@
 
     critic = Critic(cfg, device, dtype)                 # the policy's backbone + a Linear(H, 1) head
     values = critic.values(input_ids, attention_mask, completion_mask)      # (B, C) V(s_t) per completion token
-    new["values"] = critic.values(..., grad=True)       # in the update (drops stale grads); the loss trains it
+    critic.optimizer.zero_grad(); new["values"] = critic.values(..., grad=True)   # per update; the loss trains it
     critic.step()                                       # clip, step and zero its own gradients
 
 The value model is `AutoModelForTokenClassification(num_labels=1)` loaded from the policy's folder: the
@@ -39,10 +39,7 @@ class Critic:
         self.grad_clip = cfg.grad_clip
 
     def values(self, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, grad: bool = False) -> Tensor:
-        """(B, T) ids and mask, (B, C) completion mask -> (B, C) values of the states before each completion token.
-        A call with grad=True starts an update: gradients left by a skipped (non-finite) update are dropped."""
-        if grad:
-            self.optimizer.zero_grad(set_to_none=True)
+        """(B, T) ids and mask, (B, C) completion mask -> (B, C) values of the states before each completion token."""
         C = completion_mask.shape[1]
         with torch.set_grad_enabled(grad):
             out = self.model(input_ids=input_ids, attention_mask=attention_mask,

@@ -2,11 +2,19 @@
 
     from registry import get
     train, held_out = get("task", "arithmetic")(ArithmeticConfig())
-    train[0]  # {"prompt": "483+27=", "answer": "510"}
+    train[0]  # {"prompt": "483+027=", "answer": "0150"}
 
-`arithmetic` is integer addition of two operands of up to `digits` digits, written as plain text:
-the prompt is "A+B=" and the expected completion is the decimal sum followed by the tokenizer's EOS.
-The tiny model (make_tiny_model.py) uses a character tokenizer, so every character is one token.
+`arithmetic` is integer addition of two operands of up to `digits` digits, in a fixed-width format:
+the prompt is "A+B=" with both operands zero-padded to `digits` digits, and the expected completion
+is the sum written units digit first and zero-padded to `digits + 1` digits (483+27 = 510 is asked as
+"483+027=" and answered "0150"), followed by the tokenizer's EOS. Units first is the order in which
+one adds by hand: each answer digit needs only two operand digits and the carry from the digit just
+written, whereas a most-significant-first answer needs the whole carry chain at its first token.
+Measured here with the 2-layer tiny model of make_tiny_model.py: most-significant-first, supervised
+training was still near chance after 1200 steps; units-first it learns addition within ~800-1000
+steps (a 4-layer model learns either, at twice the cost per step; Lee et al. 2023, "Teaching
+Arithmetic to Small Transformers", report the same effect of reversed answers). Fixed width keeps each operand digit at a fixed position and every answer the same length.
+The tiny model uses a character tokenizer, so every character is one token.
 
 Held-out split: a problem belongs to the held-out split when a stable hash (blake2b, not Python's
 salted hash()) of its unordered operand pair falls in the first `heldout_percent` of 100 buckets.
@@ -42,8 +50,10 @@ def is_heldout(a: int, b: int, heldout_percent: int) -> bool:
     return h % 100 < heldout_percent
 
 
-def make_sample(a: int, b: int) -> dict:
-    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+def make_sample(a: int, b: int, digits: int) -> dict:
+    """483, 27, 3 -> {"prompt": "483+027=", "answer": "0150"} (sum units digit first, digits + 1 wide)."""
+    A, B, S = f"{a:0{digits}d}", f"{b:0{digits}d}", f"{a + b:0{digits + 1}d}"
+    return {"prompt": f"{A}+{B}=", "answer": S[::-1]}
 
 
 def sample_problems(n: int, digits: int, heldout: bool, heldout_percent: int, rng: random.Random) -> list[tuple[int, int]]:
@@ -78,4 +88,4 @@ def arithmetic_task(cfg: ArithmeticConfig) -> tuple[list[dict], list[dict]]:
     # separate streams: the held-out set does not change when n_train changes, and vice versa
     train = sample_problems(cfg.n_train, cfg.digits, False, cfg.heldout_percent, random.Random(f"train-{cfg.seed}"))
     held = sample_problems(cfg.n_eval, cfg.digits, True, cfg.heldout_percent, random.Random(f"eval-{cfg.seed}"))
-    return [make_sample(a, b) for a, b in train], [make_sample(a, b) for a, b in held]
+    return [make_sample(a, b, cfg.digits) for a, b in train], [make_sample(a, b, cfg.digits) for a, b in held]

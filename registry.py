@@ -50,5 +50,6 @@ def load_plugins():
     import rewards  # noqa: F401
     import kernels  # noqa: F401
     import rollout  # noqa: F401
+    import rollout_vllm  # noqa: F401  (importing it never needs vLLM)
     import data  # noqa: F401
     import data_files  # noqa: F401

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fast_decode import FastDecoder, supported
 from registry import register
 
 # transformers renamed the KV-cache argument (`past_key_values` -> `cache`) around 5.2x; accept both
@@ -71,13 +72,39 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def logprob_mismatch(sample_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
+    """Mean and max |engine log-prob - trainer log-prob| over the completion tokens in mask. All (B, C).
+
+    Take trainer_logprobs from the weights the engine sampled with (before any optimizer step on this
+    batch): then any difference is numerics or a broken sync, not learning.
+    """
+    m = mask.bool()
+    diff = (sample_logprobs.float() - trainer_logprobs.detach().float().to(sample_logprobs.device)).abs()[m]
+    if diff.numel() == 0:
+        return {"logprob_mismatch/mean": 0.0, "logprob_mismatch/max": 0.0}
+    return {"logprob_mismatch/mean": diff.mean().item(), "logprob_mismatch/max": diff.max().item()}
+
+
+def make_rollout(ids: Tensor, mask: Tensor, completion: Tensor, cmask: Tensor, logprobs: Tensor, done: Tensor,
+                 n_prompts: int, n: int) -> Rollout:
+    """Prompt ids/mask (B, P) + completion, cmask, logprobs (B, C) + done (B,) -> a Rollout on the CPU."""
+    P = ids.shape[1]
+    input_ids = torch.cat([ids, completion], 1)                                   # (B, P + C)
+    attention_mask = torch.cat([mask[:, :P], cmask.long()], 1)
+    return Rollout(input_ids.cpu(), attention_mask.cpu(), cmask.cpu(), logprobs.cpu(), (~done).cpu(),
+                   torch.arange(n_prompts).repeat_interleave(n))
+
+
 @register("engine", "builtin")
 class BuiltinEngine:
     """Sampling with transformers' KV cache, batched over all prompts x n samples."""
 
-    def __init__(self, model, eos_id: int, pad_id: int, **_):
+    def __init__(self, model, eos_id: int, pad_id: int, fast: bool | None = None, **_):
         self.model = model          # the policy itself on one device: sync is free
         self.eos_id, self.pad_id = eos_id, pad_id
+        # speed: static KV cache + CUDA graph (fast_decode.py); None = on CUDA for the model types it supports
+        self.fast = fast
+        self.decoder = None
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
@@ -88,6 +115,12 @@ class BuiltinEngine:
         ids, mask = left_pad([p for p in prompts for _ in range(n)], self.pad_id)  # (B, P)
         ids, mask = ids.to(device), mask.to(device)
         B = ids.shape[0]
+        if self.fast or (self.fast is None and device.type == "cuda" and supported(model)):
+            self.decoder = self.decoder or FastDecoder(model)
+            completion, alive, logprobs, done = self.decoder.sample(ids, mask, sampling, self.eos_id, self.pad_id,
+                                                                    generator)
+            model.train(was_training)
+            return make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
         cache_kw = _cache_kw(model)
         cache, logits = _cache_of(out), out.logits[:, -1]                        # (B, V)
@@ -111,14 +144,9 @@ class BuiltinEngine:
                         use_cache=True, **{cache_kw: cache})
             cache, logits, next_pos = _cache_of(out), out.logits[:, -1], next_pos + 1
         model.train(was_training)
-        completion = torch.stack(tokens, 1)                                      # (B, C)
         cmask = torch.stack(alive, 1).float()                                    # (B, C)
-        logprobs = torch.stack(logps, 1) * cmask
-        P = len(ids[0])
-        input_ids = torch.cat([ids, completion], 1)                              # (B, P + C)
-        attention_mask = torch.cat([mask[:, :P], cmask.long()], 1)
-        return Rollout(input_ids.cpu(), attention_mask.cpu(), cmask.cpu(), logprobs.cpu(), (~done).cpu(),
-                       torch.arange(len(prompts)).repeat_interleave(n))
+        return make_rollout(ids, mask, torch.stack(tokens, 1), cmask, torch.stack(logps, 1) * cmask, done,
+                            len(prompts), n)
 
     def load_weights(self, named_tensors):
         """Copy weights in place. A no-op for tensors that already are the engine's own parameters."""
@@ -134,3 +162,6 @@ class BuiltinEngine:
 
     def wake(self) -> str:
         return "builtin engine: nothing to restore"
+
+    def close(self):
+        pass

@@ -20,11 +20,13 @@ import torch
 from tqdm import tqdm
 
 import checkpoint
+import distributed
 import registry
 from algos import check_config
 from buffer import Experience
 from config import Config, UserError, parse, to_dict
 from critic import Critic
+from microbatch import micro_batches
 from models import completion_logprobs, context_length, encode_prompts, load_model
 from replay import make_buffer
 from rewards import parse_reward_args, parse_spec
@@ -88,13 +90,15 @@ def evaluate(cfg, engine, tok, samples, prompt_ids, pool, specs, generator) -> d
     """Held-out accuracy: the fraction of prompts whose total reward reaches its maximum (greedy by default)."""
     sampling = SamplingParams(temperature=max(cfg.eval_temperature, 1e-5), top_p=cfg.top_p if cfg.eval_temperature else 1.0,
                               max_new_tokens=cfg.max_new_tokens)
-    rewards = []
+    samples, prompt_ids = distributed.share(samples), distributed.share(prompt_ids)   # dist: each rank its part
+    rewards = [torch.zeros(0)]
     for start in range(0, len(samples), 256):
         rollout = engine.generate(prompt_ids[start:start + 256], 1, sampling, generator)
         rewards.append(submit_rewards(pool, samples[start:start + 256], decode(tok, rollout)).result()[0])
     r = torch.cat(rewards)
     best = sum(w for _, w in specs)
-    return {"eval/reward": r.mean().item(), "eval/accuracy": (r >= best - 1e-6).float().mean().item()}
+    total, correct, count = distributed.all_sum([r.sum(), (r >= best - 1e-6).sum(), len(r)])
+    return {"eval/reward": total / max(count, 1), "eval/accuracy": correct / max(count, 1)}
 
 
 def save_plot(run_dir: str, rows: list[dict]):
@@ -114,10 +118,11 @@ def save_plot(run_dir: str, rows: list[dict]):
 
 def main(argv: list[str]) -> dict:
     cfg, resume_from = checkpoint.resolve_resume(parse(argv), argv)   # resume=<dir>, or out_dir holds a checkpoint
-    if "RANK" in os.environ and not torch.distributed.is_initialized():   # launched by torchrun
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        if torch.distributed.get_world_size() > 1:
-            raise UserError("world size > 1 is not supported yet: run with --nproc_per_node=1")
+    rank, world = distributed.init(cfg.offload)        # (0, 1) unless launched by torchrun; see distributed.py
+    if world > 1 and distributed.check(cfg.prompts_per_step, cfg.algo.minibatch_size):
+        raise UserError(distributed.check(cfg.prompts_per_step, cfg.algo.minibatch_size))
+    if cfg.offload and not torch.distributed.is_initialized():
+        raise UserError("offload=true shards the policy with FSDP: launch with torchrun (--nproc_per_node=1 is fine)")
     torch.manual_seed(cfg.seed)
     device, dtype = setup_device(cfg)
     algo = registry.get("algo", cfg.algo.name)
@@ -139,7 +144,14 @@ def main(argv: list[str]) -> dict:
 
     # --- models and engine ---
     policy, tok = load_model(cfg.model, device, dtype)
+    engine_model = policy   # one process: the engine samples with the policy's own parameters
+    fsdp = world > 1 or cfg.offload
+    if fsdp:   # dist: float32 master weights, sharded; the engine keeps the full copy in `dtype` loaded above
+        policy = distributed.shard(load_model(cfg.model, torch.device("cpu"), torch.float32)[0], device, dtype,
+                                   cfg.offload)
     policy.train()
+    if cfg.grad_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     train_ids = encode_prompts(tok, [s["prompt"] for s in train_set], [bool(s.get("chat_rendered")) for s in train_set])
     eval_ids = encode_prompts(tok, [s["prompt"] for s in eval_set], [bool(s.get("chat_rendered")) for s in eval_set])
     longest = max(len(p) for p in train_ids + eval_ids)
@@ -150,20 +162,24 @@ def main(argv: list[str]) -> dict:
     if algo.needs_ref(cfg.algo):
         reference, _ = load_model(cfg.model, device, dtype)
         reference.eval().requires_grad_(False)
+        reference = distributed.shard(reference, device, dtype, cfg.offload) if fsdp else reference
     critic = Critic(cfg, device, dtype) if algo.needs_critic else None   # critic: PPO's value model
-    engine = registry.get("engine", cfg.engine)(model=policy, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                                                 model_path=cfg.model)
+    engine = registry.get("engine", cfg.engine)(model=engine_model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                                                 model_path=cfg.model, seed=cfg.seed, **to_dict(cfg.vllm))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     generator = torch.Generator().manual_seed(cfg.seed)   # data order and mini-batch shuffles (CPU)
-    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)   # token sampling
+    # token sampling: one stream per rank (rank 0's is the one-process stream)
+    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1_000_003 * rank)
 
     # --- run directory ---
     run_dir = cfg.out_dir or os.path.join("runs", f"{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(run_dir, exist_ok=True)
-    import yaml
-    write_atomic(os.path.join(run_dir, "config.yaml"), yaml.safe_dump({**to_dict(cfg), "git": git_state()}, sort_keys=False))
+    if rank == 0:   # dist: rank 0 alone writes the run directory
+        os.makedirs(run_dir, exist_ok=True)
+        import yaml
+        write_atomic(os.path.join(run_dir, "config.yaml"),
+                     yaml.safe_dump({**to_dict(cfg), "git": git_state()}, sort_keys=False))
     from torch.utils.tensorboard import SummaryWriter
     try:
         buffer = make_buffer(cfg, run_dir, resume=bool(resume_from))
@@ -177,13 +193,15 @@ def main(argv: list[str]) -> dict:
         s = checkpoint.load(resume_from, policy, optimizer, schedule, buffer, {"data": generator, "sample": sample_gen})
         first_step, version, order, cursor, start, rows = s["step"] + 1, s["version"], s["order"], s["cursor"], \
             s["extra"]["start"], s["rows"]
-        engine.load_weights(policy.named_parameters())
+        engine.load_weights(distributed.sync_weights(policy))
     else:
         start = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, eval_gen())
         print0(f"step 0: held-out accuracy {start['eval/accuracy']:.3f} (reward {start['eval/reward']:.3f})")
         order, cursor = torch.randperm(len(train_set), generator=generator), 0
-    writer = SummaryWriter(run_dir, purge_step=first_step)   # purge: a resumed run overwrites later events
-    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume_from else "w")   # no stale rows
+    writer = metrics_file = None
+    if rank == 0:
+        writer = SummaryWriter(run_dir, purge_step=first_step)   # purge: a resumed run overwrites later events
+        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume_from else "w")   # no stale rows
     bar = tqdm(range(first_step, cfg.steps + 1), disable=not cfg.progress or int(os.environ.get("RANK", "0")) != 0,
                dynamic_ncols=True)
     t_run = time.perf_counter()
@@ -194,6 +212,7 @@ def main(argv: list[str]) -> dict:
             order, cursor = torch.randperm(len(train_set), generator=generator), 0
         idx = order[cursor:cursor + cfg.prompts_per_step].tolist()
         cursor += len(idx)
+        idx = distributed.share(idx)   # dist: this rank's prompts (whole groups)
         rollout = engine.generate([train_ids[i] for i in idx], cfg.samples_per_prompt, sampling, sample_gen)
         checkpoint.crash_point("rollout", step)
         times["time/rollout"] = time.perf_counter() - t0
@@ -204,7 +223,7 @@ def main(argv: list[str]) -> dict:
         reward_handle = submit_rewards(pool, samples, decode(tok, rollout))
 
         # 3. the extra log-probs the algorithm needs, then the experience batch
-        mb_size = cfg.algo.minibatch_size or len(samples)
+        mb_size = cfg.algo.minibatch_size // world or len(samples)   # dist: minibatch_size is global
         updates_per_step = cfg.algo.epochs * math.ceil(len(samples) / mb_size)
         ids, attn = rollout.input_ids.to(device), rollout.attention_mask.to(device)
         C = rollout.completion_mask.shape[1]
@@ -230,25 +249,37 @@ def main(argv: list[str]) -> dict:
 
         # 4. update
         t0 = time.perf_counter()
-        keep = algo.keep(batch, cfg.algo) if algo.keep is not None else None   # e.g. DAPO's dynamic sampling
-        buffer.add(batch.select(keep.nonzero().squeeze(-1)) if keep is not None and keep.any() else batch)
+        kept = algo.keep(batch, cfg.algo) if algo.keep is not None else None   # e.g. DAPO's dynamic sampling
+        buffer.add(batch.select(kept.nonzero().squeeze(-1)) if kept is not None and kept.any() else batch)
         stats: dict[str, list[float]] = {}
-        mismatch, skipped, applied = [], 0, 0
+        skipped, applied = 0, 0
+        mis_sum, mis_max, mis_n, first_mb = 0.0, 0.0, 0.0, True   # engine-vs-trainer log-prob gap, see below
         for mb in buffer.minibatches(mb_size, cfg.algo.epochs, generator, group_size=cfg.samples_per_prompt):
-            mb = mb.to(device)
-            logp, entropy = completion_logprobs(policy, mb.input_ids, mb.attention_mask, C, cfg.temperature)
-            new = {"logprobs": logp, "entropy": entropy}
-            if critic is not None:                                                       # critic: trained by the loss
-                new["values"] = critic.values(mb.input_ids, mb.attention_mask, mb.completion_mask, grad=True)
-            loss, m = algo.loss(new, mb, cfg.algo)
+            scale = distributed.loss_scale(mb.completion_mask, cfg.algo.loss_agg)   # dist: global-batch loss
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if critic is not None:                                                       # critic: fresh gradients
+                critic.optimizer.zero_grad(set_to_none=True)
+            m = {}
+            # gradient accumulation over length-bucketed micro-batches (microbatch.py); size 0 = one pass
+            for micro, weight in micro_batches(mb, cfg.micro_batch_size, cfg.algo.loss_agg):
+                micro = micro.to(device)
+                logp, entropy = completion_logprobs(policy, micro.input_ids, micro.attention_mask,
+                                                    micro.completion_mask.shape[1], cfg.temperature)
+                new = {"logprobs": logp, "entropy": entropy}
+                if critic is not None:                                                   # critic: trained by the loss
+                    new["values"] = critic.values(micro.input_ids, micro.attention_mask, micro.completion_mask, grad=True)
+                loss, mm = algo.loss(new, micro, cfg.algo)
+                (loss * (weight * scale)).backward()
+                if first_mb:   # before any update, on fresh samples: the gap is numerics or a broken sync
+                    fresh = micro.completion_mask * (micro.versions == version).float()[:, None]   # (b, c)
+                    gap = (logp.detach().float() - micro.sample_logprobs).abs() * fresh
+                    mis_sum, mis_n = mis_sum + gap.sum().item(), mis_n + fresh.sum().item()
+                    mis_max = max(mis_max, gap.max().item() if gap.numel() else 0.0)
+                for k, v in {**mm, "loss": loss.item() * scale}.items():
+                    m[k] = m.get(k, 0.0) + weight * v
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
-            # the trainer's log-probs of the sampling policy (after a first update only old_logprobs still are)
-            trainer = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
-            gap = (trainer - mb.sample_logprobs).abs() * mb.completion_mask                # (B, C)
-            mismatch.append((gap.sum().item() / mb.completion_mask.sum().clamp(min=1).item(), gap.max().item()))
-            for k, v in {**m, "loss": loss.item(), "grad_norm": grad_norm.item()}.items():
+            first_mb = False
+            for k, v in {**m, "grad_norm": distributed.grad_norm_value(grad_norm)}.items():
                 stats.setdefault(k, []).append(v)
             finite = torch.tensor(float(math.isfinite(stats["loss"][-1]) and math.isfinite(stats["grad_norm"][-1])),
                                   device=device)
@@ -272,7 +303,7 @@ def main(argv: list[str]) -> dict:
 
         # 5. sync the new weights into the engine, in place
         t0 = time.perf_counter()
-        engine.load_weights(policy.named_parameters())
+        engine.load_weights(distributed.sync_weights(policy))   # dist: gathers the shards one unit at a time
         times["time/sync"] = time.perf_counter() - t0
 
         # 6. log
@@ -280,21 +311,22 @@ def main(argv: list[str]) -> dict:
         row = {"step": step, "reward": rewards.mean().item(),
                "accuracy": (rewards >= sum(w for _, w in specs) - 1e-6).float().mean().item(),
                **{k: sum(v) / len(v) for k, v in stats.items()},
-               **({"kept_frac": keep.float().mean().item()} if keep is not None else {}),
-               "logprob_mismatch": sum(m for m, _ in mismatch) / len(mismatch),
-               "logprob_mismatch_max": max(x for _, x in mismatch),
+               **({"kept_frac": kept.float().mean().item()} if kept is not None else {}),
+               "logprob_mismatch/mean": mis_sum / max(mis_n, 1.0), "logprob_mismatch/max": mis_max,
                "completion_len": batch.completion_mask.sum(-1).mean().item(),
                "truncated_frac": batch.truncated.float().mean().item(),
                "lr": schedule.get_last_lr()[0], "skipped_updates": skipped, **reward_info["metrics"], **times}
         row["tokens_per_s"] = n_tokens / sum(times.values())
+        row = distributed.reduce_metrics(row)   # dist: means over ranks (tokens_per_s: the sum)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             row.update(evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, eval_gen()))
         rows.append(row)
-        metrics_file.write(json.dumps(row) + "\n")
-        metrics_file.flush()
-        for k, v in row.items():
-            if k != "step":
-                writer.add_scalar(k if "/" in k else f"train/{k}", v, step)
+        if rank == 0:
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+            for k, v in row.items():
+                if k != "step":
+                    writer.add_scalar(k if "/" in k else f"train/{k}", v, step)
         bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row.get('eval/accuracy', float('nan')):.3f}")
 
         # 7. checkpoint: the whole state, at the end of a step (checkpoint.py)
@@ -308,16 +340,22 @@ def main(argv: list[str]) -> dict:
 
     wall = time.perf_counter() - t_run
     pool.close()
+    engine.close()   # before the process group goes: vLLM's shutdown destroys the default group itself
     final_dir = os.path.join(run_dir, "final")
-    policy.save_pretrained(final_dir + ".tmp")
-    tok.save_pretrained(final_dir + ".tmp")
-    if os.path.exists(final_dir):
-        import shutil
-        shutil.rmtree(final_dir)
-    os.replace(final_dir + ".tmp", final_dir)
-    save_plot(run_dir, [{"step": 0, "reward": float("nan"), **start}] + rows)
-    writer.close()
-    metrics_file.close()
+    full = distributed.full_state(policy)[0] if fsdp else None   # dist: every rank gathers, rank 0 writes
+    if full:   # a tied lm_head is one parameter under two names: save it once, as save_pretrained does
+        keep = {n for n, _ in policy.named_parameters()} | {n for n, _ in policy.named_buffers()}
+        full = {k: v for k, v in full.items() if k in keep}
+    if rank == 0:
+        policy.save_pretrained(final_dir + ".tmp", **({"state_dict": full} if fsdp else {}))
+        tok.save_pretrained(final_dir + ".tmp")
+        if os.path.exists(final_dir):
+            import shutil
+            shutil.rmtree(final_dir)
+        os.replace(final_dir + ".tmp", final_dir)
+        save_plot(run_dir, [{"step": 0, "reward": float("nan"), **start}] + rows)
+        writer.close()
+        metrics_file.close()
     end = rows[-1]["eval/accuracy"] if rows else start["eval/accuracy"]
     print0(f"held-out accuracy: {start['eval/accuracy']:.3f} -> {end:.3f} in {wall:.0f} s over {cfg.steps} steps; "
            f"run directory: {run_dir}")

@@ -8,9 +8,9 @@ dropped (the tiny model's "<eos>", in case the caller decoded special tokens; no
 with skip_special_tokens=True and there is none), then surrounding whitespace is stripped. What is left
 must equal the answer string exactly (data.py writes sums units digit first, fixed width: 483+027 ->
 "0150"). For answer "0150": "0150", " 0150 ", "0150<eos>7" score 1.0; "015", "510", "0510", "01500",
-"0 150", "" score 0.0. No partial credit: a dense per-digit
-reward would tell the policy where it went wrong, which makes the task easier than a verifier
-that only checks the final answer (the setting this codebase is for).
+"0 150", "" score 0.0. No partial credit: a dense per-digit reward would tell the policy where it
+went wrong, which makes the task easier than a verifier that only checks the final answer (the
+setting this codebase is for).
 """
 from data import EOS_TEXT
 from registry import register

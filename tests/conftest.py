@@ -26,6 +26,10 @@ def make_random_model(path: str, seed: int = 0, vocab_chars: str = "0123456789+=
     return path
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "vllm: needs requirements-vllm.txt (scripts/ci_vllm.sh); skipped without it")
+
+
 @pytest.fixture(scope="session")
 def random_model_dir(tmp_path_factory):
     return make_random_model(str(tmp_path_factory.mktemp("random-model")))

@@ -273,6 +273,6 @@ def test_every_algorithm_runs_and_learns_a_toy_reward(name, random_model_dir, tm
                 "progress=false", "algo.minibatch_size=16", "algo.kl_coef=0.01"])   # 2 updates per step, KL on
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 12 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows[:4]), rows
-    assert all(0 <= r["logprob_mismatch"] <= r["logprob_mismatch_max"] < 1e-3 for r in rows)
+    assert all(0 <= r["logprob_mismatch/mean"] <= r["logprob_mismatch/max"] < 1e-3 for r in rows)
     first, last = [sum(r["reward"] for r in part) / 4 for part in (rows[:4], rows[-4:])]
     assert last > first + 0.25, (first, last)

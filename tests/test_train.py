@@ -50,3 +50,15 @@ def test_bad_input_is_one_line_error(args, message, random_model_dir, tmp_path):
     assert r.returncode != 0
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], r.stderr[-2000:]
+
+
+def test_default_run_improves_heldout_accuracy(tmp_path):
+    """Tier 3: a short seeded run of the embedded default (shipped model, default config) must learn.
+    The full 60-step default goes 0.195 -> ~0.78; 15 steps reach ~0.6. The threshold is loose on purpose."""
+    out = tmp_path / "run"
+    r = run_train("steps=15", "eval_every=15", "eval_size=100", f"out_dir={out}", "threads=1", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    start = float(r.stdout.split("step 0: held-out accuracy ")[1].split()[0])
+    end = rows[-1]["eval/accuracy"]
+    assert start < 0.35 and end >= start + 0.2, (start, end)

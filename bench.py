@@ -1,0 +1,362 @@
+"""W1 benchmark (/work/shared/BENCH.md): one GRPO step of this project's train.py against TRL, on one card.
+
+    python bench.py --out bench-out                  # GPU: all parts below, then a table (bench-out/bench.md)
+    python bench.py --small --out /tmp/b             # CPU smoke run of the same code at toy shapes
+    python bench.py --parts ours,engine --micro 16,32  # a subset (ours | engine | hf | trl); ours per micro-batch size
+
+Workload: a Qwen2 model at Qwen2.5-0.5B shape (random init, bf16, built here from a Qwen2Config: no hub),
+16 prompts x 8 samples, prompts of 64 random tokens, 256 sampled tokens each, temperature 1. The tokenizer's
+EOS id lies outside the model's vocabulary, so every completion runs to full length and the work is fixed.
+Parts, each in its own process (clean peak-memory counters):
+  ours    train.main itself (the real loop) for 1 warm-up + N measured steps; the split comes from its
+          metrics.jsonl (time/rollout, time/reward, time/logprobs, time/update, time/sync)
+  engine  the built-in engine alone on the same batch: fast path (graph + compile), graph only, the plain loop;
+          sampling log-probs vs teacher-forced ones; a torch.profiler summary of one rollout and one update
+  hf      transformers `generate`, default (dynamic) cache and cache_implementation="static"
+  trl     TRL's GRPOTrainer with BENCH.md's settings, when trl is importable
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from registry import register
+
+SHAPES = {  # Qwen2.5-0.5B, and a toy version for the CPU smoke run
+    "w1": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+               num_attention_heads=14, num_key_value_heads=2, prompts=16, samples=8, prompt_len=64, new=256),
+    "small": dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, prompts=4, samples=2, prompt_len=8, new=8),
+}
+W = dict(SHAPES["w1"])      # the shape in use; set from --small before anything reads it
+
+
+def prompt_texts(n: int, seed: int = 0) -> list[str]:
+    """n prompts of W['prompt_len'] random digits: one token per digit under the bench tokenizer (transformers
+    loads it as a Qwen2 tokenizer, whose pre-tokenizer splits digits one by one, so its encoding is certain)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 10, (n, W["prompt_len"]), generator=g)        # no '0': see build_model
+    return ["".join(str(i) for i in row.tolist()) for row in ids]
+
+
+@register("task", "bench_random")
+def random_prompts(_cfg):
+    """Train and held-out sets of random-token prompts (the bench's task; no answers: the reward is synthetic)."""
+    return [{"prompt": p} for p in prompt_texts(128)], [{"prompt": p} for p in prompt_texts(128, seed=1)]
+
+
+@register("reward", "bench_cheap")
+def cheap_reward(prompt: str, completion: str, **_) -> float:
+    """Varies between samples (so advantages are non-zero) and costs microseconds."""
+    return completion.count("1") / (1 + len(completion))
+
+
+def build_model(path: str, dtype: torch.dtype):
+    """A random Qwen2 at W's shape + a tokenizer with ids 0-9 = the digits, every other id a word 't<i>' (so any
+    sampled id decodes), and <eos> = vocab_size: outside the model's vocabulary, so it is never sampled."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    V = W["vocab_size"]
+    vocab = {**{str(i): i for i in range(10)}, **{f"t{i}": i for i in range(10, V)}, "<eos>": V}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="0"))
+    t.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, pad_token="0", eos_token="<eos>")
+    torch.manual_seed(0)
+    shape = {k: W[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "num_key_value_heads")}
+    # pad_token_id=None: with a pad id the embedding row is zero-initialised, and a sequence that starts with
+    # that token keeps an exactly-zero residual stream through every layer; RMSNorm's Jacobian there is
+    # 1/sqrt(eps) = 1000 per layer, so its gradient overflows to inf/nan in a 24-layer random model (seen on
+    # an H100 with TRL and with this project alike).
+    cfg = Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=V,
+                      pad_token_id=None, bos_token_id=None)
+    Qwen2ForCausalLM(cfg).to(dtype).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def cuda_info() -> dict:
+    if not torch.cuda.is_available():
+        return {"device": "cpu"}
+    return {"device": torch.cuda.get_device_name(), "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# --- parts -------------------------------------------------------------------------------------------
+def part_ours(a) -> dict:
+    import train
+    run_dir = os.path.join(a.tmp, "ours-run")
+    argv = [f"model={a.model}", "task=bench_random", "rewards=bench_cheap", f"steps={a.steps + 1}",
+            f"prompts_per_step={W['prompts']}", f"samples_per_prompt={W['samples']}", f"max_new_tokens={W['new']}",
+            "temperature=1.0", "eval_every=100000", "eval_size=128", "eval_temperature=1.0", "lr=1e-6",
+            f"micro_batch_size={a.micro}", f"grad_checkpointing={a.ckpt}", f"out_dir={run_dir}", "progress=false"]
+    train.main(argv)
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]   # drop the warm-up
+    keys = ["time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync"]
+    steps = [sum(r[k] for k in keys) for r in rows]
+    med = statistics.median(steps)
+    return {"argv": argv, "step_s": med, "steps_s": steps, "tokens_per_s": W["prompts"] * W["samples"] *
+            (W["prompt_len"] + W["new"]) / med, "split_s": {k: statistics.median(r[k] for r in rows) for k in keys},
+            "logprob_mismatch_max": [r["logprob_mismatch/max"] for r in rows], **cuda_info()}
+
+
+def load(a):
+    from models import load_model
+    return load_model(a.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                      torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+
+
+def timed(fn, repeats: int) -> tuple[float, list[float], object]:
+    """First call (warm-up: compile, capture) time, then the times of `repeats` more calls; last result."""
+    out, times = None, []
+    for _ in range(repeats + 1):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times[0], times[1:], out
+
+
+def part_engine(a) -> dict:
+    from fast_decode import FastDecoder
+    from models import completion_logprobs, encode_prompts
+    from rollout import BuiltinEngine, SamplingParams
+    model, tok = load(a)
+    prompts = encode_prompts(tok, prompt_texts(128)[:W["prompts"]])
+    sampling = SamplingParams(1.0, 1.0, W["new"])
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    new_tokens = W["prompts"] * W["samples"] * W["new"]
+    res, engines = {}, {}
+    variants = [("fast: graph + compile", dict(fast=True), {}), ("fast: graph, no compile", dict(fast=True),
+                dict(compile=False)), ("plain loop (dynamic cache)", dict(fast=False), {})]
+    if not torch.cuda.is_available():
+        variants = [("fast: eager (CPU)", dict(fast=True), dict(use_graph=False)), variants[2]]
+    if a.fast_only:
+        variants = variants[:1]
+    for name, kw, dec_kw in variants:
+        engine = engines[name] = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, **kw)
+        if kw["fast"]:
+            engine.decoder = FastDecoder(model, **dec_kw)
+        first, times, r = timed(lambda: engine.generate(prompts, W["samples"], sampling, gen),
+                                a.repeats if kw["fast"] else 1)
+        C = r.completion_mask.shape[1]
+        with torch.no_grad():   # engine log-probs vs the trainer's teacher-forced ones, in bf16 on GPU
+            logp, _ = completion_logprobs(model, r.input_ids.to(model.device), r.attention_mask.to(model.device), C)
+        diff = (logp.float().cpu() - r.logprobs).abs() * r.completion_mask
+        res[name] = {"first_s": first, "times_s": times, "median_s": statistics.median(times),
+                     "new_tokens_per_s": new_tokens / statistics.median(times), "completion_len": C,
+                     "logprob_diff_mean": float(diff.sum() / r.completion_mask.sum()),
+                     "logprob_diff_max": float(diff.max())}
+    if torch.cuda.is_available():   # profile the first engine again: a new one would compile again
+        res["profile"] = profile(a, model, engines[variants[0][0]], prompts, sampling, gen)
+    return {"engine": res, **cuda_info()}
+
+
+def profile(a, model, engine, prompts, sampling, gen) -> dict:
+    """Kernel-time summary of one rollout and one update micro-batch, written to profile.txt."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    from models import completion_logprobs
+    r = engine.generate(prompts, W["samples"], sampling, gen)
+    out, lines = {}, []
+    mb = int(a.micro.split(",")[0]) or len(r.input_ids)
+    ids, mask = r.input_ids[:mb].cuda(), r.attention_mask[:mb].cuda()
+    C = r.completion_mask.shape[1]
+
+    def update():
+        logp, ent = completion_logprobs(model, ids, mask, C)
+        (-logp.mean()).backward()
+        model.zero_grad(set_to_none=True)
+    update()
+    for name, fn in [("rollout", lambda: engine.generate(prompts, W["samples"], sampling, gen)),
+                     (f"update micro-batch of {mb}", update)]:
+        sync()
+        t0 = time.perf_counter()
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            fn()
+            sync()
+        wall = time.perf_counter() - t0
+        events = [e for e in p.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+        total = sum(e.self_device_time_total for e in events) / 1e6
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
+        out[name] = {"wall_s_profiled": wall, "gpu_kernel_s": total,
+                     "top": [(e.key[:90], e.self_device_time_total / 1e6, e.count) for e in top]}
+        lines.append(f"== {name}: wall {wall:.3f} s (profiled), GPU kernel time {total:.3f} s")
+        lines += [f"{t:8.4f} s  x{c:<6d} {k}" for k, t, c in out[name]["top"]]
+    with open(os.path.join(a.out, "profile.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return out
+
+
+def part_hf(a) -> dict:
+    model, tok = load(a)
+    ids = tok(prompt_texts(128)[:W["prompts"]], return_tensors="pt")["input_ids"].repeat_interleave(W["samples"], 0)
+    ids = ids.to(model.device)
+    mask = torch.ones_like(ids)
+    res = {}
+    for name, kw in [("hf generate, default cache", {}), ("hf generate, static cache", {"cache_implementation": "static"})]:
+        fn = lambda: model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                                    top_p=1.0, max_new_tokens=W["new"], pad_token_id=tok.pad_token_id,
+                                    eos_token_id=tok.eos_token_id, **kw)
+        first, times, out = timed(fn, a.repeats_hf)
+        res[name] = {"first_s": first, "times_s": times, "median_s": statistics.median(times),
+                     "new_tokens_per_s": ids.numel() // W["prompt_len"] * W["new"] / statistics.median(times),
+                     "completion_len": out.shape[1] - ids.shape[1]}
+    return {"engine": res, **cuda_info()}
+
+
+def part_trl(a) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    model, tok = load(a)
+    ends = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            ends.append(time.perf_counter())
+
+    def reward(prompts, completions, **_):
+        return [cheap_reward(p, c) for p, c in zip(prompts, completions)]
+    gpu = torch.cuda.is_available()
+    args = GRPOConfig(output_dir=os.path.join(a.tmp, "trl"), per_device_train_batch_size=W["prompts"] * W["samples"] // 4,
+                      gradient_accumulation_steps=4, num_generations=W["samples"], beta=0.0, bf16=gpu, use_cpu=not gpu,
+                      max_completion_length=W["new"], temperature=1.0, max_steps=a.steps + 1, learning_rate=1e-6,
+                      logging_steps=1, report_to="none", save_strategy="no", seed=0, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, processing_class=tok,
+                          train_dataset=Dataset.from_dict({"prompt": prompt_texts(128)}), callbacks=[Clock()])
+    sync()
+    ends.append(time.perf_counter())
+    trainer.train()
+    steps = [b - a_ for a_, b in zip(ends, ends[1:])][1:]                        # drop the warm-up step
+    med = statistics.median(steps)
+    lens = [h.get("completions/mean_length") for h in trainer.state.log_history if "completions/mean_length" in h]
+    return {"step_s": med, "steps_s": steps, "tokens_per_s": W["prompts"] * W["samples"] *
+            (W["prompt_len"] + W["new"]) / med, "completion_len": lens, "config": {
+                k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
+                                              "num_generations", "beta", "bf16", "max_completion_length",
+                                              "gradient_checkpointing", "loss_type")}, **cuda_info()}
+
+
+PARTS = {"ours": part_ours, "engine": part_engine, "hf": part_hf, "trl": part_trl}
+
+
+def table(results: dict, a) -> str:
+    """The report: step time against TRL, the split, and the engine against transformers' generate."""
+    trl = results.get("trl", {})
+    ours_runs = {k: r for k, r in results.items() if k.startswith("ours") and "step_s" in r}
+    dev = next((r["device"] for k, r in results.items() if k != "_errors" and "device" in r), "?")
+    lines = [f"# W1 on {dev} (torch {torch.__version__}; {a.steps} measured steps after 1 warm-up; "
+             f"grad_checkpointing={a.ckpt})", "",
+             "| | step (median) | tokens/s | peak alloc | peak reserved |", "|---|---|---|---|---|"]
+    rows = [(f"this project (train.py), micro_batch_size={k.split('mb')[1]}", r) for k, r in ours_runs.items()]
+    for name, r in rows + [("TRL GRPOTrainer", trl)]:
+        if "step_s" in r:
+            lines.append(f"| {name} | {r['step_s']:.3f} s | {r['tokens_per_s']:,.0f} | "
+                         f"{r.get('peak_alloc_gib', 0):.1f} GiB | {r.get('peak_reserved_gib', 0):.1f} GiB |")
+    lines += [f"| {name} | failed: {err} | | | |" for name, err in results.get("_errors", {}).items()]
+    fits = [r for r in ours_runs.values() if "step_s" in trl and r.get("peak_alloc_gib", 0) <= trl.get("peak_alloc_gib", 0)]
+    ours = min(fits or list(ours_runs.values()) or [{}], key=lambda r: r.get("step_s", 1e9))
+    if "step_s" in ours and "step_s" in trl:
+        lines += ["", f"ratio ours / TRL step time: **{ours['step_s'] / trl['step_s']:.3f}** (goal <= 0.15; fastest "
+                      f"of ours {'within' if fits else 'OVER'} TRL's peak memory); speed-up {trl['step_s'] / ours['step_s']:.1f}x"]
+    if "split_s" in ours:
+        lines += ["", "split of our step (medians, s): " + ", ".join(
+            f"{k.split('/')[1]} {v:.3f}" for k, v in ours["split_s"].items()),
+            f"logprob_mismatch (engine vs trainer, per step): {[round(x, 4) for x in ours['logprob_mismatch']]}"]
+    engines = {**results.get("engine", {}).get("engine", {}), **results.get("hf", {}).get("engine", {})}
+    engines.pop("profile", None)
+    if engines:
+        base = engines.get("hf generate, default cache", {}).get("median_s")
+        lines += ["", f"| generate {W['prompts'] * W['samples']} x {W['new']} tokens | median | first call | new tokens/s | vs HF default | "
+                      "completion len | logprob diff mean / max |", "|---|---|---|---|---|---|---|"]
+        for name, r in engines.items():
+            vs = f"{base / r['median_s']:.1f}x" if base else ""
+            diff = f"{r['logprob_diff_mean']:.4f} / {r['logprob_diff_max']:.3f}" if "logprob_diff_mean" in r else ""
+            lines.append(f"| {name} | {r['median_s']:.3f} s | {r['first_s']:.1f} s | {r['new_tokens_per_s']:,.0f} | "
+                         f"{vs} | {r['completion_len']} | {diff} |")
+    prof = results.get("engine", {}).get("engine", {}).get("profile")
+    if prof:
+        lines += [""] + [f"profile {k}: wall {v['wall_s_profiled']:.3f} s, GPU kernels {v['gpu_kernel_s']:.3f} s; top: "
+                         + "; ".join(f"{n[:40]} {t:.3f}s" for n, t, _ in v["top"][:4]) for k, v in prof.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md, logs, profile.txt")
+    p.add_argument("--parts", default="ours,engine,hf,trl", help="comma list of: " + ", ".join(PARTS))
+    p.add_argument("--small", action="store_true", help="toy shapes (CPU smoke run)")
+    p.add_argument("--steps", type=int, default=4, help="measured steps (after one warm-up step)")
+    p.add_argument("--micro", default="16", help="our micro_batch_size; a comma list runs ours once for each")
+    p.add_argument("--ckpt", default="false", help="our grad_checkpointing (true/false)")
+    p.add_argument("--repeats", type=int, default=3, help="timed generate calls per engine variant")
+    p.add_argument("--repeats-hf", type=int, default=2, help="timed transformers generate calls")
+    p.add_argument("--fast-only", action="store_true", help="engine part: only the default fast path")
+    p.add_argument("--part", help=argparse.SUPPRESS)        # internal: run one part in this process
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--tmp", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    W.update(SHAPES["small" if a.small else "w1"])
+    os.makedirs(a.out, exist_ok=True)
+    if a.part:                                             # child: one part, result as JSON on the last line
+        print("RESULT " + json.dumps(PARTS[a.part](a)), flush=True)
+        return
+    unknown = set(a.parts.split(",")) - set(PARTS)
+    if unknown:
+        sys.exit(f"error: unknown part(s) {', '.join(sorted(unknown))}; known: {', '.join(PARTS)}")
+    results: dict = {"_errors": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.path.join(tmp, "model")
+        build_model(model_dir, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+        jobs = [(p_, m) for p_ in a.parts.split(",") for m in (a.micro.split(",") if p_ == "ours" else [a.micro.split(",")[0]])]
+        for part, micro in jobs:
+            key = f"ours-mb{micro}" if part == "ours" else part
+            if part == "trl":
+                try:
+                    import trl  # noqa: F401
+                except ImportError:
+                    results["_errors"]["TRL GRPOTrainer"] = "trl is not importable here"
+                    continue
+            args = [sys.executable, __file__, "--part", part, "--model", model_dir, "--tmp", tmp, "--out", a.out,
+                    "--steps", str(a.steps), "--micro", micro, "--ckpt", a.ckpt, "--repeats", str(a.repeats),
+                    "--repeats-hf", str(a.repeats_hf)] + (["--small"] if a.small else []) + \
+                   (["--fast-only"] if a.fast_only else [])
+            t0 = time.perf_counter()
+            proc = subprocess.run(args, capture_output=True, text=True)
+            with open(os.path.join(a.out, f"{key}.log"), "w") as f:
+                f.write(proc.stdout + proc.stderr)
+            got = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode or not got:
+                err = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+                results["_errors"]["TRL GRPOTrainer" if part == "trl" else key] = err
+                print(f"part {key} failed ({time.perf_counter() - t0:.0f} s): {err}", flush=True)
+                continue
+            results[key] = json.loads(got[-1][len("RESULT "):])
+            print(f"part {key} done in {time.perf_counter() - t0:.0f} s", flush=True)
+            write_report(results, a)                   # after each part: a run cut short still reports
+    print(write_report(results, a))
+
+
+def write_report(results: dict, a) -> str:
+    with open(os.path.join(a.out, "bench.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    text = table(results, a)
+    with open(os.path.join(a.out, "bench.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Distributed training under torchrun: setup, rank helpers, metric reduction, FSDP2 sharding, weight sync.
+
+    torchrun --nproc_per_node=2 train.py ...                          # one node: CPU (gloo) or GPUs (NCCL)
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 train.py ...
+
+train.py calls these few functions; with plain `python train.py` (or world size 1) they are no-ops.
+SPMD: every rank runs the same loop. What world size > 1 means:
+- Prompts: every rank draws the same step's prompt list (same seed) and takes `share(list)` = items
+  rank::world, so a prompt's whole group stays on one rank. GRPO's per-group advantages stay local; an
+  algorithm that normalises over the whole batch (REINFORCE++'s global whitening) must add `all_sum` of
+  its statistics, or it normalises per rank.
+- Training: the policy is loaded in float32 (master weights) and sharded with FSDP2 `fully_shard`, one unit
+  per decoder layer plus the root (embeddings, norm, tied lm_head); on GPU it computes in the config dtype
+  (bf16) with gradients reduced in float32. The reference model is sharded the same way, in the config dtype.
+  FSDP averages gradients over ranks, so `loss_scale` turns each rank's local loss into its part of the
+  loss over the global batch: the update equals a one-process update on the same global batch.
+- Rollout: each rank's engine holds its own full copy of the weights in the config dtype. After each
+  optimizer step `sync_weights` all-gathers the shards one FSDP unit (one decoder layer) at a time and the
+  engine copies them in place. Memory trade-off: + one full copy in bf16 per rank (1 GB for a 0.5B model)
+  that the engine needs anyway, + one unit's full weights while syncing; never a second full copy. The
+  other way, unsharding the FSDP policy around generation, saves that copy but runs every decode step
+  through FSDP's hooks and ties the engine to the FSDP module (no vLLM, no CUDA graphs).
+- `offload=true` keeps the shards, gradients and AdamW state in CPU memory (FSDP2 CPUOffloadPolicy); the
+  optimizer step then runs on the CPU. It works at any world size under torchrun (also --nproc_per_node=1).
+- Metrics are reduced over ranks (`reduce_metrics`); rank 0 alone writes logs, plots and checkpoints.
+  Checkpoints: `full_state` gathers model and optimizer state dicts keyed by parameter name (the same for
+  any world size) and `load_full_state` puts them back, so a run can resume at another world size.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init(offload: bool = False) -> tuple[int, int]:
+    """Join the process group when launched by torchrun; return (rank, world size). (0, 1) without torchrun.
+    With offload the gradient norm is reduced over CPU shards, so GPUs get gloo for CPU tensors beside NCCL."""
+    if "RANK" in os.environ and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))   # before NCCL picks a device
+        gpu_backend = "cuda:nccl,cpu:gloo" if offload else "nccl"
+        dist.init_process_group(gpu_backend if torch.cuda.is_available() else "gloo")
+    return rank(), world()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def print0(*a, **kw):
+    if is_main():
+        print(*a, **kw, flush=True)
+
+
+def share(items: list) -> list:
+    """This rank's part of a list that every rank holds: items rank::world (whole prompts, never split)."""
+    return items[rank()::world()]
+
+
+def _device() -> torch.device:
+    # NCCL reduces CUDA tensors only; gloo reduces CPU tensors
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")
+
+
+def all_sum(values: list[float]) -> list[float]:
+    """Sum each number over ranks (float64; one collective for the whole list)."""
+    if world() == 1:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+# totals over ranks (reward_fail/* are counts); time/* and */max take the largest; the rest: the mean
+SUMMED = ("tokens_per_s", "reward_fail")
+
+
+def reduce_metrics(row: dict) -> dict:
+    """One step's metrics over all ranks. Shares are equal in size, so a plain mean over ranks is the
+    global mean for per-sample averages (reward, accuracy, completion_len); token-weighted averages
+    (entropy, clip_frac, kl) become a mean of per-rank averages, a close approximation."""
+    if world() == 1:
+        return row
+    rows: list[dict] = [None] * world()
+    dist.all_gather_object(rows, row)     # keys can differ across ranks (reward_failures/* appear when they happen)
+    out = {}
+    for key in dict.fromkeys(k for r in rows for k in r):     # every key once, in order of appearance
+        vals = [r[key] for r in rows if key in r]
+        if key == "step" or not all(isinstance(v, (int, float)) for v in vals):
+            out[key] = vals[0]
+        elif key.startswith(SUMMED):
+            out[key] = sum(vals)
+        elif key.startswith("time/") or key.endswith("/max"):
+            out[key] = max(vals)
+        else:
+            out[key] = sum(vals) / len(vals)
+    return out
+
+
+def check(prompts_per_step: int, minibatch_size: int) -> str | None:
+    """Why this world size cannot split the batch evenly, or None. Every rank must run the same number of
+    forward/backward passes (FSDP's collectives pair up across ranks), so shares must be equal."""
+    w = world()
+    if prompts_per_step % w:
+        return f"prompts_per_step={prompts_per_step} must be divisible by the world size {w}"
+    if minibatch_size % w:
+        return f"algo.minibatch_size={minibatch_size} must be divisible by the world size {w}"
+    return None
+
+
+def shard(model, device: torch.device, compute_dtype: torch.dtype, offload: bool = False):
+    """FSDP2: one unit per decoder layer (transformers' `_no_split_modules` names the class) and the root.
+    Parameters keep their dtype (float32 masters for the policy); compute runs in `compute_dtype`."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    kw = {}
+    if compute_dtype != next(model.parameters()).dtype:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    elif device.type == "cuda":
+        model.to(device)
+    layers = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in layers:
+            fully_shard(module, **kw)
+    fully_shard(model, **kw)   # the root unit: what is left (embeddings, final norm, the tied lm_head)
+    return model
+
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+def loss_scale(completion_mask: torch.Tensor, loss_agg: str) -> float:
+    """Factor for this rank's loss so that the mean over ranks (FSDP's gradient average) equals the loss
+    of the global batch. token-mean divides by the global token count, the seq-* modes by the global number
+    of sequences: factor = world * local_count / global_count (1.0 when the counts are equal)."""
+    if world() == 1:
+        return 1.0
+    local = completion_mask.sum().item() if loss_agg == "token-mean" else completion_mask.shape[0]
+    (total,) = all_sum([local])
+    return world() * local / max(total, 1.0)
+
+
+def grad_norm_value(norm) -> float:
+    """clip_grad_norm_ returns a DTensor for sharded gradients; its full value is the global norm."""
+    from torch.distributed.tensor import DTensor
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+
+
+def sync_weights(model):
+    """(name, full tensor) pairs for `engine.load_weights`. Unsharded models: their own parameters.
+    Sharded ones: all-gather one FSDP unit at a time (in the compute dtype, so bf16 travels), yield its
+    parameters, free them again: at most one unit's full weights exist beside the engine's copy."""
+    if not is_sharded(model):
+        yield from model.named_parameters()
+        return
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            module.unshard()              # this unit's parameters become plain full tensors until reshard()
+            for name, p in module.named_parameters(prefix=prefix):
+                if not isinstance(p, DTensor):    # units below this one stay sharded: they get their own turn
+                    yield name, p
+            module.reshard()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()      # so that time/sync measures the gathers and copies, not their launch
+
+
+def full_state(model, optimizer=None) -> tuple[dict, dict]:
+    """Full (unsharded) model and optimizer state dicts on rank 0, in CPU memory, keyed by parameter name:
+    the same layout at any world size, so a checkpoint written at one size resumes at another. Every rank
+    must call it (it gathers); ranks other than 0 get empty dicts."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    if not dist.is_initialized():   # plain python: nothing to gather
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        return (get_model_state_dict(model),
+                get_optimizer_state_dict(model, optimizer) if optimizer is not None else {})
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        return get_model_state_dict(model, options=options), {}
+    return get_state_dict(model, optimizer, options=options)
+
+
+def load_full_state(model, optimizer, model_state: dict, optim_state: dict | None):
+    """Inverse of `full_state`: rank 0 passes the full dicts (other ranks may pass empty ones); each rank
+    keeps its shard. Works for sharded and plain models, so world sizes may differ between save and load."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
+    if optimizer is None or optim_state is None:
+        set_model_state_dict(model, model_state, options=options)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                       options=options)

