@@ -1,6 +1,6 @@
 """Offline preference training (DPO, IPO, SimPO) from a jsonl file of {prompt, chosen, rejected}.
 
-    python train_dpo.py                                    # DPO on assets/arithmetic_prefs.jsonl, tiny model
+    python train_dpo.py lr=1e-5                            # DPO on assets/arithmetic_prefs.jsonl, tiny model (0.195 -> 0.455 held-out)
     python train_dpo.py algo.dpo.loss=ipo algo.dpo.beta=0.5 steps=100
     python train_dpo.py algo.dpo.loss=simpo algo.dpo.data=my_prefs.jsonl model=/path/to/model task=...
 
