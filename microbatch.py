@@ -15,7 +15,8 @@ rows (the prompt's left padding and the completion's right padding), so short sa
 The weights make the accumulation exact for the loss aggregations of algos/common.py:
     token-mean               weight = tokens in the piece / tokens in the mini-batch
     seq-mean-*               weight = rows in the piece / rows in the mini-batch
-    seq-mean-token-sum-norm  also x (piece's width / mini-batch's width), since it divides by the width
+    seq-mean-token-sum-norm  also x (piece's width / mini-batch's width) when it divides by the width, i.e.
+                             when no constant normaliser is set (norm_len=0; the loop sets algo.norm_len)
 size 0 means no split: the mini-batch itself with weight 1, untouched.
 """
 import torch
@@ -41,7 +42,7 @@ def trim(batch: Experience) -> Experience:
     return Experience(**out)
 
 
-def micro_batches(batch: Experience, size: int, loss_agg: str):
+def micro_batches(batch: Experience, size: int, loss_agg: str, norm_len: int = 0):
     """Yield (piece, weight) pairs covering the rows of batch; see the module docstring."""
     if size <= 0 or size >= len(batch):
         yield batch, 1.0
@@ -59,6 +60,6 @@ def micro_batches(batch: Experience, size: int, loss_agg: str):
             weight = float(lengths[rows].sum() / total_tokens)
         else:
             weight = len(rows) / len(batch)
-            if loss_agg == "seq-mean-token-sum-norm":
+            if loss_agg == "seq-mean-token-sum-norm" and not norm_len:
                 weight *= piece.completion_mask.shape[1] / C
         yield piece, weight

@@ -127,6 +127,10 @@ def main(argv: list[str]) -> dict:
     device, dtype = setup_device(cfg)
     algo = registry.get("algo", cfg.algo.name)
     check_config(cfg)                                    # algorithm choices are known names; fills defaults
+    loss_agg = algo.loss_agg or cfg.algo.loss_agg        # weights micro-batches and ranks (microbatch.py)
+    if (cfg.micro_batch_size or world > 1) and not algo.splittable(cfg.algo):
+        raise UserError(f"algo '{cfg.algo.name}' with these settings has no exact split over micro-batches or ranks: "
+                        "use micro_batch_size=0 and one process (see its Algorithm declaration)")
     specs = parse_spec(cfg.rewards)
     reward_args = parse_reward_args(cfg.reward_args, specs)
     pool = RewardPool([(name, weight, reward_args.get(name, {})) for name, weight in specs],
@@ -255,13 +259,13 @@ def main(argv: list[str]) -> dict:
         skipped, applied = 0, 0
         mis_sum, mis_max, mis_n, first_mb = 0.0, 0.0, 0.0, True   # engine-vs-trainer log-prob gap, see below
         for mb in buffer.minibatches(mb_size, cfg.algo.epochs, generator, group_size=cfg.samples_per_prompt):
-            scale = distributed.loss_scale(mb.completion_mask, cfg.algo.loss_agg)   # dist: global-batch loss
+            scale = distributed.loss_scale(mb.completion_mask, loss_agg)   # dist: global-batch loss
             optimizer.zero_grad(set_to_none=True)
             if critic is not None:                                                       # critic: fresh gradients
                 critic.optimizer.zero_grad(set_to_none=True)
             m = {}
             # gradient accumulation over length-bucketed micro-batches (microbatch.py); size 0 = one pass
-            for micro, weight in micro_batches(mb, cfg.micro_batch_size, cfg.algo.loss_agg):
+            for micro, weight in micro_batches(mb, cfg.micro_batch_size, loss_agg, cfg.algo.norm_len):
                 micro = micro.to(device)
                 logp, entropy = completion_logprobs(policy, micro.input_ids, micro.attention_mask,
                                                     micro.completion_mask.shape[1], cfg.temperature)

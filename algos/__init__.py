@@ -25,6 +25,10 @@ class Algorithm:
     needs_ref: Callable = lambda cfg: cfg.kl_coef > 0   # does the batch need reference log-probs?
     needs_critic: bool = False  # the loop builds a critic, fills batch.values and passes new["values"]
     keep: Callable | None = None  # (batch, cfg) -> (B,) bool: rows to train on (e.g. DAPO's dynamic sampling)
+    # How the loss reduces over tokens, so that micro-batches (microbatch.py) and ranks (distributed.py) can be
+    # weighted to give exactly the whole mini-batch's gradient: a fixed mode, or None for cfg.loss_agg.
+    loss_agg: str | None = None
+    splittable: Callable = lambda cfg: True   # False: no exact split exists (pairs, mixed reductions)
 
 
 from algos import grpo, dapo, gspo, rloo, reinforce_pp, ppo, dpo  # noqa: E402,F401  (each file registers itself)

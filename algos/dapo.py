@@ -49,4 +49,5 @@ def keep_groups_with_signal(batch, cfg) -> Tensor:
     return std > 0
 
 
-register("algo", "dapo")(Algorithm(advantages=dapo_advantages, loss=dapo_loss, keep=keep_groups_with_signal))
+register("algo", "dapo")(Algorithm(advantages=dapo_advantages, loss=dapo_loss, keep=keep_groups_with_signal,
+                                   loss_agg="token-mean"))

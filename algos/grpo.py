@@ -47,4 +47,5 @@ def grpo_advantages(batch, cfg, scale: bool | None = None) -> Tensor:
 
 register("algo", "grpo")(Algorithm(advantages=grpo_advantages, loss=clipped_policy_loss))
 register("algo", "dr_grpo")(Algorithm(advantages=partial(grpo_advantages, scale=False),
-                                      loss=partial(clipped_policy_loss, loss_agg="seq-mean-token-sum-norm")))
+                                      loss=partial(clipped_policy_loss, loss_agg="seq-mean-token-sum-norm"),
+                                      loss_agg="seq-mean-token-sum-norm"))

@@ -60,4 +60,6 @@ def ppo_loss(new: dict, batch, cfg):
     return pg + cfg.ppo.vf_coef * vf, metrics
 
 
-register("algo", "ppo")(Algorithm(advantages=ppo_advantages, loss=ppo_loss, needs_critic=True))
+# the value loss is a token mean: the whole loss splits exactly only when the policy term is one too
+register("algo", "ppo")(Algorithm(advantages=ppo_advantages, loss=ppo_loss, needs_critic=True,
+                                  splittable=lambda cfg: cfg.loss_agg == "token-mean"))

@@ -24,16 +24,17 @@ def rollout_batch(random_model_dir):
     return model, batch
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                      "seq-mean-token-sum-norm"])
-def test_accumulated_gradient_equals_full_batch(rollout_batch, loss_agg):
+@pytest.mark.parametrize("loss_agg, norm_len", [("token-mean", 0), ("seq-mean-token-mean", 0),
+                                                ("seq-mean-token-sum", 0), ("seq-mean-token-sum-norm", 0),
+                                                ("seq-mean-token-sum-norm", 16)])
+def test_accumulated_gradient_equals_full_batch(rollout_batch, loss_agg, norm_len):
     model, batch = rollout_batch
-    cfg = config.AlgoConfig(loss_agg=loss_agg)
+    cfg = config.AlgoConfig(loss_agg=loss_agg, norm_len=norm_len)
     batch.advantages = grpo_advantages(batch, cfg)
     grads = []
     for size in (0, 5):
         model.zero_grad()
-        pieces = list(micro_batches(batch, size, loss_agg))
+        pieces = list(micro_batches(batch, size, loss_agg, norm_len))
         assert len(pieces) == (1 if size == 0 else 3)
         for piece, weight in pieces:
             logp, ent = completion_logprobs(model, piece.input_ids, piece.attention_mask,

@@ -44,6 +44,7 @@ def test_help_lists_options():
     (["arithmetic.n_train=0"], "task 'arithmetic': "),
     (["max_new_tokens=60"], "exceeds the model's context of 64 tokens"),
     (["task=nope"], "unknown task 'nope'; known: "),
+    (["algo.name=online_dpo", "micro_batch_size=8"], "has no exact split over micro-batches or ranks"),
 ])
 def test_bad_input_is_one_line_error(args, message, random_model_dir, tmp_path):
     r = run_train(f"model={random_model_dir}", f"out_dir={tmp_path / 'run'}", *args, timeout=120)
