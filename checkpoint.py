@@ -8,7 +8,8 @@
 
 One checkpoint is one directory; every file is readable without this code:
     model.safetensors      the policy's full (unsharded) state dict; tied tensors stored once (meta "aliases")
-    optimizer.safetensors  optimizer state tensors by "<param name>/<key>" (exp_avg, ...); hyper-parameters in meta
+    model_optimizer.safetensors  optimizer state tensors by "<param name>/<key>" (exp_avg, ...); hyper-parameters in meta
+    critic.safetensors, critic_optimizer.safetensors   the same for PPO's critic, when the run has one
     rank_state.safetensors per-rank state under "rank<r>/": torch/CUDA RNG, the loop's generators, the data order,
                            the replay buffer's contents
     config.yaml            the resolved config (what `resume` starts from)
@@ -127,13 +128,44 @@ def _rng_state(generators: dict) -> dict:
     return state
 
 
+def _write_trained(tmp: str, name: str, model_sd: dict, optim_sd: dict) -> dict:
+    """<name>.safetensors (weights) + <name>_optimizer.safetensors (optimizer tensors); the rest goes to meta."""
+    weights, aliases = _dedupe(model_sd)
+    save_file(weights, os.path.join(tmp, f"{name}.safetensors"))
+    tensors, scalars = {}, {}
+    for pname, st in optim_sd["state"].items():
+        for k, v in st.items():
+            (tensors if torch.is_tensor(v) else scalars)[f"{pname}/{k}"] = v
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, f"{name}_optimizer.safetensors"))
+    return {"aliases": aliases, "param_groups": optim_sd["param_groups"], "scalars": scalars}
+
+
+def _read_trained(ckpt: str, name: str, model, optimizer, meta: dict):
+    opts = StateDictOptions(full_state_dict=True)
+    weights = load_file(os.path.join(ckpt, f"{name}.safetensors"))
+    weights.update({k: weights[v] for k, v in meta["aliases"].items()})
+    try:
+        set_model_state_dict(model, weights, options=opts)
+    except (RuntimeError, KeyError) as e:
+        raise UserError(f"checkpoint {ckpt} does not fit this {name}: {str(e).strip().splitlines()[0]}")
+    state: dict = {}
+    for key, v in {**load_file(os.path.join(ckpt, f"{name}_optimizer.safetensors")), **meta["scalars"]}.items():
+        pname, k = key.rsplit("/", 1)
+        state.setdefault(pname, {})[k] = v
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": meta["param_groups"]}, options=opts)
+
+
 def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule, buffer, generators: dict,
-         order: torch.Tensor, cursor: int, extra: dict) -> str | None:
-    """Write checkpoints/step_<step>/ (all ranks call this; rank 0 writes). Returns the directory on rank 0."""
+         order: torch.Tensor, cursor: int, extra: dict, critic=None) -> str | None:
+    """Write checkpoints/step_<step>/ (all ranks call this; rank 0 writes). Returns the directory on rank 0.
+    `critic` (PPO's value model, with its own optimizer) is saved beside the policy when given."""
     rank, world = _rank_world()
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(policy, options=opts)                    # collective under FSDP
-    optim_sd = get_optimizer_state_dict(policy, optimizer, options=opts)
+    trained = {"model": (get_model_state_dict(policy, options=opts),                 # collective under FSDP
+                         get_optimizer_state_dict(policy, optimizer, options=opts))}
+    if critic is not None:
+        trained["critic"] = (get_model_state_dict(critic.model, options=opts),
+                             get_optimizer_state_dict(critic.model, critic.optimizer, options=opts))
     mine = {f"rng.{k}": v for k, v in _rng_state(generators).items()}
     mine["order"] = order
     buffer_meta = None
@@ -151,14 +183,10 @@ def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule
         _clean(root)
         out, tmp = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f"step_{step:06d}.tmp")
         os.makedirs(tmp)
-        weights, aliases = _dedupe(model_sd)
-        save_file(weights, os.path.join(tmp, "model.safetensors"))
-        crash_point("checkpoint", step)
-        tensors, scalars = {}, {}
-        for name, st in optim_sd["state"].items():
-            for k, v in st.items():
-                (tensors if torch.is_tensor(v) else scalars)[f"{name}/{k}"] = v
-        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, "optimizer.safetensors"))
+        trained_meta = {}
+        for name, (model_sd, optim_sd) in trained.items():
+            trained_meta[name] = _write_trained(tmp, name, model_sd, optim_sd)
+            crash_point("checkpoint", step)
         save_file({f"rank{r}/{k}": v.contiguous() for r, (m, _) in enumerate(per_rank) for k, v in m.items()},
                   os.path.join(tmp, "rank_state.safetensors"))
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
@@ -166,8 +194,7 @@ def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule
         metrics = os.path.join(run_dir, "metrics.jsonl")
         np_state = np.random.get_state()
         meta = {"step": step, "version": version, "cursor": cursor, "world_size": world,
-                "aliases": aliases, "optimizer_param_groups": optim_sd["param_groups"],
-                "optimizer_scalars": scalars, "schedule": schedule.state_dict(),
+                "trained": trained_meta, "schedule": schedule.state_dict(),
                 "python_rng": random.getstate(), "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
                 "metrics_bytes": os.path.getsize(metrics) if os.path.exists(metrics) else 0,
                 "buffer": [m for _, m in per_rank], "extra": extra}
@@ -187,26 +214,18 @@ def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule
     return out
 
 
-def load(ckpt: str, policy, optimizer, schedule, buffer, generators: dict) -> dict:
+def load(ckpt: str, policy, optimizer, schedule, buffer, generators: dict, critic=None) -> dict:
     """Restore everything save() wrote (every rank calls this). Returns step, version, order, cursor, extra, rows."""
     rank, world = _rank_world()
     with open(os.path.join(ckpt, "meta.json")) as f:
         meta = json.load(f)
     if meta["world_size"] != world:
         raise UserError(f"checkpoint {ckpt} was written by {meta['world_size']} ranks; this run has {world}")
-    opts = StateDictOptions(full_state_dict=True)
-    weights = load_file(os.path.join(ckpt, "model.safetensors"))
-    weights.update({k: weights[v] for k, v in meta["aliases"].items()})
-    try:
-        set_model_state_dict(policy, weights, options=opts)
-    except (RuntimeError, KeyError) as e:
-        raise UserError(f"checkpoint {ckpt} does not fit this model: {str(e).strip().splitlines()[0]}")
-    state: dict = {}
-    for key, v in {**load_file(os.path.join(ckpt, "optimizer.safetensors")), **meta["optimizer_scalars"]}.items():
-        name, k = key.rsplit("/", 1)
-        state.setdefault(name, {})[k] = v
-    set_optimizer_state_dict(policy, optimizer, {"state": state, "param_groups": meta["optimizer_param_groups"]},
-                             options=opts)
+    _read_trained(ckpt, "model", policy, optimizer, meta["trained"]["model"])
+    if critic is not None:
+        if "critic" not in meta["trained"]:
+            raise UserError(f"checkpoint {ckpt} holds no critic, and this run's algorithm needs one")
+        _read_trained(ckpt, "critic", critic.model, critic.optimizer, meta["trained"]["critic"])
     schedule.load_state_dict(meta["schedule"])
 
     prefix = f"rank{rank}/"

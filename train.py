@@ -194,7 +194,8 @@ def main(argv: list[str]) -> dict:
     rows: list[dict] = []
     first_step, version, bad_updates = 1, 0, 0      # version: optimizer updates applied so far, in RL steps
     if resume_from:   # --- exact resume: weights, optimizer, schedule, buffer, RNGs, data position, logs ---
-        s = checkpoint.load(resume_from, policy, optimizer, schedule, buffer, {"data": generator, "sample": sample_gen})
+        s = checkpoint.load(resume_from, policy, optimizer, schedule, buffer, {"data": generator, "sample": sample_gen},
+                            critic)
         first_step, version, order, cursor, start, rows = s["step"] + 1, s["version"], s["order"], s["cursor"], \
             s["extra"]["start"], s["rows"]
         engine.load_weights(distributed.sync_weights(policy))
@@ -337,7 +338,7 @@ def main(argv: list[str]) -> dict:
         stop = bad_updates >= cfg.max_bad_updates
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             saved = checkpoint.save(run_dir, cfg, step, version, policy, optimizer, schedule, buffer,
-                                    {"data": generator, "sample": sample_gen}, order, cursor, {"start": start})
+                                    {"data": generator, "sample": sample_gen}, order, cursor, {"start": start}, critic)
         if stop:
             raise UserError(f"{bad_updates} updates in a row had a non-finite loss or gradient (last at step {step}); "
                             f"stopped with a checkpoint in {saved}")

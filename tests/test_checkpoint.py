@@ -52,7 +52,7 @@ def assert_checkpoints_whole(run_dir):
         d = os.path.join(root, name)
         meta = json.load(open(os.path.join(d, "meta.json")))
         assert f"step_{meta['step']:06d}" == name
-        for f in ("model.safetensors", "optimizer.safetensors", "rank_state.safetensors"):
+        for f in ("model.safetensors", "model_optimizer.safetensors", "rank_state.safetensors"):
             assert load_file(os.path.join(d, f))
     return sorted(names)
 
@@ -101,6 +101,21 @@ def test_default_on_policy_resume_is_exact(tmp_path, random_model_dir):
     r = run_train(args(tmp_path / "killed"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert metrics(tmp_path / "killed") == metrics(tmp_path / "base")
+
+
+def test_ppo_resume_restores_the_critic(tmp_path, random_model_dir):
+    """PPO's value model and its optimizer are part of the state: a resumed PPO run logs the same values."""
+    args = lambda out: [f"model={random_model_dir}", f"out_dir={out}", "steps=4", "prompts_per_step=2",
+                        "samples_per_prompt=4", "eval_every=2", "eval_size=8", "arithmetic.n_train=200",
+                        "arithmetic.n_eval=20", "save_every=2", "algo.name=ppo", "threads=1", "progress=false"]
+    assert run_train(args(tmp_path / "base")).returncode == 0
+    r = run_train(args(tmp_path / "killed"), crash_at="rollout:3")
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    assert os.path.exists(tmp_path / "killed" / "checkpoints" / "step_000002" / "critic.safetensors")
+    r = run_train(args(tmp_path / "killed"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(tmp_path / "killed")
+    assert rows == metrics(tmp_path / "base") and all("value_loss" in row for row in rows)
 
 
 def test_resume_errors_are_one_line(tmp_path, random_model_dir):
