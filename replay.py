@@ -60,6 +60,8 @@ def make_buffer(cfg, run_dir: str, resume: bool = False):
                          "'replay.max_staleness' >= 0 and 'replay.decay' in (0, 1]")
     rank = int(os.environ.get("RANK", "0"))   # each rank keeps (and logs) the samples it generated
     name = "replay.jsonl" if rank == 0 else f"replay.rank{rank}.jsonl"
+    if rc.log:
+        os.makedirs(run_dir, exist_ok=True)   # rank 0 makes it too; another rank may get here first
     return ReplayBuffer(rc, os.path.join(run_dir, name) if rc.log else None, resume)
 
 
