@@ -101,6 +101,16 @@ def evaluate(cfg, engine, tok, samples, prompt_ids, pool, specs, generator) -> d
     return {"eval/reward": total / max(count, 1), "eval/accuracy": correct / max(count, 1)}
 
 
+def save_final(final_dir: str, policy, tok, state_dict: dict | None = None):
+    """The trained policy + tokenizer for from_pretrained, written to final.tmp and renamed: never half-written."""
+    import shutil
+    policy.save_pretrained(final_dir + ".tmp", **({"state_dict": state_dict} if state_dict else {}))
+    tok.save_pretrained(final_dir + ".tmp")
+    if os.path.exists(final_dir):
+        shutil.rmtree(final_dir)
+    os.replace(final_dir + ".tmp", final_dir)
+
+
 def save_plot(run_dir: str, rows: list[dict]):
     import matplotlib
     matplotlib.use("Agg")
@@ -352,12 +362,7 @@ def main(argv: list[str]) -> dict:
         keep = {n for n, _ in policy.named_parameters()} | {n for n, _ in policy.named_buffers()}
         full = {k: v for k, v in full.items() if k in keep}
     if rank == 0:
-        policy.save_pretrained(final_dir + ".tmp", **({"state_dict": full} if fsdp else {}))
-        tok.save_pretrained(final_dir + ".tmp")
-        if os.path.exists(final_dir):
-            import shutil
-            shutil.rmtree(final_dir)
-        os.replace(final_dir + ".tmp", final_dir)
+        save_final(final_dir, policy, tok, full)
         save_plot(run_dir, [{"step": 0, "reward": float("nan"), **start}] + rows)
         writer.close()
         metrics_file.close()

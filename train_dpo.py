@@ -29,7 +29,7 @@ from models import completion_logprobs, encode_prompts, load_model
 from rewards import parse_reward_args, parse_spec
 from rewards.pool import RewardPool
 from rollout import left_pad
-from train import evaluate, git_state, print0, save_plot, setup_device, write_atomic
+from train import evaluate, git_state, print0, save_final, save_plot, setup_device, write_atomic
 
 
 def read_pairs(path: str) -> list[dict]:
@@ -125,8 +125,7 @@ def main(argv: list[str]) -> dict:
     wall = time.perf_counter() - t_run
     metrics_file.close()
     pool.close()
-    policy.save_pretrained(os.path.join(run_dir, "final"))
-    tok.save_pretrained(os.path.join(run_dir, "final"))
+    save_final(os.path.join(run_dir, "final"), policy, tok)
     save_plot(run_dir, [{"step": 0, "reward": float("nan"), **start}] + rows)
     end = rows[-1]["eval/accuracy"] if rows else start["eval/accuracy"]
     print0(f"held-out accuracy: {start['eval/accuracy']:.3f} -> {end:.3f} in {wall:.0f} s; run directory: {run_dir}")
