@@ -366,6 +366,8 @@ def main(argv: list[str]) -> dict:
         save_plot(run_dir, [{"step": 0, "reward": float("nan"), **start}] + rows)
         writer.close()
         metrics_file.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()   # every rank done before the group goes (gloo aborts on an early teardown)
     end = rows[-1]["eval/accuracy"] if rows else start["eval/accuracy"]
     print0(f"held-out accuracy: {start['eval/accuracy']:.3f} -> {end:.3f} in {wall:.0f} s over {cfg.steps} steps; "
            f"run directory: {run_dir}")

@@ -97,4 +97,5 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     main(args[0], args[1], args[3] if len(args) > 3 and args[2] == "--resume" else None)
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()   # tearing gloo down while a peer still works can abort ("terminate called")
         torch.distributed.destroy_process_group()

@@ -207,6 +207,7 @@ def _two_rank_worker(rank: int, init_file: str, run_dir: str):
     assert torch.equal(buf.uid, expect["uid"]) and len(buf) == 2 + rank
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), expect["params"]))
     assert sched.get_last_lr() == expect["lr"] and len(opt.state) == 4
+    dist.barrier()   # no early teardown: gloo can abort a peer that is still working
     dist.destroy_process_group()
 
 
