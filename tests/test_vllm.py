@@ -226,7 +226,8 @@ def mismatch():
 
 stale = mismatch()
 engine.load_weights(policy.named_parameters())      # full_tensor() gathers each shard
-print("MISMATCH", dist.get_rank(), stale, mismatch())
+with open(f"{sys.argv[3]}/mismatch{dist.get_rank()}.txt", "w") as f:   # a file each: ranks' stdout interleaves
+    f.write(f"{dist.get_rank()} {stale} {mismatch()}")
 engine.close()                                      # before destroying the group: vLLM's shutdown destroys it too
 if dist.is_initialized():
     dist.destroy_process_group()
@@ -240,8 +241,8 @@ def test_torchrun_fsdp2_shards_sync(tmp_path):
     make_model(path, tied=True)
     (tmp_path / "worker.py").write_text(TORCHRUN_WORKER)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(tmp_path / "worker.py"),
-                        path, ROOT], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        path, ROOT, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    found = [line.split() for line in r.stdout.splitlines() if line.startswith("MISMATCH")]
-    assert sorted(int(f[1]) for f in found) == [0, 1], r.stdout
-    assert all(float(f[2]) > STALE_MIN and float(f[3]) < SYNC_TOL for f in found), found   # stale, synced
+    found = [(tmp_path / f"mismatch{rank}.txt").read_text().split() for rank in (0, 1)]
+    assert [int(f[0]) for f in found] == [0, 1], found
+    assert all(float(f[1]) > STALE_MIN and float(f[2]) < SYNC_TOL for f in found), found   # stale, synced
