@@ -52,7 +52,8 @@ def plain_head(model) -> bool:
     can take the hidden states instead."""
     head, c = model.get_output_embeddings(), model.config
     # FSDP2-sharded models must run their root forward (it gathers the embeddings and the head): logits path
-    sharded = type(head.weight).__name__ == "DTensor" or type(head.weight.data).__name__ == "DTensor"
+    from torch.distributed.tensor import DTensor
+    sharded = isinstance(head.weight, DTensor)
     return (not sharded and type(head) is torch.nn.Linear and head.bias is None and hasattr(model, model.base_model_prefix)
             and not getattr(c, "final_logit_softcapping", None) and getattr(c, "logit_scale", None) is None)
 
