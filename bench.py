@@ -274,7 +274,7 @@ def table(results: dict, a) -> str:
     if "split_s" in ours:
         lines += ["", "split of our step (medians, s): " + ", ".join(
             f"{k.split('/')[1]} {v:.3f}" for k, v in ours["split_s"].items()),
-            f"logprob_mismatch (engine vs trainer, per step): {[round(x, 4) for x in ours['logprob_mismatch']]}"]
+            f"logprob_mismatch max (engine vs trainer, per step): {[round(x, 4) for x in ours['logprob_mismatch_max']]}"]
     engines = {**results.get("engine", {}).get("engine", {}), **results.get("hf", {}).get("engine", {})}
     engines.pop("profile", None)
     if engines:
@@ -339,7 +339,9 @@ def main():
                 f.write(proc.stdout + proc.stderr)
             got = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode or not got:
-                err = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+                # the last line that is not a progress bar: tqdm's lines end the stderr of a crashed trainer
+                lines = [x for x in proc.stderr.strip().splitlines() if "it/s]" not in x and "s/it]" not in x]
+                err = (lines or ["no output"])[-1][:200]
                 results["_errors"]["TRL GRPOTrainer" if part == "trl" else key] = err
                 print(f"part {key} failed ({time.perf_counter() - t0:.0f} s): {err}", flush=True)
                 continue
