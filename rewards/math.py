@@ -15,8 +15,6 @@ import logging
 import re
 import threading
 
-from math_verify import parse, verify
-
 from registry import register
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)   # it warns on every call with timeouts off
@@ -26,6 +24,17 @@ TIMEOUT_S = 5
 
 def _timeout():
     return TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def parse(text: str, parsing_timeout):
+    # imported on first use: a run without the math reward (a GPU box without math-verify) still starts
+    from math_verify import parse as mv_parse
+    return mv_parse(text, parsing_timeout=parsing_timeout)
+
+
+def verify(gold, pred, timeout_seconds):
+    from math_verify import verify as mv_verify
+    return mv_verify(gold, pred, timeout_seconds=timeout_seconds)
 
 
 def parse_reference(answer: str):
