@@ -2,14 +2,15 @@
 
     python bench.py --out bench-out                  # GPU: all parts below, then a table (bench-out/bench.md)
     python bench.py --small --out /tmp/b             # CPU smoke run of the same code at toy shapes
-    python bench.py --parts ours,engine --micro 16,32  # a subset (ours | engine | hf | trl); ours per micro-batch size
+    python bench.py --parts ours,engine --ours 16:ckpt:compile,32  # a subset (ours | engine | hf | trl); ours per variant
 
 Workload: a Qwen2 model at Qwen2.5-0.5B shape (random init, bf16, built here from a Qwen2Config: no hub),
 16 prompts x 8 samples, prompts of 64 random tokens, 256 sampled tokens each, temperature 1. The tokenizer's
 EOS id lies outside the model's vocabulary, so every completion runs to full length and the work is fixed.
 Parts, each in its own process (clean peak-memory counters):
   ours    train.main itself (the real loop) for 1 warm-up + N measured steps; the split comes from its
-          metrics.jsonl (time/rollout, time/reward, time/logprobs, time/update, time/sync)
+          metrics.jsonl (time/rollout, time/reward, time/logprobs, time/update, time/sync). One run per
+          --ours variant MICRO[:ckpt][:compile] (micro_batch_size, grad_checkpointing, compile)
   engine  the built-in engine alone on the same batch: fast path (graph + compile), graph only, the plain loop;
           sampling log-probs vs teacher-forced ones; a torch.profiler summary of one rollout and one update
   hf      transformers `generate`, default (dynamic) cache and cache_implementation="static"
@@ -95,11 +96,12 @@ def sync():
 # --- parts -------------------------------------------------------------------------------------------
 def part_ours(a) -> dict:
     import train
-    run_dir = os.path.join(a.tmp, "ours-run")
+    run_dir = os.path.join(a.tmp, "ours-" + a.variant.replace(":", "-"))   # one per variant: a reused one would resume
     argv = [f"model={a.model}", "task=bench_random", "rewards=bench_cheap", f"steps={a.steps + 1}",
             f"prompts_per_step={W['prompts']}", f"samples_per_prompt={W['samples']}", f"max_new_tokens={W['new']}",
             "temperature=1.0", "eval_every=100000", "eval_size=128", "eval_temperature=1.0", "lr=1e-6",
-            f"micro_batch_size={a.micro}", f"grad_checkpointing={a.ckpt}", f"out_dir={run_dir}", "progress=false"]
+            f"micro_batch_size={a.micro}", f"grad_checkpointing={'ckpt' in a.variant}",
+            f"compile={'compile' in a.variant}", f"out_dir={run_dir}", "progress=false"]
     train.main(argv)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]   # drop the warm-up
     keys = ["time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync"]
@@ -138,12 +140,15 @@ def part_engine(a) -> dict:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
     new_tokens = W["prompts"] * W["samples"] * W["new"]
     res, engines = {}, {}
-    variants = [("fast: graph + compile", dict(fast=True), {}), ("fast: graph, no compile", dict(fast=True),
-                dict(compile=False)), ("plain loop (dynamic cache)", dict(fast=False), {})]
+    fast = dict(fast=True)
+    variants = [("fast: graph + compile (default)", fast, {}),
+                ("fast: graph + compile, sdpa attention", fast, dict(attention="sdpa")),
+                ("fast: graph + compile, cache kept between calls", fast, dict(keep_cache=True)),
+                ("plain loop (dynamic cache)", dict(fast=False), {})]
     if not torch.cuda.is_available():
-        variants = [("fast: eager (CPU)", dict(fast=True), dict(use_graph=False)), variants[2]]
-    if a.fast_only:
-        variants = variants[:1]
+        variants = [("fast: eager (CPU)", fast, dict(use_graph=False)), variants[-1]]
+    if a.fast_only:                     # the plain loop takes ~20 s and its figure is known
+        variants = variants[:-1]
     for name, kw, dec_kw in variants:
         engine = engines[name] = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, **kw)
         if kw["fast"]:
@@ -169,7 +174,7 @@ def profile(a, model, engine, prompts, sampling, gen) -> dict:
     from models import completion_logprobs
     r = engine.generate(prompts, W["samples"], sampling, gen)
     out, lines = {}, []
-    mb = int(a.micro.split(",")[0]) or len(r.input_ids)
+    mb = int(a.micro) or len(r.input_ids)
     ids, mask = r.input_ids[:mb].cuda(), r.attention_mask[:mb].cuda()
     C = r.completion_mask.shape[1]
 
@@ -204,7 +209,8 @@ def part_hf(a) -> dict:
     ids = ids.to(model.device)
     mask = torch.ones_like(ids)
     res = {}
-    for name, kw in [("hf generate, default cache", {}), ("hf generate, static cache", {"cache_implementation": "static"})]:
+    variants = [("hf generate, default cache", {}), ("hf generate, static cache", {"cache_implementation": "static"})]
+    for name, kw in variants[:1] if a.fast_only else variants:          # static: ~30 s more, its figure is known
         fn = lambda: model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                                     top_p=1.0, max_new_tokens=W["new"], pad_token_id=tok.pad_token_id,
                                     eos_token_id=tok.eos_token_id, **kw)
@@ -252,15 +258,19 @@ def part_trl(a) -> dict:
 PARTS = {"ours": part_ours, "engine": part_engine, "hf": part_hf, "trl": part_trl}
 
 
+def describe(variant: str) -> str:
+    micro, *flags = variant.split(":")
+    return f"micro_batch_size={micro}, grad_checkpointing={'ckpt' in flags}, compile={'compile' in flags}"
+
+
 def table(results: dict, a) -> str:
     """The report: step time against TRL, the split, and the engine against transformers' generate."""
     trl = results.get("trl", {})
     ours_runs = {k: r for k, r in results.items() if k.startswith("ours") and "step_s" in r}
     dev = next((r["device"] for k, r in results.items() if k != "_errors" and "device" in r), "?")
-    lines = [f"# W1 on {dev} (torch {torch.__version__}; {a.steps} measured steps after 1 warm-up; "
-             f"grad_checkpointing={a.ckpt})", "",
+    lines = [f"# W1 on {dev} (torch {torch.__version__}; {a.steps} measured steps after 1 warm-up)", "",
              "| | step (median) | tokens/s | peak alloc | peak reserved |", "|---|---|---|---|---|"]
-    rows = [(f"this project (train.py), micro_batch_size={k.split('mb')[1]}", r) for k, r in ours_runs.items()]
+    rows = [(f"this project (train.py), {describe(k[len('ours-'):])}", r) for k, r in ours_runs.items()]
     for name, r in rows + [("TRL GRPOTrainer", trl)]:
         if "step_s" in r:
             lines.append(f"| {name} | {r['step_s']:.3f} s | {r['tokens_per_s']:,.0f} | "
@@ -299,11 +309,13 @@ def main():
     p.add_argument("--parts", default="ours,engine,hf,trl", help="comma list of: " + ", ".join(PARTS))
     p.add_argument("--small", action="store_true", help="toy shapes (CPU smoke run)")
     p.add_argument("--steps", type=int, default=4, help="measured steps (after one warm-up step)")
-    p.add_argument("--micro", default="16", help="our micro_batch_size; a comma list runs ours once for each")
-    p.add_argument("--ckpt", default="false", help="our grad_checkpointing (true/false)")
+    p.add_argument("--ours", default="16:ckpt:compile,32:ckpt:compile",
+                   help="comma list of variants MICRO[:ckpt][:compile]: micro_batch_size, grad_checkpointing, compile")
+    p.add_argument("--micro", default="16", help=argparse.SUPPRESS)      # internal: one variant's parts
+    p.add_argument("--variant", default="", help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=3, help="timed generate calls per engine variant")
     p.add_argument("--repeats-hf", type=int, default=2, help="timed transformers generate calls")
-    p.add_argument("--fast-only", action="store_true", help="engine part: only the default fast path")
+    p.add_argument("--fast-only", action="store_true", help="engine part: the fast-path variants, not the plain loop")
     p.add_argument("--part", help=argparse.SUPPRESS)        # internal: run one part in this process
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -320,9 +332,11 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
         build_model(model_dir, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
-        jobs = [(p_, m) for p_ in a.parts.split(",") for m in (a.micro.split(",") if p_ == "ours" else [a.micro.split(",")[0]])]
-        for part, micro in jobs:
-            key = f"ours-mb{micro}" if part == "ours" else part
+        variants = a.ours.split(",")
+        jobs = [(p_, v) for p_ in a.parts.split(",") for v in (variants if p_ == "ours" else variants[:1])]
+        for part, variant in jobs:
+            key = f"ours-{variant}" if part == "ours" else part
+            micro = variant.split(":")[0]
             if part == "trl":
                 try:
                     import trl  # noqa: F401
@@ -330,7 +344,7 @@ def main():
                     results["_errors"]["TRL GRPOTrainer"] = "trl is not importable here"
                     continue
             args = [sys.executable, __file__, "--part", part, "--model", model_dir, "--tmp", tmp, "--out", a.out,
-                    "--steps", str(a.steps), "--micro", micro, "--ckpt", a.ckpt, "--repeats", str(a.repeats),
+                    "--steps", str(a.steps), "--micro", micro, "--variant", variant, "--repeats", str(a.repeats),
                     "--repeats-hf", str(a.repeats_hf)] + (["--small"] if a.small else []) + \
                    (["--fast-only"] if a.fast_only else [])
             t0 = time.perf_counter()

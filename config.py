@@ -126,6 +126,8 @@ class Config:
     micro_batch_size: int = opt(0, "samples per forward/backward; gradients accumulate up to the mini-batch "
                                    "(bounds memory; 0 = the whole mini-batch in one pass)")
     grad_checkpointing: bool = opt(False, "recompute activations in backward (less memory, ~30% more update time)")
+    compile: bool = opt(False, "torch.compile each decoder layer for training (fewer kernel launches and saved "
+                               "activations; the first step pays the compile; one process only)")
     # evaluation, logging, saving
     eval_every: int = opt(10, "held-out evaluation every N steps (and at start and end)")
     eval_size: int = opt(200, "held-out prompts per evaluation (0 = all)")

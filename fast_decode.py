@@ -66,8 +66,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tenso
 
 
 class FastDecoder:
-    def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16):
+    def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
+                 attention: str = "matmul", keep_cache: bool = False):
+        if attention not in ("matmul", "sdpa"):
+            raise ValueError(f"attention must be 'matmul' or 'sdpa', got {attention!r}")
         self.model = model
+        self.attention, self.keep_cache = attention, keep_cache
         device = next(model.parameters()).device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
         self.compile = self.use_graph if compile is None else compile
@@ -100,7 +104,12 @@ class FastDecoder:
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             ks[i].index_copy_(2, slots, k)
             vs[i].index_copy_(2, slots, v)
-            x = x + a.o_proj(attend(q, ks[i], vs[i], key_ok, a.scaling))
+            if self.attention == "sdpa":   # one fused kernel for scores, mask, softmax and values
+                o = F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=key_ok, scale=a.scaling, enable_gqa=True)
+                o = o.transpose(1, 2).reshape(B, T, nh * D)                  # (B, T, nh * D)
+            else:
+                o = attend(q, ks[i], vs[i], key_ok, a.scaling)
+            x = x + a.o_proj(o)
             gate, up = F.linear(layer.post_attention_layernorm(x), w_gu, b_gu).chunk(2, dim=-1)  # (B, T, I) each
             x = x + mlp.down_proj(mlp.act_fn(gate) * up)
         return self.model.lm_head(m.norm(x[:, -1]))                          # (B, V)
@@ -120,40 +129,85 @@ class FastDecoder:
                         cat([getattr(mlp.gate_proj, "bias", None), getattr(mlp.up_proj, "bias", None)], old[3])))
         self.fused = new
 
-    def _state(self, B: int, S: int, device, dtype) -> dict:
-        """Cache and static buffers for batch B and S slots; kept for the next call of the same shape."""
-        key = (B, S)
+    def _state(self, B: int, S: int, N: int, graph_sampling: bool, device, dtype) -> dict:
+        """Cache and static buffers for batch B, S cache slots and N new tokens (a graph reads and writes only
+        these, so each replay sees the current token, position and sampling step)."""
+        key = (B, S, N, graph_sampling)
         if key not in self.states:
             if len(self.states) >= 2:             # bound memory: e.g. one training and one evaluation shape
                 self.states.pop(next(iter(self.states)))
-            zeros = lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)
+            zeros = lambda *shape, dtype=dtype: torch.zeros(*shape, device=device, dtype=dtype)
             at = torch.arange(S, device=device)[None]                        # (1, S)
             cos, sin = self.model.model.rotary_emb(zeros(1, 1, self.head_dim), at)  # (1, S, D) each
             self.states[key] = {
                 "k": [zeros(B, self.n_kv, S, self.head_dim) for _ in self.model.model.layers],
                 "v": [zeros(B, self.n_kv, S, self.head_dim) for _ in self.model.model.layers],
                 "cos": cos[0], "sin": sin[0],
-                "tok": torch.zeros(B, 1, dtype=torch.long, device=device),   # decode input, fed per token
-                "pos": torch.zeros(B, 1, dtype=torch.long, device=device),   # its position (real tokens before it)
-                "slot": torch.zeros(1, dtype=torch.long, device=device),     # its cache slot
-                "key_ok": torch.zeros(B, 1, 1, S, dtype=torch.bool, device=device),
-                "graph": None, "logits": None}
+                "tok": zeros(B, 1, dtype=torch.long),          # decode input, fed per token
+                "pos": zeros(B, 1, dtype=torch.long),          # its position (real tokens before it)
+                "slot": zeros(1, dtype=torch.long),            # its cache slot
+                "key_ok": zeros(B, 1, 1, S, dtype=torch.bool),
+                # sampling state, advanced inside the graph when graph_sampling (kernels/sample.py)
+                "t": zeros(1, dtype=torch.long),               # the completion column being sampled
+                "inv_t": zeros(1, dtype=torch.float32), "seed": zeros(1, dtype=torch.long),
+                "completion": zeros(B, N, dtype=torch.long), "alive": zeros(B, N, dtype=torch.bool),
+                "logprobs": zeros(B, N, dtype=torch.float32), "done": zeros(B, dtype=torch.bool),
+                "graph_sampling": graph_sampling, "graph": None, "logits": None}
         return self.states[key]
 
-    def _decode(self, st: dict) -> Tensor:
-        """One decode step from the static buffers: marks the new slot visible, runs the model."""
-        st["key_ok"].index_fill_(3, st["slot"], True)
-        return self._step(st["tok"], st["pos"], st["slot"], st["key_ok"], st["k"], st["v"], st["cos"], st["sin"])
+    def release(self):
+        """Free the KV caches, fused weights and graphs (~1 GB for a 0.5B model at 128 x 320): the update
+        that follows a rollout gets that memory. The next call re-allocates and re-captures (tens of ms)."""
+        self.states.clear()
+        self.fused = []
+
+    def _decode(self, st: dict):
+        """One decode step from the static buffers: forward the last sampled token, then (graph_sampling)
+        sample the next one. Everything it touches is a buffer in st, so a graph of it replays correctly."""
+        st["key_ok"].index_fill_(3, st["slot"], True)                       # the new token's slot is visible
+        logits = self._step(st["tok"], st["pos"], st["slot"], st["key_ok"], st["k"], st["v"], st["cos"], st["sin"])
+        st["pos"] += 1
+        st["slot"] += 1
+        if st["graph_sampling"]:
+            self._take(st, *self._sample(logits, st))
+        return logits
+
+    def _sample(self, logits: Tensor, st: dict) -> tuple[Tensor, Tensor]:
+        """(B, V) logits -> sampled tokens (B,) and their log-probs (B,) at temperature 1 / st["inv_t"]."""
+        from kernels import use_triton
+        from kernels.sample import gumbel_sample, gumbel_sample_reference
+        fn = gumbel_sample if use_triton(logits) else gumbel_sample_reference
+        return fn(logits, st["inv_t"], st["seed"], st["t"])
+
+    def _take(self, st: dict, tok: Tensor, logp: Tensor):
+        """Write the sampled column t (rows already done get padding), then advance t. All on the device."""
+        done = st["done"]
+        tok = torch.where(done, self.pad_id, tok)                            # (B,)
+        st["completion"].index_copy_(1, st["t"], tok[:, None])
+        st["alive"].index_copy_(1, st["t"], ~done[:, None])
+        st["logprobs"].index_copy_(1, st["t"], torch.where(done, 0.0, logp)[:, None])
+        done |= tok == self.eos_id
+        st["tok"].copy_(tok[:, None])
+        st["t"] += 1
+
+    @staticmethod
+    def _rewind(st: dict):
+        # slot, position and column 0 are valid for any prompt length and any N >= 1
+        for name in ("slot", "pos", "t"):
+            st[name].zero_()
 
     def _capture(self, st: dict):
-        # warm up on a side stream (compiles, creates cuBLAS handles), then record one step; replays re-run it
+        # warm up on a side stream (compiles, creates cuBLAS handles), then record one step; replays re-run it.
+        # The warm-up steps write garbage into the buffers; sample() resets them all before the real decode.
         try:
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
                 for _ in range(3):
+                    self._rewind(st)
                     self._decode(st)
             torch.cuda.current_stream().wait_stream(s)
+            self._rewind(st)
             st["graph"] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(st["graph"]):
                 st["logits"] = self._decode(st)
@@ -176,10 +230,13 @@ class FastDecoder:
         N = sampling.max_new_tokens
         S = -(-(P + N) // 64) * 64          # round up so that prompts of similar length reuse one graph
         dtype = next(self.model.parameters()).dtype
-        st = self._state(B, S, ids.device, dtype)
+        self.eos_id, self.pad_id = eos_id, pad_id
+        # top_p = 1: the Gumbel kernel samples inside the graph (one kernel, no host work per token);
+        # top_p < 1 needs a sort per token: the graph stops at the logits and torch samples eagerly
+        graph_sampling = sampling.top_p >= 1.0
+        st = self._state(B, S, N, graph_sampling, ids.device, dtype)
         self.refresh()                       # the optimizer moved the weights since the last call
         if self.use_graph and st["graph"] is None:
-            st["slot"].fill_(P)              # valid slots while warming up; the real values are set below
             self._capture(st)
 
         # prefill: all prompt tokens at once (eager), causal within the prompt, padding keys hidden
@@ -193,30 +250,35 @@ class FastDecoder:
         st["key_ok"].copy_(real[:, None, None])
         st["pos"].copy_(mask.sum(-1, keepdim=True))
         st["slot"].fill_(P)
-
-        completion = torch.full((B, N), pad_id, dtype=torch.long, device=ids.device)
-        alive = torch.zeros(B, N, dtype=torch.bool, device=ids.device)
-        logprobs = torch.zeros(B, N, device=ids.device)
-        done = torch.zeros(B, dtype=torch.bool, device=ids.device)
+        st["t"].zero_()
+        st["inv_t"].fill_(1.0 / sampling.temperature)
+        # the kernel's noise comes from this seed: drawn from the caller's generator, so runs repeat exactly
+        where = generator.device if generator is not None else "cpu"
+        st["seed"].fill_(int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=where)))
+        st["completion"].fill_(pad_id)
+        st["alive"].zero_()
+        st["logprobs"].zero_()
+        st["done"].zero_()
         for t in range(N):
-            scaled = logits.float() / sampling.temperature                     # (B, V)
-            logp_all = torch.log_softmax(scaled, dim=-1)
-            probs = logp_all.exp() if sampling.top_p >= 1.0 else torch.softmax(top_p_filter(scaled, sampling.top_p), -1)
-            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,) no host sync
-            tok = torch.where(done, pad_id, tok)
-            alive[:, t] = ~done
-            completion[:, t] = tok
-            logprobs[:, t] = logp_all.gather(-1, tok[:, None]).squeeze(-1)
-            done = done | (tok == eos_id)
-            if t == N - 1 or ((t + 1) % self.check_every == 0 and bool(done.all())):   # one sync per k tokens
-                break
-            st["tok"].copy_(tok[:, None])
-            if st["graph"] is not None:
-                st["graph"].replay()
-                logits = st["logits"]
-            else:
-                logits = self._decode(st)
-            st["pos"] += 1
-            st["slot"] += 1
+            if t:                            # forward the token sampled last (and, graph_sampling, sample the next)
+                if t % self.check_every == 0 and bool(st["done"].all()):   # one host sync per check_every tokens
+                    break
+                if st["graph"] is not None:
+                    st["graph"].replay()
+                    logits = st["logits"]
+                else:
+                    logits = self._decode(st)
+            if t == 0 and graph_sampling:    # the first token comes from the prefill's logits
+                self._take(st, *self._sample(logits, st))
+            elif not graph_sampling:
+                scaled = logits.float() / sampling.temperature                 # (B, V)
+                probs = torch.softmax(top_p_filter(scaled, sampling.top_p), -1)
+                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)   # (B,) no host sync
+                self._take(st, tok, torch.log_softmax(scaled, -1).gather(-1, tok[:, None]).squeeze(-1))
+        alive = st["alive"]
         C = int(alive.any(0).sum())          # columns up to the last live token (one sync)
-        return completion[:, :C], alive[:, :C], logprobs[:, :C] * alive[:, :C], done
+        out = (st["completion"][:, :C].clone(), alive[:, :C].clone(), st["logprobs"][:, :C].clone(),
+               st["done"].clone())
+        if not self.keep_cache:
+            self.release()
+        return out

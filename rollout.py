@@ -121,6 +121,12 @@ class BuiltinEngine:
                                                                     generator)
             model.train(was_training)
             return make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
+        # layers compiled for training (compile=true) would recompile at every new cache length: run them eagerly
+        with torch.compiler.set_stance("force_eager"):
+            return self._plain_loop(model, ids, mask, B, device, sampling, generator, len(prompts), n, was_training)
+
+    def _plain_loop(self, model, ids, mask, B, device, sampling, generator, n_prompts, n, was_training) -> Rollout:
+        """The portable loop (CPU, or models fast_decode.py does not cover): transformers' KV cache, a token a step."""
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
         cache_kw = _cache_kw(model)
         cache, logits = _cache_of(out), out.logits[:, -1]                        # (B, V)
@@ -146,7 +152,7 @@ class BuiltinEngine:
         model.train(was_training)
         cmask = torch.stack(alive, 1).float()                                    # (B, C)
         return make_rollout(ids, mask, torch.stack(tokens, 1), cmask, torch.stack(logps, 1) * cmask, done,
-                            len(prompts), n)
+                            n_prompts, n)
 
     def load_weights(self, named_tensors):
         """Copy weights in place. A no-op for tensors that already are the engine's own parameters."""

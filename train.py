@@ -166,6 +166,12 @@ def main(argv: list[str]) -> dict:
     policy.train()
     if cfg.grad_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.compile:   # speed: per layer, so one compiled graph serves every layer (they share code and shapes)
+        layers = getattr(getattr(policy, policy.base_model_prefix, None), "layers", None)
+        if fsdp or layers is None:
+            raise UserError("compile=true needs one process and a model with <base>.layers (decoder layers)")
+        for layer in layers:
+            layer.compile()
     train_ids = encode_prompts(tok, [s["prompt"] for s in train_set], [bool(s.get("chat_rendered")) for s in train_set])
     eval_ids = encode_prompts(tok, [s["prompt"] for s in eval_set], [bool(s.get("chat_rendered")) for s in eval_set])
     longest = max(len(p) for p in train_ids + eval_ids)
@@ -180,7 +186,9 @@ def main(argv: list[str]) -> dict:
     critic = Critic(cfg, device, dtype) if algo.needs_critic else None   # critic: PPO's value model
     engine = registry.get("engine", cfg.engine)(model=engine_model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                                                  model_path=cfg.model, seed=cfg.seed, **to_dict(cfg.vllm))
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # fused: one kernel for the whole step on CUDA (the sharded path keeps the default implementation)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  fused=True if device.type == "cuda" and not fsdp else None)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     generator = torch.Generator().manual_seed(cfg.seed)   # data order and mini-batch shuffles (CPU)
@@ -288,11 +296,17 @@ def main(argv: list[str]) -> dict:
                 if first_mb:   # before any update, on fresh samples: the gap is numerics or a broken sync
                     fresh = micro.completion_mask * (micro.versions == version).float()[:, None]   # (b, c)
                     gap = (logp.detach().float() - micro.sample_logprobs).abs() * fresh
-                    mis_sum, mis_n = mis_sum + gap.sum().item(), mis_n + fresh.sum().item()
-                    mis_max = max(mis_max, gap.max().item() if gap.numel() else 0.0)
-                for k, v in {**mm, "loss": loss.item() * scale}.items():
+                    m["_mis_sum"], m["_mis_n"] = m.get("_mis_sum", 0.0) + gap.sum(), m.get("_mis_n", 0.0) + fresh.sum()
+                    top = gap.max() if gap.numel() else gap.new_zeros(())
+                    m["_mis_max"] = torch.maximum(m["_mis_max"], top) if "_mis_max" in m else top
+                for k, v in {**mm, "loss": loss.detach() * scale}.items():   # tensors: no host sync per micro-batch
                     m[k] = m.get(k, 0.0) + weight * v
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
+            # every metric of this mini-batch to the host in one transfer (one sync per optimizer step)
+            m = dict(zip(m, torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
+                                         for v in m.values()]).tolist()))
+            if first_mb:
+                mis_sum, mis_n, mis_max = m.pop("_mis_sum"), m.pop("_mis_n"), m.pop("_mis_max")
             first_mb = False
             for k, v in {**m, "grad_norm": distributed.grad_norm_value(grad_norm)}.items():
                 stats.setdefault(k, []).append(v)
@@ -313,6 +327,7 @@ def main(argv: list[str]) -> dict:
             bad_updates, applied = 0, applied + 1
             checkpoint.crash_point("update", step)
         buffer.end_step()
+        optimizer.zero_grad(set_to_none=True)   # memory: the gradients are not needed while the engine samples
         version += applied > 0          # a new policy exists only if some update went through
         times["time/update"] = time.perf_counter() - t0
 

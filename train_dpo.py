@@ -114,7 +114,8 @@ def main(argv: list[str]) -> dict:
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
         optimizer.step()
-        row = {"step": step, "loss": loss.item(), "grad_norm": grad_norm.item(), **m, "reward": float("nan")}
+        row = {"step": step, "loss": loss.item(), "grad_norm": grad_norm.item(), **{k: float(v) for k, v in m.items()},
+               "reward": float("nan")}
         if step % cfg.eval_every == 0 or step == cfg.steps:
             row.update(evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, sample_gen))
             print0(f"step {step}: loss {row['loss']:.4f} pref_acc {row['pref_acc']:.2f} "

@@ -3,7 +3,9 @@
 The loop calls `algo.advantages(batch, cfg)` once per rollout batch and `algo.loss(new, batch, cfg)` per
 mini-batch; it never branches on an algorithm's name, only on what the algorithm declares it needs.
 `new` holds the trainer's fresh tensors for the mini-batch: "logprobs" (B, C) and "entropy" (B, C), and
-"values" (B, C) for algorithms that declare `needs_critic`.
+"values" (B, C) for algorithms that declare `needs_critic`. `loss` returns (scalar loss, metrics) whose
+values are detached 0-dim tensors (or floats): the loop reads them all at once per optimizer step, since
+each `.item()` per micro-batch would stall the GPU until the host caught up.
 
     file               registered names
     grpo.py            grpo, dr_grpo

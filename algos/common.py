@@ -126,15 +126,15 @@ def clipped_policy_loss(new: dict, batch, cfg, loss_agg: str | None = None,
     ratio = torch.exp(logp - old)                                                           # (B, C)
     clipped = ratio.clamp(1 - lo, 1 + hi)
     per_token = torch.maximum(-adv * ratio, -adv * clipped)                                 # (B, C)
-    metrics = {"clip_frac": masked_mean(((ratio - clipped).abs() > 0).float(), mask).item(),
-               "ratio": masked_mean(ratio.detach(), mask).item()}
+    metrics = {"clip_frac": masked_mean(((ratio - clipped).abs() > 0).float(), mask).detach(),
+               "ratio": masked_mean(ratio.detach(), mask)}
     if cfg.tis != "off":
         w = tis_weights(old, batch.sample_logprobs, mask, cfg.tis, cfg.tis_cap)             # (B, C)
         per_token = per_token * w
-        metrics["tis_weight"] = masked_mean(w, mask).item()
+        metrics["tis_weight"] = masked_mean(w, mask).detach()
     per_token = per_token + kl_in_loss(logp, batch, cfg, metrics)
     loss = aggregate(per_token, mask, loss_agg or cfg.loss_agg, cfg.norm_len)
-    metrics["entropy"] = masked_mean(new["entropy"].detach(), mask).item()
+    metrics["entropy"] = masked_mean(new["entropy"].detach(), mask)
     return loss, metrics
 
 
@@ -143,5 +143,5 @@ def kl_in_loss(logp: Tensor, batch, cfg, metrics: dict) -> Tensor:
     if cfg.kl_coef <= 0:
         return torch.zeros_like(logp)
     kl = kl_estimate(logp, batch.ref_logprobs, cfg.kl_estimator)                            # (B, C)
-    metrics["kl"] = masked_mean(kl.detach(), batch.completion_mask).item()
+    metrics["kl"] = masked_mean(kl.detach(), batch.completion_mask)
     return torch.zeros_like(logp) if cfg.kl_in_reward else cfg.kl_coef * kl

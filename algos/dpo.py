@@ -69,15 +69,15 @@ def pair_loss(logp: Tensor, ref_logp: Tensor | None, mask: Tensor, chosen: Tenso
     s = sequence_scores(logp, ref_logp, mask, cfg.dpo.loss)                                 # (B,)
     losses = preference_loss(s[chosen], s[rejected], cfg.dpo.loss, cfg.dpo.beta, cfg.dpo.simpo_gamma)  # (N,)
     margin = (s[chosen] - s[rejected]).detach()
-    return losses.mean(), {"pairs": float(len(chosen)), "margin": margin.mean().item(),
-                           "pref_acc": (margin > 0).float().mean().item()}
+    return losses.mean(), {"pairs": float(len(chosen)), "margin": margin.mean().detach(),
+                           "pref_acc": (margin > 0).float().mean().detach()}
 
 
 def online_dpo_loss(new: dict, batch, cfg):
     label, mask = batch.advantages[:, 0], batch.completion_mask                            # (B,), (B, C)
     # rows are grouped and in group order, so the i-th chosen and the i-th rejected row share a group
     chosen, rejected = (label > 0).nonzero().squeeze(-1), (label < 0).nonzero().squeeze(-1)  # (N,) each
-    metrics = {"entropy": masked_mean(new["entropy"].detach(), mask).item()}
+    metrics = {"entropy": masked_mean(new["entropy"].detach(), mask)}
     if len(chosen) == 0:   # no group with signal: a zero loss that still touches the graph
         return (new["logprobs"] * 0).sum(), {**metrics, "pairs": 0.0}
     loss, m = pair_loss(new["logprobs"], batch.ref_logprobs, mask, chosen, rejected, cfg)

@@ -25,13 +25,13 @@ def gspo_loss(new: dict, batch, cfg):
     s = log_s.exp()
     clipped = s.clamp(1 - cfg.gspo.clip_eps, 1 + cfg.gspo.clip_eps_high)
     per_seq = torch.maximum(-adv * s, -adv * clipped)                                       # (B,)
-    metrics = {"clip_frac": ((s - clipped).abs() > 0).float().mean().item(), "ratio": s.detach().mean().item()}
+    metrics = {"clip_frac": ((s - clipped).abs() > 0).float().mean().detach(), "ratio": s.detach().mean()}
     if cfg.tis != "off":   # the sequence weight is the natural one here: token mode is reduced to its mean
         w = masked_mean(tis_weights(old, batch.sample_logprobs, mask, cfg.tis, cfg.tis_cap), mask, dim=-1)
         per_seq = per_seq * w
-        metrics["tis_weight"] = w.mean().item()
+        metrics["tis_weight"] = w.mean().detach()
     loss = per_seq.mean() + masked_mean(kl_in_loss(logp, batch, cfg, metrics), mask)
-    metrics["entropy"] = masked_mean(new["entropy"].detach(), mask).item()
+    metrics["entropy"] = masked_mean(new["entropy"].detach(), mask)
     return loss, metrics
 
 

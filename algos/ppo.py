@@ -55,8 +55,8 @@ def ppo_loss(new: dict, batch, cfg):
     adv = masked_whiten(batch.advantages, mask) if cfg.ppo.whiten else batch.advantages
     pg, metrics = clipped_policy_loss(new, replace(batch, advantages=adv), cfg)
     vf = value_loss(new["values"], batch.values, returns, mask, cfg.ppo.value_clip)
-    metrics.update(value_loss=vf.item(), value=masked_mean(new["values"].detach(), mask).item(),
-                   policy_loss=pg.item())
+    metrics.update(value_loss=vf.detach(), value=masked_mean(new["values"].detach(), mask),
+                   policy_loss=pg.detach())
     return pg + cfg.ppo.vf_coef * vf, metrics
 
 

@@ -130,7 +130,7 @@ def test_on_policy_gradient_equals_reinforce(name, agg):
     logits = torch.randn(4, 3, requires_grad=True, generator=torch.Generator().manual_seed(0))
     g, _, m = loss_grad(algo.loss, batch, cfg, logits)
     assert torch.allclose(g, reinforce_grad(batch, logits, agg, cfg.norm_len), atol=1e-6)
-    assert m["ratio"] == pytest.approx(1.0) and m["clip_frac"] == 0.0
+    assert float(m["ratio"]) == pytest.approx(1.0) and float(m["clip_frac"]) == 0.0
 
 
 def test_dr_grpo_divides_by_the_constant_not_the_length():
@@ -151,7 +151,7 @@ def test_gspo_on_policy_is_seq_mean_token_mean_reinforce_and_clips_per_sequence(
     # a sequence whose geometric-mean ratio left [1 - 3e-4, 1 + 4e-4] on the side its advantage pushes: no gradient
     batch.old_logprobs = F.logsigmoid(logits).detach() - 0.01 * (batch.advantages > 0)   # s = e^0.01 for A > 0
     g, _, m = loss_grad(gspo_loss, batch, cfg, logits)
-    assert torch.all(g[batch.advantages[:, 0] > 0] == 0) and m["clip_frac"] == 0.5
+    assert torch.all(g[batch.advantages[:, 0] > 0] == 0) and float(m["clip_frac"]) == 0.5
 
 
 def test_clipping_stops_gradient_and_dapo_clips_higher():
@@ -178,7 +178,7 @@ def test_ppo_loss_policy_gradient_and_value_gradient():
     assert torch.allclose(g_logits, reinforce_grad(batch, logits), atol=1e-6)
     # value loss 0.5 * token-mean (V - R)^2 with R = A + V_old = (1, 1, 0): dV = (V - R) / 3 tokens
     assert torch.allclose(g_values, torch.tensor([[-0.5, -0.5], [0.2, 0.0]]) / 3, atol=1e-6)
-    assert m["value_loss"] == pytest.approx(0.5 * (0.25 + 0.25 + 0.04) / 3)
+    assert float(m["value_loss"]) == pytest.approx(0.5 * (0.25 + 0.25 + 0.04) / 3)
 
 
 def test_value_clipping_hand_values():
@@ -237,7 +237,7 @@ def test_tis_weights_truncate_and_reweight_the_loss():
     logp = torch.log(torch.full((2, 2), 0.5)).requires_grad_()
     loss, m = clipped_policy_loss({"logprobs": logp, "entropy": torch.zeros(2, 2)}, batch, cfg)
     (g,) = torch.autograd.grad(loss, logp)
-    assert torch.allclose(g, torch.tensor([[-1.5, -1.0], [1.0, 1.0]]) / 4) and m["tis_weight"] == pytest.approx(4.5 / 4)
+    assert torch.allclose(g, torch.tensor([[-1.5, -1.0], [1.0, 1.0]]) / 4) and float(m["tis_weight"]) == pytest.approx(4.5 / 4)
 
 
 def test_kl_sits_in_the_loss_or_the_reward_never_both():
@@ -246,9 +246,9 @@ def test_kl_sits_in_the_loss_or_the_reward_never_both():
     logp = torch.full((2, 2), -0.5, requires_grad=True)
     new = {"logprobs": logp, "entropy": torch.zeros(2, 2)}
     loss, m = clipped_policy_loss(new, batch, algo_cfg(kl_coef=0.1, kl_estimator="k1"))
-    assert loss.item() == pytest.approx(0.1 * 0.5) and m["kl"] == pytest.approx(0.5)
+    assert loss.item() == pytest.approx(0.1 * 0.5) and float(m["kl"]) == pytest.approx(0.5)
     loss, m = clipped_policy_loss(new, batch, algo_cfg(kl_coef=0.1, kl_estimator="k1", kl_in_reward=True))
-    assert loss.item() == 0 and m["kl"] == pytest.approx(0.5)             # logged, not optimised here
+    assert loss.item() == 0 and float(m["kl"]) == pytest.approx(0.5)             # logged, not optimised here
 
 
 def test_bad_algo_choices_are_user_errors():

@@ -1,15 +1,18 @@
 """The engine's fast path (fast_decode.py), run on CPU without graphs: same function as the plain loop."""
+import pytest
 import torch
 
 from fast_decode import FastDecoder, supported
 
 
-def test_fast_path_logprobs_match_teacher_forcing(random_model_dir):
+@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
+def test_fast_path_logprobs_match_teacher_forcing(random_model_dir, attention):
     from models import completion_logprobs, load_model
     from rollout import BuiltinEngine, SamplingParams
     model, tok = load_model(random_model_dir, torch.device("cpu"), torch.float32)
     assert supported(model)
     engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, fast=True)
+    engine.decoder = FastDecoder(model, attention=attention)
     prompts = [tok(p)["input_ids"] for p in ["1+2=", "123+456=", "7="]]          # different lengths: left padding
     gen = torch.Generator().manual_seed(0)
     for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
@@ -42,16 +45,17 @@ def test_fast_path_stops_early_and_masks_after_eos(random_model_dir):
     assert r.truncated.any() and (~r.truncated).any()
 
 
-def test_hand_written_forward_equals_transformers(random_model_dir):
+@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
+def test_hand_written_forward_equals_transformers(random_model_dir, attention):
     from models import load_model
     from rollout import position_ids
     model, tok = load_model(random_model_dir, torch.device("cpu"), torch.float32)
-    dec = FastDecoder(model)
+    dec = FastDecoder(model, attention=attention)
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(2, 14, (3, 9), generator=gen)
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[1, :4] = 0                                                     # left padding on one row
-    st = dec._state(3, 16, ids.device, torch.float32)
+    st = dec._state(3, 16, 7, True, ids.device, torch.float32)
     dec.refresh()
     S = torch.arange(16)
     key_ok = (S[:9, None] >= S[None]) & torch.nn.functional.pad(mask.bool(), (0, 7))[:, None]
