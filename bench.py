@@ -142,7 +142,7 @@ def part_engine(a) -> dict:
     res, engines = {}, {}
     fast = dict(fast=True)
     variants = [("fast: graph + compile (default)", fast, {}),
-                ("fast: graph + compile, sdpa attention", fast, dict(attention="sdpa")),
+                ("fast: graph + compile, matmul attention", fast, dict(attention="matmul")),
                 ("fast: graph + compile, cache kept between calls", fast, dict(keep_cache=True)),
                 ("plain loop (dynamic cache)", dict(fast=False), {})]
     if not torch.cuda.is_available():
@@ -349,7 +349,7 @@ def main():
                    (["--fast-only"] if a.fast_only else [])
             t0 = time.perf_counter()
             proc = subprocess.run(args, capture_output=True, text=True)
-            with open(os.path.join(a.out, f"{key}.log"), "w") as f:
+            with open(os.path.join(a.out, f"{key.replace(':', '-')}.log"), "w") as f:   # ':' cannot travel back
                 f.write(proc.stdout + proc.stderr)
             got = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode or not got:

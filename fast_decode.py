@@ -22,7 +22,9 @@ What makes it fast, and why this route:
 - Sampling runs on the GPU with no host sync per token; whether every sequence has stopped is checked only
   every `check_every` tokens.
 """
+import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -65,9 +67,27 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tenso
     return (p @ v).view(B, nh, T, D).transpose(1, 2).reshape(B, T, nh * D)
 
 
+class Clock:
+    """FAST_DECODE_TIMES=1 prints where a rollout's time goes (capture / prefill / decode) to stderr; the
+    synchronisations it needs cost a little, so it is off otherwise."""
+    def __init__(self, device):
+        self.on, self.device = os.environ.get("FAST_DECODE_TIMES") == "1", device
+        self.t = self.now() if self.on else 0.0
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, name: str):
+        if self.on:
+            t, self.t = self.t, self.now()
+            print(f"fast_decode: {name} {self.t - t:.4f} s", file=sys.stderr, flush=True)
+
+
 class FastDecoder:
     def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
-                 attention: str = "matmul", keep_cache: bool = False):
+                 attention: str = "sdpa", keep_cache: bool = False):
         if attention not in ("matmul", "sdpa"):
             raise ValueError(f"attention must be 'matmul' or 'sdpa', got {attention!r}")
         self.model = model
@@ -236,8 +256,10 @@ class FastDecoder:
         graph_sampling = sampling.top_p >= 1.0
         st = self._state(B, S, N, graph_sampling, ids.device, dtype)
         self.refresh()                       # the optimizer moved the weights since the last call
+        clock = Clock(ids.device)
         if self.use_graph and st["graph"] is None:
             self._capture(st)
+        clock.lap("capture")
 
         # prefill: all prompt tokens at once (eager), causal within the prompt, padding keys hidden
         slots = torch.arange(S, device=ids.device)
@@ -259,6 +281,7 @@ class FastDecoder:
         st["alive"].zero_()
         st["logprobs"].zero_()
         st["done"].zero_()
+        clock.lap("prefill")
         for t in range(N):
             if t:                            # forward the token sampled last (and, graph_sampling, sample the next)
                 if t % self.check_every == 0 and bool(st["done"].all()):   # one host sync per check_every tokens
@@ -277,6 +300,7 @@ class FastDecoder:
                 self._take(st, tok, torch.log_softmax(scaled, -1).gather(-1, tok[:, None]).squeeze(-1))
         alive = st["alive"]
         C = int(alive.any(0).sum())          # columns up to the last live token (one sync)
+        clock.lap("decode")
         out = (st["completion"][:, :C].clone(), alive[:, :C].clone(), st["logprobs"][:, :C].clone(),
                st["done"].clone())
         if not self.keep_cache:
