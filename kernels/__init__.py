@@ -7,7 +7,7 @@ importable triton, or TRITON_INTERPRET=1 for tests on CPU), the torch reference 
     kl = get("kernel", "token_kl")(logp, ref_logp, "k3")                                 # k1 | k2 | k3
     loss, logp, ent = get("kernel", "linear_logprob_loss")(hidden, lm_head_weight, targets, temperature, loss_fn)
         # loss_fn(rows, logp (b, C), entropy (b, C)) -> scalar; the gradient is computed in the forward
-        # (3 matmuls instead of 4): see kernels/linear_logprob_loss.py for when a loss qualifies
+        # (3 matmuls instead of 4): see kernels/logprob_loss.py for when a loss qualifies
 
 Targets < 0 mark padded tokens: logp = entropy = 0 there, and no gradient flows from them.
 """
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from registry import register
 from kernels.linear_logprob import linear_logprob_entropy
-from kernels.linear_logprob_loss import linear_logprob_loss
+from kernels.logprob_loss import linear_logprob_loss
 from kernels.logprob import HAS_TRITON, logprob_entropy, logprob_entropy_reference, token_kl
 
 

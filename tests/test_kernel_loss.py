@@ -20,7 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from kernels.linear_logprob_loss import linear_logprob_loss, plan_chunks  # noqa: E402
+from kernels.logprob_loss import linear_logprob_loss, plan_chunks  # noqa: E402
 from kernels.logprob import logprob_entropy_reference  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}

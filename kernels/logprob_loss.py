@@ -1,6 +1,6 @@
 """A loss straight from hidden states, its gradient computed in the forward: three matmuls of N*V*H, not four.
 
-    from kernels.linear_logprob_loss import linear_logprob_loss
+    from kernels.logprob_loss import linear_logprob_loss
     def loss_fn(rows, logp, entropy):           # rows: a slice of dim 0; logp, entropy (b, C) float32
         return -(logp * adv[rows]).sum() / n_tokens - 0.01 * (entropy * mask[rows]).sum() / n_tokens
     loss, logp, ent = linear_logprob_loss(hidden (B, C, H), weight (V, H), targets (B, C), temperature, loss_fn)
