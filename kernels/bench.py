@@ -196,7 +196,7 @@ def profile_loss(h, w, t):
     from kernels import logprob
     V, H = w.shape
     C = LOSS["seq"]
-    m = max(1, LOSS["chunk_bytes"] // (V * h.element_size() * C)) * C       # tokens per chunk (whole rows)
+    m = min(h.shape[0], max(1, LOSS["chunk_bytes"] // (V * h.element_size() * C)) * C)   # tokens per chunk
     k = -(-h.shape[0] // m)
     hb, wb, tb = h[:m].detach(), w.detach(), t[:m]
     x = torch.empty(m, V, dtype=h.dtype, device=h.device)
@@ -217,7 +217,23 @@ def profile_loss(h, w, t):
         total += ms * k if "first" not in name else 0.0
         print(f"  {name:30s} {ms:7.3f} -> {ms * k:6.1f} ms", flush=True)
     print(f"  sum (all chunks addmm)          {total:6.1f} ms", flush=True)
-    del x, gw
+    # would a side stream hide the elementwise passes behind the matmuls? one chunk's stats + grad passes
+    # (on a second buffer) launched beside its logits matmul, against the three back to back
+    x2, side, main = x.clone(), torch.cuda.Stream(), torch.cuda.current_stream()
+    def beside():
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            logprob.chunk_stats(x2, tb, st, 0, 1.0, True)
+            logprob.chunk_grad(x2, x2, tb, lse, ez, g1, g2, 0, 1.0, True)
+        torch.mm(hb, wb.T, out=x)
+        main.wait_stream(side)
+    def serial():
+        logprob.chunk_stats(x2, tb, st, 0, 1.0, True)
+        logprob.chunk_grad(x2, x2, tb, lse, ez, g1, g2, 0, 1.0, True)
+        torch.mm(hb, wb.T, out=x)
+    for name, f in (("logits + stats + grad, serial", serial), ("same, passes on a side stream", beside)):
+        print(f"  {name:30s} {triton.testing.do_bench(f, warmup=25, rep=100, return_mode='median'):7.3f}", flush=True)
+    del x, x2, gw
 
 
 def main():
