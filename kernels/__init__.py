@@ -5,6 +5,9 @@ importable triton, or TRITON_INTERPRET=1 for tests on CPU), the torch reference 
     logp, ent = get("kernel", "token_logprobs")(logits, targets, temperature)           # logits (..., V)
     logp, ent = get("kernel", "linear_logprobs")(hidden, lm_head_weight, targets, temperature)  # hidden (..., H)
     kl = get("kernel", "token_kl")(logp, ref_logp, "k3")                                 # k1 | k2 | k3
+    loss, logp, ent = get("kernel", "linear_logprob_loss")(hidden, lm_head_weight, targets, temperature, loss_fn)
+        # loss_fn(rows, logp (b, C), entropy (b, C)) -> scalar; the gradient is computed in the forward
+        # (3 matmuls instead of 4): see kernels/logprob_loss.py for when a loss qualifies
 
 Targets < 0 mark padded tokens: logp = entropy = 0 there, and no gradient flows from them.
 """
@@ -14,6 +17,7 @@ from torch import Tensor
 
 from registry import register
 from kernels.linear_logprob import linear_logprob_entropy
+from kernels.logprob_loss import linear_logprob_loss
 from kernels.logprob import HAS_TRITON, logprob_entropy, logprob_entropy_reference, token_kl
 
 
@@ -40,6 +44,15 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature
     """hidden (..., H), lm_head weight (V, H), targets (...) -> (logp, entropy), each shaped like targets.
     Gradients flow to hidden and weight; the (N, V) logits are never held whole on either path."""
     return linear_logprob_entropy(hidden, weight, targets, temperature, use_triton=use_triton(hidden, weight))
+
+
+@register("kernel", "linear_logprob_loss")
+def linear_logprob_loss_kernel(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, loss_fn,
+                               rows_per_chunk: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """hidden (B, C, H), weight (V, H), targets (B, C) -> (loss, logp (B, C), entropy (B, C)); loss.backward()
+    gives hidden.grad and weight.grad. loss_fn(rows: slice, logp (b, C), entropy (b, C)) -> that chunk's scalar."""
+    return linear_logprob_loss(hidden, weight, targets, temperature, loss_fn, rows_per_chunk,
+                               use_triton=use_triton(hidden, weight))
 
 
 register("kernel", "token_kl")(token_kl)
