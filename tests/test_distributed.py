@@ -8,7 +8,8 @@ Two checks, each honest about where its samples come from:
 - `test_train_under_torchrun_matches_one_process`: train.py end to end. Sampling streams differ per rank,
   so rollouts are made deterministic with top_p -> 0 (greedy tokens; log-probs still at temperature 1).
   Greedy groups have identical samples, so GRPO's advantages are 0 and the gradient comes from a k1 KL
-  term (its gradient is nonzero even at step 1). Step 2's rollouts come from the synced engine. A third run,
+  term (its gradient is nonzero even at step 1). Step 2's rollouts come from the synced engine. Micro-batches
+  of 2 make the ranks accumulate gradients with FSDP's reduce-scatter only on the last one. A third run,
   one rank with offload=true, checks FSDP at world size 1 with CPU-offloaded shards and AdamW state.
 """
 import json
@@ -62,6 +63,7 @@ def test_fsdp_update_matches_one_process(tmp_path, random_model_dir):
 def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
     args = [f"model={random_model_dir}", "steps=2", "eval_every=1", "eval_size=8", "prompts_per_step=4",
             "samples_per_prompt=2", "top_p=1e-6", "algo.kl_coef=0.1", "algo.kl_estimator=k1", "lr=1e-2",
+            "micro_batch_size=2",                # 2 ranks: 2 micro-batches each, one gradient reduce-scatter
             "dtype=float32", "progress=false"]   # float32 on GPUs too (python -m pytest there runs NCCL)
     one_rank = [*TORCHRUN[:-1], "--nproc_per_node=1"]   # FSDP with CPU offload at world size 1
     run([sys.executable, "train.py", *args, f"out_dir={tmp_path / 'one'}"],
