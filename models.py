@@ -69,7 +69,9 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int
     # inside the model's own forward: under FSDP2 that is where the root unit's weights (embeddings, the tied
     # head) are gathered, and where the root's backward hooks see the head's gradient, as with a plain head.
     head, kernel = model.get_output_embeddings(), get("kernel", "linear_logprobs")
-    head.forward = lambda hidden: kernel(hidden[:, :-1], head.weight, targets, temperature)   # (B, C + 1, H) in
+    # (B, C + 1, H) in; clones, since FSDP2 hooks the root's outputs for backward and an in-place op on a view
+    # (the kernel returns views) would bypass that hook (torch warns on every such output)
+    head.forward = lambda hidden: tuple(t.clone() for t in kernel(hidden[:, :-1], head.weight, targets, temperature))
     try:
         return tuple(model(**inputs).logits)            # (logp, entropy) where the logits would be
     finally:
