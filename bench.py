@@ -3,13 +3,15 @@
     python bench.py --out bench-out                  # GPU: all parts below, then a table (bench-out/bench.md)
     python bench.py --small --out /tmp/b             # CPU smoke run of the same code at toy shapes
     python bench.py --parts ours,engine --micro 16,32  # a subset (ours | engine | hf | trl); ours per micro-batch size
+    python bench.py --parts ours --gpus 1,2            # ours on 1 GPU, then under torchrun on 2 (the same global batch)
 
 Workload: a Qwen2 model at Qwen2.5-0.5B shape (random init, bf16, built here from a Qwen2Config: no hub),
 16 prompts x 8 samples, prompts of 64 random tokens, 256 sampled tokens each, temperature 1. The tokenizer's
 EOS id lies outside the model's vocabulary, so every completion runs to full length and the work is fixed.
 Parts, each in its own process (clean peak-memory counters):
   ours    train.main itself (the real loop) for 1 warm-up + N measured steps; the split comes from its
-          metrics.jsonl (time/rollout, time/reward, time/logprobs, time/update, time/sync)
+          metrics.jsonl (time/rollout, time/reward, time/logprobs, time/update, time/sync; with several GPUs
+          each is the slowest rank's); with --gpus N > 1 it runs under torchrun (FSDP2, N shares of the batch)
   engine  the built-in engine alone on the same batch: fast path (graph + compile), graph only, the plain loop;
           sampling log-probs vs teacher-forced ones; a torch.profiler summary of one rollout and one update
   hf      transformers `generate`, default (dynamic) cache and cache_implementation="static"
@@ -95,19 +97,29 @@ def sync():
 # --- parts -------------------------------------------------------------------------------------------
 def part_ours(a) -> dict:
     import train
-    run_dir = os.path.join(a.tmp, "ours-run")
+    run_dir = os.path.join(a.tmp, f"ours-run-mb{a.micro}-np{a.gpus}")   # its own: a run dir with a checkpoint resumes
     argv = [f"model={a.model}", "task=bench_random", "rewards=bench_cheap", f"steps={a.steps + 1}",
             f"prompts_per_step={W['prompts']}", f"samples_per_prompt={W['samples']}", f"max_new_tokens={W['new']}",
             "temperature=1.0", "eval_every=100000", "eval_size=128", "eval_temperature=1.0", "lr=1e-6",
             f"micro_batch_size={a.micro}", f"grad_checkpointing={a.ckpt}", f"out_dir={run_dir}", "progress=false"]
     train.main(argv)
+    mem = cuda_info()
+    if torch.distributed.is_initialized():   # torchrun: every rank's peak memory, then rank 0 alone reports
+        per_rank, rank = [None] * torch.distributed.get_world_size(), torch.distributed.get_rank()
+        torch.distributed.all_gather_object(per_rank, mem)
+        torch.distributed.destroy_process_group()
+        if rank:
+            return None
+        mem = {**mem, **{k: max(m[k] for m in per_rank) for k in mem if k.startswith("peak")},
+               "peak_alloc_gib_per_gpu": [m.get("peak_alloc_gib", 0.0) for m in per_rank]}
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]   # drop the warm-up
     keys = ["time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync"]
     steps = [sum(r[k] for k in keys) for r in rows]
     med = statistics.median(steps)
     return {"argv": argv, "step_s": med, "steps_s": steps, "tokens_per_s": W["prompts"] * W["samples"] *
             (W["prompt_len"] + W["new"]) / med, "split_s": {k: statistics.median(r[k] for r in rows) for k in keys},
-            "logprob_mismatch_max": [r["logprob_mismatch/max"] for r in rows], **cuda_info()}
+            "logprob_mismatch_max": [r["logprob_mismatch/max"] for r in rows], "micro": a.micro, "nproc": int(a.gpus),
+            **mem}
 
 
 def load(a):
@@ -260,21 +272,31 @@ def table(results: dict, a) -> str:
     lines = [f"# W1 on {dev} (torch {torch.__version__}; {a.steps} measured steps after 1 warm-up; "
              f"grad_checkpointing={a.ckpt})", "",
              "| | step (median) | tokens/s | peak alloc | peak reserved |", "|---|---|---|---|---|"]
-    rows = [(f"this project (train.py), micro_batch_size={k.split('mb')[1]}", r) for k, r in ours_runs.items()]
+    rows = [(f"this project (train.py), micro_batch_size={r.get('micro', k.split('mb')[1])}"
+             + (f", {r['nproc']} GPUs (torchrun, FSDP2)" if r.get("nproc", 1) > 1 else ""), r) for k, r in ours_runs.items()]
     for name, r in rows + [("TRL GRPOTrainer", trl)]:
         if "step_s" in r:
             lines.append(f"| {name} | {r['step_s']:.3f} s | {r['tokens_per_s']:,.0f} | "
                          f"{r.get('peak_alloc_gib', 0):.1f} GiB | {r.get('peak_reserved_gib', 0):.1f} GiB |")
     lines += [f"| {name} | failed: {err} | | | |" for name, err in results.get("_errors", {}).items()]
+    for name, r in rows:
+        if "split_s" in r:
+            lines.append(f"- {name}: split (medians, s) " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in
+                         r["split_s"].items()) + (f"; peak alloc per GPU {', '.join(f'{g:.1f}' for g in r['peak_alloc_gib_per_gpu'])} GiB"
+                                                  if "peak_alloc_gib_per_gpu" in r else ""))
+    for r in ours_runs.values():    # N GPUs against 1 GPU at the same micro-batch size, same command
+        one = next((o for o in ours_runs.values() if o.get("nproc", 1) == 1 and o.get("micro") == r.get("micro")), None)
+        if r.get("nproc", 1) > 1 and one:
+            lines.append(f"- {r['nproc']} GPUs / 1 GPU step time (micro_batch_size={r['micro']}): "
+                         f"**{r['step_s'] / one['step_s']:.3f}**")
+    ours_runs = {k: r for k, r in ours_runs.items() if r.get("nproc", 1) == 1}   # the TRL peer runs on one card
     fits = [r for r in ours_runs.values() if "step_s" in trl and r.get("peak_alloc_gib", 0) <= trl.get("peak_alloc_gib", 0)]
     ours = min(fits or list(ours_runs.values()) or [{}], key=lambda r: r.get("step_s", 1e9))
     if "step_s" in ours and "step_s" in trl:
         lines += ["", f"ratio ours / TRL step time: **{ours['step_s'] / trl['step_s']:.3f}** (goal <= 0.15; fastest "
                       f"of ours {'within' if fits else 'OVER'} TRL's peak memory); speed-up {trl['step_s'] / ours['step_s']:.1f}x"]
-    if "split_s" in ours:
-        lines += ["", "split of our step (medians, s): " + ", ".join(
-            f"{k.split('/')[1]} {v:.3f}" for k, v in ours["split_s"].items()),
-            f"logprob_mismatch (engine vs trainer, per step): {[round(x, 4) for x in ours['logprob_mismatch']]}"]
+    if "logprob_mismatch_max" in ours:
+        lines += ["", f"logprob_mismatch/max (engine vs trainer, per step): {[round(x, 4) for x in ours['logprob_mismatch_max']]}"]
     engines = {**results.get("engine", {}).get("engine", {}), **results.get("hf", {}).get("engine", {})}
     engines.pop("profile", None)
     if engines:
@@ -301,6 +323,7 @@ def main():
     p.add_argument("--steps", type=int, default=4, help="measured steps (after one warm-up step)")
     p.add_argument("--micro", default="16", help="our micro_batch_size; a comma list runs ours once for each")
     p.add_argument("--ckpt", default="false", help="our grad_checkpointing (true/false)")
+    p.add_argument("--gpus", default="1", help="GPUs for ours (torchrun processes above 1); a comma list runs ours for each")
     p.add_argument("--repeats", type=int, default=3, help="timed generate calls per engine variant")
     p.add_argument("--repeats-hf", type=int, default=2, help="timed transformers generate calls")
     p.add_argument("--fast-only", action="store_true", help="engine part: only the default fast path")
@@ -311,7 +334,9 @@ def main():
     W.update(SHAPES["small" if a.small else "w1"])
     os.makedirs(a.out, exist_ok=True)
     if a.part:                                             # child: one part, result as JSON on the last line
-        print("RESULT " + json.dumps(PARTS[a.part](a)), flush=True)
+        result = PARTS[a.part](a)
+        if result is not None:                             # torchrun: rank 0 alone has the result
+            print("RESULT " + json.dumps(result), flush=True)
         return
     unknown = set(a.parts.split(",")) - set(PARTS)
     if unknown:
@@ -320,16 +345,19 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
         build_model(model_dir, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
-        jobs = [(p_, m) for p_ in a.parts.split(",") for m in (a.micro.split(",") if p_ == "ours" else [a.micro.split(",")[0]])]
-        for part, micro in jobs:
-            key = f"ours-mb{micro}" if part == "ours" else part
+        jobs = [(p_, m, n) for p_ in a.parts.split(",") for m in (a.micro.split(",") if p_ == "ours" else [a.micro.split(",")[0]])
+                for n in (a.gpus.split(",") if p_ == "ours" else ["1"])]
+        for part, micro, nproc in jobs:
+            key = (f"ours-mb{micro}" + (f"-np{nproc}" if nproc != "1" else "")) if part == "ours" else part
             if part == "trl":
                 try:
                     import trl  # noqa: F401
                 except ImportError:
                     results["_errors"]["TRL GRPOTrainer"] = "trl is not importable here"
                     continue
-            args = [sys.executable, __file__, "--part", part, "--model", model_dir, "--tmp", tmp, "--out", a.out,
+            launcher = [sys.executable] if nproc == "1" else \
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+            args = [*launcher, __file__, "--part", part, "--model", model_dir, "--tmp", tmp, "--out", a.out, "--gpus", nproc,
                     "--steps", str(a.steps), "--micro", micro, "--ckpt", a.ckpt, "--repeats", str(a.repeats),
                     "--repeats-hf", str(a.repeats_hf)] + (["--small"] if a.small else []) + \
                    (["--fast-only"] if a.fast_only else [])
