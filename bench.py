@@ -46,16 +46,21 @@ def prompt_texts(n: int, seed: int = 0) -> list[str]:
     return ["".join(str(i) for i in row.tolist()) for row in ids]
 
 
-@register("task", "bench_random")
 def random_prompts(_cfg):
     """Train and held-out sets of random-token prompts (the bench's task; no answers: the reward is synthetic)."""
     return [{"prompt": p} for p in prompt_texts(128)], [{"prompt": p} for p in prompt_texts(128, seed=1)]
 
 
-@register("reward", "bench_cheap")
 def cheap_reward(prompt: str, completion: str, **_) -> float:
     """Varies between samples (so advantages are non-zero) and costs microseconds."""
     return completion.count("1") / (1 + len(completion))
+
+
+# Registered by the module 'bench' only (see the bottom): reward workers import a reward by its module's name,
+# and a worker cannot import '__main__' (every reward failed to start while the script registered them itself).
+if __name__ != "__main__":
+    register("task", "bench_random")(random_prompts)
+    register("reward", "bench_cheap")(cheap_reward)
 
 
 def build_model(path: str, dtype: torch.dtype):
@@ -375,4 +380,5 @@ def write_report(results: dict, a) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    import bench   # this file again, as the module 'bench': it registers the task and reward under that name
+    bench.main()

@@ -112,7 +112,9 @@ class FastDecoder:
         m = self.model.model
         B, T = ids.shape
         nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
-        x = m.embed_tokens(ids)                                              # (B, T, H)
+        # the embedding by its weight, not its module: training hooks on it (transformers' gradient checkpointing
+        # adds one that calls requires_grad_) would stop torch.compile here
+        x = F.embedding(ids, m.embed_tokens.weight)                          # (B, T, H)
         cos, sin = cos[pos][:, None], sin[pos][:, None]                      # (B, 1, T, D)
         for i, layer in enumerate(m.layers):
             a, mlp, (w_qkv, b_qkv, w_gu, b_gu) = layer.self_attn, layer.mlp, self.fused[i]

@@ -51,25 +51,28 @@ def plain_head(model) -> bool:
     """Are the logits exactly hidden @ lm_head.weight.T (no bias, soft-capping or scale)? Then the fused kernel
     can take the hidden states instead."""
     head, c = model.get_output_embeddings(), model.config
-    # FSDP2-sharded models must run their root forward (it gathers the embeddings and the head): logits path
-    from torch.distributed.tensor import DTensor
-    sharded = isinstance(head.weight, DTensor)
-    return (not sharded and type(head) is torch.nn.Linear and head.bias is None and hasattr(model, model.base_model_prefix)
-            and not getattr(c, "final_logit_softcapping", None) and getattr(c, "logit_scale", None) is None)
+    return (type(head) is torch.nn.Linear and head.bias is None and not getattr(c, "final_logit_softcapping", None)
+            and getattr(c, "logit_scale", None) is None)
 
 
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int,
                         temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """Teacher-forced log-probs and entropies of the last C tokens: (B, T) ids -> two (B, C) tensors."""
-    if plain_head(model):
-        # speed/memory: the fused kernel goes from hidden states to log-probs; the (B, C, V) logits
-        # (2.5 GB per 32 x 256 tokens at V = 152k in bf16, twice with their gradient) never exist
-        base = getattr(model, model.base_model_prefix)
-        hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                      use_cache=False).last_hidden_state[:, -C - 1:-1]   # (B, C, H): position t predicts t + 1
-        return get("kernel", "linear_logprobs")(hidden, model.get_output_embeddings().weight, input_ids[:, -C:],
-                                                temperature)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                logits_to_keep=C + 1, use_cache=False)
-    logits = out.logits[:, :-1]                                  # (B, C, V): position t predicts token t + 1
-    return get("kernel", "token_logprobs")(logits, input_ids[:, -C:], temperature)
+    targets = input_ids[:, -C:]
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                  logits_to_keep=C + 1, use_cache=False)        # position t predicts token t + 1
+    if not plain_head(model):
+        logits = model(**inputs).logits[:, :-1]                                     # (B, C, V)
+        return get("kernel", "token_logprobs")(logits, targets, temperature)
+    # speed/memory: the fused kernel goes from hidden states to log-probs; the (B, C, V) logits (2.5 GB per
+    # 32 x 256 tokens at V = 152k in bf16, twice with their gradient) never exist. It runs in the head's place,
+    # inside the model's own forward: under FSDP2 that is where the root unit's weights (embeddings, the tied
+    # head) are gathered, and where the root's backward hooks see the head's gradient, as with a plain head.
+    head, kernel = model.get_output_embeddings(), get("kernel", "linear_logprobs")
+    # (B, C + 1, H) in; clones, since FSDP2 hooks the root's outputs for backward and an in-place op on a view
+    # (the kernel returns views) would bypass that hook (torch warns on every such output)
+    head.forward = lambda hidden: tuple(t.clone() for t in kernel(hidden[:, :-1], head.weight, targets, temperature))
+    try:
+        return tuple(model(**inputs).logits)            # (logp, entropy) where the logits would be
+    finally:
+        del head.forward                                # the head's own forward again (generate, save, ...)

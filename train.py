@@ -186,9 +186,9 @@ def main(argv: list[str]) -> dict:
     critic = Critic(cfg, device, dtype) if algo.needs_critic else None   # critic: PPO's value model
     engine = registry.get("engine", cfg.engine)(model=engine_model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                                                  model_path=cfg.model, seed=cfg.seed, **to_dict(cfg.vllm))
-    # fused: one kernel for the whole step on CUDA (the sharded path keeps the default implementation)
+    # speed: fused AdamW (one kernel for all parameters) on GPU; offloaded shards step on the CPU with the default
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  fused=True if device.type == "cuda" and not fsdp else None)
+                                  fused=device.type == "cuda" and not cfg.offload)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
     generator = torch.Generator().manual_seed(cfg.seed)   # data order and mini-batch shuffles (CPU)
@@ -284,7 +284,8 @@ def main(argv: list[str]) -> dict:
                 critic.optimizer.zero_grad(set_to_none=True)
             m = {}
             # gradient accumulation over length-bucketed micro-batches (microbatch.py); size 0 = one pass
-            for micro, weight in micro_batches(mb, cfg.micro_batch_size, loss_agg, cfg.algo.norm_len):
+            for micro, weight in distributed.accumulate(   # dist: one gradient reduce-scatter per mini-batch
+                    policy, micro_batches(mb, cfg.micro_batch_size, loss_agg, cfg.algo.norm_len), cfg.offload):
                 micro = micro.to(device)
                 logp, entropy = completion_logprobs(policy, micro.input_ids, micro.attention_mask,
                                                     micro.completion_mask.shape[1], cfg.temperature)

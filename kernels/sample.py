@@ -52,8 +52,9 @@ if HAS_TRITON:
             best_i = tl.where(better, c0 + i, best_i)
             best = tl.where(better, top, best)
             m_new = tl.maximum(m, tl.max(z, 0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.where(ok, tl.exp(z - m_new), 0.0), 0)
-            m = tl.where(m_new == -float("inf"), m, m_new)             # keeps exp(m - m_new) defined
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)       # all -inf so far: exp(-inf - -inf) is nan
+            s = s * tl.exp(m - shift) + tl.sum(tl.where(ok, tl.exp(z - shift), 0.0), 0)
+            m = m_new
         out = row * SPLIT + part
         tl.store(pm_ptr + out, m)
         tl.store(ps_ptr + out, s)
@@ -77,21 +78,23 @@ if HAS_TRITON:
         tl.store(logp_ptr + row, z_tok - m - tl.log(s))
 
 
-def gumbel_sample(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor) -> tuple[Tensor, Tensor]:
-    """logits (B, V) any float dtype, inv_t (1,) float32, seed and step (1,) int64 -> tok (B,) long, logp (B,)."""
+def gumbel_sample(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor, split: int = SPLIT,
+                  block: int = 1024) -> tuple[Tensor, Tensor]:
+    """logits (B, V) any float dtype, inv_t (1,) float32, seed and step (1,) int64 -> tok (B,) long, logp (B,).
+    split, block: programs per row at most, columns per load (tests use small ones to cover every path)."""
     B, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    BLOCK = 1024
-    parts = min(SPLIT, triton.cdiv(V, BLOCK))                          # a small vocabulary needs fewer
-    span = triton.cdiv(triton.cdiv(V, parts), BLOCK) * BLOCK           # columns per program, whole blocks
-    part = lambda dtype: torch.empty(B, SPLIT, dtype=dtype, device=logits.device)
+    parts = min(split, triton.cdiv(V, block))                          # a small vocabulary needs fewer
+    span = triton.cdiv(triton.cdiv(V, parts), block) * block           # columns per program, whole blocks
+    P2 = triton.next_power_of_2(parts)
+    part = lambda dtype: torch.empty(B, P2, dtype=dtype, device=logits.device)
     pm, ps, pb, pi = part(torch.float32), part(torch.float32), part(torch.float32), part(torch.long)
     _gumbel_partial[(B, parts)](logits, pm, ps, pb, pi, inv_t, seed, step, V, logits.stride(0), span,
-                                SPLIT=SPLIT, BLOCK=BLOCK, num_warps=4)
+                                SPLIT=P2, BLOCK=block, num_warps=4)
     tok = torch.empty(B, dtype=torch.long, device=logits.device)
     logp = torch.empty(B, dtype=torch.float32, device=logits.device)
-    _gumbel_combine[(B,)](logits, pm, ps, pb, pi, tok, logp, inv_t, logits.stride(0), parts, SPLIT=SPLIT,
+    _gumbel_combine[(B,)](logits, pm, ps, pb, pi, tok, logp, inv_t, logits.stride(0), parts, SPLIT=P2,
                           num_warps=1)
     return tok, logp
 

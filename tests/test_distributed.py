@@ -8,10 +8,12 @@ Two checks, each honest about where its samples come from:
 - `test_train_under_torchrun_matches_one_process`: train.py end to end. Sampling streams differ per rank,
   so rollouts are made deterministic with top_p -> 0 (greedy tokens; log-probs still at temperature 1).
   Greedy groups have identical samples, so GRPO's advantages are 0 and the gradient comes from a k1 KL
-  term (its gradient is nonzero even at step 1). Step 2's rollouts come from the synced engine. A third run,
+  term (its gradient is nonzero even at step 1). Step 2's rollouts come from the synced engine. Micro-batches
+  of 2 make the ranks accumulate gradients with FSDP's reduce-scatter only on the last one. A third run,
   one rank with offload=true, checks FSDP at world size 1 with CPU-offloaded shards and AdamW state.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,13 +26,18 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run(*cmds, timeout=300):
-    """Run the commands side by side (most of their time is importing torch and transformers)."""
-    procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+def run(*cmds, logs=None, timeout=300):
+    """Run the commands side by side (most of their time is importing torch and transformers). With `logs` (a
+    folder), each command's whole output goes to logs/run-<i>.log: on a GPU machine a failure's cause can sit far
+    above the last lines that the assertion shows."""
+    procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
              for c in cmds]
-    for cmd, p in zip(cmds, procs):
-        _, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, f"{' '.join(cmd[-4:])} failed:\n{err[-3000:]}"
+    for i, (cmd, p) in enumerate(zip(cmds, procs)):
+        out, _ = p.communicate(timeout=timeout)
+        if logs:
+            with open(os.path.join(logs, f"run-{i}.log"), "w") as f:
+                f.write(" ".join(cmd) + "\n" + out)
+        assert p.returncode == 0, f"{' '.join(cmd[-4:])} failed:\n{out[-3000:]}"
 
 
 def test_fsdp_update_matches_one_process(tmp_path, random_model_dir):
@@ -38,8 +45,9 @@ def test_fsdp_update_matches_one_process(tmp_path, random_model_dir):
     for d in (one, two, resumed):
         d.mkdir()
     run([sys.executable, "tests/dist_worker.py", random_model_dir, str(one)],
-        [*TORCHRUN, "tests/dist_worker.py", random_model_dir, str(two)])
-    run([sys.executable, "tests/dist_worker.py", random_model_dir, str(resumed), "--resume", str(two / "state1.pt")])
+        [*TORCHRUN, "tests/dist_worker.py", random_model_dir, str(two)], logs=tmp_path)
+    run([sys.executable, "tests/dist_worker.py", random_model_dir, str(resumed), "--resume", str(two / "state1.pt")],
+        logs=resumed)
     a, b, c = (torch.load(d / "result.pt") for d in (one, two, resumed))
     assert (a["world"], b["world"]) == (1, 2)
     for step in (1, 2):
@@ -62,11 +70,12 @@ def test_fsdp_update_matches_one_process(tmp_path, random_model_dir):
 def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
     args = [f"model={random_model_dir}", "steps=2", "eval_every=1", "eval_size=8", "prompts_per_step=4",
             "samples_per_prompt=2", "top_p=1e-6", "algo.kl_coef=0.1", "algo.kl_estimator=k1", "lr=1e-2",
+            "micro_batch_size=2",                # 2 ranks: 2 micro-batches each, one gradient reduce-scatter
             "dtype=float32", "progress=false"]   # float32 on GPUs too (python -m pytest there runs NCCL)
     one_rank = [*TORCHRUN[:-1], "--nproc_per_node=1"]   # FSDP with CPU offload at world size 1
     run([sys.executable, "train.py", *args, f"out_dir={tmp_path / 'one'}"],
         [*TORCHRUN, "train.py", *args, f"out_dir={tmp_path / 'two'}"],
-        [*one_rank, "train.py", *args, "offload=true", f"out_dir={tmp_path / 'offload'}"])
+        [*one_rank, "train.py", *args, "offload=true", f"out_dir={tmp_path / 'offload'}"], logs=tmp_path)
     runs = ("one", "two", "offload")
     rows = {n: [json.loads(l) for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in runs}
     for a, b, c in zip(*rows.values(), strict=True):
@@ -81,6 +90,27 @@ def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4)   # lr 1e-2: the weights moved ~1e-2
         torch.testing.assert_close(c[k], a[k], rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_train_on_two_gpus(tmp_path):
+    """train.py under torchrun on 2 GPUs as a user runs it: NCCL, float32 shards computing in bf16, the CUDA-graph
+    decode path in each rank's engine, the fused log-prob kernel, a sharded reference (KL), micro-batches, and
+    rank 0 writing final/. A second run at the same time has offload=true (shards and AdamW on the CPU)."""
+    args = ["model=assets/tiny-model", "steps=2", "eval_every=2", "eval_size=32", "prompts_per_step=8",
+            "micro_batch_size=16", "algo.kl_coef=0.05", "progress=false"]
+    runs = {"gpu": [], "offload": ["offload=true"]}
+    run(*[[*TORCHRUN, "train.py", *args, *extra, f"out_dir={tmp_path / name}"] for name, extra in runs.items()],
+        logs=tmp_path)
+    from transformers import AutoModelForCausalLM
+    init = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-model")).state_dict()
+    for name in runs:
+        rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2] and "eval/accuracy" in rows[-1], name
+        assert all(math.isfinite(r["loss"]) and 0 < r["grad_norm"] < math.inf for r in rows), (name, rows)
+        final = AutoModelForCausalLM.from_pretrained(tmp_path / name / "final").state_dict()   # loadable
+        assert final.keys() == init.keys(), name
+        assert max((final[k].float() - init[k].float()).abs().max().item() for k in init) > 0, name   # it trained
 
 
 def test_offload_needs_torchrun(random_model_dir, tmp_path):
