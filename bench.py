@@ -3,14 +3,16 @@
     python bench.py --out bench-out                  # GPU: all parts below, then a table (bench-out/bench.md)
     python bench.py --small --out /tmp/b             # CPU smoke run of the same code at toy shapes
     python bench.py --parts ours,engine --ours 16:ckpt:compile,32  # a subset (ours | engine | hf | trl); ours per variant
+    python bench.py --parts ours --ours 64 --gpus 1,2  # ours on 1 GPU, then under torchrun on 2 (the same global batch)
 
 Workload: a Qwen2 model at Qwen2.5-0.5B shape (random init, bf16, built here from a Qwen2Config: no hub),
 16 prompts x 8 samples, prompts of 64 random tokens, 256 sampled tokens each, temperature 1. The tokenizer's
 EOS id lies outside the model's vocabulary, so every completion runs to full length and the work is fixed.
 Parts, each in its own process (clean peak-memory counters):
   ours    train.main itself (the real loop) for 1 warm-up + N measured steps; the split comes from its
-          metrics.jsonl (time/rollout, time/reward, time/logprobs, time/update, time/sync). One run per
-          --ours variant MICRO[:ckpt][:compile] (micro_batch_size, grad_checkpointing, compile)
+          metrics.jsonl (time/rollout, time/reward, time/logprobs, time/update, time/sync; with several GPUs
+          rank 0's). One run per --ours variant MICRO[:ckpt][:compile] (micro_batch_size, grad_checkpointing,
+          compile) and per --gpus count (above 1: under torchrun, FSDP2, N shares of the batch)
   engine  the built-in engine alone on the same batch: fast path (graph + compile), graph only, the plain loop;
           sampling log-probs vs teacher-forced ones; a torch.profiler summary of one rollout and one update
   hf      transformers `generate`, default (dynamic) cache and cache_implementation="static"
@@ -101,20 +103,29 @@ def sync():
 # --- parts -------------------------------------------------------------------------------------------
 def part_ours(a) -> dict:
     import train
-    run_dir = os.path.join(a.tmp, "ours-" + a.variant.replace(":", "-"))   # one per variant: a reused one would resume
+    run_dir = os.path.join(a.tmp, f"ours-{a.variant.replace(':', '-')}-np{a.gpus}")   # its own: a reused one resumes
     argv = [f"model={a.model}", "task=bench_random", "rewards=bench_cheap", f"steps={a.steps + 1}",
             f"prompts_per_step={W['prompts']}", f"samples_per_prompt={W['samples']}", f"max_new_tokens={W['new']}",
             "temperature=1.0", "eval_every=100000", "eval_size=128", "eval_temperature=1.0", "lr=1e-6",
             f"micro_batch_size={a.micro}", f"grad_checkpointing={'ckpt' in a.variant}",
             f"compile={'compile' in a.variant}", f"out_dir={run_dir}", "progress=false"]
     train.main(argv)
+    mem = cuda_info()
+    if torch.distributed.is_initialized():   # torchrun: every rank's peak memory, then rank 0 alone reports
+        per_rank, rank = [None] * torch.distributed.get_world_size(), torch.distributed.get_rank()
+        torch.distributed.all_gather_object(per_rank, mem)
+        torch.distributed.destroy_process_group()
+        if rank:
+            return None
+        mem = {**mem, **{k: max(m[k] for m in per_rank) for k in mem if k.startswith("peak")},
+               "peak_alloc_gib_per_gpu": [m.get("peak_alloc_gib", 0.0) for m in per_rank]}
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]   # drop the warm-up
     keys = ["time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync"]
     steps = [sum(r[k] for k in keys) for r in rows]
     med = statistics.median(steps)
     return {"argv": argv, "step_s": med, "steps_s": steps, "tokens_per_s": W["prompts"] * W["samples"] *
             (W["prompt_len"] + W["new"]) / med, "split_s": {k: statistics.median(r[k] for r in rows) for k in keys},
-            "logprob_mismatch_max": [r["logprob_mismatch/max"] for r in rows], **cuda_info()}
+            "logprob_mismatch_max": [r["logprob_mismatch/max"] for r in rows], "nproc": int(a.gpus), **mem}
 
 
 def load(a):
@@ -275,12 +286,19 @@ def table(results: dict, a) -> str:
     dev = next((r["device"] for k, r in results.items() if k != "_errors" and "device" in r), "?")
     lines = [f"# W1 on {dev} (torch {torch.__version__}; {a.steps} measured steps after 1 warm-up)", "",
              "| | step (median) | tokens/s | peak alloc | peak reserved |", "|---|---|---|---|---|"]
-    rows = [(f"this project (train.py), {describe(k[len('ours-'):])}", r) for k, r in ours_runs.items()]
+    rows = [(f"this project (train.py), {describe(k[len('ours-'):].split('-np')[0])}"
+             + (f", {r['nproc']} GPUs (torchrun, FSDP2)" if r.get("nproc", 1) > 1 else ""), r) for k, r in ours_runs.items()]
     for name, r in rows + [("TRL GRPOTrainer", trl)]:
         if "step_s" in r:
             lines.append(f"| {name} | {r['step_s']:.3f} s | {r['tokens_per_s']:,.0f} | "
                          f"{r.get('peak_alloc_gib', 0):.1f} GiB | {r.get('peak_reserved_gib', 0):.1f} GiB |")
     lines += [f"| {name} | failed: {err} | | | |" for name, err in results.get("_errors", {}).items()]
+    for k, r in ours_runs.items():   # several GPUs against the same variant on one, from this same command
+        one = ours_runs.get(k.split("-np")[0])
+        if r.get("nproc", 1) > 1 and one:
+            lines += ["", f"{r['nproc']} GPUs / 1 GPU step time ({describe(k[len('ours-'):].split('-np')[0])}): "
+                          f"**{r['step_s'] / one['step_s']:.3f}**; peak alloc per GPU "
+                          f"{[round(x, 1) for x in r.get('peak_alloc_gib_per_gpu', [])]} GiB"]
     fits = [r for r in ours_runs.values() if "step_s" in trl and r.get("peak_alloc_gib", 0) <= trl.get("peak_alloc_gib", 0)]
     ours = min(fits or list(ours_runs.values()) or [{}], key=lambda r: r.get("step_s", 1e9))
     if "step_s" in ours and "step_s" in trl:
@@ -318,6 +336,7 @@ def main():
                    help="comma list of variants MICRO[:ckpt][:compile]: micro_batch_size, grad_checkpointing, compile")
     p.add_argument("--micro", default="16", help=argparse.SUPPRESS)      # internal: one variant's parts
     p.add_argument("--variant", default="", help=argparse.SUPPRESS)
+    p.add_argument("--gpus", default="1", help="GPUs for ours (torchrun processes above 1); a comma list runs ours for each")
     p.add_argument("--repeats", type=int, default=3, help="timed generate calls per engine variant")
     p.add_argument("--repeats-hf", type=int, default=2, help="timed transformers generate calls")
     p.add_argument("--fast-only", action="store_true", help="engine part: the fast-path variants, not the plain loop")
@@ -328,7 +347,9 @@ def main():
     W.update(SHAPES["small" if a.small else "w1"])
     os.makedirs(a.out, exist_ok=True)
     if a.part:                                             # child: one part, result as JSON on the last line
-        print("RESULT " + json.dumps(PARTS[a.part](a)), flush=True)
+        result = PARTS[a.part](a)
+        if result is not None:                             # torchrun: ranks other than 0 report nothing
+            print("RESULT " + json.dumps(result), flush=True)
         return
     unknown = set(a.parts.split(",")) - set(PARTS)
     if unknown:
@@ -338,9 +359,10 @@ def main():
         model_dir = os.path.join(tmp, "model")
         build_model(model_dir, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
         variants = a.ours.split(",")
-        jobs = [(p_, v) for p_ in a.parts.split(",") for v in (variants if p_ == "ours" else variants[:1])]
-        for part, variant in jobs:
-            key = f"ours-{variant}" if part == "ours" else part
+        jobs = [(p_, v, n) for p_ in a.parts.split(",") for v in (variants if p_ == "ours" else variants[:1])
+                for n in (a.gpus.split(",") if p_ == "ours" else ["1"])]
+        for part, variant, nproc in jobs:
+            key = (f"ours-{variant}" + (f"-np{nproc}" if nproc != "1" else "")) if part == "ours" else part
             micro = variant.split(":")[0]
             if part == "trl":
                 try:
@@ -348,8 +370,11 @@ def main():
                 except ImportError:
                     results["_errors"]["TRL GRPOTrainer"] = "trl is not importable here"
                     continue
-            args = [sys.executable, __file__, "--part", part, "--model", model_dir, "--tmp", tmp, "--out", a.out,
-                    "--steps", str(a.steps), "--micro", micro, "--variant", variant, "--repeats", str(a.repeats),
+            launcher = [sys.executable] if nproc == "1" else \
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+            args = [*launcher, __file__, "--part", part, "--model", model_dir, "--tmp", tmp, "--out", a.out,
+                    "--gpus", nproc, "--steps", str(a.steps), "--micro", micro, "--variant", variant,
+                    "--repeats", str(a.repeats),
                     "--repeats-hf", str(a.repeats_hf)] + (["--small"] if a.small else []) + \
                    (["--fast-only"] if a.fast_only else [])
             t0 = time.perf_counter()

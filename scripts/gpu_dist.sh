@@ -21,4 +21,4 @@ done
 wait
 for t in "$tmp"/pytest-*.log; do echo "== $t"; tail -n 25 "$t"; done
 (cd "$tmp" && tar czf "$out/tests.tgz" $(find . -name '*.log' -o -name metrics.jsonl))
-python3 bench.py --parts ours --gpus 1,2 --micro 16 --out "$out/bench"
+python3 bench.py --parts ours --gpus 1,2 --ours 64 --out "$out/bench"
