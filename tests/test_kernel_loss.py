@@ -11,7 +11,6 @@ lengths, a fully padded row, temperature != 1 and several chunks.
 """
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -21,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from kernels.logprob_loss import linear_logprob_loss, plan_chunks  # noqa: E402
+from tests.interpret import run_interpreted  # noqa: E402
 from kernels.logprob import logprob_entropy_reference  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -139,13 +139,7 @@ def test_torch_twins_match_reference():
 
 
 def test_triton_interpreted_on_cpu():
-    triton = pytest.importorskip("triton")
-    if tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9):
-        pytest.skip("triton < 3.9's interpreter calls int() on 1-element arrays, which numpy >= 2.4 refuses")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import tests.test_kernel_loss as t; t.check_all(use_triton=True); print('ok')"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+    run_interpreted("import tests.test_kernel_loss as t; t.check_all(use_triton=True); print('ok')")
 
 
 def test_plan_chunks_hand_derived():

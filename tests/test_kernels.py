@@ -9,7 +9,6 @@ Tolerance: relative L2 error <= 1e-4 for float32 inputs, <= 1e-2 for bf16 inputs
 """
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from kernels import linear_logprob  # noqa: E402
+from tests.interpret import run_interpreted  # noqa: E402
 from kernels.linear_logprob import linear_logprob_entropy  # noqa: E402
 from kernels.logprob import logprob_entropy, logprob_entropy_reference, token_kl  # noqa: E402
 
@@ -107,13 +107,7 @@ def test_torch_twins_match_reference():
 
 
 def test_triton_interpreted_on_cpu():
-    triton = pytest.importorskip("triton")
-    if tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9):
-        pytest.skip("triton < 3.9's interpreter calls int() on 1-element arrays, which numpy >= 2.4 refuses")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import tests.test_kernels as t; t.check_all(use_triton=True); print('ok')"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+    run_interpreted("import tests.test_kernels as t; t.check_all(use_triton=True); print('ok')")
 
 
 def test_hand_derived_values():

@@ -4,7 +4,6 @@ Tiers as in test_kernels.py: the torch twin here, the Triton kernel interpreted 
 the kernel on CUDA at full vocabulary (skipped without a GPU).
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from kernels.sample import gumbel_sample, gumbel_sample_reference  # noqa: E402
+from tests.interpret import run_interpreted  # noqa: E402
 
 
 def check_sampler(fn, device="cpu", V=7, rows=6000, dtype=torch.float32):
@@ -50,15 +50,10 @@ def test_torch_twin():
 
 
 def test_kernel_interpreted_on_cpu():
-    triton = pytest.importorskip("triton")
-    if tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9):
-        pytest.skip("triton < 3.9's interpreter calls int() on 1-element arrays, which numpy >= 2.4 refuses")
     # small blocks: several per program, some all -inf before a live token (the online logsumexp's edge case)
-    code = ("import functools, tests.test_sample_kernel as t, kernels.sample as s; "
-            "t.check_sampler(functools.partial(s.gumbel_sample, split=3, block=128), rows=200, V=2500); print('ok')")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"),
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+    run_interpreted("import functools, tests.test_sample_kernel as t, kernels.sample as s; "
+                    "t.check_sampler(functools.partial(s.gumbel_sample, split=3, block=128), rows=200, V=2500); "
+                    "print('ok')")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
