@@ -21,6 +21,11 @@ the replay log are truncated to their saved lengths, so no step appears twice.
 
 Distributed: every rank joins the collectives (full state dicts, gathering per-rank state); rank 0 alone writes;
 every rank loads the files (a shared filesystem is assumed) and keeps its own rank's part.
+A different world size may resume (weights and optimizer are stored whole, the data order and cursor are
+global): the model, optimizer, schedule and data position carry over exactly; a rank the checkpoint did not
+have takes rank 0's RNG states with its own sampling stream re-seeded, and each rank's share of the prompts
+changes with the world size, so the samples differ from an uninterrupted run. Replay buffers are per rank:
+a run with one refuses to change its world size.
 Kill points for tests: RL_CRASH_AT=<point>:<step> makes the process SIGKILL itself at `crash_point(point, step)`.
 """
 import json
@@ -219,8 +224,13 @@ def load(ckpt: str, policy, optimizer, schedule, buffer, generators: dict, criti
     rank, world = _rank_world()
     with open(os.path.join(ckpt, "meta.json")) as f:
         meta = json.load(f)
-    if meta["world_size"] != world:
-        raise UserError(f"checkpoint {ckpt} was written by {meta['world_size']} ranks; this run has {world}")
+    old_world = meta["world_size"]
+    if old_world != world and any(b is not None for b in meta["buffer"]):
+        raise UserError(f"checkpoint {ckpt} holds the replay buffers of {old_world} ranks; resume it with "
+                        f"{old_world} ranks (this run has {world}): replay contents cannot be re-split")
+    if old_world != world and rank == 0:
+        print(f"resuming a {old_world}-rank checkpoint on {world} rank(s): weights, optimizer, schedule and data "
+              "position carry over; the sampling streams and per-rank prompt shares change", flush=True)
     _read_trained(ckpt, "model", policy, optimizer, meta["trained"]["model"])
     if critic is not None:
         if "critic" not in meta["trained"]:
@@ -228,20 +238,23 @@ def load(ckpt: str, policy, optimizer, schedule, buffer, generators: dict, criti
         _read_trained(ckpt, "critic", critic.model, critic.optimizer, meta["trained"]["critic"])
     schedule.load_state_dict(meta["schedule"])
 
-    prefix = f"rank{rank}/"
+    src = rank if rank < old_world else 0                   # a rank the checkpoint lacks starts from rank 0's
+    prefix = f"rank{src}/"
     mine = {k[len(prefix):]: v for k, v in load_file(os.path.join(ckpt, "rank_state.safetensors")).items()
             if k.startswith(prefix)}
     torch.set_rng_state(mine["rng.torch"])
     for k, g in generators.items():
         g.set_state(mine[f"rng.gen.{k}"])
+        if src != rank and k != "data":   # the data stream is global; rank 0's sampling noise is not to be repeated
+            g.manual_seed(int(torch.randint(2**62, (1,), generator=torch.Generator().manual_seed(meta["step"]))) + rank)
     cuda = [mine[f"rng.cuda.{i}"] for i in range(sum(k.startswith("rng.cuda.") for k in mine))]
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
     random.setstate((meta["python_rng"][0], tuple(meta["python_rng"][1]), meta["python_rng"][2]))
     n = meta["numpy_rng"]
     np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
-    if hasattr(buffer, "load_state_dict") and meta["buffer"][rank] is not None:   # else: replay switched on now
-        buffer.load_state_dict({k[7:]: v for k, v in mine.items() if k.startswith("buffer.")}, meta["buffer"][rank])
+    if hasattr(buffer, "load_state_dict") and meta["buffer"][src] is not None:   # else: replay switched on now
+        buffer.load_state_dict({k[7:]: v for k, v in mine.items() if k.startswith("buffer.")}, meta["buffer"][src])
 
     # the run continues from here: later checkpoints and logged steps belong to a future that is replayed
     run_dir = os.path.dirname(os.path.dirname(ckpt))

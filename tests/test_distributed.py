@@ -68,6 +68,8 @@ def test_fsdp_update_matches_one_process(tmp_path, random_model_dir):
 
 
 def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
+    """train.py on 1 process, on 2 ranks, and on 1 rank with offload: same metrics and weights; then the 1- and
+    2-rank runs each resume on 1 process (a different world size for the second) and agree on step 3."""
     args = [f"model={random_model_dir}", "steps=2", "eval_every=1", "eval_size=8", "prompts_per_step=4",
             "samples_per_prompt=2", "top_p=1e-6", "algo.kl_coef=0.1", "algo.kl_estimator=k1", "lr=1e-2",
             "micro_batch_size=2",                # 2 ranks: 2 micro-batches each, one gradient reduce-scatter
@@ -84,6 +86,17 @@ def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
             assert c[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     assert rows["two"][0]["grad_norm"] > 0.1 and abs(rows["two"][1]["kl"]) > 0.01   # the policy moved
     assert rows["two"][1]["logprob_mismatch/max"] < 1e-4   # step 2 sampled with the synced weights, not stale ones
+    # resume at another world size: the 2-rank run and the 1-process run each continue on 1 process for a 3rd
+    # step; near-greedy sampling (top_p) makes the samples world-size independent, so step 3 must agree
+    import shutil
+    for n in ("one", "two"):
+        shutil.copytree(tmp_path / n, tmp_path / f"{n}-more")
+    run(*[[sys.executable, "train.py", *args, "steps=3", f"resume={tmp_path / f'{n}-more'}"] for n in ("one", "two")],
+        logs=tmp_path)
+    more = {n: json.loads((tmp_path / f"{n}-more" / "metrics.jsonl").read_text().splitlines()[-1]) for n in ("one", "two")}
+    assert more["one"]["step"] == more["two"]["step"] == 3
+    for key in ("loss", "grad_norm", "kl", "reward", "eval/accuracy"):
+        assert more["two"][key] == pytest.approx(more["one"][key], rel=1e-4, abs=1e-6), key
     from safetensors.torch import load_file
     a, b, c = (load_file(tmp_path / n / "final" / "model.safetensors") for n in runs)
     assert a.keys() == b.keys() == c.keys()
