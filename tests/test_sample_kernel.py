@@ -18,7 +18,7 @@ from tests.interpret import run_interpreted  # noqa: E402
 
 def check_sampler(fn, device="cpu", V=7, rows=6000, dtype=torch.float32):
     """One call over `rows` copies of the same logits: the token frequencies must match softmax(z / T)
-    within 5 standard errors, and each logp must equal log_softmax at the sampled token."""
+    within 5 standard errors (plus one count), and each logp must equal log_softmax at the sampled token."""
     gen = torch.Generator().manual_seed(0)
     z = (torch.randn(V, generator=gen) * 2).to(device=device, dtype=dtype)
     if V > 16:   # a few live tokens, spread over the kernel's 2048-column blocks (edges included)
@@ -37,7 +37,7 @@ def check_sampler(fn, device="cpu", V=7, rows=6000, dtype=torch.float32):
         p = ref.exp().cpu().double()
         freq = torch.bincount(tok.cpu(), minlength=V).double() / rows
         se = (p * (1 - p) / rows).sqrt()
-        assert ((freq - p).abs() <= 5 * se + 1e-9).all(), (freq, p)
+        assert ((freq - p).abs() <= 5 * se + 1.5 / rows).all(), (freq, p)   # + a count of slack: rare tokens
         assert freq[3] == 0
     a = fn(logits, inv_t, torch.tensor([42], device=device), torch.tensor([5], device=device))[0]
     b = fn(logits, inv_t, torch.tensor([42], device=device), torch.tensor([5], device=device))[0]
@@ -52,7 +52,7 @@ def test_torch_twin():
 def test_kernel_interpreted_on_cpu():
     # small blocks: several per program, some all -inf before a live token (the online logsumexp's edge case)
     run_interpreted("import functools, tests.test_sample_kernel as t, kernels.sample as s; "
-                    "t.check_sampler(functools.partial(s.gumbel_sample, split=3, block=128), rows=200, V=2500); "
+                    "t.check_sampler(functools.partial(s.gumbel_sample, split=3, block=128), rows=64, V=2500); "
                     "print('ok')")
 
 
