@@ -126,6 +126,8 @@ class Config:
     micro_batch_size: int = opt(0, "samples per forward/backward; gradients accumulate up to the mini-batch "
                                    "(bounds memory; 0 = the whole mini-batch in one pass)")
     grad_checkpointing: bool = opt(False, "recompute activations in backward (less memory, ~30% more update time)")
+    fused_loss: bool = opt(False, "take the policy loss's gradient inside the log-prob kernel (kernels/"
+                                  "logprob_loss.py): one lm_head matmul fewer per update; not with a critic")
     compile: bool = opt(False, "torch.compile each decoder layer for training (fewer kernel launches and saved "
                                "activations; the first step pays the compile; one process only)")
     # evaluation, logging, saving

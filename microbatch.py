@@ -51,15 +51,17 @@ def micro_batches(batch: Experience, size: int, loss_agg: str, norm_len: int = 0
         raise ValueError(f"micro-batching does not know how to weight loss_agg {loss_agg!r}")
     lengths = batch.completion_mask.sum(-1)                                        # (B,)
     order = torch.argsort(lengths, descending=True, stable=True)                   # bucket by length
-    total_tokens = lengths.sum().clamp(min=1)
-    C = batch.completion_mask.shape[1]
     for start in range(0, len(batch), size):
         rows = order[start:start + size]
         piece = trim(batch.select(rows))
-        if loss_agg == "token-mean":
-            weight = float(lengths[rows].sum() / total_tokens)
-        else:
-            weight = len(rows) / len(batch)
-            if loss_agg == "seq-mean-token-sum-norm" and not norm_len:
-                weight *= piece.completion_mask.shape[1] / C
-        yield piece, weight
+        yield piece, float(split_weight(piece, batch, loss_agg, norm_len))
+
+
+def split_weight(piece: Experience, whole: Experience, loss_agg: str, norm_len: int = 0):
+    """The weight of a piece's loss in the whole's, for the aggregations above (a tensor for token-mean: no sync)."""
+    if loss_agg == "token-mean":
+        return piece.completion_mask.sum() / whole.completion_mask.sum().clamp(min=1)
+    weight = len(piece) / len(whole)
+    if loss_agg == "seq-mean-token-sum-norm" and not norm_len:      # it divides by the (trimmed) width
+        weight *= piece.completion_mask.shape[1] / whole.completion_mask.shape[1]
+    return weight

@@ -76,3 +76,25 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int
         return tuple(model(**inputs).logits)            # (logp, entropy) where the logits would be
     finally:
         del head.forward                                # the head's own forward again (generate, save, ...)
+
+
+def completion_loss(model, input_ids: Tensor, attention_mask: Tensor, C: int, temperature: float,
+                    loss_fn) -> tuple[Tensor, Tensor, Tensor]:
+    """The policy loss of the last C tokens with its gradient taken inside the log-prob kernel
+    (kernels/logprob_loss.py: one lm_head matmul fewer than log-probs + autograd). loss_fn(rows: slice,
+    logp (b, C), entropy (b, C)) -> those rows' share of the loss. Returns (loss, logp, entropy), the last two
+    detached (B, C). Heads that are not plain get log-probs by autograd and one loss_fn call on every row."""
+    if not plain_head(model):
+        logp, entropy = completion_logprobs(model, input_ids, attention_mask, C, temperature)
+        return loss_fn(slice(0, len(input_ids)), logp, entropy), logp.detach(), entropy.detach()
+    targets = input_ids[:, -C:]
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                  logits_to_keep=C + 1, use_cache=False)
+    head, kernel = model.get_output_embeddings(), get("kernel", "linear_logprob_loss")
+    # in the head's place, as in completion_logprobs (FSDP2 gathers the head there); clones for its output hooks
+    head.forward = lambda hidden: tuple(t.clone() for t in kernel(hidden[:, :-1], head.weight, targets,
+                                                                  temperature, loss_fn))
+    try:
+        return tuple(model(**inputs).logits)
+    finally:
+        del head.forward

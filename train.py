@@ -26,8 +26,8 @@ from algos import check_config
 from buffer import Experience
 from config import Config, UserError, parse, to_dict
 from critic import Critic
-from microbatch import micro_batches
-from models import completion_logprobs, context_length, encode_prompts, load_model
+from microbatch import micro_batches, split_weight
+from models import completion_logprobs, completion_loss, context_length, encode_prompts, load_model
 from replay import make_buffer
 from rewards import parse_reward_args, parse_spec
 from rewards.pool import RewardPool
@@ -126,6 +126,22 @@ def save_plot(run_dir: str, rows: list[dict]):
     plt.close(fig)
 
 
+def fused_policy_loss(policy, micro, C: int, cfg, algo, loss_agg: str):
+    """algo.loss of the micro-batch through models.completion_loss: the kernel hands it rows at a time, and each
+    piece's loss is weighted as micro-batching weights pieces, so the sum is the micro-batch's loss."""
+    metrics = {}
+
+    def loss_fn(rows: slice, logp, entropy):
+        piece = micro.select(rows)
+        loss, m = algo.loss({"logprobs": logp, "entropy": entropy}, piece, cfg.algo)
+        w = split_weight(piece, micro, loss_agg, cfg.algo.norm_len)
+        for k, v in m.items():
+            metrics[k] = metrics.get(k, 0.0) + w * v
+        return loss * w
+    loss, logp, _ = completion_loss(policy, micro.input_ids, micro.attention_mask, C, cfg.temperature, loss_fn)
+    return loss, logp, metrics
+
+
 def main(argv: list[str]) -> dict:
     cfg, resume_from = checkpoint.resolve_resume(parse(argv), argv)   # resume=<dir>, or out_dir holds a checkpoint
     rank, world = distributed.init(cfg.offload)        # (0, 1) unless launched by torchrun; see distributed.py
@@ -138,6 +154,9 @@ def main(argv: list[str]) -> dict:
     algo = registry.get("algo", cfg.algo.name)
     check_config(cfg)                                    # algorithm choices are known names; fills defaults
     loss_agg = algo.loss_agg or cfg.algo.loss_agg        # weights micro-batches and ranks (microbatch.py)
+    if cfg.fused_loss and (algo.needs_critic or not algo.splittable(cfg.algo)):
+        raise UserError(f"fused_loss=true needs a loss that splits over rows and no critic; algo '{cfg.algo.name}' "
+                        "with these settings has not")
     if (cfg.micro_batch_size or world > 1) and not algo.splittable(cfg.algo):
         raise UserError(f"algo '{cfg.algo.name}' with these settings has no exact split over micro-batches or ranks: "
                         "use micro_batch_size=0 and one process (see its Algorithm declaration)")
@@ -287,12 +306,16 @@ def main(argv: list[str]) -> dict:
             for micro, weight in distributed.accumulate(   # dist: one gradient reduce-scatter per mini-batch
                     policy, micro_batches(mb, cfg.micro_batch_size, loss_agg, cfg.algo.norm_len), cfg.offload):
                 micro = micro.to(device)
-                logp, entropy = completion_logprobs(policy, micro.input_ids, micro.attention_mask,
-                                                    micro.completion_mask.shape[1], cfg.temperature)
-                new = {"logprobs": logp, "entropy": entropy}
-                if critic is not None:                                                   # critic: trained by the loss
-                    new["values"] = critic.values(micro.input_ids, micro.attention_mask, micro.completion_mask, grad=True)
-                loss, mm = algo.loss(new, micro, cfg.algo)
+                C = micro.completion_mask.shape[1]
+                if cfg.fused_loss:   # speed: the loss's gradient is taken in the kernel, rows at a time
+                    loss, logp, mm = fused_policy_loss(policy, micro, C, cfg, algo, loss_agg)
+                else:
+                    logp, entropy = completion_logprobs(policy, micro.input_ids, micro.attention_mask, C, cfg.temperature)
+                    new = {"logprobs": logp, "entropy": entropy}
+                    if critic is not None:                                               # critic: trained by the loss
+                        new["values"] = critic.values(micro.input_ids, micro.attention_mask, micro.completion_mask,
+                                                      grad=True)
+                    loss, mm = algo.loss(new, micro, cfg.algo)
                 (loss * (weight * scale)).backward()
                 if first_mb:   # before any update, on fresh samples: the gap is numerics or a broken sync
                     fresh = micro.completion_mask * (micro.versions == version).float()[:, None]   # (b, c)

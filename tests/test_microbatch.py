@@ -88,3 +88,47 @@ def test_fused_head_path_equals_logits_path(rollout_batch):
         results.append((logp.detach(), ent.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     for a, b in zip(*results):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("algo_name, overrides", [("grpo", {}), ("dr_grpo", {}), ("gspo", {}),
+                                                  ("grpo", {"kl_coef": 0.1, "loss_agg": "seq-mean-token-mean"})])
+def test_fused_policy_loss_equals_autograd(rollout_batch, monkeypatch, algo_name, overrides):
+    """fused_loss=true (train.fused_policy_loss: the kernel hands the loss rows at a time, here one row per
+    chunk) gives the loss, metrics and gradients of log-probs + autograd, for token- and sequence-level losses."""
+    import registry
+    import train
+    from algos import check_config
+    model, batch = rollout_batch
+    cfg = config.Config()
+    cfg.algo.name = algo_name
+    for k, v in overrides.items():
+        setattr(cfg.algo, k, v)
+    check_config(cfg)
+    algo = registry.get("algo", algo_name)
+    loss_agg = algo.loss_agg or cfg.algo.loss_agg
+    batch.advantages = algo.advantages(batch, cfg.algo)
+    with torch.no_grad():   # old and reference log-probs from a moved copy, so ratios and the KL are not trivial
+        batch.old_logprobs = completion_logprobs(model, batch.input_ids, batch.attention_mask,
+                                                 batch.completion_mask.shape[1])[0] + 0.05
+        batch.ref_logprobs = batch.old_logprobs - 0.1
+    kernel = registry.get("kernel", "linear_logprob_loss")
+    monkeypatch.setitem(registry._REGISTRY["kernel"], "linear_logprob_loss",
+                        lambda *a, **kw: kernel(*a, **{**kw, "rows_per_chunk": 1}))
+    C = batch.completion_mask.shape[1]
+    out = []
+    for fused in (False, True):
+        model.zero_grad()
+        if fused:
+            loss, _, m = train.fused_policy_loss(model, batch, C, cfg, algo, loss_agg)
+        else:
+            logp, ent = completion_logprobs(model, batch.input_ids, batch.attention_mask, C)
+            loss, m = algo.loss({"logprobs": logp, "entropy": ent}, batch, cfg.algo)
+        loss.backward()
+        out.append((loss.item(), {k: float(v) for k, v in m.items()},
+                    torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (l0, m0, g0), (l1, m1, g1) = out
+    assert g0.abs().sum() > 0 and l1 == pytest.approx(l0, rel=1e-5, abs=1e-7)
+    assert m1.keys() == m0.keys()
+    if loss_agg == "token-mean":   # else a piece's token-mean metrics are weighted by rows, as micro-batches are
+        assert all(m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-7) for k in m0)
+    assert torch.allclose(g1, g0, rtol=1e-4, atol=1e-7), (g1 - g0).abs().max()
