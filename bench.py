@@ -334,7 +334,7 @@ def main():
     p.add_argument("--parts", default="ours,engine,hf,trl", help="comma list of: " + ", ".join(PARTS))
     p.add_argument("--small", action="store_true", help="toy shapes (CPU smoke run)")
     p.add_argument("--steps", type=int, default=4, help="measured steps (after one warm-up step)")
-    p.add_argument("--ours", default="16:ckpt:compile,32:ckpt:compile",
+    p.add_argument("--ours", default="32:ckpt:compile,32:ckpt:compile:fused",
                    help="comma list of variants MICRO[:ckpt][:compile][:fused]: micro_batch_size, grad_checkpointing, "
                         "compile, fused_loss")
     p.add_argument("--micro", default="16", help=argparse.SUPPRESS)      # internal: one variant's parts
