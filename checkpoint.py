@@ -246,7 +246,7 @@ def load(ckpt: str, policy, optimizer, schedule, buffer, generators: dict, criti
     for k, g in generators.items():
         g.set_state(mine[f"rng.gen.{k}"])
         if src != rank and k != "data":   # the data stream is global; rank 0's sampling noise is not to be repeated
-            g.manual_seed(int(torch.randint(2**62, (1,), generator=torch.Generator().manual_seed(meta["step"]))) + rank)
+            g.manual_seed(meta["step"] * 1_000_003 + rank)
     cuda = [mine[f"rng.cuda.{i}"] for i in range(sum(k.startswith("rng.cuda.") for k in mine))]
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)

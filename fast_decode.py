@@ -30,6 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import use_triton
+from kernels.sample import gumbel_sample, gumbel_sample_reference
+
 SUPPORTED = ("qwen2", "llama")   # model_type values whose layers have exactly the shape written below
 
 
@@ -196,8 +199,6 @@ class FastDecoder:
 
     def _sample(self, logits: Tensor, st: dict) -> tuple[Tensor, Tensor]:
         """(B, V) logits -> sampled tokens (B,) and their log-probs (B,) at temperature 1 / st["inv_t"]."""
-        from kernels import use_triton
-        from kernels.sample import gumbel_sample, gumbel_sample_reference
         fn = gumbel_sample if use_triton(logits) else gumbel_sample_reference
         return fn(logits, st["inv_t"], st["seed"], st["t"])
 
@@ -303,8 +304,8 @@ class FastDecoder:
         alive = st["alive"]
         C = int(alive.any(0).sum())          # columns up to the last live token (one sync)
         clock.lap("decode")
-        out = (st["completion"][:, :C].clone(), alive[:, :C].clone(), st["logprobs"][:, :C].clone(),
-               st["done"].clone())
+        out = (st["completion"][:, :C], alive[:, :C], st["logprobs"][:, :C], st["done"])
         if not self.keep_cache:
-            self.release()
-        return out
+            self.release()                   # the views above keep only these small buffers alive
+            return out
+        return tuple(t.clone() for t in out)   # the next call overwrites kept buffers

@@ -59,23 +59,13 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int
                         temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """Teacher-forced log-probs and entropies of the last C tokens: (B, T) ids -> two (B, C) tensors."""
     targets = input_ids[:, -C:]
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                  logits_to_keep=C + 1, use_cache=False)        # position t predicts token t + 1
     if not plain_head(model):
-        logits = model(**inputs).logits[:, :-1]                                     # (B, C, V)
+        logits = model(**_inputs(input_ids, attention_mask, C)).logits[:, :-1]      # (B, C, V)
         return get("kernel", "token_logprobs")(logits, targets, temperature)
     # speed/memory: the fused kernel goes from hidden states to log-probs; the (B, C, V) logits (2.5 GB per
-    # 32 x 256 tokens at V = 152k in bf16, twice with their gradient) never exist. It runs in the head's place,
-    # inside the model's own forward: under FSDP2 that is where the root unit's weights (embeddings, the tied
-    # head) are gathered, and where the root's backward hooks see the head's gradient, as with a plain head.
-    head, kernel = model.get_output_embeddings(), get("kernel", "linear_logprobs")
-    # (B, C + 1, H) in; clones, since FSDP2 hooks the root's outputs for backward and an in-place op on a view
-    # (the kernel returns views) would bypass that hook (torch warns on every such output)
-    head.forward = lambda hidden: tuple(t.clone() for t in kernel(hidden[:, :-1], head.weight, targets, temperature))
-    try:
-        return tuple(model(**inputs).logits)            # (logp, entropy) where the logits would be
-    finally:
-        del head.forward                                # the head's own forward again (generate, save, ...)
+    # 32 x 256 tokens at V = 152k in bf16, twice with their gradient) never exist
+    kernel = get("kernel", "linear_logprobs")
+    return _in_head(model, input_ids, attention_mask, C, lambda h, w: kernel(h, w, targets, temperature))
 
 
 def completion_loss(model, input_ids: Tensor, attention_mask: Tensor, C: int, temperature: float,
@@ -87,14 +77,24 @@ def completion_loss(model, input_ids: Tensor, attention_mask: Tensor, C: int, te
     if not plain_head(model):
         logp, entropy = completion_logprobs(model, input_ids, attention_mask, C, temperature)
         return loss_fn(slice(0, len(input_ids)), logp, entropy), logp.detach(), entropy.detach()
-    targets = input_ids[:, -C:]
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                  logits_to_keep=C + 1, use_cache=False)
-    head, kernel = model.get_output_embeddings(), get("kernel", "linear_logprob_loss")
-    # in the head's place, as in completion_logprobs (FSDP2 gathers the head there); clones for its output hooks
-    head.forward = lambda hidden: tuple(t.clone() for t in kernel(hidden[:, :-1], head.weight, targets,
-                                                                  temperature, loss_fn))
+    targets, kernel = input_ids[:, -C:], get("kernel", "linear_logprob_loss")
+    return _in_head(model, input_ids, attention_mask, C, lambda h, w: kernel(h, w, targets, temperature, loss_fn))
+
+
+def _inputs(input_ids: Tensor, attention_mask: Tensor, C: int) -> dict:
+    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                logits_to_keep=C + 1, use_cache=False)        # position t predicts token t + 1
+
+
+def _in_head(model, input_ids: Tensor, attention_mask: Tensor, C: int, fn) -> tuple:
+    """Run the model with fn(hidden (B, C, H), head weight) in the lm_head's place; its outputs come back where
+    the logits would. Inside the model's own forward: under FSDP2 that is where the root unit's weights
+    (embeddings, the tied head) are gathered, and where the root's backward hooks see the head's gradient."""
+    head = model.get_output_embeddings()
+    # clones: FSDP2 hooks the root's outputs for backward, and an in-place op on a view (the kernels return
+    # views) would bypass that hook (torch warns on every such output)
+    head.forward = lambda hidden: tuple(t.clone() for t in fn(hidden[:, :-1], head.weight))   # (B, C + 1, H) in
     try:
-        return tuple(model(**inputs).logits)
+        return tuple(model(**_inputs(input_ids, attention_mask, C)).logits)
     finally:
-        del head.forward
+        del head.forward                                # the head's own forward again (generate, save, ...)

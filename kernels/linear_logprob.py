@@ -33,7 +33,8 @@ import os
 import torch
 from torch import Tensor
 
-from kernels.logprob import HAS_TRITON, check_inputs, chunk_grad, chunk_stats, finish_stats, new_state
+from kernels.logprob import (HAS_TRITON, check_inputs, check_linear_inputs, chunk_grad, chunk_stats, finish_stats,
+                             new_state)
 
 if HAS_TRITON:
     import triton
@@ -236,12 +237,7 @@ def linear_logprob_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, temp
                            use_triton: bool = True, chunk_bytes: int = CHUNK_BYTES,
                            fuse_matmul: bool = False) -> tuple[Tensor, Tensor]:
     """hidden (..., H), weight (V, H), targets (...) -> (logp, entropy) float32, shaped like targets."""
-    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden (..., H) and weight (V, H) do not match: {tuple(hidden.shape)} vs {tuple(weight.shape)}")
-    if hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one of them")
-    if hidden.shape[:-1] != targets.shape:
-        raise ValueError(f"targets {tuple(targets.shape)} do not match hidden {tuple(hidden.shape)} without H")
+    check_linear_inputs(hidden, weight, targets)
     shape = targets.shape
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # (N, H), (N,)
     check_inputs(targets, weight.shape[0], temperature, hidden.shape[0])

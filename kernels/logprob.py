@@ -194,6 +194,17 @@ class _LogprobEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
+def check_linear_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, min_dim: int = 1):
+    """hidden (..., H) with at least min_dim dims, weight (V, H) of the same dtype, targets shaped like hidden
+    without H: one-line errors naming what does not match."""
+    if hidden.dim() < min_dim or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden (..., H) and weight (V, H) do not match: {tuple(hidden.shape)} vs {tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one of them")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match hidden {tuple(hidden.shape)} without H")
+
+
 def check_inputs(targets: Tensor, vocab: int, temperature: float, n_rows: int):
     if targets.shape != (n_rows,):
         raise ValueError(f"targets have shape {tuple(targets.shape)}, expected ({n_rows},)")

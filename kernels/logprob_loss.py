@@ -43,7 +43,8 @@ loop with the torch twins of the kernels (the CPU path); kernels/__init__.py pic
 import torch
 from torch import Tensor
 
-from kernels.logprob import HAS_TRITON, check_inputs, chunk_grad, chunk_stats, finish_stats, new_state
+from kernels.logprob import (HAS_TRITON, check_inputs, check_linear_inputs, chunk_grad, chunk_stats, finish_stats,
+                             new_state)
 
 CHUNK_BYTES = 384 * 2**20  # one (tokens x V) logits buffer: W2 keeps < 0.5 GiB extra (kernels/bench.py)
 
@@ -170,12 +171,7 @@ def linear_logprob_loss(hidden: Tensor, weight: Tensor, targets: Tensor, tempera
                         chunk_bytes: int = CHUNK_BYTES) -> tuple[Tensor, Tensor, Tensor]:
     """hidden (B, ..., H), weight (V, H), targets (B, ...) -> (loss (), logp, entropy (B, ...) float32).
     loss_fn(rows: slice, logp (b, ...), entropy (b, ...)) -> scalar: rows' share of the loss (see top)."""
-    if hidden.dim() < 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden (B, ..., H) and weight (V, H) do not match: {tuple(hidden.shape)} vs {tuple(weight.shape)}")
-    if hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one of them")
-    if hidden.shape[:-1] != targets.shape:
-        raise ValueError(f"targets {tuple(targets.shape)} do not match hidden {tuple(hidden.shape)} without H")
+    check_linear_inputs(hidden, weight, targets, min_dim=2)                        # rows: hidden is (B, ..., H)
     if not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable (rows, logp, entropy) -> scalar, got {type(loss_fn).__name__}")
     if rows_per_chunk is not None and not (isinstance(rows_per_chunk, int) and rows_per_chunk > 0):
