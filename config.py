@@ -129,7 +129,8 @@ class Config:
     fused_loss: bool = opt(False, "take the policy loss's gradient inside the log-prob kernel (kernels/"
                                   "logprob_loss.py): one lm_head matmul fewer per update; not with a critic")
     compile: bool = opt(False, "torch.compile each decoder layer for training (fewer kernel launches and saved "
-                               "activations; the first step pays the compile; one process only)")
+                               "activations; the first step pays the compile; under torchrun the layers "
+                               "inside FSDP2's units are compiled, its gather hooks run eagerly)")
     # evaluation, logging, saving
     eval_every: int = opt(10, "held-out evaluation every N steps (and at start and end)")
     eval_size: int = opt(200, "held-out prompts per evaluation (0 = all)")

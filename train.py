@@ -187,8 +187,8 @@ def main(argv: list[str]) -> dict:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.compile:   # speed: per layer, so one compiled graph serves every layer (they share code and shapes)
         layers = getattr(getattr(policy, policy.base_model_prefix, None), "layers", None)
-        if fsdp or layers is None:
-            raise UserError("compile=true needs one process and a model with <base>.layers (decoder layers)")
+        if layers is None:
+            raise UserError("compile=true needs a model with <base>.layers (decoder layers)")
         for layer in layers:
             layer.compile()
     train_ids = encode_prompts(tok, [s["prompt"] for s in train_set], [bool(s.get("chat_rendered")) for s in train_set])

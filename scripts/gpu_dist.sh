@@ -4,6 +4,7 @@
 # train.main on 1 GPU and under torchrun on 2 (bench.py --gpus 1,2), so both step times come from one machine.
 #
 #     bash scripts/gpu_dist.sh OUT       # OUT/bench/bench.md: the table; OUT/tests.tgz: every test process's log
+#     OURS=64 bash scripts/gpu_dist.sh OUT   # other bench.py --ours variants (default: the #9 one and micro 64)
 #
 # The tests run side by side (they mostly wait on imports and compiles), each cut at 120 s so that a hang
 # cannot eat the benchmark's time. NVLink multicast stays off (shared machines: see the device notes).
@@ -21,4 +22,4 @@ done
 wait
 for t in "$tmp"/pytest-*.log; do echo "== $t"; tail -n 25 "$t"; done
 (cd "$tmp" && tar czf "$out/tests.tgz" $(find . -name '*.log' -o -name metrics.jsonl))
-python3 bench.py --parts ours --gpus 1,2 --ours 64 --out "$out/bench"
+python3 bench.py --parts ours --gpus 1,2 --ours "${OURS:-32:ckpt:compile,64:compile}" --out "$out/bench"

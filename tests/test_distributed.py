@@ -68,15 +68,15 @@ def test_fsdp_update_matches_one_process(tmp_path, random_model_dir):
 
 
 def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
-    """train.py on 1 process, on 2 ranks, and on 1 rank with offload: same metrics and weights; then the 1- and
-    2-rank runs each resume on 1 process (a different world size for the second) and agree on step 3."""
+    """train.py on 1 process, on 2 ranks (layers compiled), and on 1 rank with offload: same metrics and weights;
+    then the 1- and 2-rank runs each resume on 1 process (a different world size for the second) and agree on step 3."""
     args = [f"model={random_model_dir}", "steps=2", "eval_every=1", "eval_size=8", "prompts_per_step=4",
             "samples_per_prompt=2", "top_p=1e-6", "algo.kl_coef=0.1", "algo.kl_estimator=k1", "lr=1e-2",
             "micro_batch_size=2",                # 2 ranks: 2 micro-batches each, one gradient reduce-scatter
             "dtype=float32", "progress=false"]   # float32 on GPUs too (python -m pytest there runs NCCL)
     one_rank = [*TORCHRUN[:-1], "--nproc_per_node=1"]   # FSDP with CPU offload at world size 1
     run([sys.executable, "train.py", *args, f"out_dir={tmp_path / 'one'}"],
-        [*TORCHRUN, "train.py", *args, f"out_dir={tmp_path / 'two'}"],
+        [*TORCHRUN, "train.py", *args, "compile=true", f"out_dir={tmp_path / 'two'}"],   # compiled FSDP2 layers
         [*one_rank, "train.py", *args, "offload=true", f"out_dir={tmp_path / 'offload'}"], logs=tmp_path)
     runs = ("one", "two", "offload")
     rows = {n: [json.loads(l) for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in runs}
@@ -107,12 +107,13 @@ def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_train_on_two_gpus(tmp_path):
-    """train.py under torchrun on 2 GPUs as a user runs it: NCCL, float32 shards computing in bf16, the CUDA-graph
-    decode path in each rank's engine, the fused log-prob kernel, a sharded reference (KL), micro-batches, and
-    rank 0 writing final/. A second run at the same time has offload=true (shards and AdamW on the CPU)."""
+    """train.py under torchrun on 2 GPUs as a user runs it: NCCL, float32 shards computing in bf16 (layers compiled),
+    the CUDA-graph decode path in each rank's engine, the fused log-prob kernel, a sharded reference (KL),
+    micro-batches, and rank 0 writing final/. A second run at the same time has offload=true (shards and AdamW on
+    the CPU)."""
     args = ["model=assets/tiny-model", "steps=2", "eval_every=2", "eval_size=32", "prompts_per_step=8",
             "micro_batch_size=16", "algo.kl_coef=0.05", "progress=false"]
-    runs = {"gpu": [], "offload": ["offload=true"]}
+    runs = {"gpu": ["compile=true"], "offload": ["offload=true"]}
     run(*[[*TORCHRUN, "train.py", *args, *extra, f"out_dir={tmp_path / name}"] for name, extra in runs.items()],
         logs=tmp_path)
     from transformers import AutoModelForCausalLM
