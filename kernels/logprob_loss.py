@@ -159,10 +159,9 @@ class _LinearLogprobLoss(torch.autograd.Function):
         rest = (None,) * 8                                         # targets ... acc_f32
         if g_loss is None:
             return (None, None) + rest
-        if bool(g_loss != 1):                                      # one sync; loss.backward() passes exactly 1
-            for g in (grad_h, grad_w):
-                if g is not None:
-                    g.mul_(g_loss.to(g.dtype))
+        for g in (grad_h, grad_w):   # always: testing g_loss != 1 first would stall the host on the GPU
+            if g is not None:
+                g.mul_(g_loss.to(g.dtype))
         return (grad_h, grad_w) + rest
 
 
