@@ -159,6 +159,7 @@ def part_engine(a) -> dict:
     res, engines = {}, {}
     fast = dict(fast=True)
     variants = [("fast: graph + compile (default)", fast, {}),
+                ("fast: graph + compile, sdpa attention", fast, dict(attention="sdpa")),
                 ("fast: graph + compile, matmul attention", fast, dict(attention="matmul")),
                 ("fast: graph + compile, cache kept between calls", fast, dict(keep_cache=True)),
                 ("plain loop (dynamic cache)", dict(fast=False), {})]

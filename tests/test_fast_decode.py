@@ -5,14 +5,14 @@ import torch
 from fast_decode import FastDecoder, supported
 
 
-@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
-def test_fast_path_logprobs_match_teacher_forcing(random_model_dir, attention):
+@pytest.mark.parametrize("attention", ["matmul", "sdpa", "kernel"])
+def test_fast_path_logprobs_match_teacher_forcing(random_model_dir, attention, compile_step=False):
     from models import completion_logprobs, load_model
     from rollout import BuiltinEngine, SamplingParams
     model, tok = load_model(random_model_dir, torch.device("cpu"), torch.float32)
     assert supported(model)
     engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, fast=True)
-    engine.decoder = FastDecoder(model, attention=attention)
+    engine.decoder = FastDecoder(model, attention=attention, compile=compile_step)
     prompts = [tok(p)["input_ids"] for p in ["1+2=", "123+456=", "7="]]          # different lengths: left padding
     gen = torch.Generator().manual_seed(0)
     for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
@@ -24,6 +24,22 @@ def test_fast_path_logprobs_match_teacher_forcing(random_model_dir, attention):
         assert diff <= 1e-4, diff
         assert (r.logprobs * r.completion_mask).sum() < 0              # the log-probs were written
     assert engine.decoder is not None                                  # the fast path ran, not the plain loop
+
+
+def test_decode_attention_kernel_in_the_step(tmp_path):
+    """attention="kernel" with the Triton kernel itself (interpreted on CPU), not its torch twin; also inside the
+    torch.compile'd step, as on a GPU (the kernel is an opaque custom op there)."""
+    from tests.interpret import run_interpreted
+    run_interpreted(f"""
+import sys
+sys.path.insert(0, "tests")
+from conftest import make_random_model
+from tests.test_fast_decode import test_fast_path_logprobs_match_teacher_forcing
+model_dir = make_random_model({str(tmp_path)!r})
+test_fast_path_logprobs_match_teacher_forcing(model_dir, "kernel")
+test_fast_path_logprobs_match_teacher_forcing(model_dir, "kernel", compile_step=True)
+print("ok")
+""")
 
 
 def test_fast_path_stops_early_and_masks_after_eos(random_model_dir):
@@ -45,7 +61,7 @@ def test_fast_path_stops_early_and_masks_after_eos(random_model_dir):
     assert r.truncated.any() and (~r.truncated).any()
 
 
-@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
+@pytest.mark.parametrize("attention", ["matmul", "sdpa", "kernel"])
 def test_hand_written_forward_equals_transformers(random_model_dir, attention):
     from models import load_model
     from rollout import position_ids
