@@ -13,7 +13,8 @@ Parts, each in its own process (clean peak-memory counters):
           metrics.jsonl (time/rollout, time/reward, time/logprobs, time/update, time/sync; with several GPUs
           rank 0's). One run per --ours variant MICRO[:ckpt][:compile][:fused] (micro_batch_size,
           grad_checkpointing, compile, fused_loss) and per --gpus count (above 1: under torchrun, FSDP2, N shares of the batch)
-  engine  the built-in engine alone on the same batch: fast path (graph + compile), graph only, the plain loop;
+  engine  the built-in engine alone on the same batch: fast path (graph + compile) with each attention, with the
+          cache kept between calls, and the plain loop;
           sampling log-probs vs teacher-forced ones; a torch.profiler summary of one rollout and one update
   hf      transformers `generate`, default (dynamic) cache and cache_implementation="static"
   trl     TRL's GRPOTrainer with BENCH.md's settings, when trl is importable

@@ -34,9 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import use_triton
-from kernels.decode_attention import decode_attention, decode_attention_reference
-from kernels.sample import gumbel_sample, gumbel_sample_reference
+import kernels  # noqa: F401  (registers the kernels that `get` returns below)
+from registry import get
 
 SUPPORTED = ("qwen2", "llama")   # model_type values whose layers have exactly the shape written below
 
@@ -125,6 +124,7 @@ class FastDecoder:
         # adds one that calls requires_grad_) would stop torch.compile here
         x = F.embedding(ids, m.embed_tokens.weight)                          # (B, T, H)
         cos, sin = cos[pos][:, None], sin[pos][:, None]                      # (B, 1, T, D)
+        attend_one = get("kernel", "decode_attention")
         for i, layer in enumerate(m.layers):
             a, mlp, (w_qkv, b_qkv, w_gu, b_gu) = layer.self_attn, layer.mlp, self.fused[i]
             qkv = F.linear(layer.input_layernorm(x), w_qkv, b_qkv)          # (B, T, (nh + 2 nkv) D): one GEMM
@@ -136,7 +136,6 @@ class FastDecoder:
             ks[i].index_copy_(2, slots, k)
             vs[i].index_copy_(2, slots, v)
             if self.attention == "kernel" and T == 1:   # decode: reads the cache only up to this token's slot
-                attend_one = decode_attention if use_triton(q) else decode_attention_reference
                 o = attend_one(q, ks[i], vs[i], key_ok[:, 0, 0], slots, a.scaling).view(B, T, nh * D)
             elif self.attention != "matmul":   # sdpa (and the prefill of "kernel"): one fused kernel
                 o = F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=key_ok, scale=a.scaling, enable_gqa=True)
@@ -208,8 +207,7 @@ class FastDecoder:
 
     def _sample(self, logits: Tensor, st: dict) -> tuple[Tensor, Tensor]:
         """(B, V) logits -> sampled tokens (B,) and their log-probs (B,) at temperature 1 / st["inv_t"]."""
-        fn = gumbel_sample if use_triton(logits) else gumbel_sample_reference
-        return fn(logits, st["inv_t"], st["seed"], st["t"])
+        return get("kernel", "sample_token")(logits, st["inv_t"], st["seed"], st["t"])
 
     def _take(self, st: dict, tok: Tensor, logp: Tensor):
         """Write the sampled column t (rows already done get padding), then advance t. All on the device."""

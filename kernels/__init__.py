@@ -8,6 +8,8 @@ importable triton, or TRITON_INTERPRET=1 for tests on CPU), the torch reference 
     loss, logp, ent = get("kernel", "linear_logprob_loss")(hidden, lm_head_weight, targets, temperature, loss_fn)
         # loss_fn(rows, logp (b, C), entropy (b, C)) -> scalar; the gradient is computed in the forward
         # (3 matmuls instead of 4): see kernels/logprob_loss.py for when a loss qualifies
+    tok, logp = get("kernel", "sample_token")(logits, inv_t, seed, step)     # (B, V) -> (B,), (B,): Gumbel-max
+    o = get("kernel", "decode_attention")(q, k, v, key_ok, last, scale)      # one query per sequence over a KV cache
 
 Targets < 0 mark padded tokens: logp = entropy = 0 there, and no gradient flows from them.
 """
@@ -16,9 +18,11 @@ import os
 from torch import Tensor
 
 from registry import register
+from kernels.decode_attention import decode_attention, decode_attention_reference
 from kernels.linear_logprob import linear_logprob_entropy
 from kernels.logprob_loss import linear_logprob_loss
 from kernels.logprob import HAS_TRITON, logprob_entropy, logprob_entropy_reference, token_kl
+from kernels.sample import gumbel_sample, gumbel_sample_reference
 
 
 def use_triton(*tensors: Tensor) -> bool:
@@ -53,6 +57,23 @@ def linear_logprob_loss_kernel(hidden: Tensor, weight: Tensor, targets: Tensor, 
     gives hidden.grad and weight.grad. loss_fn(rows: slice, logp (b, C), entropy (b, C)) -> that chunk's scalar."""
     return linear_logprob_loss(hidden, weight, targets, temperature, loss_fn, rows_per_chunk,
                                use_triton=use_triton(hidden, weight))
+
+
+@register("kernel", "sample_token")
+def sample_token(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor) -> tuple[Tensor, Tensor]:
+    """logits (B, V), inv_t / seed / step (1,) device tensors -> tok (B,), logp (B,): one token per row at
+    temperature 1 / inv_t, noise keyed by seed and step (kernels/sample.py; the decode graph replays it)."""
+    fn = gumbel_sample if use_triton(logits) else gumbel_sample_reference
+    return fn(logits, inv_t, seed, step)
+
+
+@register("kernel", "decode_attention")
+def decode_attention_kernel(q: Tensor, k: Tensor, v: Tensor, key_ok: Tensor, last: Tensor,
+                            scale: float) -> Tensor:
+    """q (B, nh, 1, D), k and v (B, nkv, S, D), key_ok (B, S), last (1,) -> (B, nh, D): attention of each
+    sequence's new token over its cache slots up to `last` (kernels/decode_attention.py)."""
+    fn = decode_attention if use_triton(q) else decode_attention_reference
+    return fn(q, k, v, key_ok, last, scale)
 
 
 register("kernel", "token_kl")(token_kl)

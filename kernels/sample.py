@@ -66,8 +66,8 @@ if HAS_TRITON:
         best = -float("inf")
         best_i = 0
         Q: tl.constexpr = BLOCK // 4
+        q = tl.arange(0, Q)
         for c0 in range(part * span, (part + 1) * span, BLOCK):
-            q = tl.arange(0, Q)
             u0, u1, u2, u3 = tl.rand4x(seed, row * V + c0 + q)         # offsets unique per (row, block, q)
             m, s, best, best_i = _race(z_ptr, row_off, c0, q, V, inv_t, u0, m, s, best, best_i)
             m, s, best, best_i = _race(z_ptr, row_off, c0 + Q, q, V, inv_t, u1, m, s, best, best_i)
