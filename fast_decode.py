@@ -14,10 +14,12 @@ What makes it fast, and why this route:
   slots. Fixed shapes let one CUDA graph replay the whole step (24 layers are ~1000 small kernels: launched
   one by one they cost more than the math). transformers' StaticCache was the other route; its cache API
   differs between the transformers on the CPU (5.24) and GPU (5.17) machines.
-- Decode attention is kernels/decode_attention.py (`attention="kernel"`, the default): it reads each
-  sequence's cache only up to the current slot, which the graph passes as a device tensor. At W1's shape on
-  an H100 it takes 4-9 us per layer-token as the cache fills, against 13 us for sdpa over all S slots with
-  a mask (`attention="sdpa"`; `"matmul"` is the hand-written third way). The prefill uses sdpa.
+- Decode attention is kernels/decode_attention.py (`attention="kernel"`, the default): one kernel applies the
+  rotary embedding, writes the new K/V into the cache and attends, reading each sequence's cache only up to
+  the current slot, which the graph passes as a device tensor. At W1's shape on an H100 that took 10.1 us
+  per layer-token in the graph, against 9.3 us for the attention alone plus 4.4 us for the three small
+  kernels (rotary, two cache writes) it replaced; cuDNN's sdpa over all S slots with a mask took 12.1 us
+  plus the same three (`attention="sdpa"`; `"matmul"` is the hand-written third way). The prefill uses sdpa.
 - q/k/v and gate/up are each one GEMM over weights concatenated once per rollout (`refresh`): at batch 128 a
   decode GEMM is latency-bound, so fewer, larger ones are faster.
 - On CUDA the step is also `torch.compile`d (fuses the norms, rotary and softmax into a few kernels) before
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import kernels  # noqa: F401  (registers the kernels that `get` returns below)
+from kernels.decode_attention import rotate
 from registry import get
 
 SUPPORTED = ("qwen2", "llama")   # model_type values whose layers have exactly the shape written below
@@ -55,11 +58,6 @@ def supported(model) -> bool:
                                                layer.mlp.down_proj)]
     return (all(type(m) is torch.nn.Linear for m in linears)
             and all(type(p.data) is torch.Tensor for p in model.parameters()))
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -123,29 +121,38 @@ class FastDecoder:
         # the embedding by its weight, not its module: training hooks on it (transformers' gradient checkpointing
         # adds one that calls requires_grad_) would stop torch.compile here
         x = F.embedding(ids, m.embed_tokens.weight)                          # (B, T, H)
-        cos, sin = cos[pos][:, None], sin[pos][:, None]                      # (B, 1, T, D)
+        rot = cos[pos][:, None], sin[pos][:, None]                           # (B, 1, T, D) each
         attend_one = get("kernel", "decode_attention")
         for i, layer in enumerate(m.layers):
             a, mlp, (w_qkv, b_qkv, w_gu, b_gu) = layer.self_attn, layer.mlp, self.fused[i]
             qkv = F.linear(layer.input_layernorm(x), w_qkv, b_qkv)          # (B, T, (nh + 2 nkv) D): one GEMM
-            q, k, v = qkv.split([nh * D, nkv * D, nkv * D], dim=-1)
-            q = q.view(B, T, nh, D).transpose(1, 2)                          # (B, nh, T, D)
-            k = k.view(B, T, nkv, D).transpose(1, 2)                         # (B, nkv, T, D)
-            v = v.view(B, T, nkv, D).transpose(1, 2)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            ks[i].index_copy_(2, slots, k)
-            vs[i].index_copy_(2, slots, v)
-            if self.attention == "kernel" and T == 1:   # decode: reads the cache only up to this token's slot
-                o = attend_one(q, ks[i], vs[i], key_ok[:, 0, 0], slots, a.scaling).view(B, T, nh * D)
-            elif self.attention != "matmul":   # sdpa (and the prefill of "kernel"): one fused kernel
-                o = F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=key_ok, scale=a.scaling, enable_gqa=True)
-                o = o.transpose(1, 2).reshape(B, T, nh * D)                  # (B, T, nh * D)
+            if self.attention == "kernel" and T == 1:   # decode: rotary, cache write and attention in one kernel
+                o = attend_one(qkv.view(B, -1), cos, sin, pos.view(B), ks[i], vs[i], key_ok[:, 0, 0], slots,
+                               a.scaling).view(B, T, nh * D)
             else:
-                o = attend(q, ks[i], vs[i], key_ok, a.scaling)
+                o = self._attend(qkv, rot, ks[i], vs[i], slots, key_ok, a.scaling)
             x = x + a.o_proj(o)
             gate, up = F.linear(layer.post_attention_layernorm(x), w_gu, b_gu).chunk(2, dim=-1)  # (B, T, I) each
             x = x + mlp.down_proj(mlp.act_fn(gate) * up)
         return self.model.lm_head(m.norm(x[:, -1]))                          # (B, V)
+
+    def _attend(self, qkv: Tensor, rot: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                key_ok: Tensor, scale: float) -> Tensor:
+        """Layer by layer: qkv (B, T, (nh + 2 nkv) D) -> rotary, cache write at slots (T,), attention (B, T, nh D).
+        The prefill's route, and the decode's with attention="sdpa" or "matmul"."""
+        B, T, _ = qkv.shape
+        nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
+        q, k, v = qkv.split([nh * D, nkv * D, nkv * D], dim=-1)
+        q = q.view(B, T, nh, D).transpose(1, 2)                              # (B, nh, T, D)
+        k = k.view(B, T, nkv, D).transpose(1, 2)                             # (B, nkv, T, D)
+        v = v.view(B, T, nkv, D).transpose(1, 2)
+        q, k = rotate(q, *rot), rotate(k, *rot)
+        k_cache.index_copy_(2, slots, k)
+        v_cache.index_copy_(2, slots, v)
+        if self.attention == "matmul":
+            return attend(q, k_cache, v_cache, key_ok, scale)
+        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=key_ok, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(B, T, nh * D)                       # (B, T, nh * D)
 
     def refresh(self):
         """Copy the current q/k/v and gate/up weights into the fused buffers (same addresses every time, so

@@ -9,7 +9,8 @@ importable triton, or TRITON_INTERPRET=1 for tests on CPU), the torch reference 
         # loss_fn(rows, logp (b, C), entropy (b, C)) -> scalar; the gradient is computed in the forward
         # (3 matmuls instead of 4): see kernels/logprob_loss.py for when a loss qualifies
     tok, logp = get("kernel", "sample_token")(logits, inv_t, seed, step)     # (B, V) -> (B,), (B,): Gumbel-max
-    o = get("kernel", "decode_attention")(q, k, v, key_ok, last, scale)      # one query per sequence over a KV cache
+    o = get("kernel", "decode_attention")(qkv, cos, sin, pos, k, v, key_ok, last, scale)  # rotary + cache write +
+                                                                             # attention of one new token per sequence
 
 Targets < 0 mark padded tokens: logp = entropy = 0 there, and no gradient flows from them.
 """
@@ -68,12 +69,13 @@ def sample_token(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor) -> t
 
 
 @register("kernel", "decode_attention")
-def decode_attention_kernel(q: Tensor, k: Tensor, v: Tensor, key_ok: Tensor, last: Tensor,
-                            scale: float) -> Tensor:
-    """q (B, nh, 1, D), k and v (B, nkv, S, D), key_ok (B, S), last (1,) -> (B, nh, D): attention of each
-    sequence's new token over its cache slots up to `last` (kernels/decode_attention.py)."""
-    fn = decode_attention if use_triton(q) else decode_attention_reference
-    return fn(q, k, v, key_ok, last, scale)
+def decode_attention_kernel(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
+                            key_ok: Tensor, last: Tensor, scale: float) -> Tensor:
+    """qkv (B, (nh + 2 nkv) D), rotary tables cos/sin (S, D), pos (B,), caches k/v (B, nkv, S, D), key_ok (B, S),
+    last (1,) -> (B, nh D): rotary, the new K/V written at slot `last`, and attention over the slots up to it
+    (kernels/decode_attention.py)."""
+    fn = decode_attention if use_triton(qkv) else decode_attention_reference
+    return fn(qkv, cos, sin, pos, k, v, key_ok, last, scale)
 
 
 register("kernel", "token_kl")(token_kl)

@@ -1,17 +1,25 @@
-"""Attention of one new token per sequence over a static KV cache, in one kernel: the decode step's attention.
+"""The decode step's attention in one kernel: rotary embedding, KV-cache write and attention of one new token
+per sequence.
 
-    o = decode_attention(q (B, nh, 1, D), k (B, nkv, S, D), v (B, nkv, S, D), key_ok (B, S) uint8 or bool,
-                         last (1,) int64, scale)          # -> (B, nh, D); slots after `last` are never read
+    o = decode_attention(qkv (B, (nh + 2 nkv) D), cos (S, D), sin (S, D), pos (B,) int64,
+                         k (B, nkv, S, D), v (B, nkv, S, D), key_ok (B, S) uint8 or bool, last (1,) int64, scale)
+    # -> o (B, nh * D). Writes the new token's rotated key and its value into k, v at slot `last`; attends over
+    # the slots [0, last] that key_ok allows (slot `last`, the token itself, always); slots after it are never read
 
 Why: in fast_decode.py's step at W1's shape (batch 128, 320 cache slots, 14 query / 2 KV heads of 64),
-cuDNN's scaled_dot_product_attention with a boolean mask took ~12 us per layer per token on an H100, ~18% of
-the decode's GPU time. It reads all S slots of every sequence although most are still empty. Here one program
-per (sequence, KV head) reads that head's K/V once for all g query heads of its group (GQA) and stops at the
-last written slot, which the graph passes as a device tensor (`last`), so each replay reads only the cache so
-far. Scores and the online softmax are float32; P @ V takes P in the cache's dtype (as flash attention does).
+cuDNN's scaled_dot_product_attention with a boolean mask took ~12 us per layer per token on an H100: it reads
+all S slots of every sequence although most are still empty. Around it, the rotary embedding and the two
+cache writes were three more small kernels (~4.4 us per layer in the graph). Here one program per (sequence,
+KV head) rotates the group's g query heads and its key in registers, stores the key and value in the cache,
+then reads that head's K/V once for all g query heads (GQA) up to the slot before `last`, which the graph
+passes as a device tensor, so each replay reads only the cache so far; the new token's own key and value
+enter the online softmax from registers. Scores and the online softmax are float32; P @ V takes P in the
+cache's dtype (as flash attention does); q and k are rounded to the cache's dtype after the rotation, as
+the layer-by-layer computation does.
 
 `decode_attention_reference` is the torch twin with the same contract (the CPU path and the tests' yardstick).
-The kernel is wrapped as a torch custom op, so the decode step that calls it still compiles as one graph.
+The kernel is wrapped as a torch custom op (mutating k and v), so the decode step that calls it still compiles
+as one graph.
 """
 import torch
 from torch import Tensor
@@ -23,94 +31,129 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _decode_attention(q_ptr, k_ptr, v_ptr, ok_ptr, last_ptr, o_ptr, scale,
-                          sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, sok_b,
-                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                          BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+    def _decode_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, ok_ptr, last_ptr, o_ptr, scale,
+                          s_qkv, s_cs, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, sok_b,
+                          NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                          D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
         b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)        # sequence, KV head
         gi = tl.arange(0, GP)                                          # query heads of this group (padded)
         d = tl.arange(0, DP)
-        qm = (gi[:, None] < G) & (d[None, :] < D)
-        q = tl.load(q_ptr + b * sq_b + (h * G + gi)[:, None] * sq_h + d[None, :], mask=qm, other=0.0)  # (GP, DP)
-        n = tl.load(last_ptr) + 1                                      # slots [0, n) hold keys
-        m = tl.full((GP,), -float("inf"), tl.float32)                  # running max, sum, output
-        s = tl.zeros((GP,), tl.float32)
-        acc = tl.zeros((GP, DP), tl.float32)
-        for s0 in range(0, n, BLOCK):
+        dm = d < D
+        qm = (gi[:, None] < G) & dm[None, :]
+        # rotary: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]): each column's partner
+        half = D // 2
+        partner = tl.where(d < half, d + half, d - half)
+        sign = tl.where(d < half, -1.0, 1.0)
+        p = tl.load(pos_ptr + b)
+        cos = tl.load(cos_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32)       # (DP,)
+        sin = tl.load(sin_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32) * sign
+        row = qkv_ptr + b * s_qkv
+        qh = (h * G + gi)[:, None] * D                                 # (GP, 1) offsets of this group's heads
+        q = tl.load(row + qh + d[None, :], mask=qm, other=0.0).to(tl.float32)          # (GP, DP)
+        q2 = tl.load(row + qh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
+        q = (q * cos[None, :] + q2 * sin[None, :]).to(k_ptr.dtype.element_ty)
+        kr = row + NH * D + h * D
+        k_new = tl.load(kr + d, mask=dm, other=0.0).to(tl.float32)                      # (DP,)
+        k_new = (k_new * cos + tl.load(kr + partner, mask=dm, other=0.0).to(tl.float32) * sin).to(k_ptr.dtype.element_ty)
+        v_new = tl.load(row + (NH + NKV) * D + h * D + d, mask=dm, other=0.0).to(k_ptr.dtype.element_ty)
+        last = tl.load(last_ptr)
+        tl.store(k_ptr + b * sk_b + h * sk_h + last * sk_s + d, k_new, mask=dm)
+        tl.store(v_ptr + b * sv_b + h * sv_h + last * sv_s + d, v_new, mask=dm)
+        # the new token first, from registers: the online softmax starts at its score with weight 1
+        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale           # (GP,) running max
+        s = tl.full((GP,), 1.0, tl.float32)                                               # running sum
+        acc = tl.zeros((GP, DP), tl.float32) + v_new.to(tl.float32)[None, :]              # running output
+        for s0 in range(0, last, BLOCK):                               # then the cache before it
             j = s0 + tl.arange(0, BLOCK)
-            jm = j < n
+            jm = j < last
             ok = (tl.load(ok_ptr + b * sok_b + j, mask=jm, other=0) != 0) & jm
-            kv = jm[:, None] & (d[None, :] < D)
+            kv = jm[:, None] & dm[None, :]
             k = tl.load(k_ptr + b * sk_b + h * sk_h + j[:, None] * sk_s + d[None, :], mask=kv, other=0.0)  # (BLOCK, DP)
             v = tl.load(v_ptr + b * sv_b + h * sv_h + j[:, None] * sv_s + d[None, :], mask=kv, other=0.0)
             sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (GP, BLOCK) float32
             sc = tl.where(ok[None, :], sc, -float("inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            shift = tl.where(m_new == -float("inf"), 0.0, m_new)       # no key yet: exp(-inf - -inf) would be nan
-            p = tl.exp(sc - shift[:, None])
-            alpha = tl.exp(m - shift)
-            s = s * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_new = tl.maximum(m, tl.max(sc, 1))                       # finite: m already is
+            p_ = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            s = s * alpha + tl.sum(p_, 1)
+            acc = acc * alpha[:, None] + tl.dot(p_.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
-        o = acc / tl.where(s > 0, s, 1.0)[:, None]                     # a query with no visible key gives 0
-        tl.store(o_ptr + b * so_b + (h * G + gi)[:, None] * so_h + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
+        o = acc / s[:, None]
+        tl.store(o_ptr + b * so_b + qh + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
 
     # An opaque custom op, not a triton_op: inductor then calls it as it is instead of lowering the kernel into
     # its own code, which failed to compile inside the decode step (torch 2.11, H100)
-    @torch.library.custom_op("rlhack::decode_attention", mutates_args=())
-    def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, key_ok: Tensor, last: Tensor, scale: float,
-                             block: int, warps: int, stages: int) -> Tensor:
-        B, nh, _, D = q.shape
-        nkv = k.shape[1]
-        out = torch.empty(B, nh, D, dtype=q.dtype, device=q.device)
+    @torch.library.custom_op("rlhack::decode_attention", mutates_args=("k", "v"))
+    def _decode_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
+                             key_ok: Tensor, last: Tensor, scale: float, block: int, warps: int, stages: int) -> Tensor:
+        B, nkv, _, D = k.shape
+        nh = qkv.shape[1] // D - 2 * nkv
+        out = torch.empty(B, nh * D, dtype=qkv.dtype, device=qkv.device)
         G = nh // nkv
         _decode_attention[(B, nkv)](
-            q, k, v, key_ok, last, out, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), key_ok.stride(0),
-            G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=max(16, triton.next_power_of_2(D)), BLOCK=block,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
+            qkv, cos, sin, pos, k, v, key_ok, last, out, scale, qkv.stride(0), cos.stride(0),
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0),
+            key_ok.stride(0), NH=nh, NKV=nkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
+            DP=max(16, triton.next_power_of_2(D)), BLOCK=block,
+            PRECISION="ieee" if k.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
             num_warps=warps, num_stages=stages)
         return out
 
     @_decode_attention_op.register_fake
-    def _(q, k, v, key_ok, last, scale, block, warps, stages):
-        return q.new_empty(q.shape[0], q.shape[1], q.shape[3])
+    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages):
+        return qkv.new_empty(qkv.shape[0], qkv.shape[1] - 2 * k.shape[1] * k.shape[3])
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, key_ok: Tensor, last: Tensor):
-    if q.dim() != 4 or q.shape[2] != 1:
-        raise ValueError(f"q must be (B, heads, 1, head_dim), got {tuple(q.shape)}")
-    B, nh, _, D = q.shape
-    if k.shape != v.shape or k.dim() != 4 or k.shape[0] != B or k.shape[3] != D or nh % k.shape[1]:
-        raise ValueError(f"k, v must be (B, kv_heads, S, head_dim) with heads % kv_heads == 0; got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if key_ok.shape != (B, k.shape[2]) or key_ok.dtype not in (torch.bool, torch.uint8):
-        raise ValueError(f"key_ok must be bool or uint8 (B, S) = ({B}, {k.shape[2]}), got {key_ok.dtype} "
-                         f"{tuple(key_ok.shape)}")
+def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor, last: Tensor):
+    if k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"k, v must be (B, kv_heads, S, head_dim), got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    B, nkv, S, D = k.shape
+    nh = qkv.shape[-1] // D - 2 * nkv if qkv.dim() == 2 else 0
+    if qkv.dim() != 2 or qkv.shape[0] != B or nh <= 0 or nh % nkv or qkv.shape[1] != (nh + 2 * nkv) * D or D % 2:
+        raise ValueError(f"qkv must be (B, (heads + 2 kv_heads) * head_dim) with heads % kv_heads == 0 and an even "
+                         f"head_dim; got qkv {tuple(qkv.shape)}, k {tuple(k.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or cos.shape[0] < S:
+        raise ValueError(f"cos, sin must be (>= S, head_dim) = (>= {S}, {D}), got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if pos.shape != (B,) or pos.dtype != torch.long:
+        raise ValueError(f"pos must be a ({B},) int64 tensor, got {pos.dtype} {tuple(pos.shape)}")
+    if key_ok.shape != (B, S) or key_ok.dtype not in (torch.bool, torch.uint8):
+        raise ValueError(f"key_ok must be bool or uint8 (B, S) = ({B}, {S}), got {key_ok.dtype} {tuple(key_ok.shape)}")
     if last.shape != (1,) or last.dtype != torch.long:
         raise ValueError(f"last must be a (1,) int64 tensor, got {last.dtype} {tuple(last.shape)}")
-    if key_ok.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("q, k, v and key_ok must be contiguous in their last dimension")
+    if any(t.stride(-1) != 1 for t in (qkv, cos, sin, k, v, key_ok)) or sin.stride(0) != cos.stride(0):
+        raise ValueError("qkv, cos, sin, k, v and key_ok must be contiguous in their last dimension")
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_ok: Tensor, last: Tensor, scale: float,
-                     block: int = 128, warps: int = 4, stages: int = 2) -> Tensor:
-    """q (B, nh, 1, D), k and v (B, nkv, S, D), key_ok (B, S) uint8 or bool, last (1,) int64: the last slot to
-    read -> (B, nh, D) in q's dtype. The Triton kernel (CUDA, or TRITON_INTERPRET=1). block, warps, stages:
-    the kernel's settings; the defaults were the fastest of 27 at W1's decode shape on an H100."""
-    _check(q, k, v, key_ok, last)
-    return _decode_attention_op(q, k, v, key_ok, last, float(scale), block, warps, stages)
+def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor,
+                     last: Tensor, scale: float, block: int = 128, warps: int = 4, stages: int = 2) -> Tensor:
+    """See the module's docstring. The Triton kernel (CUDA, or TRITON_INTERPRET=1); block, warps, stages: the
+    kernel's settings. The defaults were the fastest of 48 at W1's decode shape on an H100, timed over 24
+    layers' caches per graph so that each read comes from memory, as in the decode step, not from L2:
+    6.3 / 9.9 / 12.9 us per layer with 64 / 192 / 318 slots filled."""
+    _check(qkv, cos, sin, pos, k, v, key_ok, last)
+    return _decode_attention_op(qkv, cos, sin, pos, k, v, key_ok, last, float(scale), block, warps, stages)
 
 
-def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, key_ok: Tensor, last: Tensor,
-                               scale: float) -> Tensor:
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding as transformers' Llama/Qwen2 apply it: x (..., D), cos and sin broadcastable to x."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def decode_attention_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
+                               key_ok: Tensor, last: Tensor, scale: float) -> Tensor:
     """The torch twin: the same contract, in float32 (the slots after `last` are masked, not skipped)."""
-    _check(q, k, v, key_ok, last)
-    B, nh, _, D = q.shape
-    nkv, S = k.shape[1], k.shape[2]
+    _check(qkv, cos, sin, pos, k, v, key_ok, last)
+    B, nkv, S, D = k.shape
+    nh = qkv.shape[1] // D - 2 * nkv
+    q, kn, vn = qkv.float().split([nh * D, nkv * D, nkv * D], dim=-1)
+    c, s_ = cos[pos].float()[:, None], sin[pos].float()[:, None]        # (B, 1, D)
+    q = rotate(q.view(B, nh, D), c, s_).to(k.dtype)                    # (B, nh, D)
+    slot = last.expand(B, nkv)[:, :, None, None].expand(B, nkv, 1, D)
+    k.scatter_(2, slot, rotate(kn.view(B, nkv, D), c, s_).to(k.dtype)[:, :, None])
+    v.scatter_(2, slot, vn.view(B, nkv, 1, D).to(v.dtype))
+    ok = (key_ok.bool() | (torch.arange(S, device=k.device) == last)) & (torch.arange(S, device=k.device) <= last)
     g = nh // nkv
-    ok = key_ok.bool() & (torch.arange(S, device=q.device) <= last)     # (B, S)
     sc = (q.float().reshape(B, nkv, g, D) @ k.float().transpose(-1, -2)) * scale   # (B, nkv, g, S)
-    sc = sc.masked_fill(~ok[:, None, None], float("-inf"))
-    p = torch.nan_to_num(sc.softmax(-1))                                 # a row with no visible key: 0
-    return (p @ v.float()).reshape(B, nh, D).to(q.dtype)
+    p = sc.masked_fill(~ok[:, None, None], float("-inf")).softmax(-1)
+    return (p @ v.float()).reshape(B, nh * D).to(qkv.dtype)

@@ -1,4 +1,4 @@
-"""The decode-attention kernel (kernels/decode_attention.py) against sdpa in float64.
+"""The decode-attention kernel (kernels/decode_attention.py): rotary, cache write and attention against float64.
 
 Tiers as in test_kernels.py: the torch twin here, the Triton kernel interpreted on CPU in a subprocess,
 the kernel on CUDA at W1's decode shape (skipped without a GPU).
@@ -17,26 +17,45 @@ from kernels.decode_attention import decode_attention, decode_attention_referenc
 from tests.interpret import run_interpreted  # noqa: E402
 
 
+def rope(x, cos, sin):
+    """transformers' rotary embedding, written out: x (..., D), cos/sin (..., D)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
 def check_attention(fn, device="cpu", B=3, nh=6, nkv=2, S=150, D=40, last=97, dtype=torch.float32, tol=1e-5):
-    """Random q/k/v, a key mask with holes (left padding) and a `last` slot inside the cache: the output equals
-    float64 sdpa over keys [0, last] that the mask allows; a sequence that sees no key gives 0."""
+    """Random q/k/v of the new token, a cache already holding keys, a key mask with holes (left padding), a
+    `last` slot inside the cache: the output equals float64 sdpa of the rotated query over the rotated new key
+    at `last` and the keys [0, last) the mask allows; the cache gets the rotated key and the value at `last`
+    and nothing else changes."""
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    q, k, v = (torch.randn(B, h, T, D, generator=g) for h, T in ((nh, 1), (nkv, S), (nkv, S)))
+    qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=g)
+    k, v = torch.randn(B, nkv, S, D, generator=g), torch.randn(B, nkv, S, D, generator=g)
+    cos, sin = torch.randn(S + 3, D, generator=g), torch.randn(S + 3, D, generator=g)   # any table: exact rotation
+    pos = torch.randint(0, S + 3, (B,), generator=g)
     ok = torch.rand(B, S, generator=g) > 0.3
-    ok[0, :] = False                                               # row 0 sees nothing: output 0, not nan
-    ok[1:, last] = True
+    ok[0, :] = False                                               # row 0 sees only its new token
     ok[1:, :5] = False                                             # left padding
-    visible = ok & (torch.arange(S) <= last)
-    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=visible[:, None, None],
-                                          scale=0.3, enable_gqa=True).squeeze(2)     # (B, nh, D)
-    want[0] = 0
     cast = lambda t: t.to(device=device, dtype=dtype)
+    q_, k_, v_ = cast(qkv).double().cpu().split([nh * D, nkv * D, nkv * D], -1)    # as the kernel sees them
+    c, s = cast(cos).double().cpu()[pos][:, None], cast(sin).double().cpu()[pos][:, None]   # (B, 1, D)
+    q_new = cast(rope(q_.view(B, nh, D), c, s)).double().cpu()    # rounded to the cache's dtype, as the layer does
+    k_want, v_want = cast(k).double().cpu(), cast(v).double().cpu()
+    k_want[:, :, last] = cast(rope(k_.view(B, nkv, D), c, s)).double().cpu()
+    v_want[:, :, last] = v_.view(B, nkv, D)
+    visible = (ok | (torch.arange(S) == last)) & (torch.arange(S) <= last)
+    want = F.scaled_dot_product_attention(q_new[:, :, None], k_want, v_want, attn_mask=visible[:, None, None],
+                                          scale=0.3, enable_gqa=True).reshape(B, nh * D)
     k_big, v_big = cast(torch.cat([k, k], 2)), cast(torch.cat([v, v], 2))    # a strided view: slots beyond S
-    ok = ok.to(device) if B % 2 else ok.to(device, torch.uint8)                # both mask dtypes
-    got = fn(cast(q), k_big[:, :, :S], v_big[:, :, :S], ok, torch.tensor([last], device=device), 0.3)
-    assert got.shape == (B, nh, D) and got.dtype == dtype
+    okd = ok.to(device) if B % 2 else ok.to(device, torch.uint8)               # both mask dtypes
+    got = fn(cast(qkv), cast(cos), cast(sin), pos.to(device), k_big[:, :, :S], v_big[:, :, :S], okd,
+             torch.tensor([last], device=device), 0.3)
+    assert got.shape == (B, nh * D) and got.dtype == dtype
     err = (got.double().cpu() - want).abs().max().item()
     assert err <= tol, err
+    torch.testing.assert_close(k_big[:, :, :S].double().cpu(), k_want, rtol=tol, atol=tol)   # rotated: an ulp apart
+    assert torch.equal(v_big[:, :, :S].double().cpu(), v_want)
+    assert torch.equal(k_big[:, :, S:], cast(k)) and torch.equal(v_big[:, :, S:], cast(v))   # beyond S: untouched
 
 
 def test_reference_matches_sdpa():
@@ -44,11 +63,14 @@ def test_reference_matches_sdpa():
 
 
 def test_bad_shapes_are_named():
-    q, kv = torch.zeros(2, 4, 1, 8), torch.zeros(2, 3, 10, 8)
+    kv, cs, pos, last = torch.zeros(2, 3, 10, 8), torch.zeros(10, 8), torch.zeros(2, dtype=torch.long), torch.tensor([3])
+    ok = torch.ones(2, 10, dtype=torch.bool)
     with pytest.raises(ValueError, match="kv_heads"):
-        decode_attention_reference(q, kv, kv, torch.ones(2, 10, dtype=torch.bool), torch.tensor([3]), 1.0)
+        decode_attention_reference(torch.zeros(2, (4 + 6) * 8), cs, cs, pos, kv, kv, ok, last, 1.0)
     with pytest.raises(ValueError, match="key_ok"):
-        decode_attention_reference(q, kv[:, :2], kv[:, :2], torch.ones(2, 9, dtype=torch.bool), torch.tensor([3]), 1.0)
+        decode_attention_reference(torch.zeros(2, (6 + 6) * 8), cs, cs, pos, kv, kv, ok[:, :9], last, 1.0)
+    with pytest.raises(ValueError, match="pos"):
+        decode_attention_reference(torch.zeros(2, (6 + 6) * 8), cs, cs, pos.float(), kv, kv, ok, last, 1.0)
 
 
 def test_kernel_interpreted():
