@@ -65,7 +65,10 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int
     # speed/memory: the fused kernel goes from hidden states to log-probs; the (B, C, V) logits (2.5 GB per
     # 32 x 256 tokens at V = 152k in bf16, twice with their gradient) never exist
     kernel = get("kernel", "linear_logprobs")
-    return _in_head(model, input_ids, attention_mask, C, lambda h, w: kernel(h, w, targets, temperature))
+    # memory: one process, the head's gradient goes straight into its .grad (see kernels/linear_logprob.py);
+    # under torchrun FSDP2 owns the gradients, so autograd hands them over as usual
+    into_grad = not torch.distributed.is_initialized()
+    return _in_head(model, input_ids, attention_mask, C, lambda h, w: kernel(h, w, targets, temperature, into_grad))
 
 
 def completion_loss(model, input_ids: Tensor, attention_mask: Tensor, C: int, temperature: float,

@@ -45,10 +45,13 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) ->
 
 
 @register("kernel", "linear_logprobs")
-def linear_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+def linear_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
+                    into_grad: bool = False) -> tuple[Tensor, Tensor]:
     """hidden (..., H), lm_head weight (V, H), targets (...) -> (logp, entropy), each shaped like targets.
-    Gradients flow to hidden and weight; the (N, V) logits are never held whole on either path."""
-    return linear_logprob_entropy(hidden, weight, targets, temperature, use_triton=use_triton(hidden, weight))
+    Gradients flow to hidden and weight (into_grad: straight into weight.grad, see kernels/linear_logprob.py);
+    the (N, V) logits are never held whole on either path."""
+    return linear_logprob_entropy(hidden, weight, targets, temperature, use_triton=use_triton(hidden, weight),
+                                  into_grad=into_grad)
 
 
 @register("kernel", "linear_logprob_loss")

@@ -172,8 +172,9 @@ def _addmm_f32(acc: Tensor, a: Tensor, b: Tensor):
 
 class _LinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, use_triton, chunk_bytes, fuse_matmul):
+    def forward(ctx, hidden, weight, targets, temperature, use_triton, chunk_bytes, fuse_matmul, into_grad):
         (N, H), V = hidden.shape, weight.shape[0]
+        ctx.param = weight if into_grad and weight.is_leaf and weight.requires_grad else None   # see into_grad
         ctx.set_materialize_grads(False)                           # unused entropy -> g_ent None, less work
         inv_t = 1.0 / temperature
         rows, cols = _plan(N, V, hidden.element_size(), chunk_bytes)
@@ -206,7 +207,11 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         # several token blocks add into each weight row: in float32 when that fits the budget (see top)
         w_dtype = torch.float32 if V * H * 4 <= ctx.chunk_bytes and len(rows) > 1 else weight.dtype
-        grad_w = torch.zeros(V, H, dtype=w_dtype, device=weight.device) if need_w else None
+        param, grad_w = ctx.param, None
+        if need_w and param is not None and param.grad is not None and w_dtype == param.grad.dtype:
+            grad_w = param.grad                                    # into_grad: add the tiles straight into .grad
+        elif need_w:
+            grad_w = torch.zeros(V, H, dtype=w_dtype, device=weight.device)
         buf = hidden.new_empty((rows[0][1] - rows[0][0]) * (cols[0][1] - cols[0][0]))
         for r0, r1 in rows:
             h = hidden[r0:r1]                                      # (n, H)
@@ -230,13 +235,25 @@ class _LinearLogprobEntropy(torch.autograd.Function):
                 grad_h[r0:r1] = acc
         if need_w and grad_w.dtype != weight.dtype:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        if need_w and param is not None:                           # into_grad: .grad has it now, autograd gets None
+            if param.grad is None:
+                param.grad = grad_w
+            elif grad_w is not param.grad:
+                param.grad.add_(grad_w)
+            grad_w = None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def linear_logprob_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
                            use_triton: bool = True, chunk_bytes: int = CHUNK_BYTES,
-                           fuse_matmul: bool = False) -> tuple[Tensor, Tensor]:
-    """hidden (..., H), weight (V, H), targets (...) -> (logp, entropy) float32, shaped like targets."""
+                           fuse_matmul: bool = False, into_grad: bool = False) -> tuple[Tensor, Tensor]:
+    """hidden (..., H), weight (V, H), targets (...) -> (logp, entropy) float32, shaped like targets.
+
+    into_grad=True (weight a leaf, e.g. the lm_head's Parameter; .backward() only, not torch.autograd.grad):
+    the backward adds weight's gradient into weight.grad itself and hands autograd None for it. Why: a head tied
+    to the input embedding gets a second gradient at the very end of the backward, and autograd holds the
+    first, a (V, H) tensor (272 MB at Qwen2.5-0.5B's shape), until then, through the layers' backward where
+    memory peaks. Also no (V, H) temporary when .grad already exists (gradient accumulation)."""
     check_linear_inputs(hidden, weight, targets)
     shape = targets.shape
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # (N, H), (N,)
@@ -245,12 +262,12 @@ def linear_logprob_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, temp
     keep = (targets >= 0).nonzero().squeeze(1)                     # (M,) padded tokens cost no matmul
     if keep.numel() == targets.numel():
         logp, ent = _LinearLogprobEntropy.apply(hidden.contiguous(), weight.contiguous(), targets.contiguous(),
-                                                float(temperature), use_triton, chunk_bytes, fuse_matmul)
+                                                float(temperature), use_triton, chunk_bytes, fuse_matmul, into_grad)
         return logp.view(shape), ent.view(shape)
     logp = hidden.new_zeros(targets.shape, dtype=torch.float32)
     ent = torch.zeros_like(logp)
     if keep.numel():
         lp, en = _LinearLogprobEntropy.apply(hidden[keep], weight.contiguous(), targets[keep].contiguous(),
-                                             float(temperature), use_triton, chunk_bytes, fuse_matmul)
+                                             float(temperature), use_triton, chunk_bytes, fuse_matmul, into_grad)
         logp, ent = logp.index_put((keep,), lp), ent.index_put((keep,), en)
     return logp.view(shape), ent.view(shape)

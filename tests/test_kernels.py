@@ -59,7 +59,7 @@ def check_logits(use_triton, N=37, V=300, dtype=torch.float32, temperature=0.7, 
 
 
 def check_linear(use_triton, N=45, V=301, H=24, dtype=torch.float32, temperature=0.7, device="cpu",
-                 chunk_bytes=4096, tied=False, fuse_matmul=False):
+                 chunk_bytes=4096, tied=False, fuse_matmul=False, into_grad=False):
     w = (torch.randn(V, H, device=device) / math.sqrt(H)).to(dtype).requires_grad_()
     t = make_targets(N, V).to(device)
     if tied:  # the lm_head is the embedding: hidden states come out of it, so its gradient has two paths
@@ -68,13 +68,17 @@ def check_linear(use_triton, N=45, V=301, H=24, dtype=torch.float32, temperature
     else:
         h = torch.randn(N, H, device=device).to(dtype).requires_grad_()
     g_lp, g_ent = torch.randn(N, device=device), torch.randn(N, device=device)
-    lp, en = linear_logprob_entropy(h, w, t, temperature, use_triton=use_triton, chunk_bytes=chunk_bytes,
-                                    fuse_matmul=fuse_matmul)
-    (lp * g_lp + en * g_ent).sum().backward()
+    # into_grad: twice, as gradient accumulation does: .grad first set by the kernel, then added into
+    for _ in range(2 if into_grad else 1):
+        if tied:
+            h = torch.nn.functional.embedding(ids, w) * 2.0
+        lp, en = linear_logprob_entropy(h, w, t, temperature, use_triton=use_triton, chunk_bytes=chunk_bytes,
+                                        fuse_matmul=fuse_matmul, into_grad=into_grad)
+        (lp * g_lp + en * g_ent).sum().backward()
     w64 = w.detach().double().requires_grad_()
     h64 = torch.nn.functional.embedding(ids, w64) * 2.0 if tied else h.detach().double().requires_grad_()
     rl, re = logprob_entropy_reference(h64 @ w64.T, t, temperature)
-    (rl * g_lp.double() + re * g_ent.double()).sum().backward()
+    ((rl * g_lp.double() + re * g_ent.double()).sum() * (2 if into_grad else 1)).backward()
     tol = TOL[dtype]
     errs = [rel(lp, rl), rel(en, re), rel(w.grad, w64.grad)] + ([] if tied else [rel(h.grad, h64.grad)])
     assert max(errs) < tol, errs
@@ -91,6 +95,8 @@ def check_all(use_triton):
             check_linear(use_triton, dtype=dtype)                  # odd N, V, H; token and vocab blocks
             check_linear(use_triton, dtype=dtype, tied=True)
             check_linear(use_triton, dtype=dtype, fuse_matmul=True)   # Triton matmuls, softmax in the epilogue
+            check_linear(use_triton, dtype=dtype, tied=True, into_grad=True)   # the head's gradient into .grad
+        check_linear(use_triton, dtype=torch.bfloat16, into_grad=True, chunk_bytes=1 << 20)  # float32 sum, then into .grad
         check_linear(use_triton, N=5, V=130, H=7, temperature=1.3, chunk_bytes=1 << 20)  # one tile
         # masked vocabulary (-inf logits, as after top-k filtering): finite, zero probability there
         x = torch.randn(6, 50)
