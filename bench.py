@@ -11,8 +11,9 @@ EOS id lies outside the model's vocabulary, so every completion runs to full len
 Parts, each in its own process (clean peak-memory counters):
   ours    train.main itself (the real loop) for 1 warm-up + N measured steps; the split comes from its
           metrics.jsonl (time/rollout, time/reward, time/logprobs, time/update, time/sync; with several GPUs
-          rank 0's). One run per --ours variant MICRO[:ckpt][:compile][:fused] (micro_batch_size,
-          grad_checkpointing, compile, fused_loss) and per --gpus count (above 1: under torchrun, FSDP2, N shares of the batch)
+          rank 0's). One run per --ours variant MICRO[:ckpt][:compile][:fused][:hf] (micro_batch_size,
+          grad_checkpointing, compile, fused_loss; hf = compiled_recompute=false: transformers' checkpoint
+          wrapper) and per --gpus count (above 1: under torchrun, FSDP2, N shares of the batch)
   engine  the built-in engine alone on the same batch: fast path (graph + compile) with each attention, with the
           cache kept between calls, and the plain loop;
           sampling log-probs vs teacher-forced ones; a torch.profiler summary of one rollout and one update
@@ -110,6 +111,7 @@ def part_ours(a) -> dict:
             "temperature=1.0", "eval_every=100000", "eval_size=128", "eval_temperature=1.0", "lr=1e-6",
             f"micro_batch_size={a.micro}", f"grad_checkpointing={'ckpt' in a.variant}",
             f"compile={'compile' in a.variant}", f"fused_loss={'fused' in a.variant}", f"out_dir={run_dir}",
+            f"compiled_recompute={'hf' not in a.variant.split(':')}",
             "progress=false"]
     train.main(argv)
     mem = cuda_info()
@@ -280,7 +282,7 @@ PARTS = {"ours": part_ours, "engine": part_engine, "hf": part_hf, "trl": part_tr
 def describe(variant: str) -> str:
     micro, *flags = variant.split(":")
     return (f"micro_batch_size={micro}, grad_checkpointing={'ckpt' in flags}, compile={'compile' in flags}"
-            + (", fused_loss=True" if "fused" in flags else ""))
+            + (", fused_loss=True" if "fused" in flags else "") + (", compiled_recompute=False" if "hf" in flags else ""))
 
 
 def table(results: dict, a) -> str:
@@ -336,9 +338,9 @@ def main():
     p.add_argument("--parts", default="ours,engine,hf,trl", help="comma list of: " + ", ".join(PARTS))
     p.add_argument("--small", action="store_true", help="toy shapes (CPU smoke run)")
     p.add_argument("--steps", type=int, default=4, help="measured steps (after one warm-up step)")
-    p.add_argument("--ours", default="32:ckpt:compile,32:ckpt:compile:fused",
-                   help="comma list of variants MICRO[:ckpt][:compile][:fused]: micro_batch_size, grad_checkpointing, "
-                        "compile, fused_loss")
+    p.add_argument("--ours", default="32:ckpt:compile,32:ckpt:compile:hf",
+                   help="comma list of variants MICRO[:ckpt][:compile][:fused][:hf]: micro_batch_size, "
+                        "grad_checkpointing, compile, fused_loss, compiled_recompute=false")
     p.add_argument("--micro", default="16", help=argparse.SUPPRESS)      # internal: one variant's parts
     p.add_argument("--variant", default="", help=argparse.SUPPRESS)
     p.add_argument("--gpus", default="1", help="GPUs for ours (torchrun processes above 1); a comma list runs ours for each")

