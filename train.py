@@ -144,6 +144,10 @@ def fused_policy_loss(policy, micro, C: int, cfg, algo, loss_agg: str):
 
 
 def main(argv: list[str]) -> dict:
+    # memory: the CUDA allocator grows its segments in place instead of caching fixed-size blocks, so less sits
+    # reserved but unused (W1 on an H100: peak reserved 5.4 GiB against 6.1, allocated the same). It applies only
+    # if set before CUDA's first allocation in this process; a PYTORCH_CUDA_ALLOC_CONF of the user's own wins
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cfg, resume_from = checkpoint.resolve_resume(parse(argv), argv)   # resume=<dir>, or out_dir holds a checkpoint
     rank, world = distributed.init(cfg.offload)        # (0, 1) unless launched by torchrun; see distributed.py
     if world > 1 and distributed.check(cfg.prompts_per_step, cfg.algo.minibatch_size):
