@@ -16,10 +16,10 @@ What makes it fast, and why this route:
   differs between the transformers on the CPU (5.24) and GPU (5.17) machines.
 - Decode attention is kernels/decode_attention.py (`attention="kernel"`, the default): one kernel applies the
   rotary embedding, writes the new K/V into the cache and attends, reading each sequence's cache only up to
-  the current slot, which the graph passes as a device tensor. At W1's shape on an H100 that took 10.1 us
-  per layer-token in the graph, against 9.3 us for the attention alone plus 4.4 us for the three small
-  kernels (rotary, two cache writes) it replaced; cuDNN's sdpa over all S slots with a mask took 12.1 us
-  plus the same three (`attention="sdpa"`; `"matmul"` is the hand-written third way). The prefill uses sdpa.
+  the current slot, which the graph passes as a device tensor. In a W1 rollout on an H100 it took 10.1 us
+  per layer-token; cuDNN's sdpa over all S slots with a mask took 12.1 us, plus 4.9 us for the rotary and
+  cache-write kernels around it (`attention="sdpa"`; `"matmul"` is the hand-written third way). The prefill
+  uses sdpa.
 - q/k/v and gate/up are each one GEMM over weights concatenated once per rollout (`refresh`): at batch 128 a
   decode GEMM is latency-bound, so fewer, larger ones are faster.
 - On CUDA the step is also `torch.compile`d (fuses the norms, rotary and softmax into a few kernels) before
