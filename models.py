@@ -81,7 +81,9 @@ def completion_loss(model, input_ids: Tensor, attention_mask: Tensor, C: int, te
         logp, entropy = completion_logprobs(model, input_ids, attention_mask, C, temperature)
         return loss_fn(slice(0, len(input_ids)), logp, entropy), logp.detach(), entropy.detach()
     targets, kernel = input_ids[:, -C:], get("kernel", "linear_logprob_loss")
-    return _in_head(model, input_ids, attention_mask, C, lambda h, w: kernel(h, w, targets, temperature, loss_fn))
+    into_grad = not torch.distributed.is_initialized()   # as in completion_logprobs
+    return _in_head(model, input_ids, attention_mask, C,
+                    lambda h, w: kernel(h, w, targets, temperature, loss_fn, into_grad=into_grad))
 
 
 def _inputs(input_ids: Tensor, attention_mask: Tensor, C: int) -> dict:

@@ -56,11 +56,12 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature
 
 @register("kernel", "linear_logprob_loss")
 def linear_logprob_loss_kernel(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, loss_fn,
-                               rows_per_chunk: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                               rows_per_chunk: int | None = None, into_grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """hidden (B, C, H), weight (V, H), targets (B, C) -> (loss, logp (B, C), entropy (B, C)); loss.backward()
-    gives hidden.grad and weight.grad. loss_fn(rows: slice, logp (b, C), entropy (b, C)) -> that chunk's scalar."""
+    gives hidden.grad and weight.grad (into_grad: straight into weight.grad). loss_fn(rows: slice, logp (b, C),
+    entropy (b, C)) -> that chunk's scalar."""
     return linear_logprob_loss(hidden, weight, targets, temperature, loss_fn, rows_per_chunk,
-                               use_triton=use_triton(hidden, weight))
+                               use_triton=use_triton(hidden, weight), into_grad=into_grad)
 
 
 @register("kernel", "sample_token")

@@ -142,8 +142,10 @@ def chunked_loss(hidden, weight, targets, rows_shape, temperature, loss_fn, chun
 
 class _LinearLogprobLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, rows_shape, temperature, loss_fn, chunks, keep, use_triton, acc_f32):
+    def forward(ctx, hidden, weight, targets, rows_shape, temperature, loss_fn, chunks, keep, use_triton, acc_f32,
+                into_grad):
         ctx.set_materialize_grads(False)
+        ctx.param = weight if into_grad and weight.is_leaf and weight.requires_grad else None   # see into_grad
         total, logp, ent, grad_h, grad_w = chunked_loss(hidden, weight, targets, rows_shape, temperature, loss_fn,
                                                         chunks, keep, use_triton, *ctx.needs_input_grad[:2], acc_f32)
         ctx.grads = [grad_h, grad_w]
@@ -156,20 +158,28 @@ class _LinearLogprobLoss(torch.autograd.Function):
             raise RuntimeError("linear_logprob_loss hands its gradients over once; a second backward is not supported")
         grad_h, grad_w = ctx.grads
         ctx.grads = None      # drop our references: autograd can then keep the tensors as .grad without a copy
-        rest = (None,) * 8                                         # targets ... acc_f32
+        rest = (None,) * 9                                         # targets ... into_grad
         if g_loss is None:
             return (None, None) + rest
         for g in (grad_h, grad_w):   # always: testing g_loss != 1 first would stall the host on the GPU
             if g is not None:
                 g.mul_(g_loss.to(g.dtype))
+        param = ctx.param
+        if grad_w is not None and param is not None:   # into_grad: .grad has it now, autograd gets None
+            if param.grad is None:
+                param.grad = grad_w
+            else:
+                param.grad.add_(grad_w)
+            grad_w = None
         return (grad_h, grad_w) + rest
 
 
 def linear_logprob_loss(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, loss_fn,
                         rows_per_chunk: int | None = None, use_triton: bool = True,
-                        chunk_bytes: int = CHUNK_BYTES) -> tuple[Tensor, Tensor, Tensor]:
+                        chunk_bytes: int = CHUNK_BYTES, into_grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """hidden (B, ..., H), weight (V, H), targets (B, ...) -> (loss (), logp, entropy (B, ...) float32).
-    loss_fn(rows: slice, logp (b, ...), entropy (b, ...)) -> scalar: rows' share of the loss (see top)."""
+    loss_fn(rows: slice, logp (b, ...), entropy (b, ...)) -> scalar: rows' share of the loss (see top).
+    into_grad: the backward adds weight's gradient into weight.grad itself, as in linear_logprob_entropy."""
     check_linear_inputs(hidden, weight, targets, min_dim=2)                        # rows: hidden is (B, ..., H)
     if not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable (rows, logp, entropy) -> scalar, got {type(loss_fn).__name__}")
@@ -194,7 +204,7 @@ def linear_logprob_loss(hidden: Tensor, weight: Tensor, targets: Tensor, tempera
     acc_f32 = V * flat_h.shape[1] * 4 <= chunk_bytes and len(chunks) > 1
     args = (flat_t, rows_shape, float(temperature), loss_fn, chunks, keep, use_triton and HAS_TRITON)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        loss, logp, ent = _LinearLogprobLoss.apply(flat_h, weight, *args, acc_f32)
+        loss, logp, ent = _LinearLogprobLoss.apply(flat_h, weight, *args, acc_f32, into_grad)
         return loss, logp, ent
     # values only (metrics, evaluation): no gradient matmuls, and loss_fn runs without autograd
     return chunked_loss(flat_h, weight, *args, False, False, False)[:3]

@@ -92,7 +92,7 @@ def make_targets(B, C, V, device="cpu"):
 
 
 def check_loss(use_triton, kind="ppo", B=7, C=11, V=301, H=24, dtype=torch.float32, temperature=0.7,
-               device="cpu", tied=False, pad=True, chunk_bytes=None, rows_per_chunk=None):
+               device="cpu", tied=False, pad=True, chunk_bytes=None, rows_per_chunk=None, into_grad=False):
     w = (torch.randn(V, H, device=device) / math.sqrt(H)).to(dtype).requires_grad_()
     t = make_targets(B, C, V, device) if pad else torch.randint(0, V, (B, C), device=device)
     if tied:  # the lm_head is the embedding: its gradient arrives by two paths
@@ -109,9 +109,17 @@ def check_loss(use_triton, kind="ppo", B=7, C=11, V=301, H=24, dtype=torch.float
     ref = on(loss_fn)(slice(0, B), rl, re)
     ref.backward()
     kw = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
-    loss, lp, en = linear_logprob_loss(h, w, t, temperature, on(loss_fn), rows_per_chunk, use_triton=use_triton, **kw)
-    assert not lp.requires_grad and lp.shape == t.shape and lp.dtype == torch.float32
-    loss.backward()
+    for _ in range(2 if into_grad else 1):   # into_grad: twice, as gradient accumulation does
+        if tied:
+            h = torch.nn.functional.embedding(ids, w) * 2.0
+        loss, lp, en = linear_logprob_loss(h, w, t, temperature, on(loss_fn), rows_per_chunk, use_triton=use_triton,
+                                           into_grad=into_grad, **kw)
+        assert not lp.requires_grad and lp.shape == t.shape and lp.dtype == torch.float32
+        loss.backward()
+    if into_grad:
+        w64.grad *= 2
+        if not tied:
+            h64.grad *= 2
     tol = TOL[dtype]
     # the loss against the sum of its rows' sizes: rows of different advantage signs may cancel in the total
     scale = sum(on(loss_fn)(slice(r, r + 1), rl[r:r + 1], re[r:r + 1]).abs() for r in range(B))
@@ -131,6 +139,8 @@ def check_all(use_triton):
         check_loss(use_triton, "ppo", dtype=dtype, tied=True, chunk_bytes=2 * 11 * 301 * 4)  # budget: ~2 rows
         check_loss(use_triton, "gspo", dtype=dtype, pad=False, chunk_bytes=1)    # one row per chunk, no padding
     check_loss(use_triton, "ppo", B=3, C=4, V=130, H=7, temperature=1.3)       # one chunk; float32 d weight
+    check_loss(use_triton, "ppo", tied=True, rows_per_chunk=2, into_grad=True)  # the head's gradient into .grad
+    check_loss(use_triton, "linear", dtype=torch.bfloat16, rows_per_chunk=2, into_grad=True)
     check_loss(use_triton, "linear", B=4, C=1, V=257, H=5, rows_per_chunk=3)   # a token per row
 
 
