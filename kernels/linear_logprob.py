@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from kernels.logprob import (HAS_TRITON, check_inputs, check_linear_inputs, chunk_grad, chunk_stats, finish_stats,
-                             new_state)
+                             hand_to_grad, into_grad_of, new_state)
 
 if HAS_TRITON:
     import triton
@@ -174,7 +174,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, use_triton, chunk_bytes, fuse_matmul, into_grad):
         (N, H), V = hidden.shape, weight.shape[0]
-        ctx.param = weight if into_grad and weight.is_leaf and weight.requires_grad else None   # see into_grad
+        ctx.param = into_grad_of(weight, into_grad)
         ctx.set_materialize_grads(False)                           # unused entropy -> g_ent None, less work
         inv_t = 1.0 / temperature
         rows, cols = _plan(N, V, hidden.element_size(), chunk_bytes)
@@ -236,11 +236,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         if need_w and grad_w.dtype != weight.dtype:
             grad_w = grad_w.to(weight.dtype)
         if need_w and param is not None:                           # into_grad: .grad has it now, autograd gets None
-            if param.grad is None:
-                param.grad = grad_w
-            elif grad_w is not param.grad:
-                param.grad.add_(grad_w)
-            grad_w = None
+            grad_w = hand_to_grad(param, grad_w)
         return grad_h, grad_w, None, None, None, None, None, None
 
 

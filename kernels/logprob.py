@@ -194,6 +194,20 @@ class _LogprobEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
+def into_grad_of(weight: Tensor, into_grad: bool) -> Tensor | None:
+    """The Parameter whose .grad a backward may fill directly (into_grad, see kernels/linear_logprob.py), or None."""
+    return weight if into_grad and weight.is_leaf and weight.requires_grad else None
+
+
+def hand_to_grad(param: Tensor, grad: Tensor) -> None:
+    """param.grad += grad (or = grad when it has none); a no-op when grad already is param.grad. Returns None:
+    what the backward then hands autograd for that weight."""
+    if param.grad is None:
+        param.grad = grad
+    elif grad is not param.grad:
+        param.grad.add_(grad)
+
+
 def check_linear_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, min_dim: int = 1):
     """hidden (..., H) with at least min_dim dims, weight (V, H) of the same dtype, targets shaped like hidden
     without H: one-line errors naming what does not match."""

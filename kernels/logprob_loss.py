@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from kernels.logprob import (HAS_TRITON, check_inputs, check_linear_inputs, chunk_grad, chunk_stats, finish_stats,
-                             new_state)
+                             hand_to_grad, into_grad_of, new_state)
 
 CHUNK_BYTES = 384 * 2**20  # one (tokens x V) logits buffer: W2 keeps < 0.5 GiB extra (kernels/bench.py)
 
@@ -145,7 +145,7 @@ class _LinearLogprobLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, rows_shape, temperature, loss_fn, chunks, keep, use_triton, acc_f32,
                 into_grad):
         ctx.set_materialize_grads(False)
-        ctx.param = weight if into_grad and weight.is_leaf and weight.requires_grad else None   # see into_grad
+        ctx.param = into_grad_of(weight, into_grad)
         total, logp, ent, grad_h, grad_w = chunked_loss(hidden, weight, targets, rows_shape, temperature, loss_fn,
                                                         chunks, keep, use_triton, *ctx.needs_input_grad[:2], acc_f32)
         ctx.grads = [grad_h, grad_w]
@@ -164,13 +164,8 @@ class _LinearLogprobLoss(torch.autograd.Function):
         for g in (grad_h, grad_w):   # always: testing g_loss != 1 first would stall the host on the GPU
             if g is not None:
                 g.mul_(g_loss.to(g.dtype))
-        param = ctx.param
-        if grad_w is not None and param is not None:   # into_grad: .grad has it now, autograd gets None
-            if param.grad is None:
-                param.grad = grad_w
-            else:
-                param.grad.add_(grad_w)
-            grad_w = None
+        if grad_w is not None and ctx.param is not None:   # into_grad: .grad has it now, autograd gets None
+            grad_w = hand_to_grad(ctx.param, grad_w)
         return (grad_h, grad_w) + rest
 
 
