@@ -35,7 +35,8 @@ class PPOConfig:
     gae_lambda: float = opt(0.95, "GAE lambda: 1 = Monte-Carlo return minus value, 0 = one-step TD")
     vf_coef: float = opt(0.5, "weight of the value loss")
     value_clip: float = opt(0.2, "clip of the new value around the rollout value (0 = off)")
-    whiten: bool = opt(True, "normalise advantages to mean 0, std 1 over each mini-batch's tokens")
+    whiten: bool = opt(True, "normalise advantages to mean 0, std 1 over each mini-batch's tokens (needs the "
+                             "mini-batch in one pass: false for micro_batch_size > 0 or torchrun)")
     critic_lr: float = opt(1e-4, "AdamW learning rate of the critic (its own optimizer)")
 
 

@@ -33,6 +33,11 @@ class Critic:
         torch.nn.init.zeros_(head.weight)
         if getattr(head, "bias", None) is not None:
             torch.nn.init.zeros_(head.bias)
+        # transformers puts a dropout (p = 0.1 unless the config says otherwise) before the value head, and train
+        # mode would apply it to every value: noisy V(s) for GAE and for the value loss, different on every call
+        for module in self.model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
         self.model.to(device).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.algo.ppo.critic_lr,
                                            weight_decay=cfg.weight_decay)

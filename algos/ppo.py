@@ -8,7 +8,9 @@
 
 The critic is a separate model (critic.py: the policy's backbone with a 1-unit head, its own optimizer).
 `batch.advantages` holds the raw GAE advantages; the loss rebuilds the returns as A + V_old and whitens A
-over the mini-batch (as cleanrl does), so the advantage function stays pure and returns one tensor.
+over the mini-batch (as cleanrl does), so the advantage function stays pure and returns one tensor. Whitening
+needs the whole mini-batch in one pass: with micro_batch_size > 0 or under torchrun, set algo.ppo.whiten=false
+(the loop refuses the split otherwise: a micro-batch's own mean and std would change the gradient).
 Simplified: no reward model (the verifier's score is the reward), no value-head warm-up phase.
 """
 from dataclasses import replace
@@ -60,6 +62,7 @@ def ppo_loss(new: dict, batch, cfg):
     return pg + cfg.ppo.vf_coef * vf, metrics
 
 
-# the value loss is a token mean: the whole loss splits exactly only when the policy term is one too
+# the value loss is a token mean: the whole loss splits exactly only when the policy term is one too, and when
+# no whitening runs, since whitening inside the loss would use each micro-batch's (each rank's) own mean and std
 register("algo", "ppo")(Algorithm(advantages=ppo_advantages, loss=ppo_loss, needs_critic=True,
-                                  splittable=lambda cfg: cfg.loss_agg == "token-mean"))
+                                  splittable=lambda cfg: cfg.loss_agg == "token-mean" and not cfg.ppo.whiten))

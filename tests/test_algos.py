@@ -276,3 +276,16 @@ def test_every_algorithm_runs_and_learns_a_toy_reward(name, random_model_dir, tm
     assert all(0 <= r["logprob_mismatch/mean"] <= r["logprob_mismatch/max"] < 1e-3 for r in rows)
     first, last = [sum(r["reward"] for r in part) / 4 for part in (rows[:4], rows[-4:])]
     assert last > first + 0.25, (first, last)
+
+
+def test_critic_values_have_no_dropout(random_model_dir):
+    """transformers' token-classification head has a 0.1 dropout; in train mode it made every V(s) noisy."""
+    from critic import Critic
+    cfg = config.Config(model=random_model_dir)
+    critic = Critic(cfg, torch.device("cpu"), torch.float32)
+    torch.nn.init.normal_(critic.model.score.weight)              # a nonzero head, so dropout would show
+    ids, mask = torch.randint(2, 14, (2, 6)), torch.ones(2, 6, dtype=torch.long)     # the 14-token vocabulary
+    comp = torch.ones(2, 3)
+    assert critic.model.training
+    v1, v2 = (critic.values(ids, mask, comp) for _ in range(2))
+    assert v1.abs().sum() > 0 and torch.equal(v1, v2)
