@@ -11,9 +11,10 @@ EOS id lies outside the model's vocabulary, so every completion runs to full len
 Parts, each in its own process (clean peak-memory counters):
   ours    train.main itself (the real loop) for 1 warm-up + N measured steps; the split comes from its
           metrics.jsonl (time/rollout, time/reward, time/logprobs, time/update, time/sync; with several GPUs
-          rank 0's). One run per --ours variant MICRO[:ckpt][:compile][:fused][:hf] (micro_batch_size,
+          rank 0's). One run per --ours variant MICRO[:ckpt][:compile][:fused][:hf][:rep] (micro_batch_size,
           grad_checkpointing, compile, fused_loss; hf = compiled_recompute=false: transformers' checkpoint
-          wrapper) and per --gpus count (above 1: under torchrun, FSDP2, N shares of the batch)
+          wrapper; rep = parallel=replicate under torchrun) and per --gpus count (above 1: under torchrun,
+          FSDP2 unless rep, N shares of the batch)
   engine  the built-in engine alone on the same batch: fast path (graph + compile) with each attention, with the
           cache kept between calls, and the plain loop;
           sampling log-probs vs teacher-forced ones; a torch.profiler summary of one rollout and one update
@@ -23,6 +24,7 @@ Parts, each in its own process (clean peak-memory counters):
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -112,8 +114,12 @@ def part_ours(a) -> dict:
             f"micro_batch_size={a.micro}", f"grad_checkpointing={'ckpt' in a.variant}",
             f"compile={'compile' in a.variant}", f"fused_loss={'fused' in a.variant}", f"out_dir={run_dir}",
             f"compiled_recompute={'hf' not in a.variant.split(':')}",
-            "progress=false"]
+            f"parallel={'replicate' if 'rep' in a.variant.split(':') else 'fsdp'}",
+            "progress=false", *a.set.split()]
     train.main(argv)
+    for name in sorted(os.listdir(run_dir)):   # profile_step=N in --set: keep each rank's summary beside the logs
+        if name.startswith("profile-rank") and name.endswith(".txt"):
+            shutil.copy(os.path.join(run_dir, name), os.path.join(a.out, f"{os.path.basename(run_dir)}-{name}"))
     mem = cuda_info()
     if torch.distributed.is_initialized():   # torchrun: every rank's peak memory, then rank 0 alone reports
         per_rank, rank = [None] * torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -282,7 +288,8 @@ PARTS = {"ours": part_ours, "engine": part_engine, "hf": part_hf, "trl": part_tr
 def describe(variant: str) -> str:
     micro, *flags = variant.split(":")
     return (f"micro_batch_size={micro}, grad_checkpointing={'ckpt' in flags}, compile={'compile' in flags}"
-            + (", fused_loss=True" if "fused" in flags else "") + (", compiled_recompute=False" if "hf" in flags else ""))
+            + (", fused_loss=True" if "fused" in flags else "") + (", compiled_recompute=False" if "hf" in flags else "")
+            + (", parallel=replicate" if "rep" in flags else ""))
 
 
 def table(results: dict, a) -> str:
@@ -293,7 +300,8 @@ def table(results: dict, a) -> str:
     lines = [f"# W1 on {dev} (torch {torch.__version__}; {a.steps} measured steps after 1 warm-up)", "",
              "| | step (median) | tokens/s | peak alloc | peak reserved |", "|---|---|---|---|---|"]
     rows = [(f"this project (train.py), {describe(k[len('ours-'):].split('-np')[0])}"
-             + (f", {r['nproc']} GPUs (torchrun, FSDP2)" if r.get("nproc", 1) > 1 else ""), r) for k, r in ours_runs.items()]
+             + (f", {r['nproc']} GPUs (torchrun, {'replicated' if ':rep' in k else 'FSDP2'})"
+                if r.get("nproc", 1) > 1 else ""), r) for k, r in ours_runs.items()]
     for name, r in rows + [("TRL GRPOTrainer", trl)]:
         if "step_s" in r:
             lines.append(f"| {name} | {r['step_s']:.3f} s | {r['tokens_per_s']:,.0f} | "
@@ -339,10 +347,11 @@ def main():
     p.add_argument("--small", action="store_true", help="toy shapes (CPU smoke run)")
     p.add_argument("--steps", type=int, default=4, help="measured steps (after one warm-up step)")
     p.add_argument("--ours", default="32:ckpt:compile,32:ckpt:compile:hf",
-                   help="comma list of variants MICRO[:ckpt][:compile][:fused][:hf]: micro_batch_size, "
-                        "grad_checkpointing, compile, fused_loss, compiled_recompute=false")
+                   help="comma list of variants MICRO[:ckpt][:compile][:fused][:hf][:rep]: micro_batch_size, "
+                        "grad_checkpointing, compile, fused_loss, compiled_recompute=false, parallel=replicate")
     p.add_argument("--micro", default="16", help=argparse.SUPPRESS)      # internal: one variant's parts
     p.add_argument("--variant", default="", help=argparse.SUPPRESS)
+    p.add_argument("--set", default="", help="more train.py settings for ours, e.g. 'profile_step=3 offload=true'")
     p.add_argument("--gpus", default="1", help="GPUs for ours (torchrun processes above 1); a comma list runs ours for each")
     p.add_argument("--repeats", type=int, default=3, help="timed generate calls per engine variant")
     p.add_argument("--repeats-hf", type=int, default=2, help="timed transformers generate calls")
@@ -381,7 +390,7 @@ def main():
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
             args = [*launcher, __file__, "--part", part, "--model", model_dir, "--tmp", tmp, "--out", a.out,
                     "--gpus", nproc, "--steps", str(a.steps), "--micro", micro, "--variant", variant,
-                    "--repeats", str(a.repeats),
+                    "--repeats", str(a.repeats), "--set", a.set,
                     "--repeats-hf", str(a.repeats_hf)] + (["--small"] if a.small else []) + \
                    (["--fast-only"] if a.fast_only else [])
             t0 = time.perf_counter()

@@ -147,9 +147,14 @@ class Config:
     device: str = opt("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = opt("auto", "model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16")
     threads: int = opt(0, "torch CPU threads (0 = torch's default)")
+    parallel: str = opt("fsdp", "under torchrun, how ranks hold the policy: fsdp (sharded with FSDP2: memory "
+                                "first) or replicate (each rank the whole model, gradients averaged by one "
+                                "all-reduce per optimizer step: speed first, for models that fit one GPU)")
     offload: bool = opt(False, "keep FSDP shards, gradients and AdamW state in CPU memory (torchrun only; "
                                "see distributed.py)")
     progress: bool = opt(True, "show a progress bar")
+    profile_step: int = opt(0, "run this step under torch.profiler (0 = none): each rank writes profile-rankR.txt "
+                               "(wall vs GPU kernel time per phase, top kernels) and the trace, see profiling.py")
 
 
 def _type_name(t) -> str:

@@ -9,11 +9,12 @@ SPMD: every rank runs the same loop. What world size > 1 means:
   rank::world, so a prompt's whole group stays on one rank. GRPO's per-group advantages stay local; an
   algorithm that normalises over the whole batch (REINFORCE++'s global whitening) must add `all_sum` of
   its statistics, or it normalises per rank.
-- Training: the policy is loaded in float32 (master weights) and sharded with FSDP2 `fully_shard`, one unit
-  per decoder layer plus the root (embeddings, norm, tied lm_head); on GPU it computes in the config dtype
-  (bf16) with gradients reduced in float32. The reference model is sharded the same way, in the config dtype.
-  FSDP averages gradients over ranks, so `loss_scale` turns each rank's local loss into its part of the
-  loss over the global batch: the update equals a one-process update on the same global batch. Over
+- Training, `parallel=fsdp` (the default): the policy is loaded in float32 (master weights) and sharded with
+  FSDP2 `fully_shard`, one unit per decoder layer plus the root (embeddings, norm, tied lm_head); on GPU it
+  computes in the config dtype (bf16) with gradients reduced in float32. The reference model is sharded the
+  same way, in the config dtype. FSDP averages gradients over ranks, so `loss_scale` turns each rank's local
+  loss into its part of the loss over the global batch: the update equals a one-process update on the same
+  global batch (as for replicate's average, below). Over
   micro-batches the gradients accumulate locally and are reduce-scattered once, after the last (`accumulate`).
   The log-prob kernel runs in the lm_head's place inside the root's forward (models.completion_logprobs), so
   no (B, C, V) logits exist under FSDP either; the root unit (embeddings, tied head: 0.27 GB in bf16 at 0.5B)
@@ -24,6 +25,15 @@ SPMD: every rank runs the same loop. What world size > 1 means:
   that the engine needs anyway, + one unit's full weights while syncing; never a second full copy. The
   other way, unsharding the FSDP policy around generation, saves that copy but runs every decode step
   through FSDP's hooks and ties the engine to the FSDP module (no vLLM, no CUDA graphs).
+- `parallel=replicate`: every rank trains the whole model exactly as one process does (the config dtype,
+  layers compiled, the head's gradient straight into .grad) on its share, then `average_gradients` all-reduces
+  the gradients once per optimizer step and every rank takes the same step. The engine samples with the
+  policy's own parameters, as in one process: no weight sync and no second copy. It costs the whole
+  gradient and AdamW state on every rank (8 bytes per parameter in bf16: weights, gradient, two moments;
+  4 GB at 0.5B), so it is for
+  models that fit one GPU with room; it is faster where FSDP's per-layer gathers and hooks bound the update
+  (W1 on 2 H100s: docs/speed.md). Numerically it is the one-process run (bf16 weights and AdamW); fsdp keeps
+  float32 masters.
 - `offload=true` keeps the shards, gradients and AdamW state in CPU memory (FSDP2 CPUOffloadPolicy); the
   optimizer step then runs on the CPU. It works at any world size under torchrun (also --nproc_per_node=1).
 - Metrics are reduced over ranks (`reduce_metrics`); rank 0 alone writes logs, plots and checkpoints.
@@ -156,6 +166,24 @@ def accumulate(model, pieces, offload: bool = False):
         if is_sharded(model) and not offload:
             model.set_requires_gradient_sync(i == len(pieces) - 1)
         yield piece
+
+
+def average_gradients(model):
+    """parallel=replicate (every rank holds the whole model): replace each gradient by its mean over ranks,
+    so every rank takes the same optimizer step and the weights stay identical without a sync. All gradients
+    travel in one flat buffer: one collective per optimizer step (DDP's buckets in one), after the last
+    micro-batch, so the accumulation before it needs no communication. Missing gradients count as zeros, so
+    every rank sends the same layout. No-op in one process and for FSDP-sharded models (FSDP reduces its own)."""
+    if world() == 1 or is_sharded(model):
+        return
+    params = list(model.parameters())                 # tied weights appear once
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])  # (total parameters,) in the gradients' dtype, as DDP's
+    dist.all_reduce(flat)                             # sum (gloo has no average)
+    flat /= world()
+    for p, g, part in zip(params, grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+        p.grad = g
 
 
 def loss_scale(completion_mask: torch.Tensor, loss_agg: str) -> float:

@@ -9,6 +9,7 @@ import os
 import torch
 from torch import Tensor
 
+import distributed
 from config import UserError
 from registry import get
 from rollout import position_ids
@@ -65,9 +66,9 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int
     # speed/memory: the fused kernel goes from hidden states to log-probs; the (B, C, V) logits (2.5 GB per
     # 32 x 256 tokens at V = 152k in bf16, twice with their gradient) never exist
     kernel = get("kernel", "linear_logprobs")
-    # memory: one process, the head's gradient goes straight into its .grad (see kernels/linear_logprob.py);
-    # under torchrun FSDP2 owns the gradients, so autograd hands them over as usual
-    into_grad = not torch.distributed.is_initialized()
+    # memory: the head's gradient goes straight into its .grad (see kernels/linear_logprob.py); under FSDP2,
+    # which owns the gradients (its reduce-scatter hooks wait for them), autograd hands them over as usual
+    into_grad = not distributed.is_sharded(model)
     return _in_head(model, input_ids, attention_mask, C, lambda h, w: kernel(h, w, targets, temperature, into_grad))
 
 
@@ -81,7 +82,7 @@ def completion_loss(model, input_ids: Tensor, attention_mask: Tensor, C: int, te
         logp, entropy = completion_logprobs(model, input_ids, attention_mask, C, temperature)
         return loss_fn(slice(0, len(input_ids)), logp, entropy), logp.detach(), entropy.detach()
     targets, kernel = input_ids[:, -C:], get("kernel", "linear_logprob_loss")
-    into_grad = not torch.distributed.is_initialized()   # as in completion_logprobs
+    into_grad = not distributed.is_sharded(model)   # as in completion_logprobs
     return _in_head(model, input_ids, attention_mask, C,
                     lambda h, w: kernel(h, w, targets, temperature, loss_fn, into_grad=into_grad))
 

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 import checkpoint
 import distributed
+import profiling
 import registry
 from algos import check_config
 from buffer import Experience
@@ -152,6 +153,10 @@ def main(argv: list[str]) -> dict:
     rank, world = distributed.init(cfg.offload)        # (0, 1) unless launched by torchrun; see distributed.py
     if world > 1 and distributed.check(cfg.prompts_per_step, cfg.algo.minibatch_size):
         raise UserError(distributed.check(cfg.prompts_per_step, cfg.algo.minibatch_size))
+    if cfg.parallel not in ("fsdp", "replicate"):
+        raise UserError(f"parallel must be 'fsdp' or 'replicate', got '{cfg.parallel}'")
+    if cfg.offload and cfg.parallel == "replicate":
+        raise UserError("offload=true keeps FSDP shards in CPU memory: it needs parallel=fsdp")
     if cfg.offload and not torch.distributed.is_initialized():
         raise UserError("offload=true shards the policy with FSDP: launch with torchrun (--nproc_per_node=1 is fine)")
     torch.manual_seed(cfg.seed)
@@ -182,8 +187,8 @@ def main(argv: list[str]) -> dict:
 
     # --- models and engine ---
     policy, tok = load_model(cfg.model, device, dtype)
-    engine_model = policy   # one process: the engine samples with the policy's own parameters
-    fsdp = world > 1 or cfg.offload
+    engine_model = policy   # one process (or replicate): the engine samples with the policy's own parameters
+    fsdp = (world > 1 and cfg.parallel == "fsdp") or cfg.offload
     if fsdp:   # dist: float32 master weights, sharded; the engine keeps the full copy in `dtype` loaded above
         policy = distributed.shard(load_model(cfg.model, torch.device("cpu"), torch.float32)[0], device, dtype,
                                    cfg.offload)
@@ -259,6 +264,7 @@ def main(argv: list[str]) -> dict:
     t_run = time.perf_counter()
     for step in bar:
         times, t0 = {}, time.perf_counter()
+        prof = profiling.start() if step == cfg.profile_step else None   # profile_step: where the time goes
         # 1. rollout: the next prompts, n samples each
         if cursor + cfg.prompts_per_step > len(order):
             order, cursor = torch.randperm(len(train_set), generator=generator), 0
@@ -268,6 +274,7 @@ def main(argv: list[str]) -> dict:
         rollout = engine.generate([train_ids[i] for i in idx], cfg.samples_per_prompt, sampling, sample_gen)
         checkpoint.crash_point("rollout", step)
         times["time/rollout"] = time.perf_counter() - t0
+        profiling.mark("rollout")
 
         # 2. score in the reward workers, overlapped with the log-prob forwards of step 3
         t0 = time.perf_counter()
@@ -287,9 +294,11 @@ def main(argv: list[str]) -> dict:
                 ref_logprobs = completion_logprobs(reference, ids, attn, C, cfg.temperature)[0].cpu()
             values = None if critic is None else critic.values(ids, attn, rollout.completion_mask.to(device)).cpu()  # critic
         times["time/logprobs"] = time.perf_counter() - t0
+        profiling.mark("logprobs")
         t0 = time.perf_counter()
         rewards, reward_info = reward_handle.result()
         times["time/reward"] = time.perf_counter() - t0     # only the part not hidden behind step 3
+        profiling.mark("reward")
         if reward_info["reasons"]:
             tqdm.write(f"step {step}: {len(reward_info['reasons'])} reward failures, e.g. {reward_info['reasons'][0]}")
         batch = Experience(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
@@ -335,6 +344,9 @@ def main(argv: list[str]) -> dict:
                     m["_mis_max"] = torch.maximum(m["_mis_max"], top) if "_mis_max" in m else top
                 for k, v in {**mm, "loss": loss.detach() * scale}.items():   # tensors: no host sync per micro-batch
                     m[k] = m.get(k, 0.0) + weight * v
+            distributed.average_gradients(policy)   # dist, parallel=replicate: one all-reduce (FSDP: a no-op)
+            if critic is not None:
+                distributed.average_gradients(critic.model)   # dist: the critic is never sharded
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
             # every metric of this mini-batch to the host in one transfer (one sync per optimizer step)
             m = dict(zip(m, torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
@@ -364,11 +376,13 @@ def main(argv: list[str]) -> dict:
         optimizer.zero_grad(set_to_none=True)   # memory: the gradients are not needed while the engine samples
         version += applied > 0          # a new policy exists only if some update went through
         times["time/update"] = time.perf_counter() - t0
+        profiling.mark("update")
 
         # 5. sync the new weights into the engine, in place
         t0 = time.perf_counter()
         engine.load_weights(distributed.sync_weights(policy))   # dist: gathers the shards one unit at a time
         times["time/sync"] = time.perf_counter() - t0
+        profiling.mark("sync")
 
         # 6. log
         n_tokens = int(batch.attention_mask.sum())
@@ -398,6 +412,9 @@ def main(argv: list[str]) -> dict:
         if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             saved = checkpoint.save(run_dir, cfg, step, version, policy, optimizer, schedule, buffer,
                                     {"data": generator, "sample": sample_gen}, order, cursor, {"start": start}, critic)
+        if prof is not None:
+            profiling.mark("log")   # logging, evaluation, checkpoint
+            print0(f"profile of step {step}: {profiling.finish(prof, run_dir, rank, step)}")
         if stop:
             raise UserError(f"{bad_updates} updates in a row had a non-finite loss or gradient (last at step {step}); "
                             f"stopped with a checkpoint in {saved}")

@@ -68,7 +68,8 @@ def test_fsdp_update_matches_one_process(tmp_path, random_model_dir):
 
 
 def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
-    """train.py on 1 process, on 2 ranks (layers compiled), and on 1 rank with offload: same metrics and weights;
+    """train.py on 1 process, on 2 ranks (FSDP, layers compiled), on 1 rank with offload and on 2 ranks with
+    parallel=replicate: same metrics and weights;
     then the 1- and 2-rank runs each resume on 1 process (a different world size for the second) and agree on step 3."""
     args = [f"model={random_model_dir}", "steps=2", "eval_every=1", "eval_size=8", "prompts_per_step=4",
             "samples_per_prompt=2", "top_p=1e-6", "algo.kl_coef=0.1", "algo.kl_estimator=k1", "lr=1e-2",
@@ -77,13 +78,14 @@ def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
     one_rank = [*TORCHRUN[:-1], "--nproc_per_node=1"]   # FSDP with CPU offload at world size 1
     run([sys.executable, "train.py", *args, f"out_dir={tmp_path / 'one'}"],
         [*TORCHRUN, "train.py", *args, "compile=true", f"out_dir={tmp_path / 'two'}"],   # compiled FSDP2 layers
-        [*one_rank, "train.py", *args, "offload=true", f"out_dir={tmp_path / 'offload'}"], logs=tmp_path)
-    runs = ("one", "two", "offload")
+        [*one_rank, "train.py", *args, "offload=true", f"out_dir={tmp_path / 'offload'}"],
+        [*TORCHRUN, "train.py", *args, "parallel=replicate", f"out_dir={tmp_path / 'replicate'}"], logs=tmp_path)
+    runs = ("one", "two", "offload", "replicate")
     rows = {n: [json.loads(l) for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in runs}
-    for a, b, c in zip(*rows.values(), strict=True):
+    for a, *others in zip(*rows.values(), strict=True):
         for key in ("loss", "grad_norm", "kl", "completion_len", "reward", "eval/reward", "eval/accuracy"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
-            assert c[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+            for name, b in zip(runs[1:], others):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (name, key)
     assert rows["two"][0]["grad_norm"] > 0.1 and abs(rows["two"][1]["kl"]) > 0.01   # the policy moved
     assert rows["two"][1]["logprob_mismatch/max"] < 1e-4   # step 2 sampled with the synced weights, not stale ones
     # resume at another world size: the 2-rank run and the 1-process run each continue on 1 process for a 3rd
@@ -98,22 +100,47 @@ def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
     for key in ("loss", "grad_norm", "kl", "reward", "eval/accuracy"):
         assert more["two"][key] == pytest.approx(more["one"][key], rel=1e-4, abs=1e-6), key
     from safetensors.torch import load_file
-    a, b, c = (load_file(tmp_path / n / "final" / "model.safetensors") for n in runs)
-    assert a.keys() == b.keys() == c.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4)   # lr 1e-2: the weights moved ~1e-2
-        torch.testing.assert_close(c[k], a[k], rtol=0, atol=1e-4)
+    a, *others = (load_file(tmp_path / n / "final" / "model.safetensors") for n in runs)
+    for b in others:
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4)   # lr 1e-2: the weights moved ~1e-2
+
+
+def test_ppo_critic_under_torchrun_matches_one_process(tmp_path):
+    """PPO's critic is a plain model on every rank (never sharded): its gradients are averaged over ranks like
+    the policy's, so with either `parallel` its value loss, gradient norm and values match one process's.
+    Greedy sampling as above; whitening off, since it has no exact split over ranks (algos/ppo.py)."""
+    args = ["model=assets/tiny-model", "algo.name=ppo", "steps=3", "eval_every=3", "eval_size=8",   # rewards > 0
+            "prompts_per_step=8", "samples_per_prompt=2", "top_p=1e-6", "lr=1e-2", "algo.ppo.critic_lr=1e-2",
+            "algo.ppo.whiten=false", "dtype=float32", "progress=false"]
+    runs = {"one": [sys.executable, "train.py"], "fsdp": [*TORCHRUN, "train.py"],
+            "replicate": [*TORCHRUN, "train.py", "parallel=replicate"]}
+    run(*[[*cmd, *args, f"out_dir={tmp_path / name}"] for name, cmd in runs.items()], logs=tmp_path)
+    rows = {n: [json.loads(l) for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in runs}
+    assert rows["one"][1]["critic_grad_norm"] > 0.1 and rows["one"][2]["value"] != 0   # the critic learned
+    assert rows["one"][1]["grad_norm"] > 0.1                                             # and so did the policy
+    from safetensors.torch import load_file
+    critic = {n: load_file(next((tmp_path / n / "checkpoints").glob("step_*")) / "critic.safetensors") for n in runs}
+    for name in ("fsdp", "replicate"):
+        # gradient norms, not the loss metrics: those are means over ranks of per-rank token means, which
+        # differ from one process's once completion lengths differ between the ranks (step 3 here)
+        for a, b in zip(rows["one"], rows[name], strict=True):
+            for key in ("critic_grad_norm", "grad_norm"):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
+        for k, v in critic["one"].items():
+            torch.testing.assert_close(critic[name][k], v, rtol=0, atol=1e-4)   # critic lr 1e-2: it moved
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_train_on_two_gpus(tmp_path):
     """train.py under torchrun on 2 GPUs as a user runs it: NCCL, float32 shards computing in bf16 (layers compiled),
     the CUDA-graph decode path in each rank's engine, the fused log-prob kernel, a sharded reference (KL),
-    micro-batches, and rank 0 writing final/. A second run at the same time has offload=true (shards and AdamW on
-    the CPU)."""
+    micro-batches, and rank 0 writing final/. Two more runs at the same time: offload=true (shards and AdamW on
+    the CPU) and parallel=replicate (whole model per rank, one gradient all-reduce)."""
     args = ["model=assets/tiny-model", "steps=2", "eval_every=2", "eval_size=32", "prompts_per_step=8",
             "micro_batch_size=16", "algo.kl_coef=0.05", "progress=false"]
-    runs = {"gpu": ["compile=true"], "offload": ["offload=true"]}
+    runs = {"gpu": ["compile=true"], "offload": ["offload=true"], "replicate": ["compile=true", "parallel=replicate"]}
     run(*[[*TORCHRUN, "train.py", *args, *extra, f"out_dir={tmp_path / name}"] for name, extra in runs.items()],
         logs=tmp_path)
     from transformers import AutoModelForCausalLM
@@ -127,8 +154,12 @@ def test_train_on_two_gpus(tmp_path):
         assert max((final[k].float() - init[k].float()).abs().max().item() for k in init) > 0, name   # it trained
 
 
-def test_offload_needs_torchrun(random_model_dir, tmp_path):
-    r = subprocess.run([sys.executable, "train.py", f"model={random_model_dir}", "offload=true",
+@pytest.mark.parametrize("settings, error", [
+    (["offload=true"], "offload=true shards the policy with FSDP: launch with torchrun (--nproc_per_node=1 is fine)"),
+    (["offload=true", "parallel=replicate"], "offload=true keeps FSDP shards in CPU memory: it needs parallel=fsdp"),
+    (["parallel=ddp"], "parallel must be 'fsdp' or 'replicate', got 'ddp'")])
+def test_bad_parallel_settings(random_model_dir, tmp_path, settings, error):
+    r = subprocess.run([sys.executable, "train.py", f"model={random_model_dir}", *settings,
                         f"out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
-        "error: offload=true shards the policy with FSDP: launch with torchrun (--nproc_per_node=1 is fine)"]
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [f"error: {error}"]
+    assert not os.path.exists(tmp_path / "config.yaml")   # refused before anything was written
