@@ -14,8 +14,8 @@ SPMD: every rank runs the same loop. What world size > 1 means:
   computes in the config dtype (bf16) with gradients reduced in float32. The reference model is sharded the
   same way, in the config dtype. FSDP averages gradients over ranks, so `loss_scale` turns each rank's local
   loss into its part of the loss over the global batch: the update equals a one-process update on the same
-  global batch (as for replicate's average, below). Over
-  micro-batches the gradients accumulate locally and are reduce-scattered once, after the last (`accumulate`).
+  global batch (as for replicate's average, below). Over micro-batches the gradients accumulate locally and
+  are reduce-scattered once, after the last (`accumulate`).
   The log-prob kernel runs in the lm_head's place inside the root's forward (models.completion_logprobs), so
   no (B, C, V) logits exist under FSDP either; the root unit (embeddings, tied head: 0.27 GB in bf16 at 0.5B)
   stays gathered from forward to backward, FSDP2's default for the root; the decoder layers reshard.
@@ -30,10 +30,9 @@ SPMD: every rank runs the same loop. What world size > 1 means:
   the gradients once per optimizer step and every rank takes the same step. The engine samples with the
   policy's own parameters, as in one process: no weight sync and no second copy. It costs the whole
   gradient and AdamW state on every rank (8 bytes per parameter in bf16: weights, gradient, two moments;
-  4 GB at 0.5B), so it is for
-  models that fit one GPU with room; it is faster where FSDP's per-layer gathers and hooks bound the update
-  (W1 on 2 H100s: docs/speed.md). Numerically it is the one-process run (bf16 weights and AdamW); fsdp keeps
-  float32 masters.
+  4 GB at 0.5B), so it is for models that fit one GPU with room; it is faster where FSDP's per-layer gathers
+  and hooks bound the update (W1 on 2 H100s: docs/speed.md). Numerically it is the one-process run (bf16
+  weights and AdamW); fsdp keeps float32 masters.
 - `offload=true` keeps the shards, gradients and AdamW state in CPU memory (FSDP2 CPUOffloadPolicy); the
   optimizer step then runs on the CPU. It works at any world size under torchrun (also --nproc_per_node=1).
 - Metrics are reduced over ranks (`reduce_metrics`); rank 0 alone writes logs, plots and checkpoints.

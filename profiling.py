@@ -53,7 +53,8 @@ def summarize(trace: dict) -> tuple[list[tuple], dict, dict]:
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     marks = sorted((e["ts"], e["name"][len(MARK):]) for e in events if e.get("name", "").startswith(MARK))
     kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel"]
-    host = [e for e in events if e.get("cat") in ("cpu_op", "python_function") and not e["name"].startswith(MARK)]
+    # cpu_op only: python_function spans nest, so summed they would count the same time many times
+    host = [e for e in events if e.get("cat") == "cpu_op" and not e["name"].startswith(MARK)]
     begin = min([e["ts"] for e in events] or [0.0])
     phases, prev = [], begin
     for ts, name in marks:
@@ -66,8 +67,7 @@ def summarize(trace: dict) -> tuple[list[tuple], dict, dict]:
         by_kernel.setdefault(k, []).append(b - a)
     by_op: dict[str, list[float]] = {}
     for e in host:
-        if e.get("cat") == "cpu_op":     # python_function spans nest: summed, they would count time many times
-            by_op.setdefault(e["name"], []).append(e["dur"])
+        by_op.setdefault(e["name"], []).append(e["dur"])
     return phases, by_kernel, by_op
 
 
