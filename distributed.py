@@ -7,8 +7,8 @@ train.py calls these few functions; with plain `python train.py` (or world size 
 SPMD: every rank runs the same loop. What world size > 1 means:
 - Prompts: every rank draws the same step's prompt list (same seed) and takes `share(list)` = items
   rank::world, so a prompt's whole group stays on one rank. GRPO's per-group advantages stay local; an
-  algorithm that normalises over the whole batch (REINFORCE++'s global whitening) must add `all_sum` of
-  its statistics, or it normalises per rank.
+  algorithm that normalises over the whole batch takes its statistics with `all_sum` (REINFORCE++'s
+  whitening: algos/common.masked_whiten), or it would normalise per rank.
 - Training, `parallel=fsdp` (the default): the policy is loaded in float32 (master weights) and sharded with
   FSDP2 `fully_shard`, one unit per decoder layer plus the root (embeddings, norm, tied lm_head); on GPU it
   computes in the config dtype (bf16) with gradients reduced in float32. The reference model is sharded the

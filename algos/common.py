@@ -16,10 +16,18 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / std over the masked entries (the whole batch); masked-out entries come back as 0."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, sum_over=None) -> Tensor:
+    """(x - mean) / std over the masked entries (the whole batch); masked-out entries come back as 0.
+    sum_over: a function that sums a list of numbers over the processes holding parts of one batch
+    (distributed.all_sum), so that the mean and std are the whole batch's under torchrun, not this rank's."""
+    if sum_over is None:
+        mean = masked_mean(x, mask)
+        var = masked_mean((x - mean) ** 2, mask)
+    else:   # the same two passes, each sum taken over every rank (float64 on the host)
+        total, n = sum_over([(x * mask).sum().item(), mask.sum().item()])
+        mean = total / max(n, 1.0)
+        (squares,) = sum_over([((x - mean) ** 2 * mask).sum().item()])
+        var = torch.tensor(squares / max(n, 1.0), dtype=x.dtype)
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 

@@ -2,7 +2,7 @@
 
     r_t   = score * [t = last] - kl_coef * KL_t             (KL in the reward when algo.kl_in_reward)
     G_t   = sum_{s >= t} r_s                                 reward-to-go, gamma = 1
-    A_t   = (G_t - mean(G)) / std(G)                         mean/std over every token of the batch
+    A_t   = (G_t - mean(G)) / std(G)                         mean/std over every token of the batch (all ranks)
     baseline variant: score_i - mean(score_group) replaces score before the above (REINFORCE++-baseline)
     loss  = agg( max(-A * ratio, -A * clip(ratio, ...)) )
 
@@ -13,6 +13,7 @@ from functools import partial
 
 from torch import Tensor
 
+import distributed
 from algos import Algorithm
 from algos.common import clipped_policy_loss, masked_whiten, token_rewards
 from algos.grpo import group_advantages
@@ -29,7 +30,8 @@ def reinforce_pp_advantages(batch, cfg, baseline: bool = False) -> Tensor:
     score = batch.rewards.float()
     if baseline:
         score = group_advantages(score, batch.group_ids, scale=False)                       # (B,) r - group mean
-    return masked_whiten(reward_to_go(token_rewards(batch, cfg, score)), mask)               # (B, C)
+    # under torchrun each rank holds part of the batch: the sums behind mean and std are taken over all ranks
+    return masked_whiten(reward_to_go(token_rewards(batch, cfg, score)), mask, sum_over=distributed.all_sum)  # (B, C)
 
 
 register("algo", "reinforce_pp")(Algorithm(advantages=reinforce_pp_advantages, loss=clipped_policy_loss))

@@ -198,6 +198,24 @@ def test_ppo_whitening_uses_the_minibatch():
     assert torch.allclose(w, torch.tensor([[1.2247, -1.2247], [0.0, 0.0]]), atol=1e-4)
 
 
+def test_whitening_over_parts_equals_the_whole():
+    """masked_whiten with sum_over (distributed.all_sum under torchrun): two halves whitened with sums over
+    both give the whole batch's result, not each half's own."""
+    g = torch.Generator().manual_seed(0)
+    x, mask = torch.randn(6, 5, generator=g), (torch.rand(6, 5, generator=g) > 0.3).float()
+    whole = masked_whiten(x, mask)
+    (xa, ma), (xb, mb) = (x[:3], mask[:3]), (x[3:], mask[3:])
+    mean = (x * mask).sum().item() / mask.sum().item()
+
+    def sum_over(values):   # all_sum as the first half's rank sees it: its numbers plus the second half's
+        if len(values) == 2:                                   # first pass: sum and count
+            return [values[0] + (xb * mb).sum().item(), values[1] + mb.sum().item()]
+        return [values[0] + ((xb - mean) ** 2 * mb).sum().item()]   # second pass: squared deviations
+    assert torch.allclose(masked_whiten(xa, ma, sum_over=sum_over), whole[:3], atol=1e-6)
+    assert not torch.allclose(masked_whiten(xa, ma), whole[:3], atol=1e-2)   # whitened alone: another result
+    assert torch.allclose(masked_whiten(x, mask, sum_over=lambda v: v), whole, atol=1e-6)   # world size 1
+
+
 def test_dpo_loss_hand_values_and_gradient():
     zero = torch.zeros(3, requires_grad=True)
     loss = preference_loss(zero, torch.zeros(3), "sigmoid", beta=0.1)

@@ -132,6 +132,26 @@ def test_ppo_critic_under_torchrun_matches_one_process(tmp_path):
             torch.testing.assert_close(critic[name][k], v, rtol=0, atol=1e-4)   # critic lr 1e-2: it moved
 
 
+def test_reinforce_pp_whitens_over_all_ranks(tmp_path):
+    """REINFORCE++ whitens the reward-to-go over every token of the batch. Under torchrun each rank holds a
+    part, so the mean and std are summed over ranks (distributed.all_sum): 2 ranks then take one process's
+    update. Greedy sampling as above; step 1's prompts differ in reward, so its advantages are nonzero (step 2's
+    are all 0: a zero gradient either way)."""
+    args = ["model=assets/tiny-model", "algo.name=reinforce_pp", "steps=2", "eval_every=2", "eval_size=8",
+            "prompts_per_step=16", "samples_per_prompt=2", "top_p=1e-6", "lr=1e-2", "dtype=float32", "progress=false"]
+    runs = {"one": [sys.executable, "train.py"], "replicate": [*TORCHRUN, "train.py", "parallel=replicate"]}
+    run(*[[*cmd, *args, f"out_dir={tmp_path / name}"] for name, cmd in runs.items()], logs=tmp_path)
+    rows = {n: [json.loads(l) for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in runs}
+    assert rows["one"][0]["grad_norm"] > 0.1                       # step 1's advantages were not all zero
+    for a, b in zip(rows["one"], rows["replicate"], strict=True):  # whitened per rank, step 1's was 1.58, not 1.14
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-6), a["step"]
+    from safetensors.torch import load_file
+    a, b = (load_file(tmp_path / n / "final" / "model.safetensors") for n in runs)
+    for k in a:   # AdamW divides by each entry's own gradient scale, so an entry whose gradient is near 0
+        # magnifies float32 summation-order differences: one of 16,384 differed by 1.4e-4 (lr 1e-2 moves ~1e-2)
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=5e-4)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_train_on_two_gpus(tmp_path):
     """train.py under torchrun on 2 GPUs as a user runs it: NCCL, float32 shards computing in bf16 (layers compiled),
