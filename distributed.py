@@ -98,8 +98,10 @@ SUMMED = ("tokens_per_s", "reward_fail")
 
 def reduce_metrics(row: dict) -> dict:
     """One step's metrics over all ranks. Shares are equal in size, so a plain mean over ranks is the
-    global mean for per-sample averages (reward, accuracy, completion_len); token-weighted averages
-    (entropy, clip_frac, kl) become a mean of per-rank averages, a close approximation."""
+    global mean for per-sample averages (reward, accuracy, completion_len). The loss and the algorithm's
+    metrics (entropy, clip_frac, kl) come scaled by `loss_scale`, as the loss is, so their mean over ranks
+    is the global batch's wherever the metric's unit is the loss's (token means under token-mean, per-sequence
+    means under the seq-* modes). logprob_mismatch/mean stays a mean of per-rank means."""
     if world() == 1:
         return row
     rows: list[dict] = [None] * world()

@@ -342,8 +342,10 @@ def main(argv: list[str]) -> dict:
                     m["_mis_sum"], m["_mis_n"] = m.get("_mis_sum", 0.0) + gap.sum(), m.get("_mis_n", 0.0) + fresh.sum()
                     top = gap.max() if gap.numel() else gap.new_zeros(())
                     m["_mis_max"] = torch.maximum(m["_mis_max"], top) if "_mis_max" in m else top
-                for k, v in {**mm, "loss": loss.detach() * scale}.items():   # tensors: no host sync per micro-batch
-                    m[k] = m.get(k, 0.0) + weight * v
+                # tensors: no host sync per micro-batch. x scale (dist: this rank's share of the global batch, as
+                # for the loss), so that the plain mean over ranks in reduce_metrics is the global batch's mean
+                for k, v in {**mm, "loss": loss.detach()}.items():
+                    m[k] = m.get(k, 0.0) + weight * scale * v
             distributed.average_gradients(policy)   # dist, parallel=replicate: one all-reduce (FSDP: a no-op)
             if critic is not None:
                 distributed.average_gradients(critic.model)   # dist: the critic is never sharded

@@ -109,7 +109,8 @@ def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
 
 def test_ppo_critic_under_torchrun_matches_one_process(tmp_path):
     """PPO's critic is a plain model on every rank (never sharded): its gradients are averaged over ranks like
-    the policy's, so with either `parallel` its gradient norms and final weights match one process's.
+    the policy's, so with either `parallel` its gradient norms, loss metrics and final weights match one
+    process's.
     Greedy sampling as above; whitening off, since it has no exact split over ranks (algos/ppo.py)."""
     args = ["model=assets/tiny-model", "algo.name=ppo", "steps=3", "eval_every=3", "eval_size=8",   # rewards > 0
             "prompts_per_step=8", "samples_per_prompt=2", "top_p=1e-6", "lr=1e-2", "algo.ppo.critic_lr=1e-2",
@@ -123,10 +124,10 @@ def test_ppo_critic_under_torchrun_matches_one_process(tmp_path):
     from safetensors.torch import load_file
     critic = {n: load_file(next((tmp_path / n / "checkpoints").glob("step_*")) / "critic.safetensors") for n in runs}
     for name in ("fsdp", "replicate"):
-        # gradient norms, not the loss metrics: those are means over ranks of per-rank token means, which
-        # differ from one process's once completion lengths differ between the ranks (step 3 here)
+        # the loss metrics too: per-rank token means, weighted by each rank's share of the tokens (loss_scale),
+        # whose mean is the global one also where completion lengths differ between the ranks (step 3 here)
         for a, b in zip(rows["one"], rows[name], strict=True):
-            for key in ("critic_grad_norm", "grad_norm"):
+            for key in ("critic_grad_norm", "grad_norm", "loss", "value_loss", "value", "entropy", "clip_frac"):
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
         for k, v in critic["one"].items():
             torch.testing.assert_close(critic[name][k], v, rtol=0, atol=1e-4)   # critic lr 1e-2: it moved
