@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 8 on one machine with 2 GPUs, in one command: the distributed tests that need GPUs (NCCL fixed-batch
-# equivalence, train.py 1 process vs 2 ranks, train.py on 2 GPUs: FSDP, offload, replicate), then W1 through
-# train.main on 1 GPU, under torchrun on 2, and on 1 GPU again, so both step times come from one machine.
+# Issue 8 on one machine with 2 GPUs, in one command: the distributed tests on GPUs (NCCL fixed-batch
+# equivalence; train.py 1 process vs 2 ranks for GRPO, PPO with its critic and REINFORCE++; train.py on 2 GPUs:
+# FSDP, offload, replicate), then W1 through train.main on 1 GPU, under torchrun on 2, and on 1 GPU again, so
+# both step times come from one machine.
 #
 #     bash scripts/gpu_dist.sh OUT       # OUT/bench-*/bench.md: the tables; OUT/tests.tgz: every test process's log
 #     OURS=64:compile:rep bash scripts/gpu_dist.sh OUT   # other 2-GPU variants (bench.py --ours)
@@ -20,7 +21,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 host_speed() { python3 -c "import time; t = time.perf_counter(); sum(i * i for i in range(10**7))
 print(f'host speed: a 1e7-step Python loop took {time.perf_counter() - t:.3f} s')"; }
 tmp=$(mktemp -d)
-for t in fsdp_update train_under_torchrun train_on_two_gpus; do
+for t in fsdp_update train_under_torchrun train_on_two_gpus ppo_critic reinforce_pp; do
     timeout 240 python3 -m pytest tests/test_distributed.py -q -x -p no:cacheprovider -k "$t" \
         --basetemp="$tmp/$t" >"$tmp/pytest-$t.log" 2>&1 &
 done
