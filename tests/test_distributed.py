@@ -127,8 +127,12 @@ def test_ppo_critic_under_torchrun_matches_one_process(tmp_path):
         # the loss metrics too: per-rank token means, weighted by each rank's share of the tokens (loss_scale),
         # whose mean is the global one also where completion lengths differ between the ranks (step 3 here)
         for a, b in zip(rows["one"], rows[name], strict=True):
+            # step 3 follows AdamW's first real step (step 1's gradient is 0), which moves every entry by about
+            # lr whatever its gradient's size, so entries whose gradient is float noise (16 rows in one forward
+            # against 8 per rank) move apart: on 2 H100s step 3's grad_norm and entropy differed by 4e-4, 2e-4
+            rel = 1e-4 if a["step"] < 3 else 1e-3
             for key in ("critic_grad_norm", "grad_norm", "loss", "value_loss", "value", "entropy", "clip_frac"):
-                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
+                assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-6), (name, a["step"], key)
         for k, v in critic["one"].items():
             torch.testing.assert_close(critic[name][k], v, rtol=0, atol=1e-4)   # critic lr 1e-2: it moved
 
