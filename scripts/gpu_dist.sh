@@ -7,9 +7,9 @@
 #     bash scripts/gpu_dist.sh OUT       # OUT/bench-*/bench.md: the tables; OUT/tests.tgz: every test process's log
 #     OURS=64:compile:rep bash scripts/gpu_dist.sh OUT   # other 2-GPU variants (bench.py --ours)
 #
-# The host's speed drifts on shared machines (a 1-GPU update is partly host-bound: docs/speed.md), so the 1-GPU
-# baseline runs before and after the 2-GPU runs, each preceded by a fixed Python loop's time: compare a 2-GPU
-# run with the 1-GPU run nearest it in host speed, not with a run from another command.
+# The 1-GPU update is partly host-bound (docs/speed.md), so the 1-GPU baseline runs before and after the 2-GPU
+# runs, each preceded by a fixed Python loop's time. 12 measured steps each: in a run whose compiles hit the
+# cache, the first ~5 steps are slow while inductor's compile workers start beside it (docs/speed.md).
 # The tests run side by side (they mostly wait on imports and compiles), each cut at 240 s so that a hang
 # cannot eat the benchmark's time. NVLink multicast stays off (shared machines: see the device notes).
 set -u
@@ -32,6 +32,6 @@ base=32:ckpt:compile
 for run in "1 $base 1a" "2 ${OURS:-$base:rep,$base} 2" "1 $base 1b"; do
     set -- $run
     host_speed
-    python3 bench.py --parts ours --gpus "$1" --ours "$2" --steps 6 --out "$out/bench-$3" | grep -E '^\| this|^split'
+    python3 bench.py --parts ours --gpus "$1" --ours "$2" --steps 12 --out "$out/bench-$3" | grep -E '^\| this|^split'
 done
 host_speed
