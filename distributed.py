@@ -101,7 +101,7 @@ def reduce_metrics(row: dict) -> dict:
     global mean for per-sample averages (reward, accuracy, completion_len). The loss and the algorithm's
     metrics (entropy, clip_frac, kl) come scaled by `loss_scale`, as the loss is, so their mean over ranks
     is the global batch's wherever the metric's unit is the loss's (token means under token-mean, per-sequence
-    means under the seq-* modes). logprob_mismatch/mean stays a mean of per-rank means."""
+    means under the seq-* modes). train.py sums logprob_mismatch/mean's parts over ranks before this."""
     if world() == 1:
         return row
     rows: list[dict] = [None] * world()

@@ -388,6 +388,7 @@ def main(argv: list[str]) -> dict:
 
         # 6. log
         n_tokens = int(batch.attention_mask.sum())
+        mis_sum, mis_n = distributed.all_sum([mis_sum, mis_n])   # dist: the gap's mean over every rank's tokens
         row = {"step": step, "reward": rewards.mean().item(),
                "accuracy": (rewards >= sum(w for _, w in specs) - 1e-6).float().mean().item(),
                **{k: sum(v) / len(v) for k, v in stats.items()},
