@@ -9,7 +9,8 @@
 #
 # The 1-GPU update is partly host-bound (docs/speed.md), so the 1-GPU baseline runs before and after the 2-GPU
 # runs, each preceded by a fixed Python loop's time. 12 measured steps each: in a run whose compiles hit the
-# cache, the first ~5 steps are slow while inductor's compile workers start beside it (docs/speed.md).
+# cache, the first ~5 steps are slow while inductor's compile workers start beside it (docs/speed.md), so the
+# second 1-GPU run goes without them.
 # The tests run side by side (they mostly wait on imports and compiles), each cut at 240 s so that a hang
 # cannot eat the benchmark's time. NVLink multicast stays off (shared machines: see the device notes).
 set -u
@@ -32,6 +33,10 @@ base=32:ckpt:compile
 for run in "1 $base 1a" "2 ${OURS:-$base:rep,$base} 2" "1 $base 1b"; do
     set -- $run
     host_speed
-    python3 bench.py --parts ours --gpus "$1" --ours "$2" --steps 12 --out "$out/bench-$3" | grep -E '^\| this|^split'
+    # 1b's compiles all hit the cache that 1a filled; without inductor's compile-worker pool its first steps
+    # are not slowed by the pool starting (warm default runs: 1.09 1.06 1.05 s, then 0.78-0.84; docs/speed.md)
+    pool=(); [ "$3" = 1b ] && pool=(env TORCHINDUCTOR_COMPILE_THREADS=1)
+    "${pool[@]}" python3 bench.py --parts ours --gpus "$1" --ours "$2" --steps 12 --out "$out/bench-$3" |
+        grep -E '^\| this|^split'
 done
 host_speed
