@@ -1,6 +1,6 @@
 """The critic for algorithms that declare `needs_critic` (PPO): a value model with its own optimizer.
 
-    critic = Critic(cfg, device, dtype)                 # the policy's backbone + a Linear(H, 1) head
+    critic = Critic(cfg, device, dtype, fsdp)           # the policy's backbone + a Linear(H, 1) head
     values = critic.values(input_ids, attention_mask, completion_mask)      # (B, C) V(s_t) per completion token
     critic.optimizer.zero_grad(); new["values"] = critic.values(..., grad=True)   # per update; the loss trains it
     critic.step()                                       # clip, step and zero its own gradients
@@ -9,22 +9,29 @@ The value model is `AutoModelForTokenClassification(num_labels=1)` loaded from t
 same backbone weights (a warm start that already "reads" the task) and a fresh 1-unit head, zero-initialised
 so the first values are 0 and the first advantages are the plain returns. V(s_t), the value before token t,
 is read from the hidden state that predicts token t (position P + t - 1), as the policy's log-prob is.
+Under torchrun with parallel=fsdp (or offload=true) the critic is sharded as the policy is (distributed.shard:
+float32 masters, compute in the config dtype, FSDP reducing its gradients); with parallel=replicate every rank
+holds it whole and train.py averages its gradients (distributed.average_gradients).
 """
+import warnings
+
 import torch
 from torch import Tensor
 
+import distributed
 from config import UserError
 from rollout import position_ids
 
 
 class Critic:
-    def __init__(self, cfg, device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg, device: torch.device, dtype: torch.dtype, fsdp: bool = False):
         from transformers import AutoModelForTokenClassification
         from transformers.utils import logging as hf_logging
         level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()          # the fresh head is expected: no "newly initialized" table
         try:
-            self.model = AutoModelForTokenClassification.from_pretrained(cfg.model, num_labels=1, dtype=dtype)
+            self.model = AutoModelForTokenClassification.from_pretrained(   # fsdp: float32 masters, as the policy's
+                cfg.model, num_labels=1, dtype=torch.float32 if fsdp else dtype)
         except (OSError, ValueError) as e:   # e.g. an architecture without a token-classification class
             raise UserError(f"cannot build a critic from '{cfg.model}': {str(e).splitlines()[0]}")
         finally:
@@ -38,7 +45,14 @@ class Critic:
         for module in self.model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
-        self.model.to(device).train()
+        if fsdp:   # memory: a second full model and its AdamW state would otherwise sit on every rank
+            self.model = distributed.shard(self.model, device, dtype, cfg.offload)
+            # the score head's (B, T, 1) output is a view of its matmul's; values() only reads it (no in-place op
+            # that would skip FSDP's pre-backward hook), so torch's warning about that does not apply
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        else:
+            self.model.to(device)
+        self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.algo.ppo.critic_lr,
                                            weight_decay=cfg.weight_decay)
         self.grad_clip = cfg.grad_clip
@@ -55,4 +69,4 @@ class Critic:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm.item()
+        return distributed.grad_norm_value(norm)   # sharded: the norm over every rank's shard

@@ -217,7 +217,7 @@ def main(argv: list[str]) -> dict:
         reference, _ = load_model(cfg.model, device, dtype)
         reference.eval().requires_grad_(False)
         reference = distributed.shard(reference, device, dtype, cfg.offload) if fsdp else reference
-    critic = Critic(cfg, device, dtype) if algo.needs_critic else None   # critic: PPO's value model
+    critic = Critic(cfg, device, dtype, fsdp) if algo.needs_critic else None   # critic: PPO's value model
     engine = registry.get("engine", cfg.engine)(model=engine_model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                                                  model_path=cfg.model, seed=cfg.seed, **to_dict(cfg.vllm))
     # speed: fused AdamW (one kernel for all parameters) on GPU; offloaded shards step on the CPU with the default
@@ -323,7 +323,7 @@ def main(argv: list[str]) -> dict:
             m = {}
             # gradient accumulation over length-bucketed micro-batches (microbatch.py); size 0 = one pass
             for micro, weight in distributed.accumulate(   # dist: one gradient reduce-scatter per mini-batch
-                    policy, micro_batches(mb, cfg.micro_batch_size, loss_agg, cfg.algo.norm_len), cfg.offload):
+                    [policy] + ([critic.model] if critic is not None else []), micro_batches(mb, cfg.micro_batch_size, loss_agg, cfg.algo.norm_len), cfg.offload):
                 micro = micro.to(device)
                 C = micro.completion_mask.shape[1]
                 if cfg.fused_loss:   # speed: the loss's gradient is taken in the kernel, rows at a time
@@ -348,7 +348,7 @@ def main(argv: list[str]) -> dict:
                     m[k] = m.get(k, 0.0) + weight * scale * v
             distributed.average_gradients(policy)   # dist, parallel=replicate: one all-reduce (FSDP: a no-op)
             if critic is not None:
-                distributed.average_gradients(critic.model)   # dist: the critic is never sharded
+                distributed.average_gradients(critic.model)   # dist, parallel=replicate: as the policy's
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip or float("inf"))
             # every metric of this mini-batch to the host in one transfer (one sync per optimizer step)
             m = dict(zip(m, torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())

@@ -108,9 +108,9 @@ def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
 
 
 def test_ppo_critic_under_torchrun_matches_one_process(tmp_path):
-    """PPO's critic is a plain model on every rank (never sharded): its gradients are averaged over ranks like
-    the policy's, so with either `parallel` its gradient norms, loss metrics and final weights match one
-    process's.
+    """PPO's critic is sharded with FSDP2 as the policy is (parallel=fsdp) or whole on every rank with its
+    gradients averaged (parallel=replicate): with either, its gradient norms, loss metrics and final weights
+    (gathered into the checkpoint) match one process's.
     Greedy sampling as above; whitening off, since it has no exact split over ranks (algos/ppo.py)."""
     args = ["model=assets/tiny-model", "algo.name=ppo", "steps=3", "eval_every=3", "eval_size=8",   # rewards > 0
             "prompts_per_step=8", "samples_per_prompt=2", "top_p=1e-6", "lr=1e-2", "algo.ppo.critic_lr=1e-2",
@@ -135,6 +135,16 @@ def test_ppo_critic_under_torchrun_matches_one_process(tmp_path):
                 assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-6), (name, a["step"], key)
         for k, v in critic["one"].items():
             torch.testing.assert_close(critic[name][k], v, rtol=0, atol=1e-4)   # critic lr 1e-2: it moved
+    # resume: the sharded run's checkpoint goes back into a sharded critic (2 ranks) for a 4th step, which must
+    # match an uninterrupted 4-step run of one process (the critic's weights and AdamW state came back whole)
+    import shutil
+    shutil.copytree(tmp_path / "fsdp", tmp_path / "fsdp-more")
+    run([*runs["one"], *args, "steps=4", f"out_dir={tmp_path / 'one-4'}"],
+        [*runs["fsdp"], *args, "steps=4", f"resume={tmp_path / 'fsdp-more'}"], logs=tmp_path)
+    more = {n: json.loads((tmp_path / n / "metrics.jsonl").read_text().splitlines()[-1]) for n in ("one-4", "fsdp-more")}
+    assert more["one-4"]["step"] == more["fsdp-more"]["step"] == 4
+    for key in ("critic_grad_norm", "value_loss", "value", "grad_norm"):
+        assert more["fsdp-more"][key] == pytest.approx(more["one-4"][key], rel=1e-3, abs=1e-6), key
 
 
 def test_reinforce_pp_whitens_over_all_ranks(tmp_path):
