@@ -133,9 +133,11 @@ def part_ours(a) -> dict:
     keys = ["time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync"]
     steps = [sum(r[k] for k in keys) for r in rows]
     med = statistics.median(steps)
-    setting = {k: v for k, v in (x.split("=", 1) for x in argv)}   # the last one wins, as in train.py (--set)
-    return {"argv": argv, "step_s": med, "steps_s": steps, "tokens_per_s": int(setting["prompts_per_step"]) *
-            int(setting["samples_per_prompt"]) * (W["prompt_len"] + int(setting["max_new_tokens"])) / med, "split_s": {k: statistics.median(r[k] for r in rows) for k in keys},
+    setting = dict(x.split("=", 1) for x in argv)   # the last one wins, as in train.py (--set may override)
+    tokens = (int(setting["prompts_per_step"]) * int(setting["samples_per_prompt"])
+              * (W["prompt_len"] + int(setting["max_new_tokens"])))
+    return {"argv": argv, "step_s": med, "steps_s": steps, "tokens_per_s": tokens / med,
+            "split_s": {k: statistics.median(r[k] for r in rows) for k in keys},
             "logprob_mismatch_max": [r["logprob_mismatch/max"] for r in rows], "nproc": int(a.gpus), **mem}
 
 

@@ -12,10 +12,10 @@ SPMD: every rank runs the same loop. What world size > 1 means:
 - Training, `parallel=fsdp` (the default): the policy is loaded in float32 (master weights) and sharded with
   FSDP2 `fully_shard`, one unit per decoder layer plus the root (embeddings, norm, tied lm_head); on GPU it
   computes in the config dtype (bf16) with gradients reduced in float32. The reference model is sharded the
-  same way, in the config dtype; PPO's critic as the policy is (critic.py). FSDP averages gradients over ranks, so `loss_scale` turns each rank's local
-  loss into its part of the loss over the global batch: the update equals a one-process update on the same
-  global batch (as for replicate's average, below). Over micro-batches the gradients accumulate locally and
-  are reduce-scattered once, after the last (`accumulate`).
+  same way, in the config dtype; PPO's critic as the policy is (critic.py). FSDP averages gradients over ranks,
+  so `loss_scale` turns each rank's local loss into its part of the loss over the global batch: the update
+  equals a one-process update on the same global batch (as for replicate's average, below). Over micro-batches
+  the gradients accumulate locally and are reduce-scattered once, after the last (`accumulate`).
   The log-prob kernel runs in the lm_head's place inside the root's forward (models.completion_logprobs), so
   no (B, C, V) logits exist under FSDP either; the root unit (embeddings, tied head: 0.27 GB in bf16 at 0.5B)
   stays gathered from forward to backward, FSDP2's default for the root; the decoder layers reshard.
@@ -157,11 +157,12 @@ def is_sharded(model) -> bool:
 
 def accumulate(models: list, pieces, offload: bool = False):
     """Yield the micro-batches of one mini-batch (`microbatch.micro_batches`) with FSDP2's gradient reduce-scatter
-    switched off for all but the last, for each of `models` that is sharded (the policy; PPO's critic): the earlier backwards add into local unsharded gradients, and the last
-    backward reduce-scatters their sum once (no_sync in FSDP1 terms). Same gradient; one reduce-scatter per
-    optimizer step instead of one per micro-batch, and no ranks waiting on each other in between. Costs one
-    unsharded float32 gradient per rank while accumulating, so offload=true (memory first) keeps a reduce-scatter
-    per micro-batch. The flag is set before each piece is handed out, so the caller's backward sees it."""
+    switched off for all but the last, for each of `models` that is sharded (the policy; PPO's critic): the
+    earlier backwards add into local unsharded gradients, and the last backward reduce-scatters their sum once
+    (no_sync in FSDP1 terms). Same gradient; one reduce-scatter per optimizer step instead of one per
+    micro-batch, and no ranks waiting on each other in between. Costs one unsharded float32 gradient per rank
+    while accumulating, so offload=true (memory first) keeps a reduce-scatter per micro-batch. The flag is set
+    before each piece is handed out, so the caller's backward sees it."""
     pieces = list(pieces)             # to know which one is last; the pieces are CPU views of the mini-batch
     for i, piece in enumerate(pieces):
         for model in models:

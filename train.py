@@ -322,8 +322,9 @@ def main(argv: list[str]) -> dict:
                 critic.optimizer.zero_grad(set_to_none=True)
             m = {}
             # gradient accumulation over length-bucketed micro-batches (microbatch.py); size 0 = one pass
+            trained = [policy] + ([critic.model] if critic is not None else [])
             for micro, weight in distributed.accumulate(   # dist: one gradient reduce-scatter per mini-batch
-                    [policy] + ([critic.model] if critic is not None else []), micro_batches(mb, cfg.micro_batch_size, loss_agg, cfg.algo.norm_len), cfg.offload):
+                    trained, micro_batches(mb, cfg.micro_batch_size, loss_agg, cfg.algo.norm_len), cfg.offload):
                 micro = micro.to(device)
                 C = micro.completion_mask.shape[1]
                 if cfg.fused_loss:   # speed: the loss's gradient is taken in the kernel, rows at a time
