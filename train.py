@@ -218,6 +218,7 @@ def main(argv: list[str]) -> dict:
         reference.eval().requires_grad_(False)
         reference = distributed.shard(reference, device, dtype, cfg.offload) if fsdp else reference
     critic = Critic(cfg, device, dtype, fsdp) if algo.needs_critic else None   # critic: PPO's value model
+    trained = [policy] + ([critic.model] if critic is not None else [])   # what the update's backward reaches
     engine = registry.get("engine", cfg.engine)(model=engine_model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                                                  model_path=cfg.model, seed=cfg.seed, **to_dict(cfg.vllm))
     # speed: fused AdamW (one kernel for all parameters) on GPU; offloaded shards step on the CPU with the default
@@ -322,7 +323,6 @@ def main(argv: list[str]) -> dict:
                 critic.optimizer.zero_grad(set_to_none=True)
             m = {}
             # gradient accumulation over length-bucketed micro-batches (microbatch.py); size 0 = one pass
-            trained = [policy] + ([critic.model] if critic is not None else [])
             for micro, weight in distributed.accumulate(   # dist: one gradient reduce-scatter per mini-batch
                     trained, micro_batches(mb, cfg.micro_batch_size, loss_agg, cfg.algo.norm_len), cfg.offload):
                 micro = micro.to(device)

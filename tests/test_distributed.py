@@ -40,6 +40,11 @@ def run(*cmds, logs=None, timeout=300):
         assert p.returncode == 0, f"{' '.join(cmd[-4:])} failed:\n{out[-3000:]}"
 
 
+def metrics(run_dir) -> list[dict]:
+    """The rows of a run's metrics.jsonl, one per step."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_fsdp_update_matches_one_process(tmp_path, random_model_dir):
     one, two, resumed = (tmp_path / n for n in ("one", "two", "resumed"))
     for d in (one, two, resumed):
@@ -81,7 +86,7 @@ def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
         [*one_rank, "train.py", *args, "offload=true", f"out_dir={tmp_path / 'offload'}"],
         [*TORCHRUN, "train.py", *args, "parallel=replicate", f"out_dir={tmp_path / 'replicate'}"], logs=tmp_path)
     runs = ("one", "two", "offload", "replicate")
-    rows = {n: [json.loads(l) for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in runs}
+    rows = {n: metrics(tmp_path / n) for n in runs}
     for a, *others in zip(*rows.values(), strict=True):
         for key in ("loss", "grad_norm", "kl", "completion_len", "reward", "eval/reward", "eval/accuracy"):
             for name, b in zip(runs[1:], others):
@@ -95,7 +100,7 @@ def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
         shutil.copytree(tmp_path / n, tmp_path / f"{n}-more")
     run(*[[sys.executable, "train.py", *args, "steps=3", f"resume={tmp_path / f'{n}-more'}"] for n in ("one", "two")],
         logs=tmp_path)
-    more = {n: json.loads((tmp_path / f"{n}-more" / "metrics.jsonl").read_text().splitlines()[-1]) for n in ("one", "two")}
+    more = {n: metrics(tmp_path / f"{n}-more")[-1] for n in ("one", "two")}
     assert more["one"]["step"] == more["two"]["step"] == 3
     for key in ("loss", "grad_norm", "kl", "reward", "eval/accuracy"):
         assert more["two"][key] == pytest.approx(more["one"][key], rel=1e-4, abs=1e-6), key
@@ -118,7 +123,7 @@ def test_ppo_critic_under_torchrun_matches_one_process(tmp_path):
     runs = {"one": [sys.executable, "train.py"], "fsdp": [*TORCHRUN, "train.py"],
             "replicate": [*TORCHRUN, "train.py", "parallel=replicate"]}
     run(*[[*cmd, *args, f"out_dir={tmp_path / name}"] for name, cmd in runs.items()], logs=tmp_path)
-    rows = {n: [json.loads(l) for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in runs}
+    rows = {n: metrics(tmp_path / n) for n in runs}
     assert rows["one"][1]["critic_grad_norm"] > 0.1 and rows["one"][2]["value"] != 0   # the critic learned
     assert rows["one"][1]["grad_norm"] > 0.1                                             # and so did the policy
     from safetensors.torch import load_file
@@ -141,7 +146,7 @@ def test_ppo_critic_under_torchrun_matches_one_process(tmp_path):
     shutil.copytree(tmp_path / "fsdp", tmp_path / "fsdp-more")
     run([*runs["one"], *args, "steps=4", f"out_dir={tmp_path / 'one-4'}"],
         [*runs["fsdp"], *args, "steps=4", f"resume={tmp_path / 'fsdp-more'}"], logs=tmp_path)
-    more = {n: json.loads((tmp_path / n / "metrics.jsonl").read_text().splitlines()[-1]) for n in ("one-4", "fsdp-more")}
+    more = {n: metrics(tmp_path / n)[-1] for n in ("one-4", "fsdp-more")}
     assert more["one-4"]["step"] == more["fsdp-more"]["step"] == 4
     # the critic's own numbers: the policy's grad_norm at step 4 carries AdamW's amplified float noise (above;
     # 8.9e-4 apart already on CPU)
@@ -158,7 +163,7 @@ def test_reinforce_pp_whitens_over_all_ranks(tmp_path):
             "prompts_per_step=16", "samples_per_prompt=2", "top_p=1e-6", "lr=1e-2", "dtype=float32", "progress=false"]
     runs = {"one": [sys.executable, "train.py"], "replicate": [*TORCHRUN, "train.py", "parallel=replicate"]}
     run(*[[*cmd, *args, f"out_dir={tmp_path / name}"] for name, cmd in runs.items()], logs=tmp_path)
-    rows = {n: [json.loads(l) for l in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in runs}
+    rows = {n: metrics(tmp_path / n) for n in runs}
     assert rows["one"][0]["grad_norm"] > 0.1                       # step 1's advantages were not all zero
     for a, b in zip(rows["one"], rows["replicate"], strict=True):  # whitened per rank, step 1's was 1.58, not 1.14
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-6), a["step"]
@@ -183,7 +188,7 @@ def test_train_on_two_gpus(tmp_path):
     from transformers import AutoModelForCausalLM
     init = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-model")).state_dict()
     for name in runs:
-        rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        rows = metrics(tmp_path / name)
         assert [r["step"] for r in rows] == [1, 2] and "eval/accuracy" in rows[-1], name
         assert all(math.isfinite(r["loss"]) and 0 < r["grad_norm"] < math.inf for r in rows), (name, rows)
         final = AutoModelForCausalLM.from_pretrained(tmp_path / name / "final").state_dict()   # loadable
