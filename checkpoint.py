@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+import distributed
 from config import UserError, parse, to_dict
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -53,10 +54,6 @@ def crash_point(point: str, step: int):
     """Test hook: SIGKILL this process when RL_CRASH_AT names this point and step (e.g. 'update:3')."""
     if os.environ.get("RL_CRASH_AT") == f"{point}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def latest(run_dir: str) -> str | None:
@@ -164,7 +161,7 @@ def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule
          order: torch.Tensor, cursor: int, extra: dict, critic=None) -> str | None:
     """Write checkpoints/step_<step>/ (all ranks call this; rank 0 writes). Returns the directory on rank 0.
     `critic` (PPO's value model, with its own optimizer) is saved beside the policy when given."""
-    rank, world = _rank_world()
+    rank, world = distributed.rank(), distributed.world()
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     trained = {"model": (get_model_state_dict(policy, options=opts),                 # collective under FSDP
                          get_optimizer_state_dict(policy, optimizer, options=opts))}
@@ -221,7 +218,7 @@ def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule
 
 def load(ckpt: str, policy, optimizer, schedule, buffer, generators: dict, critic=None) -> dict:
     """Restore everything save() wrote (every rank calls this). Returns step, version, order, cursor, extra, rows."""
-    rank, world = _rank_world()
+    rank, world = distributed.rank(), distributed.world()
     with open(os.path.join(ckpt, "meta.json")) as f:
         meta = json.load(f)
     old_world = meta["world_size"]
@@ -265,7 +262,7 @@ def load(ckpt: str, policy, optimizer, schedule, buffer, generators: dict, criti
             if m and int(m.group(1)) > meta["step"]:
                 print(f"removing checkpoint {m.group(0)}: it is newer than the one resumed", flush=True)
                 _remove(os.path.join(root, m.group(0)))
-        from replay import truncate
+        from buffer import truncate
         truncate(os.path.join(run_dir, "metrics.jsonl"), meta["metrics_bytes"])
     if world > 1:
         dist.barrier()

@@ -7,15 +7,24 @@ A YAML file and `key=value` overrides (dotted for nested sections) map onto `Con
 or a value of the wrong type is a one-line error that names the key.
 """
 import dataclasses
+import os
 import sys
 import typing
 from dataclasses import dataclass, field
 
 import yaml
 
-from data import ArithmeticConfig
-from data_files import DataFilesConfig
-from replay import ReplayConfig
+import registry
+
+# the valid values of the options that name a choice (the algorithms, engines, tasks and rewards: the registry)
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+TIS_MODES = ("off", "token", "seq")
+DPO_LOSSES = ("sigmoid", "ipo", "simpo")
+PARALLEL_MODES = ("fsdp", "replicate")
+DTYPES = ("auto", "float32", "bfloat16")
+REPLAY_PRIORITIES = ("uniform", "advantage", "recency")
+
 
 
 class UserError(Exception):
@@ -27,6 +36,50 @@ def opt(default, help: str):
     if dataclasses.is_dataclass(default):
         return field(default_factory=type(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ArithmeticConfig:
+    digits: int = opt(3, "operands are uniform integers in [0, 10**digits)")
+    n_train: int = opt(20000, "distinct training problems (RL prompts)")
+    n_eval: int = opt(500, "distinct held-out problems for evaluation")
+    heldout_percent: int = opt(10, "percent of all problems reserved for held-out (stable hash)")
+    seed: int = opt(0, "seed for drawing the train and held-out samples")
+
+
+@dataclass
+class DataFilesConfig:
+    train_path: str = opt("", ".jsonl/.json/.parquet file, glob, or datasets.save_to_disk folder")
+    eval_path: str = opt("", "held-out prompts, same kinds ('' = hold out eval_size train rows)")
+    split: str = opt("train", "split of a DatasetDict folder used for training")
+    eval_split: str = opt("test", "split of a DatasetDict folder used for evaluation")
+    eval_size: int = opt(200, "rows held out from train when there is no eval_path")
+    prompt_field: str = opt("question", "column holding the prompt text")
+    answer_field: str = opt("answer", "column given to rewards as 'answer' ('' = none)")
+    answer_regex: str = opt("", "keep the first group of this regex in the answer, e.g. '####\\s*(.+)'")
+    fields: str = opt("", "extra sample fields for rewards: 'name:column,name:column'")
+    prompt_template: str = opt("{prompt}", "Python format string; {prompt} is the prompt column")
+    system_prompt: str = opt("", "system message when a chat template is applied")
+    chat_template: str = opt("", "model/tokenizer folder whose chat template renders prompts ('' = none)")
+    max_prompt_chars: int = opt(0, "drop rendered prompts longer than this (0 = no limit)")
+    max_prompt_tokens: int = opt(0, "drop prompts longer than this in tokens (needs chat_template)")
+    dedupe: bool = opt(True, "drop repeated prompts and train prompts that are also eval prompts")
+    seed: int = opt(0, "shuffle seed")
+    limit: int = opt(0, "keep at most this many training prompts (0 = all)")
+
+
+@dataclass
+class ReplayConfig:
+    enabled: bool = opt(False, "keep experiences across steps, reuse them (off = on-policy)")
+    capacity: int = opt(1024, "samples held; the oldest are evicted first (FIFO)")
+    max_uses: int = opt(4, "a sample is retired after this many mini-batches")
+    max_staleness: int = opt(4, "evict samples generated more than this many policy "
+                                                            "versions ago")
+    priority: str = opt("uniform", "sampling weight: uniform, advantage (|A|^alpha) or "
+                                                                "recency (decay^age)")
+    alpha: float = opt(1.0, "exponent on |advantage| for priority=advantage")
+    decay: float = opt(0.5, "weight per policy version of age for priority=recency")
+    log: bool = opt(True, "append every experience to <out_dir>/replay.jsonl")
 
 
 @dataclass
@@ -230,7 +283,7 @@ def help_text(cfg=None, prefix: str = "") -> str:
 
 
 def parse(argv: list[str]) -> Config:
-    """argv -> Config. Order: defaults < YAML file < key=value overrides."""
+    """argv -> Config. Order: defaults < YAML file < key=value overrides. Call validate() before using it."""
     updates: dict = {}
     args = list(argv)
     while args:
@@ -258,3 +311,53 @@ def parse(argv: list[str]) -> Config:
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def fill_defaults(cfg: Config) -> Config:
+    """The defaults that depend on other options, filled once after parsing."""
+    cfg.algo.norm_len = cfg.algo.norm_len or cfg.max_new_tokens   # Dr. GRPO's constant: the length limit
+    return cfg
+
+
+def validate(cfg: Config, world: int = 1):
+    """Every check that spans options, before any work starts: a bad value is a one-line UserError naming the
+    option and its valid choices. Plugin names (algo, engine, task) are checked against the registry, so the
+    entry script imports the plugin packages first; reward names are checked where the reward pool is built."""
+    for key, value, known in [("algo.loss_agg", cfg.algo.loss_agg, AGG_MODES),
+                              ("algo.kl_estimator", cfg.algo.kl_estimator, KL_ESTIMATORS),
+                              ("algo.tis", cfg.algo.tis, TIS_MODES),
+                              ("algo.dpo.loss", cfg.algo.dpo.loss, DPO_LOSSES),
+                              ("parallel", cfg.parallel, PARALLEL_MODES),
+                              ("dtype", cfg.dtype, DTYPES),
+                              ("replay.priority", cfg.replay.priority, REPLAY_PRIORITIES)]:
+        if value not in known:
+            raise UserError(f"config key '{key}' must be one of {', '.join(known)}; got {value!r}")
+    algo = registry.get("algo", cfg.algo.name)
+    registry.get("engine", cfg.engine), registry.get("task", cfg.task)
+    if cfg.task == "arithmetic":
+        a = cfg.arithmetic
+        for key, ok, valid in [("digits", 1 <= a.digits <= 9, "1..9"), ("heldout_percent", 0 < a.heldout_percent < 100,
+                                "1..99"), ("n_train", a.n_train >= 1, ">= 1"), ("n_eval", a.n_eval >= 1, ">= 1")]:
+            if not ok:
+                raise UserError(f"config key 'arithmetic.{key}' must be {valid}; got {getattr(a, key)}")
+    r = cfg.replay
+    if r.enabled and (r.capacity < 1 or r.max_uses < 1 or r.max_staleness < 0 or not 0 < r.decay <= 1):
+        raise UserError("config keys 'replay.capacity' and 'replay.max_uses' must be >= 1, "
+                        "'replay.max_staleness' >= 0 and 'replay.decay' in (0, 1]")
+    # distributed: every rank must run the same number of forward/backward passes (FSDP's collectives pair up
+    # across ranks), so the batch must split into equal shares
+    if world > 1 and cfg.prompts_per_step % world:
+        raise UserError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by the world size {world}")
+    if world > 1 and cfg.algo.minibatch_size % world:
+        raise UserError(f"algo.minibatch_size={cfg.algo.minibatch_size} must be divisible by the world size {world}")
+    if cfg.offload and cfg.parallel == "replicate":
+        raise UserError("offload=true keeps FSDP shards in CPU memory: it needs parallel=fsdp")
+    if cfg.offload and "RANK" not in os.environ:
+        raise UserError("offload=true shards the policy with FSDP: launch with torchrun (--nproc_per_node=1 is fine)")
+    # what the algorithm declares it needs (algos/common.py: Algorithm)
+    if cfg.fused_loss and (algo.needs_critic or not algo.splittable(cfg.algo)):
+        raise UserError(f"fused_loss=true needs a loss that splits over rows and no critic; algo '{cfg.algo.name}' "
+                        "with these settings has not")
+    if (cfg.micro_batch_size or world > 1) and not algo.splittable(cfg.algo):
+        raise UserError(f"algo '{cfg.algo.name}' with these settings has no exact split over micro-batches or ranks: "
+                        "use micro_batch_size=0 and one process (see its Algorithm declaration)")

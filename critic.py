@@ -20,7 +20,7 @@ from torch import Tensor
 
 import distributed
 from config import UserError
-from rollout import position_ids
+from models import position_ids
 
 
 class Critic:

@@ -31,7 +31,7 @@ SPMD: every rank runs the same loop. What world size > 1 means:
   policy's own parameters, as in one process: no weight sync and no second copy. It costs the whole
   gradient and AdamW state on every rank (8 bytes per parameter in bf16: weights, gradient, two moments;
   4 GB at 0.5B), so it is for models that fit one GPU with room; it is faster where FSDP's per-layer gathers
-  and hooks bound the update (W1 on 2 H100s: docs/speed.md). Numerically it is the one-process run (bf16
+  and hooks bound the update (measured: docs/speed.md, "Two GPUs"). Numerically it is the one-process run (bf16
   weights and AdamW); fsdp keeps float32 masters.
 - `offload=true` keeps the shards, gradients and AdamW state in CPU memory (FSDP2 CPUOffloadPolicy); the
   optimizer step then runs on the CPU. It works at any world size under torchrun (also --nproc_per_node=1).
@@ -64,12 +64,9 @@ def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def is_main() -> bool:
-    return rank() == 0
-
-
 def print0(*a, **kw):
-    if is_main():
+    """print on rank 0 only (every rank runs the same loop)."""
+    if rank() == 0:
         print(*a, **kw, flush=True)
 
 
@@ -101,7 +98,7 @@ def reduce_metrics(row: dict) -> dict:
     global mean for per-sample averages (reward, accuracy, completion_len). The loss and the algorithm's
     metrics (entropy, clip_frac, kl) come scaled by `loss_scale`, as the loss is, so their mean over ranks
     is the global batch's wherever the metric's unit is the loss's (token means under token-mean, per-sequence
-    means under the seq-* modes). train.py sums logprob_mismatch/mean's parts over ranks before this."""
+    means under the seq-* modes). update.py sums logprob_mismatch/mean's parts over ranks before this."""
     if world() == 1:
         return row
     rows: list[dict] = [None] * world()
@@ -118,17 +115,6 @@ def reduce_metrics(row: dict) -> dict:
         else:
             out[key] = sum(vals) / len(vals)
     return out
-
-
-def check(prompts_per_step: int, minibatch_size: int) -> str | None:
-    """Why this world size cannot split the batch evenly, or None. Every rank must run the same number of
-    forward/backward passes (FSDP's collectives pair up across ranks), so shares must be equal."""
-    w = world()
-    if prompts_per_step % w:
-        return f"prompts_per_step={prompts_per_step} must be divisible by the world size {w}"
-    if minibatch_size % w:
-        return f"algo.minibatch_size={minibatch_size} must be divisible by the world size {w}"
-    return None
 
 
 def shard(model, device: torch.device, compute_dtype: torch.dtype, offload: bool = False):

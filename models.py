@@ -11,8 +11,27 @@ from torch import Tensor
 
 import distributed
 from config import UserError
-from registry import get
-from rollout import position_ids
+from kernels import linear_logprob_loss_kernel, linear_logprobs, token_logprobs
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    # left padding shifts where a sequence starts; positions count real tokens only
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def setup_device(cfg) -> tuple[torch.device, torch.dtype]:
+    """The device (this rank's GPU under torchrun) and the model dtype the config asks for."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.device == "auto":
+        device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]   # config.validate checked it
+    return device, dtype
 
 
 def load_model(name: str, device: torch.device, dtype: torch.dtype):
@@ -62,14 +81,13 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int
     targets = input_ids[:, -C:]
     if not plain_head(model):
         logits = model(**_inputs(input_ids, attention_mask, C)).logits[:, :-1]      # (B, C, V)
-        return get("kernel", "token_logprobs")(logits, targets, temperature)
+        return token_logprobs(logits, targets, temperature)
     # speed/memory: the fused kernel goes from hidden states to log-probs; the (B, C, V) logits (2.5 GB per
     # 32 x 256 tokens at V = 152k in bf16, twice with their gradient) never exist
-    kernel = get("kernel", "linear_logprobs")
     # memory: the head's gradient goes straight into its .grad (see kernels/linear_logprob.py); under FSDP2,
     # which owns the gradients (its reduce-scatter hooks wait for them), autograd hands them over as usual
     into_grad = not distributed.is_sharded(model)
-    return _in_head(model, input_ids, attention_mask, C, lambda h, w: kernel(h, w, targets, temperature, into_grad))
+    return _in_head(model, input_ids, attention_mask, C, lambda h, w: linear_logprobs(h, w, targets, temperature, into_grad))
 
 
 def completion_loss(model, input_ids: Tensor, attention_mask: Tensor, C: int, temperature: float,
@@ -81,10 +99,10 @@ def completion_loss(model, input_ids: Tensor, attention_mask: Tensor, C: int, te
     if not plain_head(model):
         logp, entropy = completion_logprobs(model, input_ids, attention_mask, C, temperature)
         return loss_fn(slice(0, len(input_ids)), logp, entropy), logp.detach(), entropy.detach()
-    targets, kernel = input_ids[:, -C:], get("kernel", "linear_logprob_loss")
+    targets = input_ids[:, -C:]
     into_grad = not distributed.is_sharded(model)   # as in completion_logprobs
     return _in_head(model, input_ids, attention_mask, C,
-                    lambda h, w: kernel(h, w, targets, temperature, loss_fn, into_grad=into_grad))
+                    lambda h, w: linear_logprob_loss_kernel(h, w, targets, temperature, loss_fn, into_grad=into_grad))
 
 
 def _inputs(input_ids: Tensor, attention_mask: Tensor, C: int) -> dict:

@@ -13,11 +13,13 @@ is the whole trace: open it in https://ui.perfetto.dev or chrome://tracing.
 Choose a step after the first: step 1 pays for compiles and CUDA graph captures. Profiling slows the host,
 so the profiled step's own time/* metrics read high; the kernel times are unaffected.
 """
+import contextlib
 import gzip
 import json
 import os
 import shutil
 import tempfile
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -36,6 +38,15 @@ def mark(name: str):
     """Where a phase ends, in the trace's own clock (so kernels can be assigned to phases afterwards)."""
     with record_function(MARK + name):
         pass
+
+
+@contextlib.contextmanager
+def phase(times: dict, name: str):
+    """Time one phase of the step into times[f"time/{name}"] and mark its end in the trace (when profiling)."""
+    t0 = time.perf_counter()
+    yield
+    times[f"time/{name}"] = time.perf_counter() - t0
+    mark(name)
 
 
 def busy(intervals: list[tuple[float, float]]) -> float:

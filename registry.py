@@ -1,14 +1,15 @@
-"""The whole plugin system: one dict per kind of plugin, filled by a decorator.
+"""The whole plugin system: one dict per kind of plugin, filled by a decorator. Imports nothing of the project.
 
     from registry import register, get
     @register("reward", "my_reward")
     def my_reward(prompt, completion, **fields) -> float: ...
     fn = get("reward", "my_reward")      # unknown name -> error listing the known ones
 
-Plugins live in plain modules that `load_plugins()` imports explicitly (no lazy tricks), so
-go-to-definition always works and a newcomer sees every plugin module in one list.
+A plugin registers itself when its module is imported. The entry scripts (train.py, train_dpo.py) import the
+plugin packages explicitly (`import algos, engines, rewards, tasks`), so every registered name can be found
+with go-to-definition and a newcomer sees every plugin module in those packages' __init__.py lists.
 """
-KINDS = ("algo", "advantage", "reward", "kernel", "engine", "task")
+KINDS = ("algo", "reward", "engine", "task")
 _REGISTRY: dict[str, dict[str, object]] = {kind: {} for kind in KINDS}
 
 
@@ -17,9 +18,13 @@ class RegistryError(KeyError):
         return self.args[0]
 
 
-def register(kind: str, name: str):
+def _check_kind(kind: str):
     if kind not in _REGISTRY:
         raise RegistryError(f"unknown plugin kind {kind!r}; known kinds: {', '.join(KINDS)}")
+
+
+def register(kind: str, name: str):
+    _check_kind(kind)
 
     def deco(obj):
         if name in _REGISTRY[kind]:
@@ -30,26 +35,13 @@ def register(kind: str, name: str):
 
 
 def get(kind: str, name: str):
-    load_plugins()
-    if kind not in _REGISTRY:
-        raise RegistryError(f"unknown plugin kind {kind!r}; known kinds: {', '.join(KINDS)}")
+    _check_kind(kind)
     if name not in _REGISTRY[kind]:
-        known = ", ".join(sorted(_REGISTRY[kind])) or "(none)"
+        known = ", ".join(sorted(_REGISTRY[kind])) or "(none: is its package imported?)"
         raise RegistryError(f"unknown {kind} {name!r}; known: {known}")
     return _REGISTRY[kind][name]
 
 
 def names(kind: str) -> list[str]:
-    load_plugins()
+    _check_kind(kind)
     return sorted(_REGISTRY[kind])
-
-
-def load_plugins():
-    """Import every module that registers plugins. Add a new plugin module to this list."""
-    import algos  # noqa: F401  (algos/__init__.py imports each algorithm file)
-    import rewards  # noqa: F401
-    import kernels  # noqa: F401
-    import rollout  # noqa: F401
-    import rollout_vllm  # noqa: F401  (importing it never needs vLLM)
-    import data  # noqa: F401
-    import data_files  # noqa: F401

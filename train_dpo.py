@@ -21,15 +21,17 @@ import time
 
 import torch
 
+import algos, engines, rewards, tasks  # noqa: F401,E401  (the plugin packages: importing them registers every name)
 import registry
-from algos import check_config
+import run_dir as rundir
 from algos.dpo import pair_loss
-from config import UserError, parse, to_dict
-from models import completion_logprobs, encode_prompts, load_model
+from config import UserError, fill_defaults, parse, validate
+from distributed import print0
+from engines.base import left_pad
+from models import completion_logprobs, encode_prompts, load_model, setup_device
 from rewards import parse_reward_args, parse_spec
 from rewards.pool import RewardPool
-from rollout import left_pad
-from train import evaluate, git_state, print0, save_final, save_plot, setup_device, write_atomic
+from scoring import evaluate
 
 
 def read_pairs(path: str) -> list[dict]:
@@ -68,8 +70,8 @@ def pack(tok, pairs: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def main(argv: list[str]) -> dict:
-    cfg = parse(argv)
-    check_config(cfg)
+    cfg = fill_defaults(parse(argv))
+    validate(cfg)
     torch.manual_seed(cfg.seed)
     device, dtype = setup_device(cfg)
     pairs = read_pairs(cfg.algo.dpo.data)
@@ -89,12 +91,11 @@ def main(argv: list[str]) -> dict:
     generator = torch.Generator().manual_seed(cfg.seed)
     sample_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
 
-    run_dir = cfg.out_dir or os.path.join("runs", f"dpo-{cfg.algo.dpo.loss}-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(run_dir, exist_ok=True)
-    import yaml
-    write_atomic(os.path.join(run_dir, "config.yaml"), yaml.safe_dump({**to_dict(cfg), "git": git_state()}, sort_keys=False))
-    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "w")
+    cfg.out_dir = cfg.out_dir or os.path.join("runs", f"dpo-{cfg.algo.dpo.loss}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = rundir.create(cfg, rank=0)
+    logger = rundir.Logger(run_dir, first_step=1, resume=False)
     start = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, sample_gen)
+    logger.log({"step": 0, **start})
     print0(f"step 0: held-out accuracy {start['eval/accuracy']:.3f}; {len(pairs)} pairs from {cfg.algo.dpo.data}")
     order, cursor, rows, t_run = torch.randperm(len(pairs), generator=generator), 0, [], time.perf_counter()
     for step in range(1, cfg.steps + 1):
@@ -121,13 +122,12 @@ def main(argv: list[str]) -> dict:
             print0(f"step {step}: loss {row['loss']:.4f} pref_acc {row['pref_acc']:.2f} "
                    f"held-out accuracy {row['eval/accuracy']:.3f}")
         rows.append(row)
-        metrics_file.write(json.dumps(row) + "\n")
-        metrics_file.flush()
+        logger.log(row)
     wall = time.perf_counter() - t_run
-    metrics_file.close()
+    logger.close()
     pool.close()
-    save_final(os.path.join(run_dir, "final"), policy, tok)
-    save_plot(run_dir, [{"step": 0, "reward": float("nan"), **start}] + rows)
+    rundir.save_final(os.path.join(run_dir, "final"), policy, tok)
+    rundir.save_plot(run_dir, [{"step": 0, **start}] + rows)
     end = rows[-1]["eval/accuracy"] if rows else start["eval/accuracy"]
     print0(f"held-out accuracy: {start['eval/accuracy']:.3f} -> {end:.3f} in {wall:.0f} s; run directory: {run_dir}")
     return {"start_accuracy": start["eval/accuracy"], "end_accuracy": end, "run_dir": run_dir, "wall_s": wall}

@@ -6,8 +6,27 @@ the loss), truncated importance sampling, and the clipped policy-gradient loss m
 
 Every function here is pure: tensors in, tensors out; `cfg` is the `algo` section of the config.
 """
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import Tensor
+
+from config import AGG_MODES
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """What an algorithm file registers: its two pure functions and what the loop must build for them."""
+    advantages: Callable        # (batch: Experience, cfg: AlgoConfig, sum_over=None) -> (B, C) per-token advantages
+    loss: Callable              # (new: dict, batch: Experience, cfg: AlgoConfig) -> (loss, metrics: dict)
+    needs_ref: Callable = lambda cfg: cfg.kl_coef > 0   # does the batch need reference log-probs?
+    needs_critic: bool = False  # the loop builds a critic, fills batch.values and passes new["values"]
+    keep: Callable | None = None  # (batch, cfg) -> (B,) bool: rows to train on (e.g. DAPO's dynamic sampling)
+    # How the loss reduces over tokens, so that micro-batches (microbatch.py) and ranks (distributed.py) can be
+    # weighted to give exactly the whole mini-batch's gradient: a fixed mode, or None for cfg.loss_agg.
+    loss_agg: str | None = None
+    splittable: Callable = lambda cfg: True   # False: no exact split exists (pairs, mixed reductions)
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
@@ -31,7 +50,6 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, sum_over=None) -> 
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def aggregate(loss: Tensor, mask: Tensor, mode: str, max_len: int | None = None) -> Tensor:

@@ -15,8 +15,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from algos import Algorithm
-from algos.common import clipped_policy_loss, sequence_rewards
+from algos.common import Algorithm, clipped_policy_loss, sequence_rewards
 from algos.grpo import group_advantages, group_stats
 from registry import register
 
@@ -29,7 +28,7 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float)
     return -penalty * over / buffer
 
 
-def dapo_advantages(batch, cfg) -> Tensor:
+def dapo_advantages(batch, cfg, sum_over=None) -> Tensor:
     lengths = batch.completion_mask.sum(-1)                                                 # (B,)
     shaped = sequence_rewards(batch, cfg) + overlong_penalty(lengths, cfg.norm_len, cfg.dapo.overlong_buffer,
                                                              cfg.dapo.overlong_penalty)

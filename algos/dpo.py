@@ -17,12 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from algos import Algorithm
-from algos.common import masked_mean
+from algos.common import Algorithm, masked_mean
+from config import DPO_LOSSES as LOSSES
 from algos.grpo import group_stats
 from registry import register
 
-LOSSES = ("sigmoid", "ipo", "simpo")
 
 
 def sequence_scores(logp: Tensor, ref_logp: Tensor | None, mask: Tensor, kind: str) -> Tensor:
@@ -60,7 +59,7 @@ def pair_labels(rewards: Tensor, group_ids: Tensor) -> Tensor:
     return labels * (std > 0)
 
 
-def online_dpo_advantages(batch, cfg) -> Tensor:
+def online_dpo_advantages(batch, cfg, sum_over=None) -> Tensor:
     return pair_labels(batch.rewards.float(), batch.group_ids)[:, None] * batch.completion_mask   # (B, C)
 
 

@@ -17,8 +17,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from algos import Algorithm
-from algos.common import clipped_policy_loss, sequence_rewards  # noqa: F401  (clipped_policy_loss re-exported)
+from algos.common import Algorithm, clipped_policy_loss, sequence_rewards  # noqa: F401  (clipped_policy_loss re-exported)
 from registry import register
 
 
@@ -39,7 +38,7 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, scale: bool = True, eps
     return centred / (std + eps) if scale else centred
 
 
-def grpo_advantages(batch, cfg, scale: bool | None = None) -> Tensor:
+def grpo_advantages(batch, cfg, sum_over=None, scale: bool | None = None) -> Tensor:
     scale = cfg.scale_rewards if scale is None else scale
     adv = group_advantages(sequence_rewards(batch, cfg), batch.group_ids, scale=scale)      # (B,)
     return adv[:, None] * batch.completion_mask                                             # (B, C)

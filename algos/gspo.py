@@ -11,8 +11,7 @@ with seq-mean-token-mean aggregation. Simplified: no GSPO-token variant (per-tok
 """
 import torch
 
-from algos import Algorithm
-from algos.common import kl_in_loss, masked_mean, tis_weights
+from algos.common import Algorithm, kl_in_loss, masked_mean, tis_weights
 from algos.grpo import grpo_advantages
 from registry import register
 

@@ -18,8 +18,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from algos import Algorithm
-from algos.common import clipped_policy_loss, masked_mean, masked_whiten, token_rewards
+from algos.common import Algorithm, clipped_policy_loss, masked_mean, masked_whiten, token_rewards
 from registry import register
 
 
@@ -37,7 +36,7 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     return adv
 
 
-def ppo_advantages(batch, cfg) -> Tensor:
+def ppo_advantages(batch, cfg, sum_over=None) -> Tensor:
     values = batch.values.float() * batch.completion_mask                                   # (B, C)
     return gae(token_rewards(batch, cfg), values, batch.completion_mask, cfg.ppo.gamma, cfg.ppo.gae_lambda)
 

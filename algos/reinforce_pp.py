@@ -13,9 +13,7 @@ from functools import partial
 
 from torch import Tensor
 
-import distributed
-from algos import Algorithm
-from algos.common import clipped_policy_loss, masked_whiten, token_rewards
+from algos.common import Algorithm, clipped_policy_loss, masked_whiten, token_rewards
 from algos.grpo import group_advantages
 from registry import register
 
@@ -25,13 +23,14 @@ def reward_to_go(token_rewards: Tensor) -> Tensor:
     return token_rewards.flip(-1).cumsum(-1).flip(-1)
 
 
-def reinforce_pp_advantages(batch, cfg, baseline: bool = False) -> Tensor:
+def reinforce_pp_advantages(batch, cfg, sum_over=None, baseline: bool = False) -> Tensor:
     mask = batch.completion_mask                                                            # (B, C)
     score = batch.rewards.float()
     if baseline:
         score = group_advantages(score, batch.group_ids, scale=False)                       # (B,) r - group mean
-    # under torchrun each rank holds part of the batch: the sums behind mean and std are taken over all ranks
-    return masked_whiten(reward_to_go(token_rewards(batch, cfg, score)), mask, sum_over=distributed.all_sum)  # (B, C)
+    # under torchrun each rank holds part of the batch: the loop's sum_over sums over all ranks, so the mean and
+    # std are the whole batch's
+    return masked_whiten(reward_to_go(token_rewards(batch, cfg, score)), mask, sum_over=sum_over)  # (B, C)
 
 
 register("algo", "reinforce_pp")(Algorithm(advantages=reinforce_pp_advantages, loss=clipped_policy_loss))

@@ -10,8 +10,7 @@ algo.epochs or algo.minibatch_size give several updates per batch.
 """
 from torch import Tensor
 
-from algos import Algorithm
-from algos.common import clipped_policy_loss, sequence_rewards
+from algos.common import Algorithm, clipped_policy_loss, sequence_rewards
 from algos.grpo import group_stats
 from registry import register
 
@@ -22,7 +21,7 @@ def leave_one_out_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     return (rewards - mean) * count / (count - 1).clamp(min=1)
 
 
-def rloo_advantages(batch, cfg) -> Tensor:
+def rloo_advantages(batch, cfg, sum_over=None) -> Tensor:
     adv = leave_one_out_advantages(sequence_rewards(batch, cfg), batch.group_ids)           # (B,)
     return adv[:, None] * batch.completion_mask                                             # (B, C)
 

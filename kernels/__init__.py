@@ -1,16 +1,16 @@
-"""Kernels, registered by name. The caller asks the registry for a name and never checks the device:
-the dispatchers registered here pick the fused Triton version where it runs (CUDA tensors and an
-importable triton, or TRITON_INTERPRET=1 for tests on CPU), the torch reference elsewhere.
+"""Kernels, imported directly by the code that runs them. Each entry point below picks the fused Triton version
+where it runs (CUDA tensors and an importable triton, or TRITON_INTERPRET=1 for tests on CPU) and the torch
+reference twin elsewhere, so the caller never checks the device:
 
-    logp, ent = get("kernel", "token_logprobs")(logits, targets, temperature)           # logits (..., V)
-    logp, ent = get("kernel", "linear_logprobs")(hidden, lm_head_weight, targets, temperature)  # hidden (..., H)
-    kl = get("kernel", "token_kl")(logp, ref_logp, "k3")                                 # k1 | k2 | k3
-    loss, logp, ent = get("kernel", "linear_logprob_loss")(hidden, lm_head_weight, targets, temperature, loss_fn)
+    from kernels import token_logprobs, linear_logprobs, linear_logprob_loss_kernel, sample_token, decode_attention_kernel
+    logp, ent = token_logprobs(logits, targets, temperature)                          # logits (..., V)
+    logp, ent = linear_logprobs(hidden, lm_head_weight, targets, temperature)         # hidden (..., H)
+    loss, logp, ent = linear_logprob_loss_kernel(hidden, lm_head_weight, targets, temperature, loss_fn)
         # loss_fn(rows, logp (b, C), entropy (b, C)) -> scalar; the gradient is computed in the forward
         # (3 matmuls instead of 4): see kernels/logprob_loss.py for when a loss qualifies
-    tok, logp = get("kernel", "sample_token")(logits, inv_t, seed, step)     # (B, V) -> (B,), (B,): Gumbel-max
-    o = get("kernel", "decode_attention")(qkv, cos, sin, pos, k, v, key_ok, last, scale)  # rotary + cache write +
-                                                                             # attention of one new token per sequence
+    tok, logp = sample_token(logits, inv_t, seed, step)     # (B, V) -> (B,), (B,): Gumbel-max
+    o = decode_attention_kernel(qkv, cos, sin, pos, k, v, key_ok, last, scale)   # rotary + cache write +
+                                                            # attention of one new token per sequence
 
 Targets < 0 mark padded tokens: logp = entropy = 0 there, and no gradient flows from them.
 """
@@ -18,11 +18,10 @@ import os
 
 from torch import Tensor
 
-from registry import register
 from kernels.decode_attention import decode_attention, decode_attention_reference
 from kernels.linear_logprob import linear_logprob_entropy
 from kernels.logprob_loss import linear_logprob_loss
-from kernels.logprob import HAS_TRITON, logprob_entropy, logprob_entropy_reference, token_kl
+from kernels.logprob import HAS_TRITON, logprob_entropy, logprob_entropy_reference
 from kernels.sample import gumbel_sample, gumbel_sample_reference
 
 
@@ -32,7 +31,6 @@ def use_triton(*tensors: Tensor) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" or all(t.is_cuda for t in tensors)
 
 
-@register("kernel", "token_logprobs")
 def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """logits (..., V), targets (...) -> (logp, entropy), each shaped like targets."""
     shape = targets.shape
@@ -44,7 +42,6 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) ->
     return logp.view(shape), ent.view(shape)
 
 
-@register("kernel", "linear_logprobs")
 def linear_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
                     into_grad: bool = False) -> tuple[Tensor, Tensor]:
     """hidden (..., H), lm_head weight (V, H), targets (...) -> (logp, entropy), each shaped like targets.
@@ -54,7 +51,6 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature
                                   into_grad=into_grad)
 
 
-@register("kernel", "linear_logprob_loss")
 def linear_logprob_loss_kernel(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, loss_fn,
                                rows_per_chunk: int | None = None, into_grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """hidden (B, C, H), weight (V, H), targets (B, C) -> (loss, logp (B, C), entropy (B, C)); loss.backward()
@@ -64,7 +60,6 @@ def linear_logprob_loss_kernel(hidden: Tensor, weight: Tensor, targets: Tensor, 
                                use_triton=use_triton(hidden, weight), into_grad=into_grad)
 
 
-@register("kernel", "sample_token")
 def sample_token(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor) -> tuple[Tensor, Tensor]:
     """logits (B, V), inv_t / seed / step (1,) device tensors -> tok (B,), logp (B,): one token per row at
     temperature 1 / inv_t, noise keyed by seed and step (kernels/sample.py; the decode graph replays it)."""
@@ -72,7 +67,6 @@ def sample_token(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor) -> t
     return fn(logits, inv_t, seed, step)
 
 
-@register("kernel", "decode_attention")
 def decode_attention_kernel(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
                             key_ok: Tensor, last: Tensor, scale: float) -> Tensor:
     """qkv (B, (nh + 2 nkv) D), rotary tables cos/sin (S, D), pos (B,), caches k/v (B, nkv, S, D), key_ok (B, S),
@@ -80,6 +74,3 @@ def decode_attention_kernel(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, 
     (kernels/decode_attention.py)."""
     fn = decode_attention if use_triton(qkv) else decode_attention_reference
     return fn(qkv, cos, sin, pos, k, v, key_ok, last, scale)
-
-
-register("kernel", "token_kl")(token_kl)

@@ -6,10 +6,10 @@ per sequence.
     # -> o (B, nh * D). Writes the new token's rotated key and its value into k, v at slot `last`; attends over
     # the slots [0, last] that key_ok allows (slot `last`, the token itself, always); slots after it are never read
 
-Why: in fast_decode.py's step at W1's shape (batch 128, 320 cache slots, 14 query / 2 KV heads of 64),
-cuDNN's scaled_dot_product_attention with a boolean mask took ~12 us per layer per token on an H100: it reads
-all S slots of every sequence although most are still empty. Around it, the rotary embedding and the two
-cache writes were three more small kernels (~4.4 us per layer in the graph). Here one program per (sequence,
+Why: in engines/fast_decode.py's step (W1, docs/benchmarks.md: batch 128, 320 cache slots, 14 query / 2 KV
+heads of 64), cuDNN's scaled_dot_product_attention with a boolean mask reads all S slots of every sequence
+although most are still empty, and the rotary embedding and the two cache writes around it are three more
+small kernels per layer (measured: docs/kernels.md, "Decode attention"). Here one program per (sequence,
 KV head) rotates the group's g query heads and its key in registers, stores the key and value in the cache,
 then reads that head's K/V once for all g query heads (GQA) up to the slot before `last`, which the graph
 passes as a device tensor, so each replay reads only the cache so far; the new token's own key and value
@@ -82,7 +82,7 @@ if HAS_TRITON:
         tl.store(o_ptr + b * so_b + qh + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
 
     # An opaque custom op, not a triton_op: inductor then calls it as it is instead of lowering the kernel into
-    # its own code, which failed to compile inside the decode step (torch 2.11, H100)
+    # its own code, which failed to compile inside the decode step (torch 2.11)
     @torch.library.custom_op("rlhack::decode_attention", mutates_args=("k", "v"))
     def _decode_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
                              key_ok: Tensor, last: Tensor, scale: float, block: int, warps: int, stages: int) -> Tensor:
@@ -127,9 +127,9 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
 def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor,
                      last: Tensor, scale: float, block: int = 128, warps: int = 4, stages: int = 2) -> Tensor:
     """See the module's docstring. The Triton kernel (CUDA, or TRITON_INTERPRET=1); block, warps, stages: the
-    kernel's settings. The defaults were the fastest of 48 at W1's decode shape on an H100, timed over 24
-    layers' caches per graph so that each read comes from memory, as in the decode step, not from L2:
-    6.3 / 9.9 / 12.9 us per layer with 64 / 192 / 318 slots filled."""
+    kernel's settings. The defaults were the fastest of those tried at W1's decode shape, timed over 24 layers'
+    caches so that each read comes from memory, as in the decode step, not from L2 (measured: docs/kernels.md,
+    "Decode attention")."""
     _check(qkv, cos, sin, pos, k, v, key_ok, last)
     return _decode_attention_op(qkv, cos, sin, pos, k, v, key_ok, last, float(scale), block, warps, stages)
 

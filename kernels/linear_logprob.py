@@ -17,9 +17,8 @@ Peak extra memory is one tile plus one float32 (8192, H) accumulator, whatever N
 
 `fuse_matmul=True` swaps the cuBLAS logits + elementwise pass for Triton matmuls (`_fwd_kernel`,
 `_bwd_kernel`) whose epilogue does the softmax work in registers: the logits are never rounded to
-bf16, so logp is ~1000x closer to float64 (3e-7 vs 3e-4 relative), but it ran 4-8% slower than
-cuBLAS + elementwise on an H100 and an H200 (kernels/bench.py: its matmul is slower than cuBLAS's),
-so it is not the default.
+bf16, so logp is ~1000x closer to float64, but its matmul is slower than cuBLAS's, so the whole is slower
+than cuBLAS + elementwise and it is not the default (measured: docs/kernels.md, "Log-prob passes").
 
 Cost: four matmuls of N*V*H (forward, recompute, two gradients) instead of eager's three; the
 recompute is what buys the memory. Padded tokens (target < 0) are dropped before the matmuls.

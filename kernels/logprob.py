@@ -2,7 +2,7 @@
 
     logits (N, V), targets (N,)  ->  logp (N,) = log softmax(logits / T)[target],  entropy (N,)
 
-    from kernels.logprob import logprob_entropy, logprob_entropy_reference, token_kl
+    from kernels.logprob import logprob_entropy, logprob_entropy_reference
     logp, ent = logprob_entropy(logits, targets, temperature, use_triton=True)   # fused, with backward
 
 A target < 0 (e.g. -100) marks a padded token: its logp and entropy are 0 and it gets no gradient.
@@ -30,8 +30,8 @@ try:  # triton is optional: without it (or off CUDA without TRITON_INTERPRET=1) 
 except ImportError:  # pragma: no cover - depends on the machine
     HAS_TRITON = False
 
-# Vocabulary columns per kernel step, and warps per row (one program per row). 4096 / 8 read a
-# (8192, 15232) bf16 tile at 2.2 TB/s on an H200; one-step 16384 / 16 was no faster (kernels/bench.py --profile).
+# Vocabulary columns per kernel step, and warps per row (one program per row): enough to read a logits tile near
+# the card's memory bandwidth; larger steps were no faster (measured: docs/kernels.md, "Log-prob passes").
 LAUNCH = dict(BLOCK=4096, num_warps=8)
 
 
@@ -48,19 +48,6 @@ def logprob_entropy_reference(logits: Tensor, targets: Tensor, temperature: floa
     p = logp_all.exp()
     entropy = -torch.where(p > 0, p * logp_all, 0).sum(-1)        # (N,) 0*log0 = 0 for masked vocab
     return torch.where(valid, logp, 0), torch.where(valid, entropy, 0)
-
-
-def token_kl(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
-    """Per-token KL(policy || reference) estimate from the sampled token's log-probs (Schulman's k1/k2/k3).
-    Elementwise on the fused kernel's logp, so autograd carries its gradient; no kernel is needed for it."""
-    d = ref_logp - logp                                           # (N,) log(ref / policy)
-    if kind == "k1":
-        return -d
-    if kind == "k2":
-        return 0.5 * d * d
-    if kind == "k3":
-        return torch.exp(d) - d - 1
-    raise ValueError(f"unknown KL estimator {kind!r}; known: k1, k2, k3")
 
 
 if HAS_TRITON:

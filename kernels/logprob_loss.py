@@ -27,18 +27,16 @@ vocabulary of a token at once, which is why chunks are whole rows x V and not ti
 Memory above the inputs and the two gradients: one logits buffer (<= chunk_bytes, unless one row alone is
 larger: then that row is the chunk) plus O(tokens) vectors. d W adds up over chunks: in a float32 copy
 when V * H * 4 fits chunk_bytes too, else in the weight's dtype through cuBLAS addmm (float32 products,
-rounded to bf16 once per chunk: 26 / 22 roundings at W2's shapes add a 4.4e-3 / 4.5e-3 relative error
-against a float32 accumulator, below the 6e-3 that bf16 logits already cost; kernels/bench.py measures it).
+rounded to bf16 once per chunk: the error that adds is below what bf16 logits already cost;
+tools/kernel_bench.py measures it).
 
-Measured (kernels/bench.py, H100 80GB HBM3, N = 32768 bf16, rows of 256, loss sum(logp * a + entropy * b),
-fwd+bwd; docs/kernels.md has the whole table): H=896, V=151936: 60.9 ms vs torch.compile 78.2 (0.78x),
-0.36 GiB extra; H=4096, V=128256: 164.3 ms vs 179.9 (0.91x), 0.37 GiB. At H=4096 the three matmuls alone
-take 153.6 ms on that card (0.85x compile): the 10.8 ms of Triton passes is the gap, and running them on a
-side stream beside a matmul hid nothing (1.14 vs 1.15 ms a chunk; presumably cuBLAS holds every SM).
+Speed: the three cuBLAS matmuls are most of the time, and the Triton passes between them are the rest.
+Running the passes on a side stream beside a matmul hid nothing (presumably cuBLAS holds every SM), so they
+run in order. Measured against torch.compile and Liger (W2, docs/benchmarks.md): docs/kernels.md.
 
 loss_fn should not sync with the host (.item()): every sync stalls the chunk pipeline. logp and entropy
 come back detached, shaped like targets, 0 on padded tokens (for metrics). `use_triton=False` runs the same
-loop with the torch twins of the kernels (the CPU path); kernels/__init__.py picks through the registry.
+loop with the torch twins of the kernels (the CPU path); kernels/__init__.py picks one by the tensors' device.
 """
 import torch
 from torch import Tensor
@@ -46,7 +44,7 @@ from torch import Tensor
 from kernels.logprob import (HAS_TRITON, check_inputs, check_linear_inputs, chunk_grad, chunk_stats, finish_stats,
                              hand_to_grad, into_grad_of, new_state)
 
-CHUNK_BYTES = 384 * 2**20  # one (tokens x V) logits buffer: W2 keeps < 0.5 GiB extra (kernels/bench.py)
+CHUNK_BYTES = 384 * 2**20  # one (tokens x V) logits buffer: W2 (docs/benchmarks.md) stays < 0.5 GiB extra
 
 
 def plan_chunks(counts: list[int], budget_tokens: int, rows_per_chunk: int | None = None) -> list[tuple[int, int]]:

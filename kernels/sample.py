@@ -3,9 +3,9 @@
     tok, logp = gumbel_sample(logits (B, V), inv_t (1,) float32, seed (1,) int64, step (1,) int64)
     # tok (B,) long ~ softmax(logits * inv_t), logp (B,) float32 = log softmax(logits * inv_t)[tok]
 
-Why: the decode loop of fast_decode.py samples 256 times per rollout over a 152k vocabulary. The eager
-route (scale, log_softmax, exp, multinomial, gather: ~8 kernels, each a trip through B x V float32) cost
-~0.3 ms per token on an H200, and torch.multinomial with a user generator cannot sit inside a CUDA graph.
+Why: the decode loop of engines/fast_decode.py samples 256 times per rollout over a 152k vocabulary. The eager
+route (scale, log_softmax, exp, multinomial, gather: ~8 kernels, each a trip through B x V float32) reads the
+vocabulary many times per token, and torch.multinomial with a user generator cannot sit inside a CUDA graph.
 Here the Gumbel-max trick does it in one read of the bf16 logits: argmax(z + g) with g = -log(-log u),
 u uniform, is an exact sample of softmax(z), and the same pass keeps an online logsumexp for logp. The kernel
 computes it as the exponential race argmax(exp(z - m) / -log u), the same sample for the same u with one log
@@ -23,9 +23,8 @@ from torch import Tensor
 
 from kernels.logprob import HAS_TRITON
 
-# programs per row at most, and columns per block: 128 rows alone would leave most of a GPU idle. Fastest of 24
-# settings at 128 x 151936 on an H100: 80 us per call (one 4096-column block per program, 38 per row) against
-# 138 us for 16 programs of 1024-column blocks (each block's reductions cost more than its arithmetic)
+# programs per row at most, and columns per block: 128 rows alone would leave most of a GPU idle. Large blocks,
+# because each block's reductions cost more than its arithmetic (measured: docs/kernels.md, "Sampler")
 SPLIT, BLOCK = 64, 4096
 
 if HAS_TRITON:

@@ -1,4 +1,5 @@
 """Shared fixtures: a tiny random transformers model saved locally (no hub needed)."""
+import json
 import os
 import sys
 
@@ -7,6 +8,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+import algos, engines, rewards, tasks  # noqa: E402,F401,E401  (register every plugin, as the entry scripts do)
 
 
 def make_random_model(path: str, seed: int = 0, vocab_chars: str = "0123456789+="):
@@ -26,8 +29,23 @@ def make_random_model(path: str, seed: int = 0, vocab_chars: str = "0123456789+=
     return path
 
 
+def step_rows(run_dir) -> list[dict]:
+    """The per-step rows of a run's metrics.jsonl: step 0 (the held-out evaluation before training) left out."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [row for row in map(json.loads, f) if row["step"] > 0]
+
+
+def logprob_mismatch(sample_logprobs, trainer_logprobs, mask) -> dict[str, float]:
+    """Mean and max |engine log-prob - trainer log-prob| over the completion tokens in mask, all (B, C): what the
+    loop logs as logprob_mismatch/* (update.py), for tests that drive an engine by hand."""
+    diff = (sample_logprobs.float() - trainer_logprobs.detach().float().to(sample_logprobs.device)).abs()[mask.bool()]
+    if diff.numel() == 0:
+        return {"logprob_mismatch/mean": 0.0, "logprob_mismatch/max": 0.0}
+    return {"logprob_mismatch/mean": diff.mean().item(), "logprob_mismatch/max": diff.max().item()}
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "vllm: needs requirements-vllm.txt (scripts/ci_vllm.sh); skipped without it")
+    config.addinivalue_line("markers", "vllm: needs requirements-vllm.txt (tools/ci_vllm.sh); skipped without it")
 
 
 @pytest.fixture(scope="session")

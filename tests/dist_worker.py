@@ -18,12 +18,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import algos  # noqa: E402,F401  (registers the algorithms)
 import distributed  # noqa: E402
 import registry  # noqa: E402
 from buffer import Experience  # noqa: E402
 from config import Config  # noqa: E402
 from models import completion_logprobs, load_model  # noqa: E402
-from rollout import BuiltinEngine  # noqa: E402
+from engines.builtin import BuiltinEngine  # noqa: E402
 
 G, N, P, C, VOCAB = 8, 4, 4, 6, 14   # groups, samples per group, prompt and completion widths, token ids < VOCAB
 

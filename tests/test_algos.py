@@ -17,6 +17,7 @@ from algos.ppo import gae, ppo_advantages, ppo_loss, value_loss
 from algos.reinforce_pp import reinforce_pp_advantages, reward_to_go
 from algos.rloo import leave_one_out_advantages, rloo_advantages
 from buffer import Experience
+from conftest import step_rows  # noqa: E402
 
 
 def batch_of(rewards, mask, group_ids, **extra) -> Experience:
@@ -270,10 +271,9 @@ def test_kl_sits_in_the_loss_or_the_reward_never_both():
 
 
 def test_bad_algo_choices_are_user_errors():
-    from algos import check_config
     for override in ["algo.loss_agg=sum", "algo.kl_estimator=k9", "algo.tis=both", "algo.dpo.loss=hinge"]:
         with pytest.raises(config.UserError, match=override.split("=")[0]):
-            check_config(config.parse([override]))
+            config.validate(config.parse([override]))
 
 
 # --- every registered algorithm runs end to end and learns a toy reward (in process, random model) ----------
@@ -289,7 +289,7 @@ def test_every_algorithm_runs_and_learns_a_toy_reward(name, random_model_dir, tm
     train.main([f"model={random_model_dir}", f"algo.name={name}", "steps=12", "eval_every=12", "eval_size=8",
                 "prompts_per_step=8", "samples_per_prompt=4", "rewards=test_short", f"out_dir={tmp_path}", "lr=3e-3",
                 "progress=false", "algo.minibatch_size=16", "algo.kl_coef=0.01"])   # 2 updates per step, KL on
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(tmp_path)
     assert len(rows) == 12 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows[:4]), rows
     assert all(0 <= r["logprob_mismatch/mean"] <= r["logprob_mismatch/max"] < 1e-3 for r in rows)
     first, last = [sum(r["reward"] for r in part) / 4 for part in (rows[:4], rows[-4:])]

@@ -1,4 +1,4 @@
-"""bench.py (W1) at toy shapes on CPU: the runner, its variants and its report work end to end."""
+"""tools/bench.py (W1) at toy shapes on CPU: the runner, its variants and its report work end to end."""
 import json
 import os
 import subprocess
@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_bench_small_runs_variants(tmp_path):
     out = tmp_path / "bench"
-    r = subprocess.run([sys.executable, "bench.py", "--small", "--parts", "ours,engine", "--ours", "4:ckpt,4:fused",
+    r = subprocess.run([sys.executable, "tools/bench.py", "--small", "--parts", "ours,engine", "--ours", "4:ckpt,4:fused",
                         "--steps", "2", "--set", "prompts_per_step=6", "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 
 import checkpoint
 import registry
-from algos import Algorithm, grpo
+from algos import grpo
+from algos.common import Algorithm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ("time/", "tokens_per_s")
@@ -40,7 +41,9 @@ def run_train(args, crash_at=None):
 
 def metrics(run_dir) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)} for line in f]
+        rows = [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)} for line in f]
+    assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]     # the evaluation before training is a row
+    return rows[1:]
 
 
 def assert_checkpoints_whole(run_dir):
@@ -174,7 +177,8 @@ def _two_rank_worker(rank: int, init_file: str, run_dir: str):
     """One of two gloo ranks: train a step, save (rank 0 writes), rebuild from scratch, load, compare."""
     import torch.distributed as dist
     from config import Config
-    from replay import ReplayBuffer, ReplayConfig
+    from buffer import ReplayBuffer
+    from config import ReplayConfig
     from test_replay import make_batch
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
 

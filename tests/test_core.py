@@ -155,7 +155,8 @@ def test_experience_cat_repads_prompt_left_and_completion_right():
 # --- engine ---------------------------------------------------------------------------------------
 def test_sampling_logprobs_match_teacher_forcing(random_model_dir):
     from models import completion_logprobs, load_model
-    from rollout import BuiltinEngine, SamplingParams
+    from engines.builtin import BuiltinEngine
+    from engines.base import SamplingParams
     model, tok = load_model(random_model_dir, torch.device("cpu"), torch.float32)
     engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id)
     prompts = [tok(p)["input_ids"] for p in ["1+2=", "123+456=", "7="]]          # different lengths: left padding
@@ -172,7 +173,8 @@ def test_sampling_logprobs_match_teacher_forcing(random_model_dir):
 
 def test_completion_mask_stops_after_eos(random_model_dir):
     from models import load_model
-    from rollout import BuiltinEngine, SamplingParams
+    from engines.builtin import BuiltinEngine
+    from engines.base import SamplingParams
     model, tok = load_model(random_model_dir, torch.device("cpu"), torch.float32)
     engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id)
     r = engine.generate([tok("12+3=")["input_ids"]], 64, SamplingParams(max_new_tokens=10),
@@ -190,7 +192,7 @@ def test_completion_mask_stops_after_eos(random_model_dir):
 
 
 def test_top_p_keeps_smallest_nucleus():
-    from rollout import top_p_filter
+    from engines.base import top_p_filter
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     kept = torch.isfinite(top_p_filter(logits, 0.7))
     assert kept.tolist() == [[True, True, False, False]]

@@ -1,4 +1,4 @@
-"""File-based prompts (jsonl, json, parquet, datasets folders), the task processor, the experience processor."""
+"""File-based prompts (jsonl, json, parquet, datasets folders) and the task processor."""
 import json
 import os
 import sys
@@ -7,9 +7,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from buffer import Experience  # noqa: E402
-from data_files import (DataFilesConfig, dynamic_sampling, files_task, groups_with_signal,  # noqa: E402
-                        mask_truncated, read_rows)
+from config import DataFilesConfig  # noqa: E402
+from tasks.files import files_task, read_rows  # noqa: E402
 
 GSM = [{"question": f"Tom has {i} apples and buys {i + 1} more. How many apples?",
         "answer": f"He has {i} + {i + 1} = {2 * i + 1} apples.\n#### {2 * i + 1}"} for i in range(30)]
@@ -127,50 +126,6 @@ def test_registered_as_task_files():
 
 
 # ------------------------------------------------------------------------ experience processor
-
-def test_groups_with_signal_by_hand():
-    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 0.0, 2.0])
-    group_ids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 7])     # ids need not be contiguous
-    assert groups_with_signal(rewards, group_ids).tolist() == [False, False, True, True, False, False,
-                                                               False, False, False]
-
-
-def fake_batch(rewards, group_size, truncated=None, start_group=0):
-    B, C = len(rewards), 3
-    return Experience(input_ids=torch.arange(B * 5).view(B, 5), attention_mask=torch.ones(B, 5, dtype=torch.long),
-                      completion_mask=torch.ones(B, C), sample_logprobs=torch.zeros(B, C),
-                      rewards=torch.tensor(rewards, dtype=torch.float),
-                      group_ids=start_group + torch.arange(B) // group_size,
-                      versions=torch.zeros(B, dtype=torch.long),
-                      truncated=torch.tensor(truncated or [False] * B))
-
-
-def test_mask_truncated_zeroes_only_truncated_rows():
-    exp = fake_batch([1.0, 0.0], 2, truncated=[True, False])
-    out = mask_truncated(exp)
-    assert out.completion_mask.tolist() == [[0, 0, 0], [1, 1, 1]] and exp.completion_mask.sum() == 6
-    assert out.rewards.tolist() == [1.0, 0.0]
-
-
-def test_dynamic_sampling_refills_with_groups_that_have_signal():
-    rounds = iter([[1, 1, 0, 1, 0, 0],          # groups: flat, signal, flat
-                   [1, 0, 0, 0],                # signal, flat
-                   [0, 1, 1, 0]])               # signal, signal (one more than needed)
-    asked = []
-
-    def sample_groups(k):
-        asked.append(k)
-        return fake_batch(next(rounds), 2, start_group=100 * len(asked))
-    exp, stats = dynamic_sampling(sample_groups, n_groups=3, group_size=2, max_rounds=5)
-    assert asked == [3, 2, 1]
-    assert stats == {"groups": 3, "groups_drawn": 7}
-    assert exp.rewards.tolist() == [0, 1, 1, 0, 0, 1] and exp.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
-
-
-def test_dynamic_sampling_gives_up_after_max_rounds():
-    exp, stats = dynamic_sampling(lambda k: fake_batch([1.0] * (2 * k), 2), n_groups=2, group_size=2, max_rounds=2)
-    assert len(exp) == 0 and stats == {"groups": 0, "groups_drawn": 4}
-
 
 def test_gsm8k_recipe_config_loads_and_renders(tmp_path):
     """configs/gsm8k.yaml maps onto the trainer's config and turns GSM8K rows into math-reward samples."""

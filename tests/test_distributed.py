@@ -20,6 +20,7 @@ import sys
 
 import pytest
 import torch
+from conftest import step_rows  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -42,7 +43,7 @@ def run(*cmds, logs=None, timeout=300):
 
 def metrics(run_dir) -> list[dict]:
     """The rows of a run's metrics.jsonl, one per step."""
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return step_rows(run_dir)
 
 
 def test_fsdp_update_matches_one_process(tmp_path, random_model_dir):
@@ -199,7 +200,7 @@ def test_train_on_two_gpus(tmp_path):
 @pytest.mark.parametrize("settings, error", [
     (["offload=true"], "offload=true shards the policy with FSDP: launch with torchrun (--nproc_per_node=1 is fine)"),
     (["offload=true", "parallel=replicate"], "offload=true keeps FSDP shards in CPU memory: it needs parallel=fsdp"),
-    (["parallel=ddp"], "parallel must be 'fsdp' or 'replicate', got 'ddp'")])
+    (["parallel=ddp"], "config key 'parallel' must be one of fsdp, replicate; got 'ddp'")])
 def test_bad_parallel_settings(random_model_dir, tmp_path, settings, error):
     r = subprocess.run([sys.executable, "train.py", f"model={random_model_dir}", *settings,
                         f"out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)

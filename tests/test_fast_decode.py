@@ -1,14 +1,15 @@
-"""The engine's fast path (fast_decode.py), run on CPU without graphs: same function as the plain loop."""
+"""The engine's fast path (engines/fast_decode.py), run on CPU without graphs: same function as the plain loop."""
 import pytest
 import torch
 
-from fast_decode import FastDecoder, supported
+from engines.fast_decode import FastDecoder, supported
 
 
 @pytest.mark.parametrize("attention", ["matmul", "sdpa", "kernel"])
 def test_fast_path_logprobs_match_teacher_forcing(random_model_dir, attention, compile_step=False):
     from models import completion_logprobs, load_model
-    from rollout import BuiltinEngine, SamplingParams
+    from engines.builtin import BuiltinEngine
+    from engines.base import SamplingParams
     model, tok = load_model(random_model_dir, torch.device("cpu"), torch.float32)
     assert supported(model)
     engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, fast=True)
@@ -44,7 +45,8 @@ print("ok")
 
 def test_fast_path_stops_early_and_masks_after_eos(random_model_dir):
     from models import load_model
-    from rollout import BuiltinEngine, SamplingParams
+    from engines.builtin import BuiltinEngine
+    from engines.base import SamplingParams
     model, tok = load_model(random_model_dir, torch.device("cpu"), torch.float32)
     engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, fast=True)
     engine.decoder = FastDecoder(model, check_every=2)
@@ -64,7 +66,7 @@ def test_fast_path_stops_early_and_masks_after_eos(random_model_dir):
 @pytest.mark.parametrize("attention", ["matmul", "sdpa", "kernel"])
 def test_hand_written_forward_equals_transformers(random_model_dir, attention):
     from models import load_model
-    from rollout import position_ids
+    from models import position_ids
     model, tok = load_model(random_model_dir, torch.device("cpu"), torch.float32)
     dec = FastDecoder(model, attention=attention)
     gen = torch.Generator().manual_seed(3)
@@ -104,7 +106,8 @@ def test_fast_path_skips_module_hooks_repeats_and_releases(random_model_dir):
     trace it, which on an H200 silently sent every train.py rollout to the uncompiled step (0.81 s vs 0.37 s).
     A seeded rollout repeats exactly, and the cache is freed after each call unless keep_cache is set."""
     from models import load_model
-    from rollout import BuiltinEngine, SamplingParams
+    from engines.builtin import BuiltinEngine
+    from engines.base import SamplingParams
     model, tok = load_model(random_model_dir, torch.device("cpu"), torch.float32)
     calls = []
     model.get_input_embeddings().register_forward_hook(lambda *_: calls.append(1))

@@ -1,6 +1,6 @@
 """linear_logprob_loss (gradient computed in the forward) against float64 autograd of the same loss.
 
-    cd /work/main && .venv/bin/python -m pytest tests/test_kernel_loss.py -q
+    .venv/bin/python -m pytest tests/test_kernel_loss.py -q
 
 Tiers as in tests/test_kernels.py: the torch twins in this process; the Triton kernels under
 TRITON_INTERPRET=1 on CPU in a subprocess; CUDA at full vocabularies (skipped without a GPU).
@@ -50,7 +50,7 @@ def make_loss(kind, ref_logp, targets):
     # logp < 0 < entropy: these signs keep each row's terms from cancelling, so the loss's relative error means
     # something; the gradients get both signs from the PPO / GSPO advantages
     a, b = -(torch.rand(B, C) + 0.5), torch.rand(B, C) + 0.5
-    if kind == "linear":                                          # bench.py's loss
+    if kind == "linear":                                          # tools/bench.py's loss
         return lambda rows, lp, en: (lp * a[rows] + en * b[rows]).sum()
     if kind == "logp_only":                                       # no entropy gradient: the kernel's other branch
         return lambda rows, lp, en: (lp * a[rows]).sum()
@@ -181,13 +181,13 @@ def test_scaled_backward_no_grad_and_skipped_rows():
     assert not loss2.requires_grad and torch.allclose(loss2, loss) and torch.allclose(lp2, lp)
 
 
-def test_registry_dispatch():
-    from registry import get
+def test_dispatch():
+    import kernels
     from kernels import use_triton
     B, C, V, H = 2, 3, 11, 5
     h, w = torch.randn(B, C, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
     t = torch.randint(0, V, (B, C))
-    loss, lp, en = get("kernel", "linear_logprob_loss")(h, w, t, 1.0, lambda rows, lp, en: (lp + en).sum())
+    loss, lp, en = kernels.linear_logprob_loss_kernel(h, w, t, 1.0, lambda rows, lp, en: (lp + en).sum())
     rl, re = logprob_entropy_reference((h @ w.T).view(-1, V), t.view(-1))
     assert lp.shape == (B, C) and torch.allclose(loss, (rl + re).sum(), atol=1e-5)
     loss.backward()

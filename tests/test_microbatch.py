@@ -3,10 +3,13 @@ import pytest
 import torch
 
 import config
+import kernels
 from algos.grpo import clipped_policy_loss, grpo_advantages
 from microbatch import micro_batches, trim
 from models import completion_logprobs, load_model
-from rollout import BuiltinEngine, SamplingParams
+from engines.builtin import BuiltinEngine
+from engines.base import SamplingParams
+from conftest import step_rows  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +66,13 @@ def test_train_runs_with_micro_batches_and_checkpointing(tmp_path, random_model_
     r = run_train(f"model={random_model_dir}", "steps=2", "eval_size=8", "prompts_per_step=4", f"out_dir={out}",
                   "micro_batch_size=6", "grad_checkpointing=true")
     assert r.returncode == 0, r.stderr
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(out)
     assert len(rows) == 2 and all(row["logprob_mismatch/max"] < 1e-4 for row in rows)
 
 
 def test_fused_head_path_equals_logits_path(rollout_batch):
     """completion_logprobs takes the hidden-state kernel for plain heads; same values and gradients as logits."""
-    import registry
-    from models import plain_head
-    from rollout import position_ids
+    from models import plain_head, position_ids
     model, batch = rollout_batch
     assert plain_head(model)
     ids, mask, C = batch.input_ids, batch.attention_mask, batch.completion_mask.shape[1]
@@ -83,7 +84,7 @@ def test_fused_head_path_equals_logits_path(rollout_batch):
             logp, ent = completion_logprobs(model, ids, mask, C, 0.8)
         else:
             logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits[:, -C - 1:-1]
-            logp, ent = registry.get("kernel", "token_logprobs")(logits, ids[:, -C:], 0.8)
+            logp, ent = kernels.token_logprobs(logits, ids[:, -C:], 0.8)
         (-(logp * adv * batch.completion_mask).sum() + 0.1 * ent.sum()).backward()
         results.append((logp.detach(), ent.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     for a, b in zip(*results):
@@ -93,17 +94,18 @@ def test_fused_head_path_equals_logits_path(rollout_batch):
 @pytest.mark.parametrize("algo_name, overrides", [("grpo", {}), ("dr_grpo", {}), ("gspo", {}),
                                                   ("grpo", {"kl_coef": 0.1, "loss_agg": "seq-mean-token-mean"})])
 def test_fused_policy_loss_equals_autograd(rollout_batch, monkeypatch, algo_name, overrides):
-    """fused_loss=true (train.fused_policy_loss: the kernel hands the loss rows at a time, here one row per
+    """fused_loss=true (update.fused_policy_loss: the kernel hands the loss rows at a time, here one row per
     chunk) gives the loss, metrics and gradients of log-probs + autograd, for token- and sequence-level losses."""
+    import models
     import registry
-    import train
-    from algos import check_config
+    import update
     model, batch = rollout_batch
     cfg = config.Config()
     cfg.algo.name = algo_name
     for k, v in overrides.items():
         setattr(cfg.algo, k, v)
-    check_config(cfg)
+    config.fill_defaults(cfg)
+    config.validate(cfg)
     algo = registry.get("algo", algo_name)
     loss_agg = algo.loss_agg or cfg.algo.loss_agg
     batch.advantages = algo.advantages(batch, cfg.algo)
@@ -111,15 +113,15 @@ def test_fused_policy_loss_equals_autograd(rollout_batch, monkeypatch, algo_name
         batch.old_logprobs = completion_logprobs(model, batch.input_ids, batch.attention_mask,
                                                  batch.completion_mask.shape[1])[0] + 0.05
         batch.ref_logprobs = batch.old_logprobs - 0.1
-    kernel = registry.get("kernel", "linear_logprob_loss")
-    monkeypatch.setitem(registry._REGISTRY["kernel"], "linear_logprob_loss",
-                        lambda *a, **kw: kernel(*a, **{**kw, "rows_per_chunk": 1}))
+    kernel = kernels.linear_logprob_loss_kernel
+    monkeypatch.setattr(models, "linear_logprob_loss_kernel", lambda *a, **kw: kernel(*a, **{**kw, "rows_per_chunk": 1}))
+    learner = update.Learner(model, None, None, algo, cfg, torch.device("cpu"))
     C = batch.completion_mask.shape[1]
     out = []
     for fused in (False, True):
         model.zero_grad()
         if fused:
-            loss, _, m = train.fused_policy_loss(model, batch, C, cfg, algo, loss_agg)
+            loss, _, m = update.fused_policy_loss(learner, batch)
         else:
             logp, ent = completion_logprobs(model, batch.input_ids, batch.attention_mask, C)
             loss, m = algo.loss({"logprobs": logp, "entropy": ent}, batch, cfg.algo)

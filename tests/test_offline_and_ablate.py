@@ -1,20 +1,21 @@
-"""Tier-2 smoke tests of the offline preference script (train_dpo.py), the shipped preference file and ablate.py."""
+"""Tier-2 smoke tests of the offline preference script (train_dpo.py), the shipped preference file and tools/ablate.py."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from conftest import step_rows  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_shipped_preferences_match_the_task_and_are_right_vs_wrong():
-    from make_preferences import make_pairs
+    from tools.make_preferences import make_pairs
     from registry import get
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "assets", "arithmetic_prefs.jsonl"))]
-    # the file is what the script writes from the task as it is now (rerun make_preferences.py if data.py changed)
-    assert rows == make_pairs(len(rows)), "assets/arithmetic_prefs.jsonl is stale: run python make_preferences.py"
+    # the file is what the script writes from the task as it is now (rerun tools/make_preferences.py if tasks/arithmetic.py changed)
+    assert rows == make_pairs(len(rows)), "assets/arithmetic_prefs.jsonl is stale: run python tools/make_preferences.py"
     verify = get("reward", "arithmetic")
     for r in rows:
         assert verify(r["prompt"], r["chosen"], answer=r["chosen"]) == 1.0
@@ -30,7 +31,7 @@ def test_offline_dpo_raises_the_margin(loss, random_model_dir, tmp_path):
                              for a in range(8)))
     out = train_dpo.main([f"model={random_model_dir}", f"algo.dpo.data={prefs}", f"algo.dpo.loss={loss}", "steps=6",
                           "prompts_per_step=8", "lr=3e-3", "eval_every=6", "eval_size=8", f"out_dir={tmp_path / 'run'}"])
-    rows = [json.loads(line) for line in open(os.path.join(out["run_dir"], "metrics.jsonl"))]
+    rows = step_rows(out["run_dir"])
     assert rows[-1]["margin"] > rows[0]["margin"] and rows[-1]["loss"] < rows[0]["loss"]   # same 8 pairs each step
     assert os.path.exists(os.path.join(out["run_dir"], "final", "config.json"))
 
@@ -46,7 +47,7 @@ def test_offline_dpo_bad_file_is_one_line_error(random_model_dir, tmp_path):
 
 
 def test_ablate_runs_entries_x_seeds_and_writes_plot_and_table(random_model_dir, tmp_path):
-    import ablate
+    from tools import ablate
     text = ablate.main(["--runs", "grpo,rloo:algo.loss_agg=seq-mean-token-mean", "--seeds", "0,1",
                         "--out", str(tmp_path), f"model={random_model_dir}", "steps=2", "eval_every=1", "eval_size=8",
                         "prompts_per_step=2", "samples_per_prompt=2"])

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from buffer import Experience
-from replay import ReplayBuffer, ReplayConfig, read_log
+from buffer import ReplayBuffer, read_log
+from config import ReplayConfig
 
 
 def make_batch(n: int, version: int, P: int = 3, C: int = 4, adv=None, seed: int = 0) -> Experience:

@@ -108,13 +108,7 @@ def test_hostile_code_through_the_pool():
 
 
 def test_names_from_the_registry():
-    import registry
-    import rewards.format  # noqa: F401  (rewards/__init__.py imports these too; explicit so this test stands alone)
-    import rewards.math  # noqa: F401
-    try:
-        registry.load_plugins()
-    except ImportError as e:
-        pytest.skip(f"plugin modules not all importable yet: {e}")
+    import rewards  # noqa: F401  (registers every reward by name)
     with RewardPool([("math", 1.0), ("format", 0.5)], workers=1, timeout_s=60) as pool:
         total, info = pool.submit(["q"], ["<think>2+2</think><answer>\\boxed{4}</answer>"], [{"answer": "4"}]).result()
     assert info["reasons"] == [] and math.isclose(total.item(), 1.5)

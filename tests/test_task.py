@@ -1,6 +1,6 @@
-"""Tests of the embedded default task: data.py (arithmetic), rewards/task.py and the shipped tiny model.
+"""Tests of the embedded default task: tasks/arithmetic.py (arithmetic), rewards/task.py and the shipped tiny model.
 
-    cd /work/main && .venv/bin/python -m pytest tests/test_task.py -q
+    .venv/bin/python -m pytest tests/test_task.py -q
 """
 import os
 import sys
@@ -10,10 +10,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from data import ArithmeticConfig, arithmetic_task, is_heldout  # noqa: E402
-from make_tiny_model import carryless_answer  # noqa: E402
+from config import ArithmeticConfig  # noqa: E402
+from tasks.arithmetic import arithmetic_task, is_heldout  # noqa: E402
+from tools.make_tiny_model import carryless_answer  # noqa: E402
 from registry import get  # noqa: E402
-from rewards.task import arithmetic_reward, extract_answer  # noqa: E402
+from tasks.arithmetic import arithmetic_reward, extract_answer  # noqa: E402
 
 MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny-model")
 
@@ -63,16 +64,22 @@ def test_heldout_fraction_is_about_right():
     assert 0.08 < frac < 0.12
 
 
-@pytest.mark.parametrize("bad", [dict(digits=0), dict(heldout_percent=0), dict(n_eval=0),
-                                 dict(digits=1, n_train=1000)])
+@pytest.mark.parametrize("bad", ["arithmetic.digits=0", "arithmetic.heldout_percent=0", "arithmetic.n_eval=0"])
 def test_bad_config_is_a_one_line_error(bad):
+    import config
+    with pytest.raises(config.UserError) as e:
+        config.validate(config.parse([bad]))
+    assert "\n" not in str(e.value) and bad.split("=")[0] in str(e.value)
+
+
+def test_more_problems_than_exist_is_a_one_line_error():
     with pytest.raises(ValueError) as e:
-        arithmetic_task(ArithmeticConfig(**bad))
+        arithmetic_task(ArithmeticConfig(digits=1, n_train=1000))
     assert "\n" not in str(e.value)
 
 
 def test_sample_format():
-    from data import make_sample
+    from tasks.arithmetic import make_sample
     assert make_sample(483, 27, 3) == {"prompt": "483+027=", "answer": "0150"}
     assert make_sample(999, 999, 3) == {"prompt": "999+999=", "answer": "8991"}
     assert make_sample(5, 0, 2) == {"prompt": "05+00=", "answer": "500"}

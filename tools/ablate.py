@@ -1,8 +1,8 @@
 """Quick ablations: algorithms (or any config variants) x seeds on the same task, one plot and one table.
 
-    python ablate.py                                             # grpo, ppo, rloo, online_dpo x seeds 0,1,2
-    python ablate.py --runs grpo,dr_grpo,dapo --seeds 0,1 steps=40
-    python ablate.py --runs "grpo,grpo:algo.loss_agg=seq-mean-token-mean,grpo:algo.kl_coef=0.05"
+    python tools/ablate.py                                             # grpo, ppo, rloo, online_dpo x seeds 0,1,2
+    python tools/ablate.py --runs grpo,dr_grpo,dapo --seeds 0,1 steps=40
+    python tools/ablate.py --runs "grpo,grpo:algo.loss_agg=seq-mean-token-mean,grpo:algo.kl_coef=0.05"
 
 Each entry of --runs is `algo[:key=value[:key=value]]`; its label is the entry itself. An algorithm with a
 recipe in configs/<algo>.yaml gets it (`--config`), then the entry's overrides, then the trailing key=value
@@ -21,7 +21,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repo root
 
 
 def run_dir(out: str, label: str, seed: int) -> str:
@@ -49,8 +49,8 @@ def launch(entry: str, seed: int, out: str, common: list[str]) -> dict:
         with open(wall_file, "w") as f:
             f.write(f"{time.perf_counter() - t0:.1f}\n")
     rows = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
-    start = next(line for line in open(os.path.join(d, "stdout.log")) if line.startswith("step 0:"))
-    return {"entry": entry, "seed": seed, "rows": rows, "start_acc": float(start.split()[4]),
+    start, rows = rows[0], rows[1:]   # row 0: the held-out evaluation before training
+    return {"entry": entry, "seed": seed, "rows": rows, "start_acc": start["eval/accuracy"],
             "wall_s": float(open(wall_file).read()) if os.path.exists(wall_file) else float("nan")}
 
 

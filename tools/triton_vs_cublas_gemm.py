@@ -1,6 +1,6 @@
-"""Can a Triton GEMM match cuBLAS at W2's logits shape on a power-capped GPU? (issue #4, docs/kernels.md)
+"""Can a Triton GEMM match cuBLAS at W2's logits shape (docs/benchmarks.md) on a power-capped GPU? (docs/kernels.md)
 
-    python3 benchmarks/triton_vs_cublas_gemm.py          # CUDA only; writes $OUT/gemm.json (OUT defaults to /tmp)
+    python3 tools/triton_vs_cublas_gemm.py          # CUDA only; writes $OUT/gemm.json (OUT defaults to /tmp)
 
 logits (T, V) = h (T, H) @ W.T with W (V, H): T = 1536 and 3072 tokens (chunks of the fused log-prob kernel),
 H = 4096, V = 128,256. Short runs pick the best of a few tile configs (with and without warp specialisation),

@@ -1,10 +1,10 @@
-"""W2 benchmark (see shared BENCH.md): per-token log-prob + entropy from hidden states, one GPU, one command.
+"""W2 benchmark (docs/benchmarks.md): per-token log-prob + entropy from hidden states, one GPU, one command.
 
-    python kernels/bench.py                      # both W2 shapes, N = 32768, bf16
-    python kernels/bench.py --shapes 896x151936 --n 8192 --methods triton,compile
+    python tools/kernel_bench.py                      # both W2 shapes, N = 32768, bf16
+    python tools/kernel_bench.py --shapes 896x151936 --n 8192 --methods triton,compile
 
 Methods, all on the same card in the same process: eager PyTorch (materialised logits; `eager_logp`
-is log-prob only via cross_entropy, as BENCH.md's peers), torch.compile of `eager`, these kernels
+is log-prob only via cross_entropy, as W2's peers), torch.compile of `eager`, these kernels
 (`triton`: the default, cuBLAS logits + Triton passes, gradient recomputed in backward (4 matmuls);
 `triton_fused`: Triton matmuls with the softmax in their epilogue; `triton_logp`: entropy left out of the
 loss; `triton_loss`: linear_logprob_loss, the gradient computed in the forward (3 matmuls), rows of --seq
@@ -43,7 +43,7 @@ def eager(h, w, t, temperature):
     return logp, lse - (torch.softmax(z, -1) * z).sum(-1)
 
 
-def eager_logp(h, w, t, temperature):                             # log-prob only, as BENCH.md's peers
+def eager_logp(h, w, t, temperature):                             # log-prob only, as W2's peers
     return -torch.nn.functional.cross_entropy((h @ w.T).float() / temperature, t, reduction="none"), None
 
 

@@ -1,7 +1,8 @@
-"""Prompts from files (task "files"), the task data processor, and the experience data processor.
+"""Prompts from files (task "files") and the task data processor.
 
     python train.py --config configs/gsm8k.yaml          # task: files, settings in the `files:` section
-    from data_files import DataFilesConfig, files_task
+    from config import DataFilesConfig
+    from tasks.files import files_task
     train, held_out = files_task(DataFilesConfig(train_path="gsm8k/train.parquet", eval_path="gsm8k/test.parquet"))
     train[0]   # {"prompt": "...rendered prompt...", "answer": "72", ...extra fields for the rewards}
 
@@ -22,47 +23,14 @@ Task data processor (`process_tasks`), in this order:
   5. shuffle with `seed`, then keep the first `limit` rows (0 = all).
 With no eval_path, the last `eval_size` rows of the shuffled train set are held out.
 
-Experience data processor (pure functions over a scored batch, used by the training loop):
-  groups_with_signal(rewards, group_ids) -> keep mask (B,): False for groups whose rewards are all equal
-      (zero advantage under group normalisation: "dynamic sampling", DAPO)
-  mask_truncated(exp) -> Experience whose truncated samples have a zeroed completion_mask ("overlong
-      filtering", DAPO: they stay in their group's statistics but contribute no gradient)
-  dynamic_sampling(sample_groups, n_groups, group_size, max_rounds) -> (Experience, stats): calls
-      sample_groups(k) for k more groups until n_groups with signal are collected (or max_rounds pass)
 """
 import glob
 import json
 import os
 import random
 import re
-from dataclasses import dataclass, field, replace
-
-import torch
-from torch import Tensor
-
-from buffer import Experience
+from config import DataFilesConfig
 from registry import register
-
-
-@dataclass
-class DataFilesConfig:
-    train_path: str = field(default="", metadata={"help": ".jsonl/.json/.parquet file, glob, or datasets.save_to_disk folder"})
-    eval_path: str = field(default="", metadata={"help": "held-out prompts, same kinds ('' = hold out eval_size train rows)"})
-    split: str = field(default="train", metadata={"help": "split of a DatasetDict folder used for training"})
-    eval_split: str = field(default="test", metadata={"help": "split of a DatasetDict folder used for evaluation"})
-    eval_size: int = field(default=200, metadata={"help": "rows held out from train when there is no eval_path"})
-    prompt_field: str = field(default="question", metadata={"help": "column holding the prompt text"})
-    answer_field: str = field(default="answer", metadata={"help": "column given to rewards as 'answer' ('' = none)"})
-    answer_regex: str = field(default="", metadata={"help": "keep the first group of this regex in the answer, e.g. '####\\s*(.+)'"})
-    fields: str = field(default="", metadata={"help": "extra sample fields for rewards: 'name:column,name:column'"})
-    prompt_template: str = field(default="{prompt}", metadata={"help": "Python format string; {prompt} is the prompt column"})
-    system_prompt: str = field(default="", metadata={"help": "system message when a chat template is applied"})
-    chat_template: str = field(default="", metadata={"help": "model/tokenizer folder whose chat template renders prompts ('' = none)"})
-    max_prompt_chars: int = field(default=0, metadata={"help": "drop rendered prompts longer than this (0 = no limit)"})
-    max_prompt_tokens: int = field(default=0, metadata={"help": "drop prompts longer than this in tokens (needs chat_template)"})
-    dedupe: bool = field(default=True, metadata={"help": "drop repeated prompts and train prompts that are also eval prompts"})
-    seed: int = field(default=0, metadata={"help": "shuffle seed"})
-    limit: int = field(default=0, metadata={"help": "keep at most this many training prompts (0 = all)"})
 
 
 # ----------------------------------------------------------------------------------------- reading
@@ -217,50 +185,3 @@ def files_task(cfg: DataFilesConfig) -> tuple[list[dict], list[dict]]:
           f"(dropped {stats['duplicates']} duplicates, {stats['in_eval']} eval prompts, {stats['too_long']} too long)")
     return train, evals
 
-
-# ------------------------------------------------------------------------ experience data processor
-
-def groups_with_signal(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Tensor:
-    """Keep mask (B,): True for samples whose group's rewards are not all equal (spread > eps)."""
-    ids = torch.unique(group_ids, return_inverse=True)[1]                    # (B,) groups numbered 0..G-1
-    G = int(ids.max()) + 1 if len(ids) else 0
-    r = rewards.float()
-    hi = torch.full((G,), -torch.inf).scatter_reduce(0, ids, r, "amax")      # (G,)
-    lo = torch.full((G,), torch.inf).scatter_reduce(0, ids, r, "amin")       # (G,)
-    return (hi - lo > eps)[ids]                                              # (B,)
-
-
-def mask_truncated(exp: Experience) -> Experience:
-    """Zero the completion_mask of samples that hit the length limit (they keep their reward and group)."""
-    keep = (~exp.truncated).to(exp.completion_mask.dtype)[:, None]           # (B, 1)
-    return replace(exp, completion_mask=exp.completion_mask * keep)          # (B, C)
-
-
-def dynamic_sampling(sample_groups, n_groups: int, group_size: int, max_rounds: int = 4,
-                     truncated: bool = True) -> tuple[Experience, dict]:
-    """Collect n_groups prompt groups whose rewards vary, sampling more until full or max_rounds.
-
-    sample_groups(k) -> Experience of k scored groups (k * group_size rows, a group's rows adjacent).
-    truncated=False applies mask_truncated first. The result may hold fewer than n_groups groups
-    (even none) when max_rounds run out: stats["groups"] says how many; the caller decides to skip.
-    """
-    if max_rounds < 1 or n_groups < 1:
-        raise ValueError(f"dynamic_sampling: max_rounds and n_groups must be >= 1, got {max_rounds}, {n_groups}")
-    kept, have, drawn = [], 0, 0
-    for _ in range(max_rounds):
-        if have >= n_groups:
-            break
-        exp = sample_groups(n_groups - have)
-        drawn += len(exp) // group_size
-        if not truncated:
-            exp = mask_truncated(exp)
-        rows = groups_with_signal(exp.rewards, exp.group_ids).nonzero().squeeze(1)   # (b,)
-        rows = rows[:(n_groups - have) * group_size]
-        if len(rows):
-            kept.append(exp.select(rows))
-            have += len(rows) // group_size
-    if not kept:
-        return exp.select(torch.arange(0)), {"groups": 0, "groups_drawn": drawn}
-    out = Experience.cat(kept)
-    out.group_ids = torch.arange(len(out)) // group_size                     # (B,) renumbered across rounds
-    return out, {"groups": have, "groups_drawn": drawn}

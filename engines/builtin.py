@@ -1,21 +1,18 @@
-"""Rollout engines: prompts -> n sampled completions with their per-token sampling log-probs.
+"""The built-in engine: plain torch + transformers with a KV cache, on CPU and GPU (engines/base.py: the interface).
 
-Every engine offers the same four calls (the loop never asks which engine it has):
-    generate(prompts: list[list[int]], n, sampling) -> Rollout   # prompts are token ids
-    load_weights(named_tensors)                                  # in place, no disk
-    sleep() / wake()                                             # free / restore memory between stages
-
-`builtin` is plain torch + transformers with a KV cache; it runs on CPU and GPU. On one device it
-uses the policy's own parameters, so weight sync costs nothing.
+On one device it samples with the policy's own parameters, so weight sync costs nothing. On CUDA, for
+Llama-shaped models, it hands the decode to engines/fast_decode.py (static KV cache, CUDA graph); elsewhere it
+runs the portable loop below, a token at a time through transformers' own cache.
 """
 import inspect
-from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
-from fast_decode import FastDecoder, supported
+from engines.base import Rollout, SamplingParams, left_pad, make_rollout, top_p_filter
+from engines.fast_decode import FastDecoder, supported
+from models import position_ids
 from registry import register
+
 
 # transformers renamed the KV-cache argument (`past_key_values` -> `cache`) around 5.2x; accept both
 def _cache_kw(model) -> str:
@@ -27,74 +24,6 @@ def _cache_of(out):
     return out.past_key_values if cache is None else cache
 
 
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 16
-
-
-@dataclass
-class Rollout:
-    input_ids: Tensor        # (B, P + C) prompt left-padded to P, completion right-padded to C
-    attention_mask: Tensor   # (B, P + C)
-    completion_mask: Tensor  # (B, C) 1 up to and including EOS
-    logprobs: Tensor         # (B, C) log-prob of each sampled token under softmax(logits / temperature)
-    truncated: Tensor        # (B,) bool: no EOS within max_new_tokens
-    group_ids: Tensor        # (B,) index of the prompt each sample answers; samples of a prompt are adjacent
-
-
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Token lists -> (ids, mask), both (B, P), padded on the left so every prompt ends at column P-1."""
-    P = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), P), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, P - len(s):] = torch.tensor(s)
-            mask[i, P - len(s):] = 1
-    return ids, mask
-
-
-def position_ids(attention_mask: Tensor) -> Tensor:
-    # left padding shifts where a sequence starts; positions count real tokens only
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
-    """Set logits outside the smallest set with cumulative probability >= top_p to -inf. (B, V)"""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    cum = sorted_logits.softmax(-1).cumsum(-1)
-    drop_sorted = cum - sorted_logits.softmax(-1) >= top_p     # keep the token that crosses top_p
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def logprob_mismatch(sample_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
-    """Mean and max |engine log-prob - trainer log-prob| over the completion tokens in mask. All (B, C).
-
-    Take trainer_logprobs from the weights the engine sampled with (before any optimizer step on this
-    batch): then any difference is numerics or a broken sync, not learning.
-    """
-    m = mask.bool()
-    diff = (sample_logprobs.float() - trainer_logprobs.detach().float().to(sample_logprobs.device)).abs()[m]
-    if diff.numel() == 0:
-        return {"logprob_mismatch/mean": 0.0, "logprob_mismatch/max": 0.0}
-    return {"logprob_mismatch/mean": diff.mean().item(), "logprob_mismatch/max": diff.max().item()}
-
-
-def make_rollout(ids: Tensor, mask: Tensor, completion: Tensor, cmask: Tensor, logprobs: Tensor, done: Tensor,
-                 n_prompts: int, n: int) -> Rollout:
-    """Prompt ids/mask (B, P) + completion, cmask, logprobs (B, C) + done (B,) -> a Rollout on the CPU."""
-    P = ids.shape[1]
-    input_ids = torch.cat([ids, completion], 1)                                   # (B, P + C)
-    attention_mask = torch.cat([mask[:, :P], cmask.long()], 1)
-    return Rollout(input_ids.cpu(), attention_mask.cpu(), cmask.cpu(), logprobs.cpu(), (~done).cpu(),
-                   torch.arange(n_prompts).repeat_interleave(n))
-
-
 @register("engine", "builtin")
 class BuiltinEngine:
     """Sampling with transformers' KV cache, batched over all prompts x n samples."""
@@ -102,7 +31,7 @@ class BuiltinEngine:
     def __init__(self, model, eos_id: int, pad_id: int, fast: bool | None = None, **_):
         self.model = model          # the policy itself on one device: sync is free
         self.eos_id, self.pad_id = eos_id, pad_id
-        # speed: static KV cache + CUDA graph (fast_decode.py); None = on CUDA for the model types it supports
+        # speed: static KV cache + CUDA graph (engines/fast_decode.py); None = on CUDA for the model types it supports
         self.fast = fast
         self.decoder = None
 
@@ -126,7 +55,7 @@ class BuiltinEngine:
             return self._plain_loop(model, ids, mask, B, device, sampling, generator, len(prompts), n, was_training)
 
     def _plain_loop(self, model, ids, mask, B, device, sampling, generator, n_prompts, n, was_training) -> Rollout:
-        """The portable loop (CPU, or models fast_decode.py does not cover): transformers' KV cache, a token a step."""
+        """The portable loop (CPU, or models engines/fast_decode.py does not cover): transformers' KV cache, a token a step."""
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
         cache_kw = _cache_kw(model)
         cache, logits = _cache_of(out), out.logits[:, -1]                        # (B, V)

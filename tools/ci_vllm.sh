@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install vLLM (CPU build) into its own venv and run the vLLM engine tests: what CI would run.
 #
-#     bash scripts/ci_vllm.sh                 # venv at .venv-vllm (reused if it already imports vllm)
-#     VENV=/tmp/v bash scripts/ci_vllm.sh     # elsewhere
+#     bash tools/ci_vllm.sh                 # venv at .venv-vllm (reused if it already imports vllm)
+#     VENV=/tmp/v bash tools/ci_vllm.sh     # elsewhere
 #
 # Measured on a 2-core machine with an empty pip cache: install 85 s (227 s with other jobs running),
 # 3.6 GB venv; tests 2-3 min.

@@ -1,21 +1,24 @@
-"""Build the shipped preference file for offline DPO on the embedded arithmetic task (data.py).
+"""Build the shipped preference file for offline DPO on the embedded arithmetic task (tasks/arithmetic.py).
 
-    python make_preferences.py                       # writes assets/arithmetic_prefs.jsonl (1000 pairs, ~50 KB)
-    python make_preferences.py --n 200 --out /tmp/prefs.jsonl
+    python tools/make_preferences.py                       # writes assets/arithmetic_prefs.jsonl (1000 pairs, ~50 KB)
+    python tools/make_preferences.py --n 200 --out /tmp/prefs.jsonl
 
 Each line is {"prompt", "chosen", "rejected"}: prompt and chosen are a training problem of the task and its
-answer, exactly as data.py writes them (so the file follows the task's format); rejected is the same answer
+answer, exactly as tasks/arithmetic.py writes them (so the file follows the task's format); rejected is the same answer
 with one digit made one smaller (mod 10), which is what forgetting a single carry into that digit does: a
 plausible wrong answer that differs from the right one in one place. Problems come from the task's train
-split only, so held-out evaluation stays clean. Rerun this script whenever data.py's format changes
+split only, so held-out evaluation stays clean. Rerun this script whenever tasks/arithmetic.py's format changes
 (tests/test_offline_and_ablate.py checks that the shipped file matches what this script writes).
 """
 import argparse
 import json
 import os
+import sys
 import random
 
-from data import ArithmeticConfig, arithmetic_task
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root: tools/ import the project
+from config import ArithmeticConfig  # noqa: E402
+from tasks.arithmetic import arithmetic_task  # noqa: E402
 
 
 def forget_one_carry(answer: str, rng: random.Random) -> str:

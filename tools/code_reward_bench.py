@@ -1,7 +1,7 @@
 """Throughput of the code reward through the reward pool: N calls, every one accounted for.
 
-    python benchmarks/bench_code_reward.py                     # 1,000 calls, 2 test cases each
-    python benchmarks/bench_code_reward.py --calls 200 --workers 4
+    python tools/code_reward_bench.py                     # 1,000 calls, 2 test cases each
+    python tools/code_reward_bench.py --calls 200 --workers 4
 
 The batch mixes what a policy writes: correct programs (score 1), wrong answers (0.5: one of two cases
 passes), crashes (0), and hostile programs (0): an infinite loop, a fork bomb and a memory bomb, each

@@ -1,4 +1,4 @@
-"""Task data: synthetic, verifiable prompts with a held-out split. The embedded default is `arithmetic`.
+"""The embedded default task, `arithmetic`: synthetic, verifiable prompts with a held-out split, and its verifier.
 
     from registry import get
     train, held_out = get("task", "arithmetic")(ArithmeticConfig())
@@ -10,7 +10,7 @@ is the sum written units digit first and zero-padded to `digits + 1` digits (483
 "483+027=" and answered "0150"), followed by the tokenizer's EOS. Units first is the order in which
 one adds by hand: each answer digit needs only two operand digits and the carry from the digit just
 written, whereas a most-significant-first answer needs the whole carry chain at its first token.
-Measured here with the 2-layer tiny model of make_tiny_model.py: most-significant-first, supervised
+Measured here with the 2-layer tiny model of tools/make_tiny_model.py: most-significant-first, supervised
 training was still near chance after 1200 steps; units-first it learns addition within ~800-1000
 steps (a 4-layer model learns either, at twice the cost per step; Lee et al. 2023, "Teaching
 Arithmetic to Small Transformers", report the same effect of reversed answers). Fixed width keeps each operand digit at a fixed position and every answer the same length.
@@ -20,27 +20,18 @@ Held-out split: a problem belongs to the held-out split when a stable hash (blak
 salted hash()) of its unordered operand pair falls in the first `heldout_percent` of 100 buckets.
 The split therefore does not depend on the seed or on how many samples are drawn, "A+B" and "B+A"
 always land in the same split, and every other user of the task (the RL train set, the SFT data of
-make_tiny_model.py) draws from the train side only, so nothing held out is ever trained on.
+tools/make_tiny_model.py) draws from the train side only, so nothing held out is ever trained on.
 """
 import hashlib
 import random
-from dataclasses import dataclass, field
 
+from config import ArithmeticConfig
 from registry import register
 
-# The tiny model's character vocabulary (make_tiny_model.py): every prompt and answer character is one
+# The tiny model's character vocabulary (tools/make_tiny_model.py): every prompt and answer character is one
 # token. The special tokens are spelled here so that the verifier can strip them from decoded text.
 PAD_TEXT, EOS_TEXT = "<pad>", "<eos>"
 CHARS = "0123456789+="
-
-
-@dataclass
-class ArithmeticConfig:
-    digits: int = field(default=3, metadata={"help": "operands are uniform integers in [0, 10**digits)"})
-    n_train: int = field(default=20000, metadata={"help": "distinct training problems (RL prompts)"})
-    n_eval: int = field(default=500, metadata={"help": "distinct held-out problems for evaluation"})
-    heldout_percent: int = field(default=10, metadata={"help": "percent of all problems reserved for held-out (stable hash)"})
-    seed: int = field(default=0, metadata={"help": "seed for drawing the train and held-out samples"})
 
 
 def is_heldout(a: int, b: int, heldout_percent: int) -> bool:
@@ -72,20 +63,29 @@ def sample_problems(n: int, digits: int, heldout: bool, heldout_percent: int, rn
     return out
 
 
-def check_config(cfg: ArithmeticConfig):
-    if not 1 <= cfg.digits <= 9:
-        raise ValueError(f"arithmetic.digits must be in 1..9, got {cfg.digits}")
-    if not 0 < cfg.heldout_percent < 100:
-        raise ValueError(f"arithmetic.heldout_percent must be in 1..99, got {cfg.heldout_percent}")
-    if cfg.n_train < 1 or cfg.n_eval < 1:
-        raise ValueError(f"arithmetic.n_train and n_eval must be >= 1, got {cfg.n_train} and {cfg.n_eval}")
-
-
 @register("task", "arithmetic")
 def arithmetic_task(cfg: ArithmeticConfig) -> tuple[list[dict], list[dict]]:
-    """(train, held_out) lists of {"prompt", "answer"}; the two never share a problem (in either order)."""
-    check_config(cfg)
+    """(train, held_out) lists of {"prompt", "answer"}; the two never share a problem (in either order).
+    config.validate checks the section's ranges."""
     # separate streams: the held-out set does not change when n_train changes, and vice versa
     train = sample_problems(cfg.n_train, cfg.digits, False, cfg.heldout_percent, random.Random(f"train-{cfg.seed}"))
     held = sample_problems(cfg.n_eval, cfg.digits, True, cfg.heldout_percent, random.Random(f"eval-{cfg.seed}"))
     return [make_sample(a, b, cfg.digits) for a, b in train], [make_sample(a, b, cfg.digits) for a, b in held]
+
+
+# --- the verifier: reward "arithmetic" ---
+# How the answer is read from a completion: everything from the first end-of-sequence marker on is dropped (the
+# tiny model's "<eos>", in case the caller decoded special tokens; the loop decodes with skip_special_tokens=True),
+# then surrounding whitespace is stripped. What is left must equal the answer string exactly. For answer "0150":
+# "0150", " 0150 ", "0150<eos>7" score 1.0; "015", "510", "0510", "01500", "0 150", "" score 0.0. No partial
+# credit: a dense per-digit reward would tell the policy where it went wrong, which makes the task easier than a
+# verifier that only checks the final answer (the setting this codebase is for).
+
+def extract_answer(completion: str) -> str:
+    return completion.split(EOS_TEXT, 1)[0].strip()
+
+
+@register("reward", "arithmetic")
+def arithmetic_reward(prompt: str, completion: str, answer: str, **_) -> float:
+    """arithmetic_reward(prompt="483+027=", completion="0150", answer="0150") -> 1.0"""
+    return 1.0 if extract_answer(completion) == answer else 0.0

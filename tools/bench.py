@@ -1,9 +1,9 @@
-"""W1 benchmark (/work/shared/BENCH.md): one GRPO step of this project's train.py against TRL, on one card.
+"""W1 benchmark (docs/benchmarks.md): one GRPO step of this project's train.py against TRL, on one card.
 
-    python bench.py --out bench-out                  # GPU: all parts below, then a table (bench-out/bench.md)
-    python bench.py --small --out /tmp/b             # CPU smoke run of the same code at toy shapes
-    python bench.py --parts ours,engine --ours 16:ckpt:compile,32  # a subset (ours | engine | hf | trl); ours per variant
-    python bench.py --parts ours --ours 64 --gpus 1,2  # ours on 1 GPU, then under torchrun on 2 (the same global batch)
+    python tools/bench.py --out bench-out                  # GPU: all parts below, then a table (bench-out/bench.md)
+    python tools/bench.py --small --out /tmp/b             # CPU smoke run of the same code at toy shapes
+    python tools/bench.py --parts ours,engine --ours 16:ckpt:compile,32  # a subset (ours | engine | hf | trl); ours per variant
+    python tools/bench.py --parts ours --ours 64 --gpus 1,2  # ours on 1 GPU, then under torchrun on 2 (the same global batch)
 
 Workload: a Qwen2 model at Qwen2.5-0.5B shape (random init, bf16, built here from a Qwen2Config: no hub),
 16 prompts x 8 samples, prompts of 64 random tokens, 256 sampled tokens each, temperature 1. The tokenizer's
@@ -19,7 +19,7 @@ Parts, each in its own process (clean peak-memory counters):
           cache kept between calls, and the plain loop;
           sampling log-probs vs teacher-forced ones; a torch.profiler summary of one rollout and one update
   hf      transformers `generate`, default (dynamic) cache and cache_implementation="static"
-  trl     TRL's GRPOTrainer with BENCH.md's settings, when trl is importable
+  trl     TRL's GRPOTrainer with W1's peer settings (docs/benchmarks.md), when trl is importable
 """
 import argparse
 import json
@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root: tools/ import the project
 import torch
 
 from registry import register
@@ -129,7 +130,8 @@ def part_ours(a) -> dict:
             return None
         mem = {**mem, **{k: max(m[k] for m in per_rank) for k in mem if k.startswith("peak")},
                "peak_alloc_gib_per_gpu": [m.get("peak_alloc_gib", 0.0) for m in per_rank]}
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]   # drop the warm-up
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rows = [r for r in rows if r["step"] >= 2]   # drop step 0 (the evaluation) and step 1 (the warm-up)
     keys = ["time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync"]
     steps = [sum(r[k] for k in keys) for r in rows]
     med = statistics.median(steps)
@@ -160,9 +162,10 @@ def timed(fn, repeats: int) -> tuple[float, list[float], object]:
 
 
 def part_engine(a) -> dict:
-    from fast_decode import FastDecoder
+    from engines.base import SamplingParams
+    from engines.builtin import BuiltinEngine
+    from engines.fast_decode import FastDecoder
     from models import completion_logprobs, encode_prompts
-    from rollout import BuiltinEngine, SamplingParams
     model, tok = load(a)
     prompts = encode_prompts(tok, prompt_texts(128)[:W["prompts"]])
     sampling = SamplingParams(1.0, 1.0, W["new"])

@@ -1,6 +1,6 @@
 """Fast path of the built-in engine: a static KV cache and a CUDA-graphed decode step.
 
-rollout.BuiltinEngine calls `FastDecoder(model).sample(...)` on CUDA for Llama-shaped decoders (qwen2, llama);
+engines/builtin.py's BuiltinEngine calls `FastDecoder(model).sample(...)` on CUDA for Llama-shaped decoders (qwen2, llama);
 elsewhere it keeps its plain loop. Tests run this same code on CPU (no graph, no compile) and check that its
 sampling log-probs equal teacher-forced ones.
 
@@ -16,9 +16,9 @@ What makes it fast, and why this route:
   differs between the transformers on the CPU (5.24) and GPU (5.17) machines.
 - Decode attention is kernels/decode_attention.py (`attention="kernel"`, the default): one kernel applies the
   rotary embedding, writes the new K/V into the cache and attends, reading each sequence's cache only up to
-  the current slot, which the graph passes as a device tensor. In a W1 rollout on an H100 it took 10.1 us
-  per layer-token; cuDNN's sdpa over all S slots with a mask took 12.1 us, plus 4.9 us for the rotary and
-  cache-write kernels around it (`attention="sdpa"`; `"matmul"` is the hand-written third way). The prefill
+  the current slot, which the graph passes as a device tensor. sdpa with a mask (`attention="sdpa"`) reads all
+  S slots of every sequence and needs separate rotary and cache-write kernels around it, so it is slower
+  (measured: docs/kernels.md, "Decode attention"); `"matmul"` is the hand-written third way. The prefill
   uses sdpa.
 - q/k/v and gate/up are each one GEMM over weights concatenated once per rollout (`refresh`): at batch 128 a
   decode GEMM is latency-bound, so fewer, larger ones are faster.
@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import kernels  # noqa: F401  (registers the kernels that `get` returns below)
+from engines.base import top_p_filter
+from kernels import decode_attention_kernel, sample_token
 from kernels.decode_attention import rotate
-from registry import get
 
 SUPPORTED = ("qwen2", "llama")   # model_type values whose layers have exactly the shape written below
 
@@ -107,7 +107,7 @@ class FastDecoder:
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self._step = torch.compile(self._forward, dynamic=False, fullgraph=True) if self.compile else self._forward
-        self.captured = False   # once warm, a re-capture needs 1 warm-up step, not 3 (H100, W1: 0.02 s, was 0.03-0.07)
+        self.captured = False   # once warm, a re-capture needs 1 warm-up step, not 3 (measured: docs/speed.md)
 
     # --- the model, by hand ---------------------------------------------------------------------
     def _forward(self, ids: Tensor, pos: Tensor, slots: Tensor, key_ok: Tensor, ks: list[Tensor], vs: list[Tensor],
@@ -122,12 +122,11 @@ class FastDecoder:
         # adds one that calls requires_grad_) would stop torch.compile here
         x = F.embedding(ids, m.embed_tokens.weight)                          # (B, T, H)
         rot = cos[pos][:, None], sin[pos][:, None]                           # (B, 1, T, D) each
-        attend_one = get("kernel", "decode_attention")
         for i, layer in enumerate(m.layers):
             a, mlp, (w_qkv, b_qkv, w_gu, b_gu) = layer.self_attn, layer.mlp, self.fused[i]
             qkv = F.linear(layer.input_layernorm(x), w_qkv, b_qkv)          # (B, T, (nh + 2 nkv) D): one GEMM
             if self.attention == "kernel" and T == 1:   # decode: rotary, cache write and attention in one kernel
-                o = attend_one(qkv.view(B, -1), cos, sin, pos.view(B), ks[i], vs[i], key_ok[:, 0, 0], slots,
+                o = decode_attention_kernel(qkv.view(B, -1), cos, sin, pos.view(B), ks[i], vs[i], key_ok[:, 0, 0], slots,
                                a.scaling).view(B, T, nh * D)
             else:
                 o = self._attend(qkv, rot, ks[i], vs[i], slots, key_ok, a.scaling)
@@ -214,7 +213,7 @@ class FastDecoder:
 
     def _sample(self, logits: Tensor, st: dict) -> tuple[Tensor, Tensor]:
         """(B, V) logits -> sampled tokens (B,) and their log-probs (B,) at temperature 1 / st["inv_t"]."""
-        return get("kernel", "sample_token")(logits, st["inv_t"], st["seed"], st["t"])
+        return sample_token(logits, st["inv_t"], st["seed"], st["t"])
 
     def _take(self, st: dict, tok: Tensor, logp: Tensor):
         """Write the sampled column t (rows already done get padding), then advance t. All on the device."""
@@ -263,7 +262,6 @@ class FastDecoder:
                generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """ids, mask (B, P) left-padded prompts on the model's device -> completion (B, C) long,
         alive (B, C) bool (1 up to and including EOS), logprobs (B, C) float, done (B,) bool."""
-        from rollout import top_p_filter
         B, P = ids.shape
         N = sampling.max_new_tokens
         S = -(-(P + N) // 64) * 64          # round up so that prompts of similar length reuse one graph
@@ -285,7 +283,8 @@ class FastDecoder:
         real = torch.zeros(B, S, dtype=torch.bool, device=ids.device)
         real[:, :P] = mask.bool()
         key_ok = (causal & real[:, None]) | (slots[:P, None] == slots[None])[None]  # a pad query sees itself: no nan
-        # eager: compiling it (dynamic shapes) cost 28 s on the first call to save 11 ms per W1 rollout (H100)
+        # eager: compiling it (dynamic shapes) costs far more on the first call than it saves per rollout
+        # (measured: docs/speed.md, "Third session")
         logits = self._forward(ids, (mask.cumsum(-1) - 1).clamp(min=0), slots[:P], key_ok[:, None], st["k"], st["v"],
                                st["cos"], st["sin"])
         st["key_ok"].copy_(real[:, None, None])

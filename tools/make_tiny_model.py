@@ -1,8 +1,8 @@
 """Build the project's tiny model from scratch: a character tokenizer, a small Qwen2 model, and a short
-supervised warm start on the arithmetic task (data.py), so that RL starts from a non-trivial policy.
+supervised warm start on the arithmetic task (tasks/arithmetic.py), so that RL starts from a non-trivial policy.
 
-    python make_tiny_model.py                      # writes assets/tiny-model/ (~2-3 minutes on 2 idle CPU cores)
-    python make_tiny_model.py --out /tmp/tm --teacher_accuracy 0.5 --threads 1
+    python tools/make_tiny_model.py                      # writes assets/tiny-model/ (~2-3 minutes on 2 idle CPU cores)
+    python tools/make_tiny_model.py --out /tmp/tm --teacher_accuracy 0.5 --threads 1
 
 The result loads with `AutoModelForCausalLM.from_pretrained(out)` / `AutoTokenizer.from_pretrained(out)`
 and is what `python train.py` uses by default. The script ends by printing the held-out accuracy
@@ -17,7 +17,7 @@ its greedy answer is the carry-less one and a sample at temperature 1.0 is right
 `teacher_accuracy` of the time, while pass@8 is high. That is the situation in which RL with a
 verifier is known to work (samples of one prompt disagree, so GRPO's group advantages carry signal),
 and it leaves plenty of room: accuracy rises when the policy learns to prefer the carrying answer.
-The SFT problems come from the train side of data.py's split only; held-out problems are never seen.
+The SFT problems come from the train side of tasks/arithmetic.py's split only; held-out problems are never seen.
 
 Shape: Qwen2ForCausalLM, hidden 128, 4 heads of 32 (vLLM's CPU attention needs head_dim >= 32), MLP 512,
 2 layers, tied embeddings, vocab 15 (10 digits, '+', '=', <pad>, <eos>, <unk>): 0.53 M parameters,
@@ -28,15 +28,19 @@ Shape: Qwen2ForCausalLM, hidden 128, 4 heads of 32 (vLLM's CPU attention needs h
 import argparse
 import json
 import os
+import sys
 import random
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root: tools/ import the project
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
-from data import CHARS, EOS_TEXT, PAD_TEXT, ArithmeticConfig, arithmetic_task, make_sample, sample_problems
-from rollout import BuiltinEngine, SamplingParams
+from config import ArithmeticConfig  # noqa: E402
+from engines.base import SamplingParams  # noqa: E402
+from engines.builtin import BuiltinEngine  # noqa: E402
+from tasks.arithmetic import CHARS, EOS_TEXT, PAD_TEXT, arithmetic_task, make_sample, sample_problems  # noqa: E402
 
 UNK_TEXT = "<unk>"
 
@@ -54,7 +58,7 @@ def parse_args():
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (linear warmup, cosine decay)")
     p.add_argument("--teacher_accuracy", type=float, default=0.25,
                    help="probability that an SFT target is the correct sum rather than the carry-less one")
-    p.add_argument("--digits", type=int, default=ArithmeticConfig.digits, help="operand digits (as data.py)")
+    p.add_argument("--digits", type=int, default=ArithmeticConfig.digits, help="operand digits (as tasks/arithmetic.py)")
     p.add_argument("--n_eval", type=int, default=ArithmeticConfig.n_eval, help="held-out problems to evaluate")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0 = torch's default; 1 is fastest on a CPU shared with other jobs)")
@@ -111,7 +115,7 @@ def sft_batch(problems, tokenizer, digits: int, teacher_accuracy: float, rng: ra
 
 def sft(model, tokenizer, args):
     rng = random.Random(f"sft-{args.seed}")
-    # a pool of distinct problems (each seen ~4 times), drawn from the train side of data.py's split only
+    # a pool of distinct problems (each seen ~4 times), drawn from the train side of tasks/arithmetic.py's split only
     problems = sample_problems(args.steps * args.batch // 4, args.digits, False, ArithmeticConfig.heldout_percent, rng)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
     warmup = max(1, args.steps // 20)

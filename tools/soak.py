@@ -1,7 +1,7 @@
 """Soak test: a long CPU run with the replay buffer and frequent checkpoints, RSS sampled throughout.
 
-    python soak.py                          # 500 steps, small config, prints RSS against step and its drift
-    python soak.py --steps 200 --model assets/tiny-model -- replay.priority=recency
+    python tools/soak.py                          # 500 steps, small config, prints RSS against step and its drift
+    python tools/soak.py --steps 200 --model assets/tiny-model -- replay.priority=recency
 
 Memory must stay flat: the replay buffer is bounded, checkpoints are written and pruned, logs go to disk. The run
 is a train.py subprocess; its resident set size (VmRSS in /proc) is sampled every 0.5 s together with the number
@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repo root
 
 
 def rss_mb(pid: int) -> float | None:

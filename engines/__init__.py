@@ -1,0 +1,7 @@
+"""Rollout engines, one file each, registered by name (`engine=`). The interface they share: engines/base.py.
+
+    file           registered name
+    builtin.py     builtin     plain torch + transformers; on CUDA it decodes through engines/fast_decode.py
+    vllm.py        vllm        vLLM in the trainer's process (optional: requirements-vllm.txt)
+"""
+from engines import builtin, vllm  # noqa: F401  (each file registers its engine; vllm.py imports vLLM lazily)

@@ -1,0 +1,95 @@
+"""The run directory: what a run leaves behind, so that it can be read, plotted and reproduced.
+
+    runs/<algo>-<time>/            (or out_dir=...)
+        config.yaml                the resolved config + git commit and dirty flag
+        metrics.jsonl              one JSON row per step; step 0 is the evaluation before any update
+        events.out.tfevents.*      the same numbers for tensorboard (train/<key>, eval/<key>, ...)
+        curve.png                  train reward and held-out accuracy
+        checkpoints/step_NNNNNN/   the whole training state (checkpoint.py)
+        final/                     the trained policy + tokenizer (transformers' from_pretrained loads it)
+
+Rank 0 alone writes (the others hold None loggers). Every file is written under a temporary name and renamed,
+so a crash never leaves one half-written.
+"""
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import yaml
+
+from config import to_dict
+
+
+def write_atomic(path: str, text: str):
+    """Write to a temporary name, then rename: a crash never leaves a half-written file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def git_state() -> dict:
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True).stdout.strip()
+    try:
+        return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain"))}
+    except OSError:
+        return {}
+
+
+def create(cfg, rank: int) -> str:
+    """The run directory's path; rank 0 makes it and writes config.yaml."""
+    run_dir = cfg.out_dir or os.path.join("runs", f"{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        write_atomic(os.path.join(run_dir, "config.yaml"),
+                     yaml.safe_dump({**to_dict(cfg), "git": git_state()}, sort_keys=False))
+    return run_dir
+
+
+class Logger:
+    """metrics.jsonl + tensorboard. A resumed run appends (checkpoint.load has cut the file back to the
+    checkpoint's step) and purges tensorboard events past it; a fresh run starts both anew."""
+
+    def __init__(self, run_dir: str, first_step: int, resume: bool):
+        from torch.utils.tensorboard import SummaryWriter   # slow import: only rank 0 pays it
+        self.writer = SummaryWriter(run_dir, purge_step=first_step)
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume else "w")   # no stale rows
+
+    def log(self, row: dict):
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        for k, v in row.items():
+            if k != "step":
+                self.writer.add_scalar(k if "/" in k else f"train/{k}", v, row["step"])
+
+    def close(self):
+        self.writer.close()
+        self.file.close()
+
+
+def save_final(final_dir: str, policy, tok, state_dict: dict | None = None):
+    """The trained policy + tokenizer for from_pretrained, written to final.tmp and renamed: never half-written."""
+    policy.save_pretrained(final_dir + ".tmp", **({"state_dict": state_dict} if state_dict else {}))
+    tok.save_pretrained(final_dir + ".tmp")
+    if os.path.exists(final_dir):
+        shutil.rmtree(final_dir)
+    os.replace(final_dir + ".tmp", final_dir)
+
+
+def save_plot(run_dir: str, rows: list[dict]):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [r for r in rows if "reward" in r]
+    ax.plot([r["step"] for r in train], [r["reward"] for r in train], label="train reward", alpha=0.7)
+    ev = [r for r in rows if "eval/accuracy" in r]
+    ax.plot([r["step"] for r in ev], [r["eval/accuracy"] for r in ev], "o-", label="held-out accuracy")
+    ax.set_xlabel("step"), ax.set_ylim(-0.02, 1.02), ax.grid(alpha=0.3), ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "curve.png.tmp"), format="png")
+    os.replace(os.path.join(run_dir, "curve.png.tmp"), os.path.join(run_dir, "curve.png"))
+    plt.close(fig)
