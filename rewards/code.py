@@ -4,10 +4,12 @@
     code = get("reward", "code")
     code(prompt, completion, tests=[{"input": "1 2\\n", "output": "3"}])     # stdin -> stdout cases
     code(prompt, completion, asserts=["assert add(1, 2) == 3"])             # function-style cases
-    score, reasons = evaluate(completion, tests=..., asserts=...)          # the reasons behind a score
+    score, failures = evaluate(completion, tests=..., asserts=...)         # [(category, reason)] behind it
 
 Sample fields: `tests` (list of {"input", "output"} dicts, or the same list as a JSON string, as many
 parquet datasets store it) and/or `asserts` (list of Python statements run after the program).
+The reward returns a `rewards.pool.Score`: a float that carries [(category, reason)] per failed case,
+which the pool counts per step (reward_fail/code/timeout, ...).
 The program is the last fenced ```python block of the completion (or the whole completion when it has
 no fence). Each test case runs in its own sandbox (rewards/sandbox.py: namespaces, dedicated uid,
 rlimits, wall-time kill). Output matches when it equals the expected output after stripping trailing
@@ -20,6 +22,7 @@ import json
 import re
 
 from registry import register
+from rewards.pool import Score
 from rewards.sandbox import Limits, run
 
 FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -53,25 +56,36 @@ def _cases(tests, asserts) -> list[tuple[str, str | None, str]]:
     return cases
 
 
-def evaluate(completion: str, tests=None, asserts=None, limits: Limits | None = None) -> tuple[float, list[str]]:
-    """-> (fraction of cases passed, one reason per failed case)."""
+# sandbox status -> failure category (rewards/pool.py counts them per step: reward_fail/code/<category>)
+CATEGORY = {"timeout": "timeout", "memory": "memory", "output_limit": "output_limit", "killed": "signal",
+            "setup_failed": "setup", "error": "error"}
+
+
+def evaluate(completion: str, tests=None, asserts=None, limits: Limits | None = None) -> tuple[float, list[tuple[str, str]]]:
+    """-> (fraction of cases passed, [(category, reason)] for each failed case)."""
     cases = _cases(tests, asserts)
     program = extract_code(completion)
-    passed, reasons = 0, []
+    passed, failures = 0, []
     for k, (stdin, expected, statement) in enumerate(cases):
         r = run(program + ("\n\n" + statement + "\n" if statement else ""), stdin, limits)
         if r.status == "ok" and (expected is None or _norm(r.stdout) == _norm(expected)):
             passed += 1
             continue
-        reasons.append(f"case {k}: " + (r.reason if r.status != "ok" else "wrong answer"))
+        if r.status == "ok":
+            failures.append(("wrong_answer", f"case {k}: wrong answer"))
+        else:
+            failures.append((CATEGORY[r.status], f"case {k}: {r.reason}"))
         if r.status == "timeout":
-            reasons.append(f"cases {k + 1}..{len(cases) - 1}: skipped after a timeout")
+            rest = len(cases) - k - 1
+            if rest:
+                skipped = f"case {k + 1}" if rest == 1 else f"cases {k + 1}..{len(cases) - 1}"
+                failures.append(("timeout", f"{skipped}: skipped after a timeout"))
             break
-    return passed / len(cases), reasons
+    return passed / len(cases), failures
 
 
 @register("reward", "code")
 def code_reward(prompt: str, completion: str, tests=None, asserts=None, wall_s: float = 5.0,
                 memory_mb: int = 512, **fields) -> float:
     limits = Limits(wall_s=wall_s, cpu_s=max(1, int(wall_s)), memory_mb=memory_mb)
-    return evaluate(completion, tests, asserts, limits)[0]
+    return Score(*evaluate(completion, tests, asserts, limits))     # a float that carries its failures

@@ -22,16 +22,29 @@ Batched rewards (a function with `fn.batched = True`, called as `fn(prompts, com
 **kwargs) -> list[float]`, e.g. the learned reward model holding a GPU model) run on a thread of this
 process instead; a timeout there also scores 0, though the thread itself cannot be stopped.
 
-info = {"names": [...], "per_reward": {name: tensor (B,)}, "failures": {name: count},
-        "reasons": ["code[3]: timeout after 30s", ...], "metrics": {"reward/code": mean, "reward_fail/code": n}}
+A reward may return a `Score` instead of a float: a float that also carries [(category, reason)], the
+failures behind its value (the code reward's failed test cases). The pool counts samples per category
+(CATEGORIES) for each reward, its own failures included (a call past its deadline counts as a timeout).
+
+info = {"names": [...], "per_reward": {name: tensor (B,)}, "failures": {name: failed calls},
+        "failed": [{"reward", "sample", "category", "reason"}, ...],      # reward failures + Score failures
+        "failure_counts": {name: {category: samples}},
+        "reasons": ["code[3]: timeout after 30s", ...],                   # the same, one line each
+        "metrics": {"reward/code": mean, "reward_fail/code": failed calls, "reward_fail/code/timeout": samples}}
+The per-category metrics appear for a reward from the first step it reports a failure, every category
+from then on. `write_reasons(path, step, info["failed"])` appends a sample of them to a jsonl file.
 """
+import itertools
+import json
 import math
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -40,6 +53,41 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CATEGORIES = ("timeout", "memory", "output_limit", "signal", "setup", "error", "wrong_answer")
+
+
+class Score(float):
+    """A reward value with the failures behind it: Score(0.5, [("timeout", "case 1: wall time ...")]).
+    Everywhere else it is the float; the pool reads `.failures` (categories from CATEGORIES)."""
+
+    def __new__(cls, value, failures=()):
+        self = super().__new__(cls, value)
+        self.failures = [(str(c), str(r)) for c, r in failures]
+        return self
+
+    def __reduce__(self):
+        return Score, (float(self), self.failures)
+
+
+def write_reasons(path: str, step: int, failed: list[dict], limit: int = 20, **extra) -> int:
+    """Append up to `limit` of one step's failures (info["failed"]) to the jsonl file `path`, one line each
+    as {"step", "reward", "sample", "category", "reason", **extra}; returns how many. Categories take
+    turns, so a rare one is not crowded out by a common one. One O_APPEND write for the lot: lines from
+    several ranks appending to the same file (pass rank=...) never interleave."""
+    by_category: dict[str, list] = {}
+    for f in failed:
+        by_category.setdefault(f["category"], []).append(f)
+    turns = itertools.chain.from_iterable(itertools.zip_longest(*by_category.values()))
+    picked = [f for f in turns if f is not None][:limit]
+    if not picked:
+        return 0
+    data = "".join(json.dumps({"step": step, **f, **extra}) + "\n" for f in picked).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    return len(picked)
 
 
 def _parse_spec(spec):
@@ -80,19 +128,25 @@ def serve(fd: int):
         if job is None:
             return
         j, prompt, completion, fields = job
+        failures = []
         try:
-            value = float(fns[j](prompt, completion, **fields, **kwargs[j]))
+            out = fns[j](prompt, completion, **fields, **kwargs[j])
+            value, failures = float(out), list(getattr(out, "failures", ()))
             err = None if math.isfinite(value) else f"non-finite value {value}"
         except BaseException as e:      # noqa: BLE001  a reward must never take the worker down quietly
             value, err = 0.0, f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        conn.send(("done", value if err is None else 0.0, err))
+        conn.send(("done", value if err is None else 0.0, err, failures))
 
 
 class _Worker:
     def __init__(self, blob: bytes):
         ours, theirs = socket.socketpair()
         code = f"import sys; sys.path.insert(0, {REPO!r}); from rewards.pool import serve; serve({theirs.fileno()})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        # its own temp dir, removed when the worker goes: a worker killed at its deadline cannot clean up
+        # after itself (the code sandbox's sbx-* dir with the program's output would stay behind)
+        self.tmp = tempfile.mkdtemp(prefix="reward-worker-")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                     env={**os.environ, "TMPDIR": self.tmp})
         theirs.close()
         self.conn = Connection(ours.detach())
         self.conn.send((sys.path, blob))
@@ -105,17 +159,20 @@ class RewardHandle:
         R = len(pool.specs)
         self.values = [[0.0] * R for _ in range(n)]   # (B, R)
         self.errors: list[tuple[int, int, str]] = []
+        self.failed: list[tuple[int, int, str, str]] = []   # (sample, reward, category, reason)
         self.remaining = n * R
         self.futures = []          # batched rewards: (j, future, deadline)
         self.done_event = threading.Event()
         if self.remaining == 0:
             self.done_event.set()
 
-    def _set(self, i: int, j: int, value: float, err: str | None):
+    def _set(self, i: int, j: int, value: float, err: str | None, category: str = "error", failures=()):
         with self.pool.lock:
             self.values[i][j] = value
             if err:
                 self.errors.append((i, j, err))
+                self.failed.append((i, j, category, err))
+            self.failed += [(i, j, c, r) for c, r in failures]
             self.remaining -= 1
             if self.remaining == 0:
                 self.done_event.set()
@@ -129,17 +186,21 @@ class RewardHandle:
         futures, self.futures = self.futures, []    # a second result() call must not count them twice
         for j, fut, deadline in futures:
             try:
-                vals = [float(v) for v in fut.result(timeout=max(0.0, deadline - time.monotonic()))]
+                out = list(fut.result(timeout=max(0.0, deadline - time.monotonic())))
+                vals, carried = [float(v) for v in out], [getattr(v, "failures", ()) for v in out]
                 if len(vals) != self.n:
                     raise ValueError(f"returned {len(vals)} values for {self.n} samples")
             except BaseException as e:  # noqa: BLE001  including the timeout
-                why = f"timeout after {self.pool.timeout_s:g}s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
-                vals = [why.splitlines()[0][:300]] * self.n
-            for i, v in enumerate(vals):
+                timeout = isinstance(e, TimeoutError)
+                why = f"timeout after {self.pool.timeout_s:g}s" if timeout else f"{type(e).__name__}: {e}"
+                vals, carried = [why.splitlines()[0][:300]] * self.n, [()] * self.n
+                category = "timeout" if timeout else "error"
+            for i, (v, fails) in enumerate(zip(vals, carried)):
                 if isinstance(v, str):
-                    self._set(i, j, 0.0, v)
+                    self._set(i, j, 0.0, v, category)
                 else:
-                    self._set(i, j, v if math.isfinite(v) else 0.0, None if math.isfinite(v) else f"non-finite value {v}")
+                    self._set(i, j, v if math.isfinite(v) else 0.0, None if math.isfinite(v) else f"non-finite value {v}",
+                              failures=fails)
         self.done_event.wait()
         names = [s[0] for s in self.pool.specs]
         weights = torch.tensor([s[1] for s in self.pool.specs], dtype=torch.float32)      # (R,)
@@ -147,13 +208,21 @@ class RewardHandle:
         failures = {name: 0 for name in names}
         for _, j, _ in self.errors:
             failures[names[j]] += 1
-        reasons = [f"{names[j]}[{i}]: {err}" for i, j, err in sorted(self.errors)]
+        failed = sorted(self.failed)
+        counts = {name: dict.fromkeys(CATEGORIES, 0) for name in names}
+        for i, j, category in sorted({f[:3] for f in failed}):      # samples, not cases: once per sample
+            counts[names[j]][category if category in CATEGORIES else "error"] += 1
+        self.pool.reporting.update(names[j] for _, j, _, _ in failed)
         metrics = {}
         for j, name in enumerate(names):
             metrics[f"reward/{name}"] = values[:, j].mean().item() if self.n else 0.0
             metrics[f"reward_fail/{name}"] = float(failures[name])
-        info = {"names": names, "per_reward": {n: values[:, j] for j, n in enumerate(names)},
-                "failures": failures, "reasons": reasons, "metrics": metrics}
+            if name in self.pool.reporting:
+                metrics.update({f"reward_fail/{name}/{c}": float(n) for c, n in counts[name].items()})
+        info = {"names": names, "per_reward": {n: values[:, j] for j, n in enumerate(names)}, "failures": failures,
+                "failed": [{"reward": names[j], "sample": i, "category": c, "reason": r} for i, j, c, r in failed],
+                "failure_counts": counts, "reasons": [f"{names[j]}[{i}]: {r}" for i, j, _, r in failed],
+                "metrics": metrics}
         return values @ weights, info                                                   # (B,)
 
 
@@ -180,6 +249,7 @@ class RewardPool:
         self.wake_r, self.wake_w = os.pipe()
         self.closed = False
         self.restarts, self.start_failures, self.broken = 0, 0, ""
+        self.reporting: set[str] = set()   # rewards that reported a failure once: their categories are logged
         self.dispatcher = threading.Thread(target=self._dispatch, name="reward-dispatch", daemon=True)
         self.dispatcher.start()
 
@@ -226,6 +296,7 @@ class RewardPool:
                 w.proc.kill()
                 w.proc.wait()
             w.conn.close()
+            shutil.rmtree(w.tmp, ignore_errors=True)
         if self.threads:
             self.threads.shutdown(wait=False, cancel_futures=True)
         os.close(self.wake_r)
@@ -238,14 +309,15 @@ class RewardPool:
         self.close()
 
     # ------------------------------------------------------------------------------ dispatcher
-    def _replace(self, k: int, why: str):
+    def _replace(self, k: int, why: str, category: str = "error"):
         w = self.workers[k]
-        if w.job is not None:
-            h, i, j = w.job
-            h._set(i, j, 0.0, why)
         w.proc.kill()          # no-op if it is already dead
         w.proc.wait()
         w.conn.close()
+        shutil.rmtree(w.tmp, ignore_errors=True)
+        if w.job is not None:  # after the cleanup: result() may return as soon as the last call is set
+            h, i, j = w.job
+            h._set(i, j, 0.0, why, category)
         # a worker that dies before it is ready cannot import its rewards: stop retrying after a few
         self.start_failures = 0 if w.ready else self.start_failures + 1
         if self.start_failures >= 3:
@@ -297,7 +369,8 @@ class RewardPool:
                     except (EOFError, OSError):
                         msg = None
                     if msg is None:
-                        self._replace(k, f"worker died (exit code {w.proc.wait()})")
+                        rc = w.proc.wait()
+                        self._replace(k, f"worker died (exit code {rc})", "signal" if rc < 0 else "error")
                     elif msg[0] == "ready":
                         w.ready = True
                     elif msg[0] == "error":     # its rewards do not import: retrying will not help
@@ -307,7 +380,7 @@ class RewardPool:
                     elif w.job is not None:
                         h, i, j = w.job
                         w.job, w.deadline = None, math.inf
-                        h._set(i, j, msg[1], msg[2])
+                        h._set(i, j, msg[1], msg[2], failures=msg[3])
                 elif w.job is not None and time.monotonic() > w.deadline:
-                    self._replace(k, f"timeout after {self.timeout_s:g}s")
+                    self._replace(k, f"timeout after {self.timeout_s:g}s", "timeout")
             self.workers = [w for w in self.workers if w is not None]

@@ -34,15 +34,17 @@ def sandbox_processes() -> list[int]:
     return left
 
 
-def hostile(code: str, expected: str, max_s: float = LIM.wall_s + 2.0):
+def hostile(code: str, expected: str, max_s: float = LIM.wall_s + 2.0, asserts=None):
+    """Score a program that would pass if it escaped; -> the reason its one case failed."""
     t0 = time.monotonic()
-    score, reasons = evaluate(code, tests=[{"input": "", "output": expected}], limits=LIM)
+    cases = {"asserts": asserts} if asserts else {"tests": [{"input": "", "output": expected}]}
+    score, failures = evaluate(code, **cases, limits=LIM)
     took = time.monotonic() - t0
-    assert score == 0.0, f"the hostile program escaped: {reasons}"
-    assert reasons and reasons[0].startswith("case 0: ")
+    assert score == 0.0, f"the hostile program escaped: {failures}"
+    assert failures and failures[0][1].startswith("case 0: ")
     assert took < max_s, f"took {took:.1f}s, limit {max_s}s"
     assert sandbox_processes() == []
-    return reasons[0]
+    return failures[0][1]
 
 
 # --------------------------------------------------------------------------------- honest programs
@@ -54,16 +56,16 @@ def test_passing_program_scores_one():
 
 
 def test_partly_wrong_program_scores_fraction():
-    score, reasons = evaluate("a, b = map(int, input().split())\nprint(abs(a) + b)", tests=ADD, limits=LIM)
+    score, failures = evaluate("a, b = map(int, input().split())\nprint(abs(a) + b)", tests=ADD, limits=LIM)
     assert score == pytest.approx(2 / 3)
-    assert reasons == ["case 1: wrong answer"]
+    assert failures == [("wrong_answer", "case 1: wrong answer")]
 
 
 def test_crashing_program_scores_zero_with_the_error():
-    score, reasons = evaluate("raise ValueError('boom')", tests=ADD[:1], limits=LIM)
-    assert score == 0.0 and "ValueError: boom" in reasons[0]
-    score, reasons = evaluate("def f(:\n", tests=ADD[:1], limits=LIM)
-    assert score == 0.0 and "SyntaxError" in reasons[0]
+    score, failures = evaluate("raise ValueError('boom')", tests=ADD[:1], limits=LIM)
+    assert score == 0.0 and failures[0][0] == "error" and "ValueError: boom" in failures[0][1]
+    score, failures = evaluate("def f(:\n", tests=ADD[:1], limits=LIM)
+    assert score == 0.0 and "SyntaxError" in failures[0][1]
 
 
 def test_asserts_and_json_string_tests():
@@ -211,6 +213,16 @@ print('killed')
         bystander.kill()
         bystander.wait()
     os.kill(os.getpid(), 0)   # and we are alive
+
+
+def test_a_timeout_names_the_cases_it_skipped():
+    loop = "while True:\n    pass"
+    score, failures = evaluate(loop, tests=ADD[:1], limits=LIM)
+    assert score == 0.0 and len(failures) == 1 and failures[0][0] == "timeout"
+    score, failures = evaluate(loop, tests=ADD, limits=LIM)
+    assert [f[1].split(":")[0] for f in failures] == ["case 0", "cases 1..2"]
+    score = code_reward("", loop, tests=ADD[:1], wall_s=1.0)       # a float that carries its failures
+    assert score == 0.0 and [c for c, _ in score.failures] == ["timeout"]
 
 
 def test_output_flood_is_capped():

@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rewards.pool import RewardPool  # noqa: E402
+from rewards.pool import CATEGORIES, RewardPool, Score, write_reasons  # noqa: E402
 # the rewards live in a module of their own: the workers import it by name, like any plugin
 from reward_fns import batched_len, flaky, length, matches, slow  # noqa: E402
 
@@ -97,14 +97,52 @@ def test_scoring_overlaps_a_forward_pass():
     assert both < 2.4, f"reward (1.5 s) + forward (1.5 s) took {both:.2f}s: not overlapped (sum would be 3.0)"
 
 
-def test_hostile_code_through_the_pool():
+def test_hostile_code_through_the_pool(tmp_path):
     from rewards.code import code_reward
     tests = {"tests": [{"input": "", "output": "1"}]}
-    with RewardPool([(code_reward, 1.0, {"wall_s": 2.0})], workers=2, timeout_s=20) as pool:
-        programs = ["print(1)", "while True: pass", "import os\nos.kill(os.getppid(), 9)", "print(2)"]
-        rewards, info = pool.submit([""] * 4, programs, [tests] * 4).result()
-    assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
+    with RewardPool([(code_reward, 1.0, {"wall_s": 1.0}), (length, 0.0)], workers=2, timeout_s=20) as pool:
+        programs = ["print(1)", "while True: pass", "import os\nos.kill(os.getppid(), 9)", "print(2)",
+                    "a = []\nwhile True:\n    a.append(bytearray(2**26))", "while True:\n    print('x' * 4096)",
+                    "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", "print(1/0)"]
+        rewards, info = pool.submit([""] * 8, programs, [tests] * 8).result()
+        _, again = pool.submit([""], ["print(1)"], [tests]).result()
+    assert rewards.tolist() == [1.0] + [0.0] * 7
     assert info["failures"]["code_reward"] == 0       # a failing program is a score, not a reward failure
+    # ... but its reasons reach the trainer, counted by category (samples per category, per step)
+    assert info["failure_counts"]["code_reward"] == {"timeout": 1, "memory": 1, "output_limit": 1, "signal": 1,
+                                                     "setup": 0, "error": 2, "wrong_answer": 1}
+    m = info["metrics"]
+    assert m["reward_fail/code_reward/error"] == 2.0 and m["reward_fail/code_reward/wrong_answer"] == 1.0
+    assert "reward_fail/length/timeout" not in m      # a reward that never failed adds no keys
+    assert again["metrics"]["reward_fail/code_reward/timeout"] == 0.0    # once seen, every step has the keys
+    assert [f["sample"] for f in info["failed"]] == list(range(1, 8))
+    assert info["reasons"][5].startswith("code_reward[6]: case 0: killed by signal 11")
+    # a sample of the reasons goes to the run directory, categories taking turns
+    path = tmp_path / "reward_failures.jsonl"
+    assert write_reasons(str(path), 3, info["failed"], limit=6, rank=0) == 6
+    assert write_reasons(str(path), 4, again["failed"]) == 0
+    import json
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len({r["category"] for r in rows}) == 6 and 7 not in [r["sample"] for r in rows]   # 2nd error waits
+    assert all(r["step"] == 3 and r["rank"] == 0 and r["reward"] == "code_reward" for r in rows)
+
+
+def scored(prompt, completion, **fields):
+    return Score(0.5, [("memory", "half of it ran out of memory")])
+
+
+def test_pool_level_failures_are_categorised_and_scores_carry_theirs():
+    with RewardPool([(flaky, 1.0), (scored, 1.0)], workers=1, timeout_s=1.0) as pool:
+        rewards, info = pool.submit([""] * 3, ["hang", "boom", "ok"]).result()
+    assert rewards.tolist() == [0.5, 0.5, 1.5]
+    assert info["failure_counts"]["flaky"] == {**dict.fromkeys(CATEGORIES, 0), "timeout": 1, "error": 1}
+    assert info["failure_counts"]["scored"]["memory"] == 3
+    assert pickle_roundtrip(Score(0.25, [("error", "x")])).failures == [("error", "x")]
+
+
+def pickle_roundtrip(x):
+    import pickle
+    return pickle.loads(pickle.dumps(x))
 
 
 def test_names_from_the_registry():
@@ -149,7 +187,26 @@ def test_a_pool_timeout_takes_the_sandbox_down_with_the_worker():
         rewards, info = pool.submit([""], ["while True:\n    pass"], [{"tests": [{"input": "", "output": "1"}]}]).result()
         took = time.monotonic() - t0
     assert rewards.tolist() == [0.0] and info["reasons"] == ["code_reward[0]: timeout after 2s"] and took < 6
+    assert info["failure_counts"]["code_reward"]["timeout"] == 1
     deadline = time.monotonic() + 5                       # PR_SET_PDEATHSIG: the launcher dies with the worker
     while sandbox_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sandbox_processes() == []
+
+
+def sandbox_dirs() -> set[str]:
+    import glob
+    import tempfile
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "**", "sbx-*"), recursive=True))
+
+
+def test_a_pool_timeout_leaves_no_sandbox_dir_behind():
+    # the worker is SIGKILLed mid-run, so the sandbox's own cleanup (a finally block) never runs
+    from rewards.code import code_reward
+    before = sandbox_dirs()
+    with RewardPool([(code_reward, 1.0, {"wall_s": 60.0})], workers=1, timeout_s=1.5) as pool:
+        flood = "import time\nprint('x' * 2**20)\ntime.sleep(60)"      # 1 MB of stdout in the sbx dir
+        rewards, info = pool.submit([""], [flood], [{"tests": [{"input": "", "output": "1"}]}]).result()
+        assert info["reasons"] == ["code_reward[0]: timeout after 1.5s"]
+        assert sandbox_dirs() - before == set(), "the killed worker's sandbox dir is still there"
+    assert sandbox_dirs() - before == set()

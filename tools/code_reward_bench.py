@@ -56,7 +56,8 @@ def main():
           f"(hostile calls cost about one wall_s={args.wall_s:g} each)")
     print(f"results: {len(rewards)}, lost: {lost} (wrong score: {len(wrong)}, pool failures: "
           f"{info['failures']['code_reward']}), worker restarts: {pool.restarts}")
-    for r in info["reasons"][:5]:
+    print(f"failed samples by category: {info['failure_counts']['code_reward']}")
+    for r in [f"{f['sample']}: {f['reason']}" for f in info["failed"] if f["category"] in ("timeout", "setup")][:5]:
         print("  ", r)
     sys.exit(1 if lost or len(rewards) != len(kinds) else 0)
 
