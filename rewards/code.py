@@ -7,7 +7,16 @@
     score, failures = evaluate(completion, tests=..., asserts=...)         # [(category, reason)] behind it
 
 Sample fields: `tests` (list of {"input", "output"} dicts, or the same list as a JSON string, as many
-parquet datasets store it) and/or `asserts` (list of Python statements run after the program).
+parquet datasets store it) and/or `asserts` (list of Python statements, each one case).
+An assert case passes only if its statement ran to the end: the sandbox's harness runs the program, then
+(in a second step, in the program's namespace) the statement, and prints a per-call random token after
+it. SystemExit from the program's top level ends only its step (the statement still runs); os._exit or
+a signal ends the process before the token, and the case fails. The program's source and the
+statement are on no disk the program can read, and the statement reaches the process only once the
+program's top level has returned. Not closed: code that runs during the statement (the function under
+test) can inspect its caller's frame (the expected value is a constant there) or return an object whose
+__eq__ always holds; a policy that learns those needs a stricter checker (compare serialised values
+outside the sandbox).
 The reward returns a `rewards.pool.Score`: a float that carries [(category, reason)] per failed case,
 which the pool counts per step (reward_fail/code/timeout, ...).
 The program is the last fenced ```python block of the completion (or the whole completion when it has
@@ -67,7 +76,7 @@ def evaluate(completion: str, tests=None, asserts=None, limits: Limits | None = 
     program = extract_code(completion)
     passed, failures = 0, []
     for k, (stdin, expected, statement) in enumerate(cases):
-        r = run(program + ("\n\n" + statement + "\n" if statement else ""), stdin, limits)
+        r = run(program, stdin, limits, test=statement or None)   # the statement runs after the program
         if r.status == "ok" and (expected is None or _norm(r.stdout) == _norm(expected)):
             passed += 1
             continue

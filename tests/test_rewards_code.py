@@ -74,6 +74,15 @@ def test_asserts_and_json_string_tests():
     assert code_reward("", "print(int(input()) * 2)", tests='[{"input": "4", "output": "8"}]') == 1.0
 
 
+def test_an_honest_program_may_end_with_sys_exit_and_print():
+    # SystemExit ends the program's step, not the case: the asserts still run, and its prints stay its own
+    prog = "def solve():\n    return 42\nprint('ready')\nimport sys\nsys.exit(0)"
+    score, failures = evaluate(prog, asserts=["assert solve() == 42", "assert solve() == 41"], limits=LIM)
+    assert score == 0.5 and "AssertionError" in failures[0][1]
+    r = run("print('out')", limits=LIM, test="print('from the test')")
+    assert r.status == "ok" and r.stdout == "out\nfrom the test\n"       # the token is not the caller's
+
+
 def test_missing_tests_is_a_named_error():
     with pytest.raises(ValueError, match="no 'tests' or 'asserts'"):
         code_reward("", "print(1)")
@@ -215,6 +224,96 @@ print('killed')
     os.kill(os.getpid(), 0)   # and we are alive
 
 
+@pytest.mark.parametrize("exit_call", ["import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit",
+                                       "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+                                       "import atexit, os\natexit.register(os._exit, 0)\n"
+                                       "import sys\nsys.stdout.write('ok\\n' * 3)"])
+def test_an_early_exit_does_not_pass_asserts(exit_call):
+    # before the harness, the asserts were appended to the program, which could leave before reaching them
+    reason = hostile(exit_call, "", asserts=["assert solve() == 42"])
+    assert "NameError" in reason or "harness token" in reason or "signal 9" in reason
+
+
+def test_the_program_cannot_read_its_source_or_the_tests():
+    # a program that answers from a table: it looks for the expected value wherever it might be (its own file,
+    # any file it can open, its command lines, its open descriptors) and returns what it finds
+    code = r"""
+import glob, os, re
+seen = ''
+if '__file__' in globals():
+    seen += open(__file__).read()
+for p in glob.glob('/tmp/**', recursive=True) + glob.glob('/proc/*/cmdline') + glob.glob('/proc/*/environ'):
+    try:
+        seen += open(p, errors='replace').read()
+    except OSError:
+        pass
+for fd in range(3, 16):
+    try:
+        os.set_blocking(fd, False)
+        seen += os.read(fd, 1 << 16).decode(errors='replace')
+    except OSError:
+        pass
+found = re.findall(r'== (\d+)', seen)
+def solve():
+    return int(found[0]) if found else -1
+"""
+    reason = hostile(code, "", asserts=["assert solve() == 7321987"])
+    assert "AssertionError" in reason
+
+
+def test_host_files_are_out_of_sight():
+    if not CAPS["minimal_root"]:
+        pytest.skip("no minimal root here: " + CAPS["probe"])
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"""
+import os
+readable = []
+for p in ['/etc/passwd', '/etc/hostname', {__file__!r}, {os.path.join(os.path.dirname(here), 'README.md')!r}]:
+    try:
+        open(p).read(1)
+        readable.append(p)
+    except OSError:
+        pass
+print('escaped' if readable or os.path.exists({here!r}) or os.path.exists('/root') else sorted(os.listdir('/')))
+"""
+    assert "escaped" not in hostile(code, "escaped")
+    r = run(code, limits=LIM)
+    assert r.status == "ok" and set(eval(r.stdout)) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32",
+                                                         "proc", "sbin", "tmp", "usr"}
+    r = run("open('/usr/hacked', 'w')", limits=LIM)                  # and the tree is read-only
+    assert r.status == "error" and "Read-only file system" in r.reason
+
+
+def test_ipc_objects_die_with_the_program():
+    # System V shared memory and POSIX message queues outlive their creator in a shared IPC namespace
+    import ctypes
+    key, queue = int.from_bytes(os.urandom(3), "big") + 1, "/sbx-test-" + os.urandom(4).hex()
+    code = f"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mq_open.restype = ctypes.c_int
+shm = libc.shmget({key}, 1 << 20, 0o1000 | 0o666)                    # IPC_CREAT
+mq = libc.mq_open({queue.encode()!r}, 0o100 | 0o2, 0o666, None)       # O_CREAT | O_RDWR
+print('created' if shm >= 0 and mq >= 0 else ('failed', shm, mq, ctypes.get_errno()))
+"""
+    r = run(code, limits=LIM)
+    libc = ctypes.CDLL(None, use_errno=True)
+    shm, mq = libc.shmget(key, 0, 0), libc.mq_open(queue.encode(), 0)
+    if shm >= 0:
+        libc.shmctl(shm, 0, None)     # IPC_RMID: do not leave it behind for the next run either
+    if mq >= 0:
+        libc.mq_close(mq)
+        libc.mq_unlink(queue.encode())
+    assert r.stdout.strip() == "created", r
+    assert shm == -1 and mq == -1, "an IPC object outlived the sandbox"
+
+
+def test_a_self_kill_is_not_a_time_limit():
+    for sig in ("SIGKILL", "SIGXCPU"):
+        r = run(f"import os, signal\nos.kill(os.getpid(), signal.{sig})", limits=LIM)
+        assert r.status == "killed" and f"({sig})" in r.reason and "time limit" not in r.reason, r.reason
+
+
 def test_a_timeout_names_the_cases_it_skipped():
     loop = "while True:\n    pass"
     score, failures = evaluate(loop, tests=ADD[:1], limits=LIM)
@@ -235,3 +334,4 @@ def test_capabilities_report_is_honest():
     assert caps["probe"] == "ok"
     if os.geteuid() == 0:
         assert caps["dedicated_uid"], "running as root, the sandbox must drop to its own uid"
+        assert caps["minimal_root"] and caps["ipc_namespace"]
