@@ -128,6 +128,7 @@ class AlgoConfig:
     loss_agg: str = opt("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, "
                                       "seq-mean-token-sum-norm")
     norm_len: int = opt(0, "constant divisor of seq-mean-token-sum-norm (0 = max_new_tokens)")
+    max_new_tokens: int = opt(0, "not an option: copied from max_new_tokens at start (algorithms see only this section)")
     scale_rewards: bool = opt(True, "divide group-centred rewards by the group's std (GRPO); off = Dr. GRPO style")
     tis: str = opt("off", "truncated importance sampling against rollout/train log-prob mismatch: off, token, seq")
     tis_cap: float = opt(2.0, "truncation of the importance weight pi_train / pi_sample")
@@ -316,6 +317,7 @@ def to_dict(cfg) -> dict:
 def fill_defaults(cfg: Config) -> Config:
     """The defaults that depend on other options, filled once after parsing."""
     cfg.algo.norm_len = cfg.algo.norm_len or cfg.max_new_tokens   # Dr. GRPO's constant: the length limit
+    cfg.algo.max_new_tokens = cfg.max_new_tokens                  # the limit itself (DAPO's overlong penalty)
     return cfg
 
 

@@ -36,18 +36,26 @@ def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
 
 
 def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, sum_over=None) -> Tensor:
-    """(x - mean) / std over the masked entries (the whole batch); masked-out entries come back as 0.
+    """(x - mean) / sqrt(var + eps) over the masked entries (the whole batch); masked-out entries come back as 0.
+
+    Conventions (compare before comparing numbers with another framework): the variance is the biased one
+    (divided by n, like numpy's default), and eps sits inside the square root. cleanrl's PPO divides by the
+    unbiased std plus 1e-8 (torch.std); over n tokens the two differ by a factor sqrt(n / (n - 1)), which
+    is negligible over a batch of tokens and matters only for tiny tests. Mean and variance are taken in
+    float64, so a batch of equal values whitens to exactly 0.
     sum_over: a function that sums a list of numbers over the processes holding parts of one batch
     (distributed.all_sum), so that the mean and std are the whole batch's under torchrun, not this rank's."""
+    x64, m64 = x.double(), mask.double()
     if sum_over is None:
-        mean = masked_mean(x, mask)
-        var = masked_mean((x - mean) ** 2, mask)
+        n = m64.sum().clamp(min=1)
+        mean = (x64 * m64).sum() / n
+        var = ((x64 - mean) ** 2 * m64).sum() / n
     else:   # the same two passes, each sum taken over every rank (float64 on the host)
-        total, n = sum_over([(x * mask).sum().item(), mask.sum().item()])
+        total, n = sum_over([(x64 * m64).sum().item(), m64.sum().item()])
         mean = total / max(n, 1.0)
-        (squares,) = sum_over([((x - mean) ** 2 * mask).sum().item()])
-        var = torch.tensor(squares / max(n, 1.0), dtype=x.dtype)
-    return (x - mean) * torch.rsqrt(var + eps) * mask
+        (squares,) = sum_over([((x64 - mean) ** 2 * m64).sum().item()])
+        var = torch.tensor(squares / max(n, 1.0), dtype=torch.float64)
+    return ((x64 - mean) * torch.rsqrt(var + eps) * m64).to(x.dtype)
 
 
 
@@ -71,21 +79,30 @@ def aggregate(loss: Tensor, mask: Tensor, mode: str, max_len: int | None = None)
     raise ValueError(f"unknown loss_agg {mode!r}; known: {', '.join(AGG_MODES)}")
 
 
+# Bounds on the KL estimate, as verl's k3 ("low_var_kl") has them: the log-ratio is clamped to +-20 before any
+# estimator (exp(88) overflows float32: one token with ref - logp > 88 made k3 inf and the whole update was
+# skipped), and k3 itself to at most 10. A token past a bound gives the KL term no gradient; such a token
+# means the policy gives it ~13x less probability than the reference (k3 = 10) or e^20 more or less
+# (the clamp). Set both to math.inf to get the unbounded estimators back.
+KL_LOG_RATIO_MAX = 20.0
+K3_MAX = 10.0
+
+
 def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     """Per-token estimate of KL(policy || ref) from samples of the policy (Schulman, 'Approximating KL').
 
     k1 = log r            unbiased, high variance, can be negative
     k2 = (log r)^2 / 2    biased, low variance
     k3 = (r' - 1) - log r'  with r' = ref/policy: unbiased, always >= 0 (GRPO's choice)
-    where log r = logp - ref_logp.
+    where log r = logp - ref_logp, clamped to +-KL_LOG_RATIO_MAX; k3 is capped at K3_MAX (see above).
     """
-    log_ratio = logp - ref_logp                                   # (B, C)
+    log_ratio = (logp - ref_logp).clamp(-KL_LOG_RATIO_MAX, KL_LOG_RATIO_MAX)           # (B, C)
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
     if estimator == "k3":
-        return torch.exp(-log_ratio) - 1 + log_ratio
+        return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(max=K3_MAX)
     raise ValueError(f"unknown kl_estimator {estimator!r}; known: k1, k2, k3")
 
 

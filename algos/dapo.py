@@ -29,8 +29,12 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float)
 
 
 def dapo_advantages(batch, cfg, sum_over=None) -> Tensor:
+    # L is the rollout's length limit, which only the config knows: the completion tensor is as wide as the
+    # longest completion of the batch, which is shorter than L whenever no sample was truncated
+    if cfg.max_new_tokens < 1:
+        raise ValueError("dapo: algo.max_new_tokens is unset (config.fill_defaults copies max_new_tokens into it)")
     lengths = batch.completion_mask.sum(-1)                                                 # (B,)
-    shaped = sequence_rewards(batch, cfg) + overlong_penalty(lengths, cfg.norm_len, cfg.dapo.overlong_buffer,
+    shaped = sequence_rewards(batch, cfg) + overlong_penalty(lengths, cfg.max_new_tokens, cfg.dapo.overlong_buffer,
                                                              cfg.dapo.overlong_penalty)
     adv = group_advantages(shaped, batch.group_ids, scale=True)                             # (B,)
     return adv[:, None] * batch.completion_mask                                             # (B, C)
@@ -44,7 +48,7 @@ def keep_groups_with_signal(batch, cfg) -> Tensor:
     """(B,) bool: True for samples whose group's rewards are not all equal (or every sample when off)."""
     if not cfg.dapo.dynamic_sampling:
         return torch.ones(len(batch), dtype=torch.bool)
-    _, _, std = group_stats(batch.rewards.float(), batch.group_ids)
+    _, _, std = group_stats(batch.rewards.float(), batch.group_ids)    # exactly 0 when all are equal
     return std > 0
 
 

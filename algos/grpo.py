@@ -11,6 +11,9 @@ Choices made here: no critic (the group mean is the baseline); the KL term sits 
 algo.kl_in_reward; when each rollout batch gets a single optimizer step, logp_old is logp_new detached, so
 the ratio is 1 and the gradient is exactly REINFORCE with the group-mean baseline (no recomputation).
 `scale_rewards=false` drops the std division in plain GRPO too; dr_grpo ignores scale_rewards and loss_agg.
+The std is the unbiased one (like torch.std, TRL and verl), and the group statistics are taken in float64
+around the group's first reward: a group whose rewards are all equal gets exactly zero advantage.
+Metrics: clip_frac (ratio outside the range) and clip_frac_cut (gradient removed): see algos/common.py.
 """
 from functools import partial
 
@@ -22,20 +25,30 @@ from registry import register
 
 
 def group_stats(x: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """x (B,), group_ids (B,) -> per-sample group count, group mean, unbiased group std (each (B,))."""
-    n_groups = int(group_ids.max()) + 1
-    count = torch.zeros(n_groups).index_add_(0, group_ids, torch.ones_like(x))              # (G,)
-    mean = torch.zeros(n_groups).index_add_(0, group_ids, x) / count                        # (G,)
-    centred = x - mean[group_ids]                                                           # (B,)
-    var = torch.zeros(n_groups).index_add_(0, group_ids, centred ** 2) / (count - 1).clamp(min=1)  # like torch.std
-    return count[group_ids], mean[group_ids], var.sqrt()[group_ids]
+    """x (B,), group_ids (B,) -> per-sample group count, x minus its group's mean, unbiased group std
+    (each (B,), float64).
+
+    Computed in float64 and around each group's first value, so that a group whose values are all equal
+    gets exactly 0 for both (in float32, eight rewards of 1.2 average to 1.2000000477, and the 5e-8 left
+    over, divided by std + eps, was an advantage of +0.1 on every sample of a group with no signal).
+    """
+    B, n_groups = len(x), int(group_ids.max()) + 1
+    x64 = x.double()
+    first = torch.full((n_groups,), B, device=x.device).scatter_reduce_(
+        0, group_ids, torch.arange(B, device=x.device), reduce="amin")                      # (G,) first index
+    shifted = x64 - x64[first][group_ids]                                                   # (B,) exact zeros
+    zeros = torch.zeros(n_groups, dtype=torch.float64, device=x.device)
+    count = zeros.index_add(0, group_ids, torch.ones_like(x64))                             # (G,)
+    centred = shifted - (zeros.index_add(0, group_ids, shifted) / count)[group_ids]         # (B,)
+    var = zeros.index_add(0, group_ids, centred ** 2) / (count - 1).clamp(min=1)           # (G,) like torch.std
+    return count[group_ids], centred, var.sqrt()[group_ids]
 
 
 def group_advantages(rewards: Tensor, group_ids: Tensor, scale: bool = True, eps: float = 1e-6) -> Tensor:
-    """rewards (B,), group_ids (B,) -> advantages (B,): reward minus its group's mean (over its std)."""
-    _, mean, std = group_stats(rewards, group_ids)
-    centred = rewards - mean
-    return centred / (std + eps) if scale else centred
+    """rewards (B,), group_ids (B,) -> advantages (B,): reward minus its group's mean (over its std);
+    exactly 0 for every sample of a group whose rewards are all equal."""
+    _, centred, std = group_stats(rewards, group_ids)
+    return (centred / (std + eps) if scale else centred).to(rewards.dtype)
 
 
 def grpo_advantages(batch, cfg, sum_over=None, scale: bool | None = None) -> Tensor:

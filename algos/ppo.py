@@ -8,7 +8,8 @@
 
 The critic is a separate model (critic.py: the policy's backbone with a 1-unit head, its own optimizer).
 `batch.advantages` holds the raw GAE advantages; the loss rebuilds the returns as A + V_old and whitens A
-over the mini-batch (as cleanrl does), so the advantage function stays pure and returns one tensor. Whitening
+over the mini-batch (cleanrl does too, but with the unbiased std + 1e-8; here the biased variance with eps
+inside the root: see masked_whiten), so the advantage function stays pure and returns one tensor. Whitening
 needs the whole mini-batch in one pass: with micro_batch_size > 0 or under torchrun, set algo.ppo.whiten=false
 (the loop refuses the split otherwise: a micro-batch's own mean and std would change the gradient).
 Simplified: no reward model (the verifier's score is the reward), no value-head warm-up phase.

@@ -2,7 +2,8 @@
 
     r_t   = score * [t = last] - kl_coef * KL_t             (KL in the reward when algo.kl_in_reward)
     G_t   = sum_{s >= t} r_s                                 reward-to-go, gamma = 1
-    A_t   = (G_t - mean(G)) / std(G)                         mean/std over every token of the batch (all ranks)
+    A_t   = (G_t - mean(G)) / std(G)                         mean/std over every token of the batch (all ranks;
+                                                             biased variance, eps inside the root: masked_whiten)
     baseline variant: score_i - mean(score_group) replaces score before the above (REINFORCE++-baseline)
     loss  = agg( max(-A * ratio, -A * clip(ratio, ...)) )
 

@@ -17,8 +17,8 @@ from registry import register
 
 def leave_one_out_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """rewards (B,), group_ids (B,) -> (B,): r_i minus the mean of the other samples of its group."""
-    count, mean, _ = group_stats(rewards, group_ids)
-    return (rewards - mean) * count / (count - 1).clamp(min=1)
+    count, centred, _ = group_stats(rewards, group_ids)                                     # float64
+    return (centred * count / (count - 1).clamp(min=1)).to(rewards.dtype)
 
 
 def rloo_advantages(batch, cfg, sum_over=None) -> Tensor:

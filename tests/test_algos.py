@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 import config
 import registry
-from algos.common import aggregate, clipped_policy_loss, kl_in_reward, masked_whiten, tis_weights, token_rewards
-from algos.dapo import keep_groups_with_signal, overlong_penalty
+from algos.common import (K3_MAX, KL_LOG_RATIO_MAX, aggregate, clipped_policy_loss, kl_estimate, kl_in_reward,
+                          masked_whiten, tis_weights, token_rewards)
+from algos.dapo import dapo_advantages, keep_groups_with_signal, overlong_penalty
 from algos.dpo import online_dpo_advantages, online_dpo_loss, pair_labels, preference_loss, sequence_scores
 from algos.gspo import gspo_loss
 from algos.grpo import grpo_advantages
@@ -32,6 +33,7 @@ def batch_of(rewards, mask, group_ids, **extra) -> Experience:
 def algo_cfg(**kw) -> config.AlgoConfig:
     cfg = config.AlgoConfig(**kw)
     cfg.norm_len = cfg.norm_len or 4
+    cfg.max_new_tokens = cfg.max_new_tokens or 4       # what config.fill_defaults copies from max_new_tokens
     return cfg
 
 
@@ -114,6 +116,89 @@ def test_dapo_overlong_penalty_and_dynamic_sampling():
     assert keep_groups_with_signal(batch, cfg).tolist() == [True, True, False, False]
     cfg.dapo.dynamic_sampling = False
     assert keep_groups_with_signal(batch, cfg).all()
+
+
+def reference_group_advantages(rewards: list[float], groups: list[int], scale: bool, eps: float = 1e-6):
+    """GRPO's advantages in exact rational arithmetic, group by group: an implementation that shares nothing
+    with algos/ (no torch, no float rounding until the last division)."""
+    from fractions import Fraction
+    members: dict[int, list] = {}
+    for r, g in zip(rewards, groups):
+        members.setdefault(g, []).append(Fraction(r))
+    out = []
+    for r, g in zip(rewards, groups):
+        xs = members[g]
+        mean = sum(xs) / len(xs)
+        var = sum((x - mean) ** 2 for x in xs) / max(len(xs) - 1, 1)
+        out.append(float(Fraction(r) - mean) / (math.sqrt(var) + eps) if scale else float(Fraction(r) - mean))
+    return out
+
+
+def test_equal_rewards_give_exactly_zero_advantage():
+    # the documented mix rewards=math:1.0,format:0.2 as the reward pool sums it (float32): 1.2 is not dyadic,
+    # and float32's mean of eight 1.2s is not 1.2; before the fix each of them got advantage +0.106
+    parts = [[1, 1]] * 8 + [[0, 1]] * 8 + [[1, 1], [0, 1], [0, 0], [1, 1]] + [[1, 0]] * 4       # (B, 2)
+    rewards = torch.tensor(parts, dtype=torch.float32) @ torch.tensor([1.0, 0.2])               # (B,)
+    groups = [0] * 8 + [1] * 8 + [2] * 4 + [3] * 4
+    B = len(groups)
+    batch = batch_of(rewards.tolist(), [[1, 1, 1]] * B, groups)
+    batch.rewards = rewards
+    cfg = algo_cfg()
+    equal = torch.tensor(groups) != 2
+    for name, scale in [("grpo", True), ("gspo", True), ("dapo", True), ("dr_grpo", False), ("rloo", False)]:
+        adv = registry.get("algo", name).advantages(batch, cfg)[:, 0]                          # (B,)
+        assert torch.all(adv[equal] == 0), f"{name}: {adv[equal].tolist()}"
+        ref = reference_group_advantages(rewards.tolist(), groups, scale)
+        if name == "rloo":
+            ref = [a * 4 / 3 for a in ref]          # leave-one-out: k / (k - 1) times the centred reward
+        assert torch.allclose(adv, torch.tensor(ref), rtol=1e-6, atol=1e-6), name
+    assert keep_groups_with_signal(batch, cfg).tolist() == (~equal).tolist()    # DAPO: no signal, not kept
+    only_equal = batch.select(torch.nonzero(equal)[:, 0])
+    only_equal.group_ids = torch.tensor([0] * 8 + [1] * 8 + [2] * 4)
+    for name in ("reinforce_pp_baseline", "reinforce_pp"):      # whitening in float64: equal values give 0
+        batch_all_one_group = only_equal if name.endswith("baseline") else only_equal.select(torch.arange(8))
+        assert torch.all(registry.get("algo", name).advantages(batch_all_one_group, cfg) == 0), name
+
+
+def test_dapo_overlong_penalty_uses_the_rollout_length_limit():
+    # L is max_new_tokens (9), not algo.norm_len (Dr. GRPO's divisor), nor the batch's completion width
+    lengths = [5, 6, 7, 9]
+    batch = batch_of([1.0] * 4, [[1] * n + [0] * (9 - n) for n in lengths], [0] * 4)
+    for norm_len in (0, 6):
+        cfg = algo_cfg(norm_len=norm_len, max_new_tokens=9)        # overlong_buffer 2: penalty from 8 tokens on
+        assert torch.allclose(dapo_advantages(batch, cfg)[:, 0], torch.tensor([0.5, 0.5, 0.5, -1.5]), atol=1e-6)
+    # no completion reached the limit: the batch is 7 wide, no one is penalised
+    narrow = batch_of([1.0] * 4, [[1] * n + [0] * (7 - n) for n in [5, 6, 7, 7]], [0] * 4)
+    assert torch.all(dapo_advantages(narrow, algo_cfg(max_new_tokens=9)) == 0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dapo_advantages(batch, config.AlgoConfig())
+
+
+def test_kl_estimates_are_bounded():
+    # ref - logp = 100 overflowed k3 to inf (exp(100) > float32's max), and the update was skipped
+    logp = torch.tensor([0.0, -100.0, -1.0, -3.0], requires_grad=True)
+    ref = torch.tensor([-100.0, 0.0, -1.5, -0.5])
+    for name, bound in [("k1", KL_LOG_RATIO_MAX), ("k2", 0.5 * KL_LOG_RATIO_MAX ** 2), ("k3", K3_MAX)]:
+        kl = kl_estimate(logp, ref, name)
+        assert torch.isfinite(kl).all() and kl.abs().max() <= bound
+        (g,) = torch.autograd.grad(kl.sum(), logp)
+        assert torch.isfinite(g).all()
+    # inside the bounds: the textbook formulas, unchanged
+    lr = (logp - ref)[2:].detach().double()
+    assert torch.allclose(kl_estimate(logp, ref, "k3")[2:].double(), torch.exp(-lr) - 1 + lr, atol=1e-6)
+    assert kl_estimate(logp, ref, "k3")[1] == K3_MAX and kl_estimate(logp, ref, "k1")[1] == -KL_LOG_RATIO_MAX
+    # and through the loss: finite, so the update is not skipped
+    batch = batch_of([1.0, 0.0], [[1, 1], [1, 1]], [0, 0], ref_logprobs=torch.tensor([[-100.0, 0.0], [0.0, 0.0]]))
+    batch.advantages = grpo_advantages(batch, algo_cfg())
+    loss, m = loss_grad(clipped_policy_loss, batch, algo_cfg(kl_coef=0.1), torch.zeros(2, 2, requires_grad=True))[1:]
+    assert math.isfinite(loss.item()) and math.isfinite(float(m["kl"]))
+
+
+def test_whitening_convention_biased_variance():
+    x, mask = torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.ones(1, 4)
+    expected = (x - 2.5) / math.sqrt(1.25 + 1e-8)       # biased variance 1.25 (the unbiased one is 5/3)
+    assert torch.allclose(masked_whiten(x, mask), expected, atol=1e-6)
+    assert torch.all(masked_whiten(torch.full((1, 8), 1.2), torch.ones(1, 8)) == 0)
 
 
 def test_online_dpo_pairs_best_vs_worst():
