@@ -5,6 +5,12 @@ the loss), truncated importance sampling, and the clipped policy-gradient loss m
     loss, metrics = clipped_policy_loss(new, batch, cfg, loss_agg="token-mean", clip=(0.2, 0.28))
 
 Every function here is pure: tensors in, tensors out; `cfg` is the `algo` section of the config.
+Conventions to check before comparing numbers with another framework:
+  * group statistics (algos/grpo.py group_stats) and whitening are taken in float64, so equal rewards give
+    exactly zero advantage; whitening divides by sqrt(biased variance + eps) (cleanrl: unbiased std + eps);
+  * clip_frac counts tokens whose ratio is outside the clip range whatever the advantage's sign;
+    clip_frac_cut counts those whose gradient the clip removes (verl's pg_clipfrac);
+  * KL estimates are bounded: log-ratio to +-KL_LOG_RATIO_MAX, k3 to K3_MAX (verl's choice), on always.
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -162,6 +168,11 @@ def clipped_policy_loss(new: dict, batch, cfg, loss_agg: str | None = None,
         loss  = agg( w * max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)) + kl_coef * KL )
     w is the truncated importance weight (1 when tis=off). Variants pass their own aggregation and clip
     range; the defaults come from cfg.
+    Two clip fractions, both token means over the completion:
+      clip_frac      tokens whose ratio lies outside [1 - eps_low, 1 + eps_high], whatever A's sign;
+      clip_frac_cut  tokens whose gradient the clip removes: ratio above 1 + eps_high with A > 0, or below
+                     1 - eps_low with A < 0 (the max picks the clipped term). verl's pg_clipfrac and TRL's
+                     clip_ratio count these; the other tokens outside the range still get their gradient.
     """
     logp, mask, adv = new["logprobs"], batch.completion_mask, batch.advantages               # (B, C) each
     old = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
@@ -170,6 +181,7 @@ def clipped_policy_loss(new: dict, batch, cfg, loss_agg: str | None = None,
     clipped = ratio.clamp(1 - lo, 1 + hi)
     per_token = torch.maximum(-adv * ratio, -adv * clipped)                                 # (B, C)
     metrics = {"clip_frac": masked_mean(((ratio - clipped).abs() > 0).float(), mask).detach(),
+               "clip_frac_cut": masked_mean(clip_cuts(ratio, clipped, adv), mask).detach(),
                "ratio": masked_mean(ratio.detach(), mask)}
     if cfg.tis != "off":
         w = tis_weights(old, batch.sample_logprobs, mask, cfg.tis, cfg.tis_cap)             # (B, C)
@@ -179,6 +191,11 @@ def clipped_policy_loss(new: dict, batch, cfg, loss_agg: str | None = None,
     loss = aggregate(per_token, mask, loss_agg or cfg.loss_agg, cfg.norm_len)
     metrics["entropy"] = masked_mean(new["entropy"].detach(), mask)
     return loss, metrics
+
+
+def clip_cuts(ratio: Tensor, clipped: Tensor, adv: Tensor) -> Tensor:
+    """1.0 where the clipped surrogate is the larger loss term, so the clip zeroes the gradient (same shape)."""
+    return (-adv * clipped > -adv * ratio).float().detach()
 
 
 def kl_in_loss(logp: Tensor, batch, cfg, metrics: dict) -> Tensor:

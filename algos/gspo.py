@@ -6,12 +6,13 @@
             + kl_coef * token-mean KL (when the KL is in the loss)
 
 The clip range is tiny (3e-4 / 4e-4 in the paper) because s_i is a geometric mean over tokens.
+clip_frac and clip_frac_cut count sequences here, not tokens (algos/common.py has the two definitions).
 On-policy (s_i = 1, one update per batch) the gradient is mean_i A_i * mean_t grad logp_t: REINFORCE
 with seq-mean-token-mean aggregation. Simplified: no GSPO-token variant (per-token advantages).
 """
 import torch
 
-from algos.common import Algorithm, kl_in_loss, masked_mean, tis_weights
+from algos.common import Algorithm, clip_cuts, kl_in_loss, masked_mean, tis_weights
 from algos.grpo import grpo_advantages
 from registry import register
 
@@ -24,7 +25,8 @@ def gspo_loss(new: dict, batch, cfg):
     s = log_s.exp()
     clipped = s.clamp(1 - cfg.gspo.clip_eps, 1 + cfg.gspo.clip_eps_high)
     per_seq = torch.maximum(-adv * s, -adv * clipped)                                       # (B,)
-    metrics = {"clip_frac": ((s - clipped).abs() > 0).float().mean().detach(), "ratio": s.detach().mean()}
+    metrics = {"clip_frac": ((s - clipped).abs() > 0).float().mean().detach(),      # sequences, not tokens
+               "clip_frac_cut": clip_cuts(s, clipped, adv).mean(), "ratio": s.detach().mean()}
     if cfg.tis != "off":   # the sequence weight is the natural one here: token mode is reduced to its mean
         w = masked_mean(tis_weights(old, batch.sample_logprobs, mask, cfg.tis, cfg.tis_cap), mask, dim=-1)
         per_seq = per_seq * w

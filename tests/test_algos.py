@@ -194,6 +194,20 @@ def test_kl_estimates_are_bounded():
     assert math.isfinite(loss.item()) and math.isfinite(float(m["kl"]))
 
 
+def test_clip_frac_cut_counts_the_tokens_whose_gradient_the_clip_removes():
+    # (advantage, ratio) per token: above the range with A > 0 and below it with A < 0 are cut; the other two
+    # outside the range keep their gradient (the max picks the unclipped term); one token is inside
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0]])
+    ratio = torch.tensor([[1.5, 1.5, 0.5, 0.5, 1.0]])
+    batch = batch_of([1.0], [[1] * 5], [0], old_logprobs=torch.zeros(1, 5))
+    batch.advantages = adv
+    logp = ratio.log().requires_grad_()
+    loss, m = clipped_policy_loss({"logprobs": logp, "entropy": torch.zeros(1, 5)}, batch, algo_cfg())
+    (g,) = torch.autograd.grad(loss, logp)
+    assert float(m["clip_frac"]) == pytest.approx(4 / 5) and float(m["clip_frac_cut"]) == pytest.approx(2 / 5)
+    assert (g[0] == 0).tolist() == [True, False, True, False, False]       # the independent check: gradients
+
+
 def test_whitening_convention_biased_variance():
     x, mask = torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.ones(1, 4)
     expected = (x - 2.5) / math.sqrt(1.25 + 1e-8)       # biased variance 1.25 (the unbiased one is 5/3)
@@ -238,6 +252,7 @@ def test_gspo_on_policy_is_seq_mean_token_mean_reinforce_and_clips_per_sequence(
     batch.old_logprobs = F.logsigmoid(logits).detach() - 0.01 * (batch.advantages > 0)   # s = e^0.01 for A > 0
     g, _, m = loss_grad(gspo_loss, batch, cfg, logits)
     assert torch.all(g[batch.advantages[:, 0] > 0] == 0) and float(m["clip_frac"]) == 0.5
+    assert float(m["clip_frac_cut"]) == 0.5                  # those sequences are cut; the others are inside
 
 
 def test_clipping_stops_gradient_and_dapo_clips_higher():
