@@ -17,7 +17,7 @@ program's top level has returned. Not closed: code that runs during the statemen
 test) can inspect its caller's frame (the expected value is a constant there) or return an object whose
 __eq__ always holds; a policy that learns those needs a stricter checker (compare serialised values
 outside the sandbox).
-The reward returns a `rewards.pool.Score`: a float that carries [(category, reason)] per failed case,
+The reward returns a `rewards.score.Score`: a float that carries [(category, reason)] per failed case,
 which the pool counts per step (reward_fail/code/timeout, ...).
 The program is the last fenced ```python block of the completion (or the whole completion when it has
 no fence). Each test case runs in its own sandbox (rewards/sandbox.py: namespaces, dedicated uid,
@@ -31,7 +31,7 @@ import json
 import re
 
 from registry import register
-from rewards.pool import Score
+from rewards.score import Score
 from rewards.sandbox import Limits, run
 
 FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -70,7 +70,8 @@ CATEGORY = {"timeout": "timeout", "memory": "memory", "output_limit": "output_li
             "setup_failed": "setup", "error": "error"}
 
 
-def evaluate(completion: str, tests=None, asserts=None, limits: Limits | None = None) -> tuple[float, list[tuple[str, str]]]:
+def evaluate(completion: str, tests=None, asserts=None,
+             limits: Limits | None = None) -> tuple[float, list[tuple[str, str]]]:
     """-> (fraction of cases passed, [(category, reason)] for each failed case)."""
     cases = _cases(tests, asserts)
     program = extract_code(completion)

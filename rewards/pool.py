@@ -22,8 +22,8 @@ Batched rewards (a function with `fn.batched = True`, called as `fn(prompts, com
 **kwargs) -> list[float]`, e.g. the learned reward model holding a GPU model) run on a thread of this
 process instead; a timeout there also scores 0, though the thread itself cannot be stopped.
 
-A reward may return a `Score` instead of a float: a float that also carries [(category, reason)], the
-failures behind its value (the code reward's failed test cases). The pool counts samples per category
+A reward may return a `rewards.score.Score` instead of a float: a float that also carries
+[(category, reason)], the failures behind its value (the code reward's failed test cases). The pool counts samples per category
 (CATEGORIES) for each reward, its own failures included (a call past its deadline counts as a timeout).
 
 info = {"names": [...], "per_reward": {name: tensor (B,)}, "failures": {name: failed calls},
@@ -52,23 +52,9 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 
+from rewards.score import CATEGORIES, Score  # noqa: F401  (Score re-exported: rewards return it)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CATEGORIES = ("timeout", "memory", "output_limit", "signal", "setup", "error", "wrong_answer")
-
-
-class Score(float):
-    """A reward value with the failures behind it: Score(0.5, [("timeout", "case 1: wall time ...")]).
-    Everywhere else it is the float; the pool reads `.failures` (categories from CATEGORIES)."""
-
-    def __new__(cls, value, failures=()):
-        self = super().__new__(cls, value)
-        self.failures = [(str(c), str(r)) for c, r in failures]
-        return self
-
-    def __reduce__(self):
-        return Score, (float(self), self.failures)
-
-
 def write_reasons(path: str, step: int, failed: list[dict], limit: int = 20, **extra) -> int:
     """Append up to `limit` of one step's failures (info["failed"]) to the jsonl file `path`, one line each
     as {"step", "reward", "sample", "category", "reason", **extra}; returns how many. Categories take
@@ -199,8 +185,8 @@ class RewardHandle:
                 if isinstance(v, str):
                     self._set(i, j, 0.0, v, category)
                 else:
-                    self._set(i, j, v if math.isfinite(v) else 0.0, None if math.isfinite(v) else f"non-finite value {v}",
-                              failures=fails)
+                    finite = math.isfinite(v)
+                    self._set(i, j, v if finite else 0.0, None if finite else f"non-finite value {v}", failures=fails)
         self.done_event.wait()
         names = [s[0] for s in self.pool.specs]
         weights = torch.tensor([s[1] for s in self.pool.specs], dtype=torch.float32)      # (R,)

@@ -208,12 +208,17 @@ def launch(spec: dict) -> int:
             pass
         os.close(program_w)
         return _supervise(child, ready_r, test_w, test)
-    # ---- the program's process
-    for fd, std in ((fd_in, 0), (fd_out, 1), (fd_err, 2), (program_r, PROGRAM_FD), (ready_w, READY_FD),
-                    (test_r, TEST_FD)):
+    _exec_program(spec, libc, check, [fd_in, fd_out, fd_err, program_r, ready_w, test_r], test is not None,
+                  workdir, python, uid if root else None, isolated)
+
+
+def _exec_program(spec: dict, libc, check, fds: list[int], has_test: bool, workdir: str, python: str,
+                  uid: int | None, isolated: bool):
+    """In the program's process: its descriptors, limits and uid, then exec the harness (never returns)."""
+    for std, fd in enumerate(fds):                   # 0-2: stdio; 3-5: PROGRAM_FD, READY_FD, TEST_FD
         os.dup2(fd, std)
     os.closerange(TEST_FD + 1, 1 << 16)
-    if test is None:
+    if not has_test:
         os.close(READY_FD)
         os.close(TEST_FD)
     os.chdir(workdir)
@@ -224,7 +229,7 @@ def launch(spec: dict) -> int:
                      (resource.RLIMIT_NOFILE, (spec["max_files"],) * 2),
                      (resource.RLIMIT_CORE, (0, 0))):
         resource.setrlimit(lim, val)
-    if root:    # the process cap is real only for a uid of our own (root ignores RLIMIT_NPROC)
+    if uid is not None:    # as root: the process cap is real only for a uid of our own (root ignores RLIMIT_NPROC)
         resource.setrlimit(resource.RLIMIT_NPROC, (spec["max_procs"],) * 2)
         os.setgroups([])
         os.setresgid(uid, uid, uid)
@@ -232,9 +237,8 @@ def launch(spec: dict) -> int:
     elif isolated:
         resource.setrlimit(resource.RLIMIT_NPROC, (spec["max_procs"],) * 2)
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")   # a uid change cleared it
-    env = clean_env(workdir)
-    argv = [python, "-I", "-B", "-c", HARNESS] + (["test"] if test is not None else [])
-    os.execve(python, argv, env)
+    argv = [python, "-I", "-B", "-c", HARNESS] + (["test"] if has_test else [])
+    os.execve(python, argv, clean_env(workdir))
 
 
 def _write_all(fd: int, data: bytes):
