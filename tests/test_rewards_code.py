@@ -315,10 +315,10 @@ def test_a_self_kill_is_not_a_time_limit():
 
 
 def test_a_timeout_names_the_cases_it_skipped():
-    loop = "while True:\n    pass"
-    score, failures = evaluate(loop, tests=ADD[:1], limits=LIM)
-    assert score == 0.0 and len(failures) == 1 and failures[0][0] == "timeout"
-    score, failures = evaluate(loop, tests=ADD, limits=LIM)
+    loop, fast = "while True:\n    pass", Limits(wall_s=1.0, cpu_s=1)
+    score, failures = evaluate(loop, tests=ADD[:1], limits=fast)
+    assert score == 0.0 and len(failures) == 1 and failures[0][0] == "timeout"     # not "cases 1..0"
+    score, failures = evaluate(loop, tests=ADD, limits=fast)
     assert [f[1].split(":")[0] for f in failures] == ["case 0", "cases 1..2"]
     score = code_reward("", loop, tests=ADD[:1], wall_s=1.0)       # a float that carries its failures
     assert score == 0.0 and [c for c, _ in score.failures] == ["timeout"]
