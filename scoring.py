@@ -2,12 +2,16 @@
 
     handle = submit_rewards(pool, samples, decode(tok, rollout))   # returns at once: the workers score
     rewards, info = handle.result()                                 # (B,) weighted sums, failures with reasons
+    record_failures(run_dir, step, info)                            # a sample to reward_failures.jsonl
     metrics = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, generator)   # eval/accuracy, eval/reward
 """
+import os
+
 import torch
 
 import distributed
 from engines.base import SamplingParams
+from rewards.pool import write_reasons
 
 
 def decode(tok, rollout) -> list[str]:
@@ -22,6 +26,23 @@ def submit_rewards(pool, samples: list[dict], completions: list[str]):
     """Start scoring in the reward workers and return at once; `.result()` gives (rewards (B,), info)."""
     return pool.submit([s["prompt"] for s in samples], completions,
                        [{k: v for k, v in s.items() if k != "prompt"} for s in samples])
+
+
+def record_failures(run_dir: str, step: int, info: dict) -> str | None:
+    """Append a sample of this step's reward failures (every category gets its turn) to
+    <run_dir>/reward_failures.jsonl; -> a one-line summary by category, or None when nothing failed. The counts
+    themselves are in the metrics row (reward_fail/<reward>/<category>)."""
+    if not info.get("failed"):
+        return None
+    write_reasons(os.path.join(run_dir, "reward_failures.jsonl"), step, info["failed"], limit=20,
+                  rank=distributed.rank())
+    # a wrong answer is the policy's failure, not the reward's: logged, but not worth a line on screen
+    broken = [f for f in info["failed"] if f["category"] != "wrong_answer"]
+    if not broken:
+        return None
+    counts = ", ".join(f"{name} {cat} {n}" for name, cats in info.get("failure_counts", {}).items()
+                       for cat, n in cats.items() if n and cat != "wrong_answer")
+    return f"step {step}: reward failures ({counts}), e.g. {broken[0]['reason'][:120]}"
 
 
 @torch.no_grad()

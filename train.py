@@ -33,7 +33,7 @@ from engines.base import SamplingParams
 from models import completion_logprobs, context_length, encode_prompts, load_model, setup_device
 from rewards import parse_reward_args, parse_spec
 from rewards.pool import RewardPool
-from scoring import decode, evaluate, submit_rewards
+from scoring import decode, evaluate, record_failures, submit_rewards
 from update import Learner, minibatch_size, update
 
 
@@ -222,8 +222,9 @@ def train_step(run: Run, step: int) -> dict:
         extra = extra_logprobs(run, rollout)          # 3. ... the log-prob (and value) forwards
     with profiling.phase(times, "reward"):            # only the part of scoring not hidden behind step 3
         rewards, reward_info = handle.result()
-    if reward_info["reasons"]:
-        tqdm.write(f"step {step}: {len(reward_info['reasons'])} reward failures, e.g. {reward_info['reasons'][0]}")
+    failures = record_failures(run.run_dir, step, reward_info)   # a sample to reward_failures.jsonl
+    if failures and distributed.rank() == 0:
+        tqdm.write(failures)
     batch = experience(rollout, rewards, learner.version, extra)
     batch.advantages = learner.algo.advantages(batch, cfg.algo, sum_over=distributed.all_sum)
     with profiling.phase(times, "update"):            # 4. optimizer steps over the buffer's mini-batches
