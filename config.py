@@ -193,6 +193,9 @@ class Config:
     eval_every: int = opt(10, "held-out evaluation every N steps (and at start and end)")
     eval_size: int = opt(200, "held-out prompts per evaluation (0 = all)")
     eval_temperature: float = opt(0.0, "temperature for held-out evaluation (0 = greedy)")
+    eval_k: int = opt(0, "also sample this many completions per held-out prompt: eval/mean@k and the unbiased "
+                         "eval/pass@k for k = 1, 2, 4, ... (0 = off)")
+    eval_k_temperature: float = opt(1.0, "sampling temperature of the eval_k samples")
     save_every: int = opt(0, "save a checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = opt(3, "keep the newest N checkpoints in <out_dir>/checkpoints (0 = all)")
     resume: str = opt("", "continue from a checkpoint dir, or a run dir's newest one (so does an out_dir holding one)")
@@ -356,6 +359,9 @@ def validate(cfg: Config, world: int = 1):
         raise UserError("offload=true keeps FSDP shards in CPU memory: it needs parallel=fsdp")
     if cfg.offload and "RANK" not in os.environ:
         raise UserError("offload=true shards the policy with FSDP: launch with torchrun (--nproc_per_node=1 is fine)")
+    if cfg.eval_k < 0 or (cfg.eval_k and not cfg.eval_k_temperature > 0):
+        raise UserError(f"config keys 'eval_k' must be >= 0 and 'eval_k_temperature' > 0; got {cfg.eval_k} and "
+                        f"{cfg.eval_k_temperature}")
     # what the algorithm declares it needs (algos/common.py: Algorithm)
     if cfg.fused_loss and (algo.needs_critic or not algo.splittable(cfg.algo)):
         raise UserError(f"fused_loss=true needs a loss that splits over rows and no critic; algo '{cfg.algo.name}' "

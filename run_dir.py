@@ -4,7 +4,7 @@
         config.yaml                the resolved config + git commit and dirty flag
         metrics.jsonl              one JSON row per step; step 0 is the evaluation before any update
         events.out.tfevents.*      the same numbers for tensorboard (train/<key>, eval/<key>, ...)
-        curve.png                  train reward and held-out accuracy
+        curve.png                  train reward and held-out accuracy (and pass@k with eval_k)
         checkpoints/step_NNNNNN/   the whole training state (checkpoint.py)
         final/                     the trained policy + tokenizer (transformers' from_pretrained loads it)
 
@@ -88,6 +88,9 @@ def save_plot(run_dir: str, rows: list[dict]):
     ax.plot([r["step"] for r in train], [r["reward"] for r in train], label="train reward", alpha=0.7)
     ev = [r for r in rows if "eval/accuracy" in r]
     ax.plot([r["step"] for r in ev], [r["eval/accuracy"] for r in ev], "o-", label="held-out accuracy")
+    for key in sorted({k for r in ev for k in r if k.startswith(("eval/pass@", "eval/mean@"))},
+                      key=lambda k: (k.split("@")[0], int(k.split("@")[1]))):   # with eval_k: mean@n, pass@1..n
+        ax.plot([r["step"] for r in ev if key in r], [r[key] for r in ev if key in r], ".--", label=key[5:])
     ax.set_xlabel("step"), ax.set_ylim(-0.02, 1.02), ax.grid(alpha=0.3), ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(run_dir, "curve.png.tmp"), format="png")

@@ -3,8 +3,10 @@
     handle = submit_rewards(pool, samples, decode(tok, rollout))   # returns at once: the workers score
     rewards, info = handle.result()                                 # (B,) weighted sums, failures with reasons
     record_failures(run_dir, step, info)                            # a sample to reward_failures.jsonl
-    metrics = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, generator)   # eval/accuracy, eval/reward
+    metrics = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, generator)   # eval/accuracy, eval/reward,
+                                                                                     # eval/pass@k with eval_k
 """
+import math
 import os
 
 import torch
@@ -45,17 +47,51 @@ def record_failures(run_dir: str, step: int, info: dict) -> str | None:
     return f"step {step}: reward failures ({counts}), e.g. {broken[0]['reason'][:120]}"
 
 
+def pass_at(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021), the
+    chance that k samples drawn without replacement from the n hold at least one correct one."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def report_ks(n: int) -> list[int]:
+    """The k of pass@k worth a column for n samples: 1, 2, 4, ... up to n, and n itself."""
+    return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n})
+
+
+def score_prompts(cfg, engine, tok, samples, prompt_ids, pool, specs, generator, n: int, sampling) -> tuple:
+    """n samples of each prompt -> (rewards (P, n), correct (P, n) bool): correct = the total reward is the best."""
+    rewards = [torch.zeros(0)]
+    step = max(1, 256 // n)                                            # prompts per generate call
+    for start in range(0, len(samples), step):
+        rollout = engine.generate(prompt_ids[start:start + step], n, sampling, generator)
+        rows = [s for s in samples[start:start + step] for _ in range(n)]   # a prompt's n samples are adjacent
+        rewards.append(submit_rewards(pool, rows, decode(tok, rollout)).result()[0])
+    r = torch.cat(rewards).view(-1, n)                                 # (P, n)
+    return r, r >= sum(w for _, w in specs) - 1e-6
+
+
 @torch.no_grad()
 def evaluate(cfg, engine, tok, samples, prompt_ids, pool, specs, generator) -> dict:
-    """Held-out accuracy: the fraction of prompts whose total reward reaches its maximum (greedy by default)."""
-    sampling = SamplingParams(temperature=max(cfg.eval_temperature, 1e-5), top_p=cfg.top_p if cfg.eval_temperature else 1.0,
-                              max_new_tokens=cfg.max_new_tokens)
+    """Held-out accuracy: the fraction of prompts whose total reward reaches its maximum (greedy by default).
+    With eval_k = n > 0, also n samples per prompt at eval_k_temperature: mean@n (the mean accuracy of a sample,
+    which is pass@1) and the unbiased pass@k for k = 1, 2, 4, ..., n."""
     samples, prompt_ids = distributed.share(samples), distributed.share(prompt_ids)   # each rank its part
-    rewards = [torch.zeros(0)]
-    for start in range(0, len(samples), 256):
-        rollout = engine.generate(prompt_ids[start:start + 256], 1, sampling, generator)
-        rewards.append(submit_rewards(pool, samples[start:start + 256], decode(tok, rollout)).result()[0])
-    r = torch.cat(rewards)
-    best = sum(w for _, w in specs)
-    total, correct, count = distributed.all_sum([r.sum(), (r >= best - 1e-6).sum(), len(r)])
-    return {"eval/reward": total / max(count, 1), "eval/accuracy": correct / max(count, 1)}
+    greedy = SamplingParams(temperature=max(cfg.eval_temperature, 1e-5),
+                            top_p=cfg.top_p if cfg.eval_temperature else 1.0, max_new_tokens=cfg.max_new_tokens)
+    r, correct = score_prompts(cfg, engine, tok, samples, prompt_ids, pool, specs, generator, 1, greedy)
+    sums = [r.sum(), correct.sum(), len(r)]
+    n = cfg.eval_k
+    if n:
+        sampled = SamplingParams(cfg.eval_k_temperature, cfg.top_p, cfg.max_new_tokens)
+        _, correct = score_prompts(cfg, engine, tok, samples, prompt_ids, pool, specs, generator, n, sampled)
+        c = correct.sum(-1).tolist()                                   # (P,) correct samples per prompt
+        sums += [sum(c) / n] + [sum(pass_at(n, ci, k) for ci in c) for k in report_ks(n)]
+    total, right, count, *k_sums = distributed.all_sum(sums)
+    count = max(count, 1)
+    out = {"eval/reward": total / count, "eval/accuracy": right / count}
+    if n:
+        out[f"eval/mean@{n}"] = k_sums[0] / count
+        out.update({f"eval/pass@{k}": v / count for k, v in zip(report_ks(n), k_sums[1:])})
+    return out
