@@ -56,3 +56,43 @@ def test_ablate_runs_entries_x_seeds_and_writes_plot_and_table(random_model_dir,
     assert table == text and "| `grpo` | 2 |" in table and "| `rloo:algo.loss_agg=seq-mean-token-mean` | 2 |" in table
     cfg = (tmp_path / "rloo__algo.loss_agg=seq-mean-token-mean" / "seed1" / "config.yaml").read_text()
     assert "name: rloo" in cfg and "loss_agg: seq-mean-token-mean" in cfg and "seed: 1" in cfg
+
+
+def fake_run(entry, seed, accs, steps=(0, 5, 10)):
+    rows = [{"step": 0, "eval/accuracy": accs[0]}] + [
+        {"step": s, "reward": 0.5, **({"eval/accuracy": a} if s in steps else {})} for s, a in zip(steps[1:], accs[1:])]
+    return {"entry": entry, "seed": seed, "rows": rows, "wall_s": 1.0}
+
+
+def test_ablate_statistics_by_hand():
+    import numpy as np
+    from tools import ablate
+    assert ablate.summary(fake_run("a", 0, [0.2, 0.6, 0.4])["rows"]) == {
+        "start": 0.2, "final": 0.4, "best": 0.6, "auc": (0.4 * 5 + 0.5 * 5) / 10}
+    rng = np.random.default_rng(0)
+    assert ablate.bootstrap_ci(np.array([0.3, 0.3, 0.3]), rng) == (0.3, 0.3)     # no spread, no width
+    lo, hi = ablate.bootstrap_ci(np.array([0.0, 1.0]), rng)
+    assert lo == 0.0 and hi == 1.0
+    assert ablate.verdict(0.01, 0.2, 3) == "better" and ablate.verdict(-0.2, -0.01, 3) == "worse"
+    assert ablate.verdict(-0.1, 0.2, 3) == "indistinguishable with 3 seeds"
+    # b beats the baseline a by 0.3 on every seed (paired), although the seeds themselves spread widely
+    results = [fake_run("a", s, [0.1, 0.2 + d, 0.2 + d]) for s, d in enumerate([0.0, 0.3, 0.5])] + \
+              [fake_run("b", s, [0.1, 0.5 + d, 0.5 + d]) for s, d in enumerate([0.0, 0.3, 0.5])] + \
+              [fake_run("c", s, [0.1, 0.2 + d, 0.2 + d + e]) for s, (d, e) in enumerate([(0.0, 0.1), (0.3, -0.1), (0.5, 0.0)])]
+    text = ablate.table(results, ["a", "b", "c"], "a", "test")
+    row = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| `")}
+    assert "| better |" in row["`b`"] and "0.300 [0.300, 0.300]" in row["`b`"]
+    assert "indistinguishable with 3 seeds" in row["`c`"]
+
+
+def test_ablate_restarts_a_run_interrupted_before_its_first_checkpoint(tmp_path):
+    from tools import ablate
+    d = ablate.run_dir(str(tmp_path), "grpo", 0)
+    os.makedirs(d)
+    (tmp_path / "grpo" / "seed0" / "metrics.jsonl").write_text("{half a line")   # killed before any checkpoint
+    try:
+        ablate.launch("grpo", 0, str(tmp_path), ["steps=0"], 10)   # steps=0: train.py refuses or runs nothing
+    except RuntimeError:
+        pass
+    assert not (tmp_path / "grpo" / "seed0" / "metrics.jsonl").exists() or \
+        (tmp_path / "grpo" / "seed0" / "metrics.jsonl").read_text() != "{half a line"

@@ -1,27 +1,42 @@
-"""Quick ablations: algorithms (or any config variants) x seeds on the same task, one plot and one table.
+"""Quick ablations with statistics: config variants x paired seeds, one plot and one table with confidence intervals.
 
     python tools/ablate.py                                             # grpo, ppo, rloo, online_dpo x seeds 0,1,2
-    python tools/ablate.py --runs grpo,dr_grpo,dapo --seeds 0,1 steps=40
+    python tools/ablate.py --runs grpo,dr_grpo,dapo --seeds 0,1,2,3 steps=40
     python tools/ablate.py --runs "grpo,grpo:algo.loss_agg=seq-mean-token-mean,grpo:algo.kl_coef=0.05"
 
-Each entry of --runs is `algo[:key=value[:key=value]]`; its label is the entry itself. An algorithm with a
-recipe in configs/<algo>.yaml gets it (`--config`), then the entry's overrides, then the trailing key=value
-arguments, which apply to every run. Runs are `python train.py ...` subprocesses, --jobs at a time (default 2,
-each with threads=1: one core each). Each run keeps its own directory <out>/<label>/seed<N>; a run whose
-directory already holds final/ is not run again (delete it to rerun). The script writes:
-    <out>/curves.png    held-out accuracy and train reward against step: mean over seeds, band = min..max
-    <out>/results.md    per entry: held-out accuracy at start and end (mean +- std over seeds), wall time
+Each entry of --runs is `algo[:key=value[:key=value]]`; its label is the entry itself; the first entry (or
+--baseline) is the baseline the others are compared with. An algorithm with a recipe in configs/<algo>.yaml gets
+it (`--config`), then the entry's overrides, then the trailing key=value arguments, which apply to every run.
+Every entry runs on the same seeds, so seed s of one entry and seed s of the baseline see the same data order
+and the same held-out set: differences are taken per seed (paired), which cancels much of the seed-to-seed
+spread. Runs are `python train.py ...` subprocesses, --jobs at a time (default: one per core, each threads=1).
+
+Resuming: each run has its own directory <out>/<label>/seed<N> and saves a checkpoint every --save-every steps;
+a run whose directory holds final/ is not run again, an interrupted one continues from its checkpoint (delete
+a directory to rerun it). Per run the script reads metrics.jsonl (row 0: the evaluation before training).
+
+Statistics, per entry over its seeds: the mean and a 95% bootstrap confidence interval (resampling seeds,
+10,000 draws, percentile) of the final held-out accuracy, the best one, and the area under the held-out
+accuracy curve (AUC: the mean accuracy over the run, trapezoids over steps: sample efficiency). Against the
+baseline: the mean paired difference with its bootstrap CI and a verdict: "better" or "worse" when the CI
+excludes 0, else "indistinguishable with n seeds". With 3 seeds a bootstrap CI is coarse (it can only be as
+wide as the seeds' spread): take a verdict of "indistinguishable" as "needs more seeds", not "equal".
+    <out>/curves.png    held-out accuracy (mean over seeds, band: 95% bootstrap CI) and train reward
+    <out>/results.md    the table above, in markdown
 """
 import argparse
 import json
 import os
-import statistics
+import shutil
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repo root
+BOOTSTRAP = 10_000
 
 
 def run_dir(out: str, label: str, seed: int) -> str:
@@ -29,93 +44,140 @@ def run_dir(out: str, label: str, seed: int) -> str:
     return os.path.join(out, safe, f"seed{seed}")
 
 
-def launch(entry: str, seed: int, out: str, common: list[str]) -> dict:
-    """Run one train.py subprocess (or reuse a finished one); returns its rows and wall time."""
+def launch(entry: str, seed: int, out: str, common: list[str], save_every: int) -> dict:
+    """Run one train.py subprocess (or reuse a finished one, or continue an interrupted one); -> its rows."""
     algo, *overrides = entry.split(":")
     d = run_dir(out, entry, seed)
     recipe = os.path.join(ROOT, "configs", f"{algo}.yaml")
     argv = (["--config", recipe] if os.path.exists(recipe) else []) + [f"algo.name={algo}", *overrides, *common,
                                                                        f"seed={seed}", f"out_dir={d}", "threads=1",
-                                                                       "progress=false"]
-    wall_file = os.path.join(d, "wall_s")
+                                                                       "progress=false", f"save_every={save_every}"]
+    wall_file = d + ".wall_s"
     if not os.path.exists(os.path.join(d, "final")):
-        os.makedirs(d, exist_ok=True)
+        if os.path.isdir(d) and not os.path.isdir(os.path.join(d, "checkpoints")):
+            shutil.rmtree(d)   # interrupted before its first checkpoint: nothing to continue from
+        os.makedirs(os.path.dirname(d), exist_ok=True)
         t0 = time.perf_counter()
-        with open(os.path.join(d, "stdout.log"), "w") as log:
+        with open(d + ".log", "a") as log:   # beside the run directory: train.py wants that one to itself
             r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT, stdout=log,
                                stderr=subprocess.STDOUT)
         if r.returncode != 0:
-            raise RuntimeError(f"run {entry} seed {seed} failed (exit {r.returncode}); see {d}/stdout.log")
+            raise RuntimeError(f"run {entry} seed {seed} failed (exit {r.returncode}); see {d}.log")
         with open(wall_file, "w") as f:
             f.write(f"{time.perf_counter() - t0:.1f}\n")
     rows = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
-    start, rows = rows[0], rows[1:]   # row 0: the held-out evaluation before training
-    return {"entry": entry, "seed": seed, "rows": rows, "start_acc": start["eval/accuracy"],
+    return {"entry": entry, "seed": seed, "rows": rows,
             "wall_s": float(open(wall_file).read()) if os.path.exists(wall_file) else float("nan")}
 
 
-def mean_std(xs: list[float]) -> str:
-    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+def summary(rows: list[dict]) -> dict:
+    """One run's numbers: final, best and AUC of held-out accuracy (row 0 is the evaluation before training)."""
+    ev = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    steps, acc = np.array([s for s, _ in ev], float), np.array([a for _, a in ev])
+    area = ((acc[1:] + acc[:-1]) / 2 * np.diff(steps)).sum()                  # trapezoids over the eval steps
+    auc = area / (steps[-1] - steps[0]) if len(ev) > 1 else acc[0]
+    return {"start": acc[0], "final": acc[-1], "best": acc.max(), "auc": float(auc)}
 
 
-def report(results: list[dict], entries: list[str], out: str, title: str):
+def bootstrap_ci(x: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
+    """95% percentile CI of the mean of x (seeds) by resampling seeds with replacement. x: (n,) or (n, T)."""
+    idx = rng.integers(0, len(x), size=(BOOTSTRAP, len(x)))                     # (draws, n)
+    means = x[idx].mean(1)                                                       # (draws,) or (draws, T)
+    return np.percentile(means, 2.5, axis=0), np.percentile(means, 97.5, axis=0)
+
+
+def verdict(lo: float, hi: float, n: int) -> str:
+    return "better" if lo > 0 else "worse" if hi < 0 else f"indistinguishable with {n} seeds"
+
+
+def fmt(x: np.ndarray, rng) -> str:
+    lo, hi = bootstrap_ci(x, rng)
+    return f"{x.mean():.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def table(results: list[dict], entries: list[str], baseline: str, title: str) -> str:
+    rng = np.random.default_rng(0)          # the same draws every time: the table is reproducible
+    by = {e: {r["seed"]: summary(r["rows"]) for r in results if r["entry"] == e} for e in entries}
+    wall = {e: np.nanmean([r["wall_s"] for r in results if r["entry"] == e]) for e in entries}
+    lines = [f"# Ablation: {title}", "", f"Mean over seeds [95% bootstrap CI]; differences are paired by seed "
+             f"against `{baseline}`.", "",
+             "| run | seeds | acc. at start | final acc. | best acc. | AUC | final - baseline | AUC - baseline | "
+             "verdict (final) | wall s/run |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        seeds = sorted(by[e])
+        col = {k: np.array([by[e][s][k] for s in seeds]) for k in ("start", "final", "best", "auc")}
+        diffs, verdict_text = ["", ""], ""
+        paired = [s for s in seeds if s in by[baseline]]
+        if e != baseline and len(paired) > 1:
+            d_final = np.array([by[e][s]["final"] - by[baseline][s]["final"] for s in paired])
+            d_auc = np.array([by[e][s]["auc"] - by[baseline][s]["auc"] for s in paired])
+            diffs = [fmt(d_final, rng), fmt(d_auc, rng)]
+            verdict_text = verdict(*bootstrap_ci(d_final, rng), len(paired))
+        lines.append(f"| `{e}` | {len(seeds)} | {col['start'].mean():.3f} | {fmt(col['final'], rng)} | "
+                     f"{fmt(col['best'], rng)} | {fmt(col['auc'], rng)} | {diffs[0]} | {diffs[1]} | {verdict_text} | "
+                     f"{wall[e]:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], entries: list[str], path: str):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
+    rng = np.random.default_rng(0)
     fig, (ax_acc, ax_rew) = plt.subplots(1, 2, figsize=(12, 4.5))
-    lines = [f"# Ablation: {title}", "",
-             "| run | seeds | held-out acc. at start | held-out acc. at end (mean ± std) | best held-out acc. | "
-             "wall time per run (s) |", "|---|---|---|---|---|---|"]
-    for entry in entries:
-        runs = [r for r in results if r["entry"] == entry]
-        ev = [[(0, r["start_acc"])] + [(x["step"], x["eval/accuracy"]) for x in r["rows"] if "eval/accuracy" in x]
-              for r in runs]
-        n = min(len(e) for e in ev)
+    for e in entries:
+        runs = [r for r in results if r["entry"] == e]
+        ev = [[(x["step"], x["eval/accuracy"]) for x in r["rows"] if "eval/accuracy" in x] for r in runs]
+        n = min(len(v) for v in ev)
         steps = np.array([s for s, _ in ev[0][:n]])
-        acc = np.array([[a for _, a in e[:n]] for e in ev])                                   # (seeds, evals)
-        line, = ax_acc.plot(steps, acc.mean(0), "o-", label=entry)
-        ax_acc.fill_between(steps, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.2)
-        m = min(len(r["rows"]) for r in runs)
-        rew = np.array([[x["reward"] for x in r["rows"][:m]] for r in runs])                   # (seeds, steps)
-        ax_rew.plot(np.arange(1, m + 1), rew.mean(0), color=line.get_color(), label=entry)
-        ax_rew.fill_between(np.arange(1, m + 1), rew.min(0), rew.max(0), color=line.get_color(), alpha=0.15)
-        lines.append(f"| `{entry}` | {len(runs)} | {mean_std(acc[:, 0].tolist())} | {mean_std(acc[:, -1].tolist())} "
-                     f"| {mean_std(acc.max(1).tolist())} | {statistics.mean(r['wall_s'] for r in runs):.0f} |")
-    ax_acc.set(xlabel="step", ylabel="held-out accuracy", title="held-out accuracy (band: min..max over seeds)")
+        acc = np.array([[a for _, a in v[:n]] for v in ev])                     # (seeds, evals)
+        lo, hi = bootstrap_ci(acc, rng)
+        line, = ax_acc.plot(steps, acc.mean(0), "o-", label=e)
+        ax_acc.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
+        train = [[x["reward"] for x in r["rows"] if "reward" in x] for r in runs]
+        m = min(len(t) for t in train)
+        ax_rew.plot(np.arange(1, m + 1), np.array([t[:m] for t in train]).mean(0), color=line.get_color(), label=e)
+    ax_acc.set(xlabel="step", ylabel="held-out accuracy", title="held-out accuracy (band: 95% bootstrap CI)")
     ax_rew.set(xlabel="step", ylabel="train reward", title="train reward (mean over seeds)")
     for ax in (ax_acc, ax_rew):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "curves.png"))
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(text)
-    return text
+    fig.savefig(path + ".tmp", format="png")
+    os.replace(path + ".tmp", path)
+    plt.close(fig)
 
 
 def main(argv: list[str]) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 1)[1])
     p.add_argument("--runs", default="grpo,ppo,rloo,online_dpo", help="comma-separated algo[:key=value...] entries")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    p.add_argument("--jobs", type=int, default=2, help="runs at a time (each uses one CPU thread)")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (the same for every entry: paired)")
+    p.add_argument("--baseline", default="", help="the entry the others are compared with (default: the first)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time (each uses one CPU thread)")
+    p.add_argument("--save-every", type=int, default=10, help="checkpoint interval, so an interrupted run continues")
     p.add_argument("--out", default="runs/ablate", help="output directory")
     args, common = p.parse_known_args(argv)
     bad = [a for a in common if "=" not in a or a.startswith("-")]
     if bad:
         p.error(f"unexpected argument {bad[0]!r}: trailing arguments must be key=value overrides")
     entries = [e.strip() for e in args.runs.split(",") if e.strip()]
+    baseline = args.baseline or entries[0]
+    if baseline not in entries:
+        p.error(f"--baseline {baseline!r} is not one of the --runs entries: {', '.join(entries)}")
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
         p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     os.makedirs(args.out, exist_ok=True)
-    jobs = [(e, s) for e in entries for s in seeds]
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        results = list(pool.map(lambda job: launch(*job, args.out, common), jobs))
-    text = report(results, entries, args.out, " ".join(common) or "defaults")
+    jobs = [(e, s) for s in seeds for e in entries]      # seed-major: an early stop leaves complete pairs
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(lambda job: launch(*job, args.out, common, args.save_every), jobs))
+    text = table(results, entries, baseline, " ".join(common) or "defaults")
+    plot(results, entries, os.path.join(args.out, "curves.png"))
+    with open(os.path.join(args.out, "results.md.tmp"), "w") as f:
+        f.write(text)
+    os.replace(os.path.join(args.out, "results.md.tmp"), os.path.join(args.out, "results.md"))
     print(text + f"\nplot: {os.path.join(args.out, 'curves.png')}")
     return text
 
