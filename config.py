@@ -83,6 +83,30 @@ class ReplayConfig:
 
 
 @dataclass
+class EnvConfig:
+    name: str = opt("", "multi-turn environment, by registered name (see envs/); '' = single-turn rollouts")
+    args: str = opt("", "keyword arguments for the environment: 'max_guesses=4,digit_reward=0.1'")
+    tools: str = opt("", "tools the model may call, by registered name: 'calculator,python' (see envs/tools.py)")
+    parser: str = opt("tag", "how tool calls are written: tag (<calculator>2+3</calculator>) or hermes "
+                             "(<tool_call>{json}</tool_call>, the Qwen/Hermes chat-template convention)")
+    max_turns: int = opt(4, "assistant turns per episode at most (tool calls count as turns)")
+    max_tokens: int = opt(64, "completion budget per episode: model + observation tokens; past it the "
+                              "episode is cut and flagged truncated (max_new_tokens is the budget per turn)")
+    workers: int = opt(2, "environment worker processes (env steps and tools run there, killable)")
+    timeout_s: float = opt(10.0, "per-step time limit; a step past it ends the episode as a recorded failure")
+    max_obs_chars: int = opt(4000, "an observation longer than this ends the episode as a recorded failure")
+    memory_mb: int = opt(2048, "address-space limit of each environment worker process")
+
+
+@dataclass
+class HiloConfig:
+    digits: int = opt(3, "length of the secret code (each digit 0-9)")
+    n_eval: int = opt(100, "held-out secret codes for evaluation")
+    heldout_percent: int = opt(10, "percent of all codes reserved for held-out (stable hash)")
+    seed: int = opt(0, "seed for drawing the codes")
+
+
+@dataclass
 class PPOConfig:
     gamma: float = opt(1.0, "discount of the per-token return")
     gae_lambda: float = opt(0.95, "GAE lambda: 1 = Monte-Carlo return minus value, 0 = one-step TD")
@@ -164,6 +188,8 @@ class Config:
     reward_workers: int = opt(2, "reward worker processes (rewards run there, overlapped with the log-prob forwards)")
     reward_timeout_s: float = opt(30.0, "per-call reward time limit; a call past it scores 0 with a recorded reason")
     replay: ReplayConfig = opt(ReplayConfig(), "replay buffer (off by default: on-policy)")
+    env: EnvConfig = opt(EnvConfig(), "multi-turn episodes with an environment and tools (off by default)")
+    hilo: HiloConfig = opt(HiloConfig(), "settings of the embedded multi-turn task (task=hilo, env.name=hilo)")
     # how long and how big
     steps: int = opt(60, "RL steps (one step = rollout + score + update + sync)")
     prompts_per_step: int = opt(32, "prompts sampled per step")

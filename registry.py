@@ -6,10 +6,11 @@
     fn = get("reward", "my_reward")      # unknown name -> error listing the known ones
 
 A plugin registers itself when its module is imported. The entry scripts (train.py, train_dpo.py) import the
-plugin packages explicitly (`import algos, engines, rewards, tasks`), so every registered name can be found
+plugin packages explicitly (`import algos, engines, envs, rewards, tasks`), so every registered name can be found
 with go-to-definition and a newcomer sees every plugin module in those packages' __init__.py lists.
+Kinds "env" (multi-turn environments) and "tool" (what a model may call inside an episode) live in envs/.
 """
-KINDS = ("algo", "reward", "engine", "task")
+KINDS = ("algo", "reward", "engine", "task", "env", "tool")
 _REGISTRY: dict[str, dict[str, object]] = {kind: {} for kind in KINDS}
 
 
