@@ -2,7 +2,9 @@
 
 Layout of one experience batch of B samples (the same layout TRL and verl use):
     input_ids = [ prompt, left-padded to P | completion, right-padded to C ]     (B, T = P + C)
-Completion tokens run up to and including EOS; everything after is padding (completion_mask = 0).
+Completion tokens run up to and including EOS; everything after is padding (completion_mask = 0). In a multi-turn
+episode the completion also holds the environment's observation tokens between the turns: attention_mask 1,
+completion_mask 0 (in the context, out of the loss), and sample_logprobs 0 there.
 Everything an algorithm needs travels in this dataclass; nothing else does.
 """
 import json
@@ -30,6 +32,9 @@ class Experience:
     values: Tensor | None = None         # (B, C) critic values at each completion position
     advantages: Tensor | None = None     # (B, C) per-token advantages (sequence-level ones broadcast)
     returns: Tensor | None = None        # (B, C) value targets (critic algorithms)
+    # multi-turn episodes (engines/multiturn.py): the completion holds model and observation tokens (completion_mask
+    # is 1 on the model's only); each turn's reward sits on its last model token and the row sums to `rewards`
+    turn_rewards: Tensor | None = None   # (B, C)
 
     @property
     def prompt_len(self) -> int:

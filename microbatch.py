@@ -28,7 +28,9 @@ def trim(batch: Experience) -> Experience:
     """Drop leading prompt columns and trailing completion columns that are padding in every row."""
     P, C = batch.prompt_len, batch.completion_mask.shape[1]
     first = int(batch.attention_mask[:, :P].any(0).long().argmax()) if P else 0   # first column any row uses
-    c = max(1, int(batch.completion_mask.any(0).sum()))                            # completion columns in use
+    used = batch.completion_mask.any(0)                                            # (C,) completion columns in use
+    # the last used column, not the count: a multi-turn episode's observation columns (mask 0) sit between turns
+    c = int((torch.arange(C, device=used.device) * used).argmax()) + 1 if bool(used.any()) else 1
     out = {}
     for name, t in vars(batch).items():
         if t is None or not torch.is_tensor(t) or t.dim() != 2:

@@ -134,11 +134,19 @@ def sequence_rewards(batch, cfg) -> Tensor:
 
 def token_rewards(batch, cfg, score: Tensor | None = None) -> Tensor:
     """Per-token rewards (B, C): the score (B,) (default: batch.rewards) on the last completion token, plus
-    the per-token KL penalty when it sits in the reward."""
+    the per-token KL penalty when it sits in the reward. Multi-turn episodes (batch.turn_rewards) keep each
+    turn's reward on that turn's last model token; a score other than batch.rewards (a baseline-centred one)
+    moves the difference onto the last model token, so each row still sums to the score."""
     mask = batch.completion_mask
     score = batch.rewards.float() if score is None else score
-    last = (mask.sum(-1).long() - 1).clamp(min=0)                                       # (B,)
+    # the last model token: in a multi-turn episode observation tokens (mask 0) sit between the turns
+    C = mask.shape[1]
+    last = (torch.arange(C, device=mask.device) * (mask > 0)).argmax(-1)                 # (B,) 0 for an empty row
+    if batch.turn_rewards is not None:
+        score = score - batch.rewards.float()
     at_end = torch.zeros_like(mask).scatter(1, last[:, None], score[:, None])           # (B, C)
+    if batch.turn_rewards is not None:
+        at_end = at_end + batch.turn_rewards.float()
     return at_end * mask + kl_in_reward(batch, cfg)
 
 

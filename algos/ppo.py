@@ -24,7 +24,9 @@ from registry import register
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> Tensor:
-    """rewards, values, mask (B, C) -> GAE advantages (B, C); positions past the end (mask 0) give 0."""
+    """rewards, values, mask (B, C) -> GAE advantages (B, C); positions with mask 0 give 0 and are skipped: after
+    the end the next real token sees V = 0, A = 0; between the turns of a multi-turn episode (observation
+    tokens) a turn's last token sees the next turn's first, as if the observation were not there."""
     B, C = rewards.shape
     adv = torch.zeros_like(rewards)
     next_value, next_adv = torch.zeros(B), torch.zeros(B)                                   # (B,) after the end
@@ -32,8 +34,9 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
         m = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]                           # (B,)
         adv[:, t] = (delta + gamma * lam * next_adv) * m
-        # a padded position hands "nothing" back: the next real token sees V = 0, A = 0 beyond the end
-        next_value, next_adv = values[:, t] * m, adv[:, t]
+        real = m > 0
+        next_value = torch.where(real, values[:, t], next_value)
+        next_adv = torch.where(real, adv[:, t], next_adv)
     return adv
 
 

@@ -31,6 +31,9 @@ class Rollout:
     logprobs: Tensor         # (B, C) log-prob of each sampled token under softmax(logits / temperature)
     truncated: Tensor        # (B,) bool: no EOS within max_new_tokens
     group_ids: Tensor        # (B,) index of the prompt each sample answers; samples of a prompt are adjacent
+    # multi-turn (engines/multiturn.py): the completion holds model and observation tokens, completion_mask and
+    # logprobs cover the model's only, attention_mask all of them; each turn's reward sits on its last model token
+    turn_rewards: Tensor | None = None   # (B, C)
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,341 @@
+"""Multi-turn rollouts: the policy writes a turn, the environment answers, the policy continues from its KV cache.
+
+    python train.py --config configs/multiturn.yaml           # env.name=hilo: the embedded multi-turn task
+    sampler = MultiTurn(model, tok, cfg)                      # train.py builds it in setup when env.name is set
+    rollout = sampler.generate(prompt_ids, rows, n, sampling, generator)     # an Episodes (a Rollout)
+    rewards, info = sampler.score(samples, rollout).result()                # episode returns, metrics, failures
+
+One batched loop over every episode (B = prompts x n), a turn at a time:
+  1. reset each environment (in envs/pool.py's workers); its first observation, through the chat template if the
+     tokenizer has one (with the tools' schemas), is the prompt; prefill the prompts (left-padded);
+  2. decode a token at a time until each episode's turn ends (the end-of-turn token = EOS) or hits max_new_tokens;
+     rows whose turn ended wait (a pad column, masked out of attention) while the others go on;
+  3. step every environment whose turn ended (tool calls run instead, envs/tools.py); episodes that are done,
+     failed or out of budget stop;
+  4. feed each continuing row its pending end-of-turn token + observation tokens as one chunk (right-padded,
+     pad columns masked) into the same KV cache: no re-prefill of the history; back to 2.
+The cache thus has holes (pad columns); positions count real tokens only, so each row's computation is exactly
+that of its compact sequence, which is what the Rollout holds: completion = [turn 1 | observation 1 | turn 2 |
+...], completion_mask 1 on model tokens only (the loss mask), logprobs on those only, attention_mask 1 on both.
+Budgets: max_turns, max_new_tokens per turn, env.max_tokens per episode and the model's context; an episode
+past one is cut and flagged truncated, never an error. An environment step that raises, hangs, returns the
+wrong type or a huge observation ends its episode as a recorded failure (reward_failures.jsonl, env_fail/*
+metrics) and that episode gets no loss (its completion_mask is zeroed): the environment broke, not the policy.
+Simplified: the portable transformers-cache loop only (CPU, or GPU without the CUDA-graph fast path); rows
+that finished their turn early idle until the batch's longest turn ends.
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import distributed
+from config import UserError
+from engines.base import Rollout, SamplingParams, left_pad, top_p_filter
+from engines.builtin import _cache_kw, _cache_of
+from envs.pool import EnvPool
+from envs.tools import check_tools
+from models import context_length, position_ids
+from registry import get
+
+
+@dataclass
+class Episodes(Rollout):
+    """A Rollout plus what the environments said: returns (B,) and the per-episode record for the metrics."""
+    returns: Tensor = None       # (B,) sum of each episode's step rewards
+    info: dict = None            # per-episode lists (turns, tool calls, ...) and the failures
+
+
+class Renderer:
+    """Text -> token ids for prompts and observations: through the chat template when the tokenizer has one
+    (the observation as a user or tool message, plus the template's text around it), else the plain text."""
+
+    def __init__(self, tok, eos_id: int, tool_schemas: list):
+        self.tok, self.eos_id, self.schemas = tok, eos_id, tool_schemas or None
+        self.chat = bool(getattr(tok, "chat_template", None))
+        self.frames = {}   # role -> (text before, text after) the observation
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def prompt(self, text: str) -> list[int]:
+        if self.chat:
+            text = self.tok.apply_chat_template([{"role": "user", "content": text}], tools=self.schemas,
+                                                add_generation_prompt=True, tokenize=False)
+        return self._ids(text)
+
+    def observation(self, text: str, role: str) -> list[int]:
+        if not self.chat:
+            return self._ids(text)
+        if role not in self.frames:   # render a dummy exchange with and without the message; keep the difference
+            apply = lambda msgs, gen: self.tok.apply_chat_template(msgs, tools=self.schemas, tokenize=False,
+                                                                   add_generation_prompt=gen)
+            base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+            before, marker = apply(base, False), "\x00OBS\x00"
+            after = apply(base + [{"role": role, "content": marker}], True)
+            if not after.startswith(before):
+                raise ValueError(f"the chat template does not extend a conversation by a {role} message")
+            # the model's turn ended at its end-of-turn token: what the template writes after it ("\n") comes first
+            eot = self.tok.decode([self.eos_id])
+            tail = before[before.rfind(eot) + len(eot):] if eot and eot in before else ""
+            head, _, rest = after[len(before):].partition(marker)
+            self.frames[role] = (tail + head, rest)
+        head, rest = self.frames[role]
+        return self._ids(head + text + rest)
+
+
+class MultiTurn:
+    """The sampler train.py uses when env.name is set: generate (episodes), score (their returns), evaluate."""
+
+    def __init__(self, model, tok, cfg):
+        self.model, self.tok, self.cfg, self.env = model, tok, cfg, cfg.env
+        if cfg.engine != "builtin":
+            raise UserError(f"env.name={cfg.env.name} runs episodes on the builtin engine's model; engine={cfg.engine} "
+                            "has no multi-turn generate yet")
+        tools = [t for t in (s.strip() for s in cfg.env.tools.split(",")) if t]
+        try:
+            check_tools(tools, cfg.env.parser)                   # unknown tool or parser: the known ones
+            args = parse_args(cfg.env.args)
+        except ValueError as e:
+            raise UserError(str(e))
+        env_cls = get("env", cfg.env.name)                       # unknown environment: the known ones
+        self.name = f"env:{cfg.env.name}"
+        self.eos_id, self.pad_id = tok.eos_token_id, tok.pad_token_id
+        self.render = Renderer(tok, self.eos_id, [get("tool", t).schema for t in tools])
+        spec = {"name": cfg.env.name, "args": args, "tools": tools, "parser": cfg.env.parser,
+                "max_obs_chars": cfg.env.max_obs_chars, "memory_mb": cfg.env.memory_mb,
+                "modules": [env_cls.__module__]}   # the workers import the environment's own module
+        self.pool = EnvPool(spec, cfg.env.workers, cfg.env.timeout_s)
+
+    def close(self):
+        self.pool.close()
+
+    # ------------------------------------------------------------------------------------------ the rollout
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], rows: list[dict], n: int, sampling: SamplingParams,
+                 generator: torch.Generator | None = None) -> Episodes:
+        """n episodes per row (adjacent); prompt_ids are unused: the environments' first observations are the prompts."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:   # layers compiled for training (compile=true) would recompile at every new cache length
+            with torch.compiler.set_stance("force_eager"):
+                return self._episodes([r for r in rows for _ in range(n)], len(rows), n, sampling, generator)
+        finally:
+            model.train(was_training)
+
+    def _episodes(self, rows, n_prompts, n, sampling, generator) -> Episodes:
+        B, cfg = len(rows), self.env
+        ep = _Batch(B)
+        resets = self.pool.run([("reset", r) for r in rows])
+        prompts = []
+        for b, res in enumerate(resets):
+            if res[0] == "ok":
+                ep.state[b] = res[1]
+                prompts.append(self.render.prompt(res[2]))
+            else:   # the episode is over before it began; its row still needs a prompt
+                ep.fail(b, res[1], f"reset: {res[2]}")
+                prompts.append(self.render.prompt(str(rows[b].get("prompt", ""))))
+        ids, mask = left_pad(prompts, self.pad_id)                                     # (B, P)
+        context = context_length(self.model)
+        room = [min(cfg.max_tokens, context - len(p)) for p in prompts]              # completion tokens allowed
+        dec = _Decoder(self.model, ids, mask, self.pad_id)
+        pending = [[] for _ in range(B)]
+        for turn in range(cfg.max_turns):
+            ended = self._turn(dec, ep, pending, room, sampling, generator)            # 2. the policy's turn
+            self._step(ep, ended, room, pending, last_turn=turn == cfg.max_turns - 1)  # 3. the environments
+            if not any(ep.active):
+                break
+            dec.feed([p if a else [] for p, a in zip(pending, ep.active)])             # 4. observations
+            pending = [[] for _ in range(B)]
+        return ep.rollout(ids, mask, self.pad_id, n_prompts, n, self.name)
+
+    def _turn(self, dec, ep, pending, room, sampling, generator) -> list[int]:
+        """Decode until every active row's turn ends; -> the rows whose turn ended with the end-of-turn token."""
+        gen = torch.tensor(ep.active)                                                  # (B,) rows writing
+        ep.turn_start = [len(t) for t in ep.tokens]
+        ended = []
+        for _ in range(self.cfg.max_new_tokens):
+            scaled = dec.logits.float() / sampling.temperature                       # (B, V)
+            logp_all = torch.log_softmax(scaled, dim=-1)
+            probs = torch.softmax(top_p_filter(scaled, sampling.top_p), dim=-1)
+            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1).cpu()   # (B,)
+            logp = logp_all.gather(-1, tok[:, None].to(logp_all.device)).squeeze(-1).cpu()   # (B,)
+            chunk = [[] for _ in range(len(gen))]
+            for b in gen.nonzero().flatten().tolist():
+                t = int(tok[b])
+                ep.add(b, t, float(logp[b]), model=True)
+                chunk[b] = [t]
+                if t == self.eos_id:
+                    gen[b] = False
+                    ended.append(b)
+                elif len(ep.tokens[b]) >= room[b]:   # out of budget inside a turn: cut
+                    gen[b] = False
+                    ep.stop(b, truncated=True)
+            if not gen.any():
+                for b, c in enumerate(chunk):
+                    pending[b] = c
+                return ended
+            dec.feed(chunk)
+        for b in gen.nonzero().flatten().tolist():   # no end-of-turn within max_new_tokens: the episode is cut
+            ep.stop(b, truncated=True)
+        return ended
+
+    def _step(self, ep, ended: list[int], room, pending, last_turn: bool):
+        """Step the environments of the rows whose turn ended; append each observation to the row's pending tokens."""
+        actions = [self.tok.decode(ep.tokens[b][ep.turn_start[b]:], skip_special_tokens=True) for b in ended]
+        results = self.pool.run([("step", ep.state[b], a) for b, a in zip(ended, actions)])
+        for b, res in zip(ended, results):
+            if res[0] != "ok":
+                ep.fail(b, res[1], res[2])
+                continue
+            _, state, obs, reward, done, info, role, calls, errors = res
+            ep.state[b] = state
+            ep.end_turn(b, reward, calls, errors)
+            if done:
+                ep.stop(b, success=bool(info.get("success", ep.returns[b] > 0)))
+                continue
+            obs_ids = self.render.observation(obs, role)
+            if last_turn or len(ep.tokens[b]) + len(obs_ids) >= room[b]:   # no room for another turn: cut
+                ep.stop(b, truncated=True)
+                continue
+            for t in obs_ids:
+                ep.add(b, t, 0.0, model=False)
+            pending[b] = pending[b] + obs_ids
+
+    # ------------------------------------------------------------------------------ scoring and evaluation
+    def score(self, samples: list[dict], rollout: Episodes):
+        """The environments already scored: a handle whose result() is (returns (B,), info) like the reward pool's."""
+        return _Done(rollout.returns, rollout.info)
+
+    @torch.no_grad()
+    def evaluate(self, cfg, samples, prompt_ids, specs, generator) -> dict:
+        """Held-out success rate (info["success"] of each episode's last step), greedy by default."""
+        sampling = SamplingParams(temperature=max(cfg.eval_temperature, 1e-5),
+                                  top_p=cfg.top_p if cfg.eval_temperature else 1.0, max_new_tokens=cfg.max_new_tokens)
+        samples = distributed.share(samples)
+        returns, success = [], []
+        for start in range(0, len(samples), 256):
+            ro = self.generate([], samples[start:start + 256], 1, sampling, generator)
+            returns += ro.returns.tolist()
+            success += ro.info["success"]
+        total, correct, count = distributed.all_sum([sum(returns), sum(success), len(returns)])
+        return {"eval/reward": total / max(count, 1), "eval/accuracy": correct / max(count, 1)}
+
+
+class _Decoder:
+    """The policy with its transformers KV cache; feed() appends a chunk of tokens per row (ragged, right-padded)."""
+
+    def __init__(self, model, ids: Tensor, mask: Tensor, pad_id: int):
+        self.model, self.pad_id, self.device = model, pad_id, next(model.parameters()).device
+        self.cache_kw = _cache_kw(model)
+        self.mask = mask.to(self.device)                                              # (B, K) grows with the cache
+        out = model(input_ids=ids.to(self.device), attention_mask=self.mask, position_ids=position_ids(self.mask),
+                    use_cache=True)
+        self.cache, self.logits = _cache_of(out), out.logits[:, -1]                  # (B, V)
+        self.next_pos = self.mask.sum(-1)                                            # (B,) real tokens so far
+
+    def feed(self, chunks: list[list[int]]):
+        """Rows with tokens get logits after their last one; rows without keep theirs (they are not read)."""
+        B, L = len(chunks), max(1, max(len(c) for c in chunks))
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        real = torch.zeros((B, L), dtype=torch.long)
+        for b, c in enumerate(chunks):
+            ids[b, :len(c)], real[b, :len(c)] = torch.tensor(c, dtype=torch.long), 1
+        ids, real = ids.to(self.device), real.to(self.device)                      # (B, L)
+        pos = self.next_pos[:, None] + (real.cumsum(-1) - 1).clamp(min=0)            # (B, L) pads repeat a position
+        self.mask = torch.cat([self.mask, real], 1)                                  # (B, K + L)
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, use_cache=True,
+                         **{self.cache_kw: self.cache})
+        self.cache = _cache_of(out)
+        lengths = real.sum(-1)                                                       # (B,)
+        last = (lengths - 1).clamp(min=0)
+        fresh = out.logits[torch.arange(B, device=self.device), last]                # (B, V)
+        self.logits = torch.where((lengths > 0)[:, None], fresh, self.logits)
+        self.next_pos = self.next_pos + lengths
+
+
+class _Batch:
+    """Per-episode record while the loop runs (Python lists: B rows of a few dozen tokens each)."""
+
+    def __init__(self, B: int):
+        self.tokens, self.logps, self.is_model = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
+        self.turn_rewards = [[] for _ in range(B)]   # (index of the turn's last model token, reward)
+        self.state, self.active = [None] * B, [True] * B
+        self.returns, self.turns, self.tool_calls, self.tool_errors = [0.0] * B, [0] * B, [0] * B, [0] * B
+        self.truncated, self.success, self.failed = [False] * B, [False] * B, [None] * B   # failed: (category, reason)
+        self.turn_start = [0] * B
+
+    def add(self, b: int, token: int, logp: float, model: bool):
+        self.tokens[b].append(token)
+        self.logps[b].append(logp)
+        self.is_model[b].append(model)
+
+    def end_turn(self, b: int, reward: float, calls: int, errors: int):
+        self.turn_rewards[b].append((len(self.tokens[b]) - 1, reward))
+        self.returns[b] += reward
+        self.turns[b] += 1
+        self.tool_calls[b] += calls
+        self.tool_errors[b] += errors
+
+    def stop(self, b: int, truncated: bool = False, success: bool = False):
+        self.active[b], self.truncated[b], self.success[b] = False, truncated, success
+
+    def fail(self, b: int, category: str, reason: str):
+        self.active[b], self.failed[b] = False, (category, reason)
+
+    def rollout(self, ids: Tensor, mask: Tensor, pad_id: int, n_prompts: int, n: int, name: str) -> Episodes:
+        B, C = len(self.tokens), max(1, max(len(t) for t in self.tokens))
+        completion = torch.full((B, C), pad_id, dtype=torch.long)
+        real, cmask, logps, turn_rewards = (torch.zeros(B, C) for _ in range(4))
+        for b in range(B):
+            k = len(self.tokens[b])
+            completion[b, :k] = torch.tensor(self.tokens[b], dtype=torch.long)
+            real[b, :k] = 1
+            if self.failed[b] is None:   # a failed episode stays out of the loss: the environment broke
+                cmask[b, :k] = torch.tensor(self.is_model[b], dtype=torch.float)
+            logps[b, :k] = torch.tensor(self.logps[b])
+            for i, r in self.turn_rewards[b]:
+                turn_rewards[b, i] += r
+        info = {"name": name, "turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
+                "success": self.success, "failed": self.failed,
+                "model_tokens": cmask.sum(-1).tolist(), "observation_tokens": (real - cmask).sum(-1).tolist()}
+        return Episodes(input_ids=torch.cat([ids, completion], 1), attention_mask=torch.cat([mask, real.long()], 1),
+                        completion_mask=cmask, logprobs=logps * cmask, truncated=torch.tensor(self.truncated),
+                        group_ids=torch.arange(n_prompts).repeat_interleave(n), turn_rewards=turn_rewards,
+                        returns=torch.tensor(self.returns, dtype=torch.float32), info=info)
+
+
+class _Done:
+    """The reward pool's handle shape for rewards that are already known: result() -> (rewards (B,), info)."""
+
+    def __init__(self, returns: Tensor, episodes: dict):
+        self.returns, self.episodes = returns, episodes
+
+    def result(self):
+        e, B, name = self.episodes, len(self.returns), self.episodes["name"]
+        failed = [{"reward": name, "sample": i, "category": f[0], "reason": f[1]}
+                  for i, f in enumerate(e["failed"]) if f is not None]
+        counts = {name: {c: sum(f["category"] == c for f in failed) for c in ("error", "timeout", "signal")}}
+        mean = lambda xs: sum(xs) / max(len(xs), 1)
+        metrics = {
+            # success, not "return at its maximum": train.py's row takes this accuracy over its own
+            "accuracy": mean(e["success"]), "episode/turns": mean(e["turns"]),
+            "episode/tool_calls": mean(e["tool_calls"]), "episode/tool_errors": mean(e["tool_errors"]),
+            "episode/return": mean(self.returns.tolist()), "env_fail": float(len(failed)),
+            **{f"env_fail/{c}": float(k) for c, k in counts[name].items()},
+            "tokens/in_loss": sum(e["model_tokens"]), "tokens/out_of_loss": sum(e["observation_tokens"])}
+        return self.returns, {"names": [name], "failed": failed, "failure_counts": counts, "metrics": metrics,
+                              "reasons": [f"{name}[{f['sample']}]: {f['reason']}" for f in failed]}
+
+
+def parse_args(spec: str) -> dict:
+    """'max_guesses=4,digit_reward=0.1' -> {'max_guesses': 4, 'digit_reward': 0.1} (values read as YAML)."""
+    import yaml
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise ValueError(f"env.args entry {part!r} must look like name=value")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
