@@ -5,6 +5,8 @@
     record_failures(run_dir, step, info)                            # a sample to reward_failures.jsonl
     metrics = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, generator)   # eval/accuracy, eval/reward,
                                                                                      # eval/pass@k with eval_k
+    sampler = SingleTurn(engine, pool, tok)         # what train.py calls: generate, score, evaluate (multi-turn:
+                                                    # engines/multiturn.py: MultiTurn has the same four methods)
 """
 import math
 import os
@@ -95,3 +97,22 @@ def evaluate(cfg, engine, tok, samples, prompt_ids, pool, specs, generator) -> d
         out[f"eval/mean@{n}"] = k_sums[0] / count
         out.update({f"eval/pass@{k}": v / count for k, v in zip(report_ks(n), k_sums[1:])})
     return out
+
+
+class SingleTurn:
+    """Single-turn sampling for train.py: the engine writes completions, the reward pool scores them."""
+
+    def __init__(self, engine, pool, tok):
+        self.engine, self.pool, self.tok = engine, pool, tok
+
+    def generate(self, prompt_ids: list[list[int]], rows: list[dict], n: int, sampling, generator):
+        return self.engine.generate(prompt_ids, n, sampling, generator)
+
+    def score(self, samples: list[dict], rollout):
+        return submit_rewards(self.pool, samples, decode(self.tok, rollout))
+
+    def evaluate(self, cfg, samples, prompt_ids, specs, generator) -> dict:
+        return evaluate(cfg, self.engine, self.tok, samples, prompt_ids, self.pool, specs, generator)
+
+    def close(self):
+        pass   # the engine and the pool are closed by their owner (train.finish)

@@ -19,7 +19,7 @@ import torch
 import torch._functorch.config  # noqa: F401  (activation_memory_budget, set below for compile=true)
 from tqdm import tqdm
 
-import algos, engines, rewards, tasks  # noqa: F401,E401  (the plugin packages: importing them registers every name)
+import algos, engines, envs, rewards, tasks  # noqa: F401,E401  (the plugin packages: importing them registers every name)
 import checkpoint
 import distributed
 import profiling
@@ -30,10 +30,11 @@ from config import Config, UserError, fill_defaults, parse, to_dict, validate
 from critic import Critic
 from distributed import print0
 from engines.base import SamplingParams
+from engines.multiturn import MultiTurn
 from models import completion_logprobs, context_length, encode_prompts, load_model, setup_device
 from rewards import parse_reward_args, parse_spec
 from rewards.pool import RewardPool
-from scoring import decode, evaluate, record_failures, submit_rewards
+from scoring import SingleTurn, record_failures
 from update import Learner, minibatch_size, update
 
 
@@ -46,6 +47,7 @@ class Run:
     learner: Learner                 # policy (+ critic), optimizer, schedule, algorithm: update.py
     reference: torch.nn.Module | None
     engine: object                   # engines/base.py: Engine
+    sampler: object                  # generate + score + evaluate: scoring.SingleTurn, or engines/multiturn.py (env.name)
     pool: RewardPool
     specs: list                      # [(reward name, weight)]
     tok: object
@@ -130,13 +132,15 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
     critic = Critic(cfg, device, dtype, fsdp) if algo.needs_critic else None   # PPO's value model
     engine = registry.get("engine", cfg.engine)(model=engine_model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                                                  model_path=cfg.model, seed=cfg.seed, **to_dict(cfg.vllm))
+    # the rollout kind is chosen once here: single completions, or episodes with an environment (and tools)
+    sampler = MultiTurn(engine_model, tok, cfg) if cfg.env.name else SingleTurn(engine, pool, tok)
     # speed: fused AdamW (one kernel for all parameters) on GPU; offloaded shards step on the CPU with the default
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   fused=device.type == "cuda" and not cfg.offload)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     run = Run(cfg=cfg, run_dir=run_dir.create(cfg, rank), device=device,
               learner=Learner(policy, optimizer, schedule, algo, cfg, device, critic), reference=reference,
-              engine=engine, pool=pool, specs=specs, tok=tok, train_set=train_set, eval_set=eval_set,
+              engine=engine, sampler=sampler, pool=pool, specs=specs, tok=tok, train_set=train_set, eval_set=eval_set,
               train_ids=train_ids, eval_ids=eval_ids, buffer=None,
               generator=torch.Generator().manual_seed(cfg.seed),
               sample_gen=torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1_000_003 * rank))
@@ -150,7 +154,7 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
         run.start, run.rows = s["extra"]["start"], s["rows"]
         engine.load_weights(distributed.sync_weights(policy))
     else:
-        run.start = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, run.eval_gen())
+        run.start = sampler.evaluate(cfg, eval_set, eval_ids, specs, run.eval_gen())
         print0(f"step 0: held-out accuracy {run.start['eval/accuracy']:.3f} (reward {run.start['eval/reward']:.3f})")
         run.order, run.cursor, run.rows = torch.randperm(len(train_set), generator=run.generator), 0, []
     if rank == 0:
@@ -197,7 +201,7 @@ def experience(rollout, rewards: torch.Tensor, version: int, extra: dict) -> Exp
     return Experience(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
                       completion_mask=rollout.completion_mask, sample_logprobs=rollout.logprobs, rewards=rewards,
                       group_ids=rollout.group_ids, versions=torch.full_like(rewards, version, dtype=torch.long),
-                      truncated=rollout.truncated, **extra)
+                      truncated=rollout.truncated, turn_rewards=rollout.turn_rewards, **extra)
 
 
 def add_to_buffer(run: Run, batch: Experience):
@@ -213,12 +217,13 @@ def train_step(run: Run, step: int) -> dict:
     cfg, learner, times = run.cfg, run.learner, {}
     with profiling.phase(times, "rollout"):           # 1. the next prompts, n samples each
         idx = next_prompts(run)
-        rollout = run.engine.generate([run.train_ids[i] for i in idx], cfg.samples_per_prompt,
-                                      SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens), run.sample_gen)
+        rollout = run.sampler.generate([run.train_ids[i] for i in idx], [run.train_set[i] for i in idx],
+                                       cfg.samples_per_prompt, SamplingParams(cfg.temperature, cfg.top_p,
+                                                                              cfg.max_new_tokens), run.sample_gen)
         checkpoint.crash_point("rollout", step)
     with profiling.phase(times, "logprobs"):          # 2. scoring starts in the reward workers, overlapped with
         samples = [run.train_set[i] for i in idx for _ in range(cfg.samples_per_prompt)]
-        handle = submit_rewards(run.pool, samples, decode(run.tok, rollout))
+        handle = run.sampler.score(samples, rollout)
         extra = extra_logprobs(run, rollout)          # 3. ... the log-prob (and value) forwards
     with profiling.phase(times, "reward"):            # only the part of scoring not hidden behind step 3
         rewards, reward_info = handle.result()
@@ -240,7 +245,7 @@ def train_step(run: Run, step: int) -> dict:
     row["tokens_per_s"] = int(batch.attention_mask.sum()) / sum(times.values())
     row = distributed.reduce_metrics(row)             # means over ranks (tokens_per_s: the sum)
     if step % cfg.eval_every == 0 or step == cfg.steps:
-        row.update(evaluate(cfg, run.engine, run.tok, run.eval_set, run.eval_ids, run.pool, run.specs, run.eval_gen()))
+        row.update(run.sampler.evaluate(cfg, run.eval_set, run.eval_ids, run.specs, run.eval_gen()))
     log(run, row)
     return row
 
@@ -263,6 +268,7 @@ def finish(run: Run, rank: int, wall: float) -> dict:
     """The final policy (final/), the plot, and the one-line summary."""
     cfg, policy = run.cfg, run.learner.policy
     run.pool.close()
+    run.sampler.close()
     run.engine.close()   # before the process group goes: vLLM's shutdown destroys the default group itself
     fsdp = distributed.is_sharded(policy)
     full = distributed.full_state(policy)[0] if fsdp else None   # every rank gathers, rank 0 writes
