@@ -11,7 +11,7 @@ LAYERS = [
     ["config"],
     ["buffer", "kernels", "algos", "microbatch"],
     ["distributed", "models", "critic", "profiling", "checkpoint"],
-    ["engines", "tasks", "rewards"],
+    ["engines", "tasks", "rewards", "envs"],
     ["update", "scoring", "run_dir"],
     ["train", "train_dpo", "tools"],
 ]
