@@ -11,8 +11,9 @@ ends when the guess is right (reward 1, success), after `max_guesses` wrong gues
 
 One turn cannot solve it (1 code in 1000), four can: halving each digit's range finds any digit in 4 guesses.
 The shipped warm start (tools/make_hilo_model.py) learned the format from a sloppy player that guesses each
-digit uniformly inside the range the feedback leaves, which wins ~15% of episodes in 4 guesses; RL has to
-discover that guessing the middle wins. `digit_reward` > 0 adds a per-turn reward for each newly found digit.
+digit uniformly inside the range the feedback leaves, which wins ~15% of episodes in 4 guesses (the model,
+sampled, wins ~39%: its guesses are less spread than the player's); RL has to discover that guessing the middle
+wins (configs/multiturn.yaml: 0.39 -> 0.93 held-out in 60 steps). `digit_reward` > 0 adds a per-turn reward for each newly found digit.
 
 Held-out split: a code is held out when a stable hash of it falls in the first `heldout_percent` of 100
 buckets (as tasks/arithmetic.py splits problems), so training never sees a held-out code.
