@@ -7,11 +7,13 @@ A YAML file and `key=value` overrides (dotted for nested sections) map onto `Con
 or a value of the wrong type is a one-line error that names the key.
 """
 import dataclasses
+import math
 import os
 import sys
 import typing
 from dataclasses import dataclass, field
 
+import torch
 import yaml
 
 import registry
@@ -363,8 +365,15 @@ def validate(cfg: Config, world: int = 1):
                               ("replay.priority", cfg.replay.priority, REPLAY_PRIORITIES)]:
         if value not in known:
             raise UserError(f"config key '{key}' must be one of {', '.join(known)}; got {value!r}")
+    for key, value, ok, valid in ranges(cfg):
+        if not ok:
+            raise UserError(f"config key '{key}' must be {valid}; got {value!r}")
     algo = registry.get("algo", cfg.algo.name)
     registry.get("engine", cfg.engine), registry.get("task", cfg.task)
+    if algo.needs_groups and cfg.samples_per_prompt < 2:
+        raise UserError(f"algo '{cfg.algo.name}' compares the samples of one prompt (a group baseline or a pair): "
+                        f"samples_per_prompt must be >= 2; got {cfg.samples_per_prompt}")
+    check_device(cfg.device)
     if cfg.task == "arithmetic":
         a = cfg.arithmetic
         for key, ok, valid in [("digits", 1 <= a.digits <= 9, "1..9"), ("heldout_percent", 0 < a.heldout_percent < 100,
@@ -381,6 +390,7 @@ def validate(cfg: Config, world: int = 1):
         raise UserError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by the world size {world}")
     if world > 1 and cfg.algo.minibatch_size % world:
         raise UserError(f"algo.minibatch_size={cfg.algo.minibatch_size} must be divisible by the world size {world}")
+    check_batch_split(cfg, world)
     if cfg.offload and cfg.parallel == "replicate":
         raise UserError("offload=true keeps FSDP shards in CPU memory: it needs parallel=fsdp")
     if cfg.offload and "RANK" not in os.environ:
@@ -395,3 +405,63 @@ def validate(cfg: Config, world: int = 1):
     if (cfg.micro_batch_size or world > 1) and not algo.splittable(cfg.algo):
         raise UserError(f"algo '{cfg.algo.name}' with these settings has no exact split over micro-batches or ranks: "
                         "use micro_batch_size=0 and one process (see its Algorithm declaration)")
+
+
+def ranges(cfg: Config) -> list:
+    """(option, value, in range?, the valid range) of every option whose range is bounded; validate checks them
+    first. A comparison with nan is False, so nan fails every check."""
+    c, a = cfg, cfg.algo
+    at_least_1 = [("samples_per_prompt", c.samples_per_prompt), ("prompts_per_step", c.prompts_per_step),
+                  ("max_new_tokens", c.max_new_tokens), ("steps", c.steps), ("eval_every", c.eval_every),
+                  ("reward_workers", c.reward_workers), ("max_bad_updates", c.max_bad_updates),
+                  ("algo.epochs", a.epochs)]
+    # 0 keeps the meaning each help text gives it (torch's default, keep all, one pass, ...)
+    at_least_0 = [("threads", c.threads, "torch's default"), ("keep_checkpoints", c.keep_checkpoints, "keep all"),
+                  ("micro_batch_size", c.micro_batch_size, "the whole mini-batch in one pass"),
+                  ("algo.minibatch_size", a.minibatch_size, "the whole batch"),
+                  ("eval_size", c.eval_size, "every held-out prompt"), ("save_every", c.save_every, "only at the end"),
+                  ("warmup_steps", c.warmup_steps, "none"), ("grad_clip", c.grad_clip, "off"),
+                  ("eval_temperature", c.eval_temperature, "greedy")]
+    return [("lr", c.lr, math.isfinite(c.lr) and c.lr > 0, "a finite number > 0"),
+            ("temperature", c.temperature, c.temperature > 0, "> 0"),
+            ("top_p", c.top_p, 0 < c.top_p <= 1, "in (0, 1]"),
+            ("reward_timeout_s", c.reward_timeout_s, c.reward_timeout_s > 0, "> 0 (seconds)"),
+            ("weight_decay", c.weight_decay, c.weight_decay >= 0, ">= 0"),
+            *[(k, v, v >= 1, ">= 1") for k, v in at_least_1],
+            *[(k, v, v >= 0, f">= 0 (0 = {zero})") for k, v, zero in at_least_0]]
+
+
+def check_batch_split(cfg: Config, world: int):
+    """The mini-batch must split the step's batch into equal whole groups, and the micro-batch the mini-batch into
+    equal pieces: a ragged split is exact (microbatch.py weights pieces) but silently changes what is asked for
+    (buffer.minibatches rounds a mini-batch down to whole groups) or runs a small last piece (micro_batch_size=3)."""
+    n, batch = cfg.samples_per_prompt, cfg.prompts_per_step * cfg.samples_per_prompt   # samples per step, all ranks
+    mb, unit = cfg.algo.minibatch_size, cfg.samples_per_prompt * world
+    if mb and (mb % unit or batch % mb):
+        fits = [str(m) for m in range(unit, batch + 1, unit) if batch % m == 0]
+        ranks = f" on each of {world} ranks" if world > 1 else ""
+        raise UserError(f"algo.minibatch_size={mb} must split the batch of {batch} samples (prompts_per_step x "
+                        f"samples_per_prompt) into whole groups of {n}{ranks}: one of {', '.join(fits)}, "
+                        "or 0 (the whole batch)")
+    per_rank = (mb or batch) // world   # one optimizer step's samples on one rank (update.minibatch_size)
+    micro = cfg.micro_batch_size
+    if micro and micro < per_rank and per_rank % micro:
+        fits = [str(d) for d in range(1, per_rank) if per_rank % d == 0]
+        where = " on each rank" if world > 1 else ""
+        raise UserError(f"micro_batch_size={micro} must divide the mini-batch of {per_rank} samples{where}: one of "
+                        f"{', '.join(fits)}, or 0 / >= {per_rank} (one pass)")
+
+
+def check_device(device: str):
+    """device names a device torch knows, and a GPU that is there."""
+    if device in ("auto", "cpu"):
+        return
+    try:
+        d = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"config key 'device' must be auto, cpu, cuda or cuda:N; got {device!r}")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={device} but torch sees no CUDA GPU: use device=auto (a GPU if there is one) or cpu")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise UserError(f"device={device} but torch sees {torch.cuda.device_count()} GPU(s) (cuda:0 .. "
+                        f"cuda:{torch.cuda.device_count() - 1})")

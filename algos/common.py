@@ -33,6 +33,9 @@ class Algorithm:
     # weighted to give exactly the whole mini-batch's gradient: a fixed mode, or None for cfg.loss_agg.
     loss_agg: str | None = None
     splittable: Callable = lambda cfg: True   # False: no exact split exists (pairs, mixed reductions)
+    # True: the advantage compares samples of one prompt (a group baseline, a pair), so samples_per_prompt=1
+    # gives every sample zero signal; config.validate refuses it
+    needs_groups: bool = False
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:

@@ -53,4 +53,4 @@ def keep_groups_with_signal(batch, cfg) -> Tensor:
 
 
 register("algo", "dapo")(Algorithm(advantages=dapo_advantages, loss=dapo_loss, keep=keep_groups_with_signal,
-                                   loss_agg="token-mean"))
+                                   loss_agg="token-mean", needs_groups=True))

@@ -57,7 +57,7 @@ def grpo_advantages(batch, cfg, sum_over=None, scale: bool | None = None) -> Ten
     return adv[:, None] * batch.completion_mask                                             # (B, C)
 
 
-register("algo", "grpo")(Algorithm(advantages=grpo_advantages, loss=clipped_policy_loss))
+register("algo", "grpo")(Algorithm(advantages=grpo_advantages, loss=clipped_policy_loss, needs_groups=True))
 register("algo", "dr_grpo")(Algorithm(advantages=partial(grpo_advantages, scale=False),
                                       loss=partial(clipped_policy_loss, loss_agg="seq-mean-token-sum-norm"),
-                                      loss_agg="seq-mean-token-sum-norm"))
+                                      loss_agg="seq-mean-token-sum-norm", needs_groups=True))

@@ -38,4 +38,4 @@ def gspo_loss(new: dict, batch, cfg):
 
 # a sequence-mean policy term; with KL on, a token-mean KL term beside it: no single split weight fits both
 register("algo", "gspo")(Algorithm(advantages=grpo_advantages, loss=gspo_loss, loss_agg="seq-mean-token-mean",
-                                   splittable=lambda cfg: cfg.kl_coef == 0))
+                                   splittable=lambda cfg: cfg.kl_coef == 0, needs_groups=True))

@@ -36,4 +36,4 @@ def reinforce_pp_advantages(batch, cfg, sum_over=None, baseline: bool = False) -
 
 register("algo", "reinforce_pp")(Algorithm(advantages=reinforce_pp_advantages, loss=clipped_policy_loss))
 register("algo", "reinforce_pp_baseline")(Algorithm(advantages=partial(reinforce_pp_advantages, baseline=True),
-                                                    loss=clipped_policy_loss))
+                                                    loss=clipped_policy_loss, needs_groups=True))

@@ -26,4 +26,4 @@ def rloo_advantages(batch, cfg, sum_over=None) -> Tensor:
     return adv[:, None] * batch.completion_mask                                             # (B, C)
 
 
-register("algo", "rloo")(Algorithm(advantages=rloo_advantages, loss=clipped_policy_loss))
+register("algo", "rloo")(Algorithm(advantages=rloo_advantages, loss=clipped_policy_loss, needs_groups=True))

@@ -1,0 +1,101 @@
+"""Every bad input is a one-line error that names the option (or file) and what would be valid, raised before any
+work: option ranges and batch splits (config.validate), YAML syntax, model folders, the run directory, damaged
+checkpoints. In process (config.validate, run_dir.check, checkpoint.resolve_resume): no train.py subprocess."""
+import json
+import os
+
+import pytest
+import torch
+
+import checkpoint
+import config
+import models
+import registry
+import run_dir
+from buffer import OnPolicyBuffer
+from config import UserError
+
+
+def check(*overrides, world: int = 1):
+    """parse -> fill_defaults -> validate, as train.main does."""
+    config.validate(config.fill_defaults(config.parse(list(overrides))), world)
+
+
+def one_line_error(fn, *args, **kw) -> str:
+    with pytest.raises(UserError) as e:
+        fn(*args, **kw)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+# (overrides, the exact message): the table in the closing note of issue #19 is this list
+RANGES = [
+    (["lr=0"], "config key 'lr' must be a finite number > 0; got 0.0"),
+    (["lr=nan"], "config key 'lr' must be a finite number > 0; got nan"),
+    (["temperature=0"], "config key 'temperature' must be > 0; got 0.0"),
+    (["top_p=0"], "config key 'top_p' must be in (0, 1]; got 0.0"),
+    (["top_p=1.5"], "config key 'top_p' must be in (0, 1]; got 1.5"),
+    (["samples_per_prompt=0"], "config key 'samples_per_prompt' must be >= 1; got 0"),
+    (["prompts_per_step=0"], "config key 'prompts_per_step' must be >= 1; got 0"),
+    (["max_new_tokens=0"], "config key 'max_new_tokens' must be >= 1; got 0"),
+    (["steps=0"], "config key 'steps' must be >= 1; got 0"),
+    (["eval_every=0"], "config key 'eval_every' must be >= 1; got 0"),
+    (["reward_workers=0"], "config key 'reward_workers' must be >= 1; got 0"),
+    (["reward_timeout_s=0"], "config key 'reward_timeout_s' must be > 0 (seconds); got 0.0"),
+    (["threads=-1"], "config key 'threads' must be >= 0 (0 = torch's default); got -1"),
+    (["keep_checkpoints=-1"], "config key 'keep_checkpoints' must be >= 0 (0 = keep all); got -1"),
+    (["micro_batch_size=-1"], "config key 'micro_batch_size' must be >= 0 (0 = the whole mini-batch in one pass); "
+                              "got -1"),
+    (["algo.epochs=0"], "config key 'algo.epochs' must be >= 1; got 0"),
+    (["eval_size=-1"], "config key 'eval_size' must be >= 0 (0 = every held-out prompt); got -1"),
+    (["micro_batch_size=3"], "micro_batch_size=3 must divide the mini-batch of 256 samples: one of 1, 2, 4, 8, 16, "
+                             "32, 64, 128, or 0 / >= 256 (one pass)"),
+    (["algo.minibatch_size=100"], "algo.minibatch_size=100 must split the batch of 256 samples (prompts_per_step x "
+                                  "samples_per_prompt) into whole groups of 8: one of 8, 16, 32, 64, 128, 256, or 0 "
+                                  "(the whole batch)"),
+    (["algo.minibatch_size=6", "samples_per_prompt=4", "prompts_per_step=6"],
+     "algo.minibatch_size=6 must split the batch of 24 samples (prompts_per_step x samples_per_prompt) into whole "
+     "groups of 4: one of 4, 8, 12, 24, or 0 (the whole batch)"),
+    (["algo.minibatch_size=64", "micro_batch_size=24"], "micro_batch_size=24 must divide the mini-batch of 64 "
+                                                        "samples: one of 1, 2, 4, 8, 16, 32, or 0 / >= 64 (one pass)"),
+    (["samples_per_prompt=1"], "algo 'grpo' compares the samples of one prompt (a group baseline or a pair): "
+                               "samples_per_prompt must be >= 2; got 1"),
+    (["device=tpu9"], "config key 'device' must be auto, cpu, cuda or cuda:N; got 'tpu9'"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", RANGES, ids=[" ".join(o) for o, _ in RANGES])
+def test_out_of_range_values_are_one_line_errors(overrides, message):
+    assert one_line_error(check, *overrides) == message
+
+
+def test_the_defaults_and_the_documented_zeros_pass():
+    check()
+    check("threads=0", "keep_checkpoints=0", "micro_batch_size=0", "eval_size=0", "algo.minibatch_size=0")
+    check("micro_batch_size=64", "algo.minibatch_size=64")   # divides
+    check("micro_batch_size=512")                            # larger than the mini-batch: one pass, as 0
+    check("algo.name=reinforce_pp", "samples_per_prompt=1")  # no group baseline: one sample per prompt is fine
+    check("algo.name=ppo", "samples_per_prompt=1")
+
+
+def test_splits_are_checked_per_rank():
+    # 2 ranks: 128 samples each; a mini-batch of 64 is 32 per rank, in whole groups of 8
+    check("algo.minibatch_size=64", "micro_batch_size=16", world=2)
+    assert one_line_error(check, "algo.minibatch_size=8", world=2).startswith(
+        "algo.minibatch_size=8 must split the batch of 256 samples (prompts_per_step x samples_per_prompt) into "
+        "whole groups of 8 on each of 2 ranks: one of 16, 32, 64, 128, 256")
+    assert "mini-batch of 128 samples on each rank" in one_line_error(check, "micro_batch_size=48", world=2)
+
+
+def test_group_algorithms_declare_it_and_refuse_one_sample_per_prompt():
+    group = {"grpo", "dr_grpo", "gspo", "rloo", "dapo", "reinforce_pp_baseline", "online_dpo"}
+    assert {n for n in registry.names("algo") if registry.get("algo", n).needs_groups} == group
+    for name in group:
+        assert f"algo '{name}' compares the samples of one prompt" in \
+            one_line_error(check, f"algo.name={name}", "samples_per_prompt=1")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_a_gpu():
+    assert one_line_error(check, "device=cuda") == \
+        "device=cuda but torch sees no CUDA GPU: use device=auto (a GPU if there is one) or cpu"
