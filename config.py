@@ -314,6 +314,39 @@ def help_text(cfg=None, prefix: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's message in one line: what is wrong, and where (1-based line and column)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{getattr(e, 'problem', None) or str(e).splitlines()[0]}{where}"
+
+
+def _field_type(dotted: str):
+    """The type of the option a dotted key names, or None (an unknown key: apply() reports it)."""
+    t = Config
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(t) if dataclasses.is_dataclass(t) else {}
+        if part not in hints:
+            return None
+        t = hints[part]
+    return t
+
+
+def _cli_value(key: str, text: str):
+    """A key=value's value, read as YAML (so steps=10 is an int and algo={...} a section). A text option keeps
+    the text as typed unless YAML reads a string from it (quotes removed): YAML would turn
+    files.prompt_template={prompt} into a mapping, system_prompt=yes into a bool."""
+    if not text:
+        return ""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        if _field_type(key) is str:
+            return text
+        raise UserError(f"config key '{key}': {text!r} is not valid YAML: {_yaml_problem(e)}")
+    return text if _field_type(key) is str and not isinstance(value, str) else value
+
+
 def parse(argv: list[str]) -> Config:
     """argv -> Config. Order: defaults < YAML file < key=value overrides. Call validate() before using it."""
     updates: dict = {}
@@ -330,12 +363,14 @@ def parse(argv: list[str]) -> Config:
                     loaded = yaml.safe_load(f) or {}
             except OSError as e:
                 raise UserError(f"cannot read config file '{path}': {e.strerror}")
+            except yaml.YAMLError as e:
+                raise UserError(f"config file '{path}' is not valid YAML: {_yaml_problem(e)}")
             if not isinstance(loaded, dict):
                 raise UserError(f"config file '{path}' must hold a mapping of keys to values")
             updates = _merge(updates, loaded)
         elif "=" in a and not a.startswith("-"):
             key, value = a.split("=", 1)
-            updates = _merge(updates, _nest(key, yaml.safe_load(value) if value else ""))
+            updates = _merge(updates, _nest(key, _cli_value(key, value)))
         else:
             raise UserError(f"unexpected argument '{a}': use key=value or --config FILE (see --help)")
     return apply(Config(), updates)

@@ -99,3 +99,21 @@ def test_group_algorithms_declare_it_and_refuse_one_sample_per_prompt():
 def test_cuda_without_a_gpu():
     assert one_line_error(check, "device=cuda") == \
         "device=cuda but torch sees no CUDA GPU: use device=auto (a GPU if there is one) or cpu"
+
+
+# --- YAML ----------------------------------------------------------------------------------------------------
+def test_yaml_syntax_errors_name_the_file_or_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 3\nalgo: {name: grpo\n")
+    assert one_line_error(config.parse, ["--config", str(bad)]).startswith(
+        f"config file '{bad}' is not valid YAML: expected ',' or '}}', but got '<stream end>' (line 3, column 1)")
+    assert one_line_error(config.parse, ["steps=[1"]) == \
+        "config key 'steps': '[1' is not valid YAML: expected ',' or ']', but got '<stream end>' (line 1, column 3)"
+
+
+def test_text_options_keep_what_yaml_would_turn_into_a_mapping_or_a_bool():
+    # the documented default of files.prompt_template; YAML reads {prompt} as a mapping
+    cfg = config.parse(["files.prompt_template={prompt}", "files.system_prompt=yes", "files.fields=[a]"])
+    assert (cfg.files.prompt_template, cfg.files.system_prompt, cfg.files.fields) == ("{prompt}", "yes", "[a]")
+    cfg = config.parse(["files.prompt_template=Q: {prompt}\nA:", "files.answer_regex='####\\s*(.+)'", "steps=7"])
+    assert (cfg.files.prompt_template, cfg.files.answer_regex, cfg.steps) == ("Q: {prompt}\nA:", "####\\s*(.+)", 7)

@@ -82,6 +82,8 @@ def test_help_lists_options():
     (["algo.name=online_dpo", "micro_batch_size=8"], "has no exact split over micro-batches or ranks"),
     (["algo.name=ppo", "fused_loss=true"], "fused_loss=true needs a loss that splits over rows and no critic"),
     (["algo.name=ppo", "micro_batch_size=2"], "algo 'ppo' with these settings has no exact split"),
+    (["steps=[1"], "config key 'steps': '[1' is not valid YAML"),                  # the rest: tests/test_bad_input.py
+    (["micro_batch_size=3"], "micro_batch_size=3 must divide the mini-batch of 256 samples"),
 ])
 def test_bad_input_is_one_line_error(args, message, random_model_dir, tmp_path):
     r = run_train(f"model={random_model_dir}", f"out_dir={tmp_path / 'run'}", *args, timeout=120)
