@@ -42,11 +42,16 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
     # a hub id is 'org/name'; anything else that names a path must exist here
     if not os.path.exists(path) and (name.startswith((".", "/", "~")) or name.count("/") != 1):
         raise UserError(f"model path '{name}' does not exist")
+    # a folder without config.json is no transformers model; left to transformers, an empty one fails in the
+    # tokenizer with "You need to have sentencepiece or tiktoken installed"
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        raise UserError(f"model folder '{name}' holds no config.json: not a transformers model folder "
+                        "(save_pretrained writes config.json, the weights and the tokenizer files)")
     try:
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except OSError as e:
-        raise UserError(f"cannot load model '{name}': {str(e).splitlines()[0]}")
+    except (OSError, ValueError) as e:   # ValueError: files transformers cannot read (e.g. no tokenizer)
+        raise UserError(f"cannot load model '{name}': {str(e).strip().splitlines()[0]}")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model.to(device), tok

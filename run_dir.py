@@ -19,7 +19,7 @@ import time
 
 import yaml
 
-from config import to_dict
+from config import UserError, to_dict
 
 
 def write_atomic(path: str, text: str):
@@ -39,9 +39,33 @@ def git_state() -> dict:
         return {}
 
 
+def name(cfg) -> str:
+    """The run directory: out_dir, or a new runs/<algo>-<time>."""
+    return cfg.out_dir or os.path.join("runs", f"{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def check(run_dir: str, resuming: bool):
+    """Before any work: the run directory can be written, and holds no other run's files. A directory with a
+    checkpoint resumes (checkpoint.resolve_resume); any other non-empty one is refused, since a fresh run would
+    overwrite its config.yaml and metrics.jsonl."""
+    path = os.path.abspath(run_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"out_dir '{run_dir}' is a file, not a directory")
+    existing = path
+    while not os.path.exists(existing):   # the nearest existing folder is where it will be made
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"out_dir '{run_dir}' cannot be made: '{existing}' is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"out_dir '{run_dir}' is not writable (no write permission on '{existing}')")
+    if not resuming and existing == path and os.listdir(path):
+        raise UserError(f"out_dir '{run_dir}' is not empty and holds no checkpoint to resume: choose a new out_dir, "
+                        "or remove this one first (a run directory with a checkpoint resumes by itself)")
+
+
 def create(cfg, rank: int) -> str:
     """The run directory's path; rank 0 makes it and writes config.yaml."""
-    run_dir = cfg.out_dir or os.path.join("runs", f"{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = name(cfg)
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
         write_atomic(os.path.join(run_dir, "config.yaml"),

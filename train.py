@@ -296,6 +296,8 @@ def main(argv: list[str]) -> dict:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cfg, resume_from = checkpoint.resolve_resume(parse(argv), argv)   # resume=<dir>, or out_dir holds a checkpoint
     cfg = fill_defaults(cfg)
+    cfg.out_dir = run_dir.name(cfg)                    # checked before torchrun's ranks meet, so before any makes it
+    run_dir.check(cfg.out_dir, resuming=resume_from is not None)
     rank, world = distributed.init(cfg.offload)        # (0, 1) unless launched by torchrun; see distributed.py
     validate(cfg, world)                               # every cross-option check, before any work
     run = setup(cfg, resume_from, rank)

@@ -117,3 +117,34 @@ def test_text_options_keep_what_yaml_would_turn_into_a_mapping_or_a_bool():
     assert (cfg.files.prompt_template, cfg.files.system_prompt, cfg.files.fields) == ("{prompt}", "yes", "[a]")
     cfg = config.parse(["files.prompt_template=Q: {prompt}\nA:", "files.answer_regex='####\\s*(.+)'", "steps=7"])
     assert (cfg.files.prompt_template, cfg.files.answer_regex, cfg.steps) == ("Q: {prompt}\nA:", "####\\s*(.+)", 7)
+
+
+# --- the model folder ----------------------------------------------------------------------------------------
+def test_an_empty_model_folder(tmp_path):
+    assert one_line_error(models.load_model, str(tmp_path), torch.device("cpu"), torch.float32) == \
+        f"model folder '{tmp_path}' holds no config.json: not a transformers model folder (save_pretrained writes " \
+        "config.json, the weights and the tokenizer files)"
+
+
+# --- the run directory ---------------------------------------------------------------------------------------
+def test_out_dir_must_be_a_writable_directory(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert one_line_error(run_dir.check, str(f), False) == f"out_dir '{f}' is a file, not a directory"
+    assert one_line_error(run_dir.check, str(f / "run"), False) == f"out_dir '{f / 'run'}' cannot be made: '{f}' is a file"
+    if os.geteuid() != 0:   # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert one_line_error(run_dir.check, str(locked / "run"), False) == \
+            f"out_dir '{locked / 'run'}' is not writable (no write permission on '{locked}')"
+    run_dir.check(str(tmp_path / "new" / "run"), False)   # made later, with its parents
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_non_empty_out_dir_is_refused_unless_resuming(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert one_line_error(run_dir.check, str(tmp_path), False) == \
+        f"out_dir '{tmp_path}' is not empty and holds no checkpoint to resume: choose a new out_dir, or remove this " \
+        "one first (a run directory with a checkpoint resumes by itself)"
+    run_dir.check(str(tmp_path), True)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'

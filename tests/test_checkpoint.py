@@ -8,6 +8,7 @@ seed, must end with exactly the metrics, replay log and weights of an uninterrup
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,8 +19,10 @@ from safetensors.torch import load_file
 
 import checkpoint
 import registry
+import run_dir
 from algos import grpo
 from algos.common import Algorithm
+from config import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ("time/", "tokens_per_s")
@@ -65,10 +68,14 @@ def test_sigkill_anywhere_then_resume_is_exact(tmp_path, random_model_dir):
     r = run_train(small_run(random_model_dir, base))
     assert r.returncode == 0, r.stderr[-3000:]
 
-    # killed while writing the first checkpoint: nothing to resume, the next run starts afresh (no stale rows)
+    # killed while writing the first checkpoint: nothing to resume, and a fresh run refuses the directory (it
+    # would overwrite its files) until it is removed
     r = run_train(small_run(random_model_dir, killed), crash_at="checkpoint:1")
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     assert assert_checkpoints_whole(killed) == [] and len(metrics(killed)) == 1
+    with pytest.raises(UserError, match="is not empty and holds no checkpoint to resume"):
+        run_dir.check(str(killed), resuming=checkpoint.latest(str(killed)) is not None)
+    shutil.rmtree(killed)
     # each later run resumes from the newest checkpoint the previous one left (save_every=1)
     for crash_at, expect in [("rollout:2", ["step_000001"]),
                              ("update:4", ["step_000002", "step_000003"]),       # keep_checkpoints=2
