@@ -14,10 +14,14 @@ One checkpoint is one directory; every file is readable without this code:
                            the replay buffer's contents
     config.yaml            the resolved config (what `resume` starts from)
     meta.json              step, policy version, data cursor, LR schedule, python/numpy RNG, byte lengths of
-                           metrics.jsonl and replay logs at save time, ... (`written last`)
+                           metrics.jsonl and replay logs at save time, ... (`written last`); "sha256": the SHA-256
+                           of every other file, and "checksum": the SHA-256 of meta.json's own other keys
 It is written under `step_N.tmp/` and renamed (atomic), so a crash mid-write leaves the previous checkpoint
 intact; old checkpoints are renamed to `.del` before removal for the same reason. On resume, metrics.jsonl and
 the replay log are truncated to their saved lengths, so no step appears twice.
+Damage after the write (a truncated copy, a full disk, an edited file) shows as a checksum that differs: resume
+from a run directory skips a damaged checkpoint with a warning naming it and takes the newest intact one;
+nothing on disk changes until that one has loaded (train.setup writes config.yaml after checkpoint.load).
 
 Distributed: every rank joins the collectives (full state dicts, gathering per-rank state); rank 0 alone writes;
 every rank loads the files (a shared filesystem is assumed) and keeps its own rank's part.
@@ -28,6 +32,7 @@ changes with the world size, so the samples differ from an uninterrupted run. Re
 a run with one refuses to change its world size.
 Kill points for tests: RL_CRASH_AT=<point>:<step> makes the process SIGKILL itself at `crash_point(point, step)`.
 """
+import hashlib
 import json
 import os
 import random
@@ -56,23 +61,88 @@ def crash_point(point: str, step: int):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def latest(run_dir: str) -> str | None:
-    """The newest complete checkpoint directory of a run, or None."""
+def complete(run_dir: str) -> list[str]:
+    """A run's complete checkpoint directories (meta.json written), newest first."""
     root = os.path.join(run_dir, "checkpoints")
     steps = sorted(int(m.group(1)) for m in map(STEP_DIR.match, os.listdir(root) if os.path.isdir(root) else []) if m)
     done = [s for s in steps if os.path.exists(os.path.join(root, f"step_{s:06d}", "meta.json"))]
-    return os.path.join(root, f"step_{done[-1]:06d}") if done else None
+    return [os.path.join(root, f"step_{s:06d}") for s in reversed(done)]
+
+
+def latest(run_dir: str) -> str | None:
+    """The newest complete checkpoint directory of a run, or None."""
+    return next(iter(complete(run_dir)), None)
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def meta_checksum(meta: dict) -> str:
+    """SHA-256 of meta.json's keys other than "checksum", as they read back from JSON (tuples become lists)."""
+    body = json.loads(json.dumps({k: v for k, v in meta.items() if k != "checksum"}))
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def damage(ckpt: str) -> str | None:
+    """Why a checkpoint directory cannot be trusted (meta.json unreadable, a file missing or not the bytes that
+    were saved), or None. Checkpoints written before checksums existed pass unchecked."""
+    try:
+        with open(os.path.join(ckpt, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:   # ValueError: not JSON, not UTF-8
+        return f"meta.json unreadable: {str(e).splitlines()[0]}"
+    if not isinstance(meta, dict) or ("sha256" in meta and meta.get("checksum") != meta_checksum(meta)):
+        return "meta.json does not match its checksum"
+    for name, digest in meta.get("sha256", {}).items():
+        path = os.path.join(ckpt, name)
+        if not os.path.exists(path):
+            return f"{name} is missing"
+        if file_sha256(path) != digest:
+            return f"{name} does not match its checksum (truncated or changed)"
+    return None
+
+
+def newest_intact(run_dir: str) -> str | None:
+    """The newest checkpoint of a run that passes damage(), with a warning naming each damaged newer one.
+    None when the run has none; a UserError when every one is damaged."""
+    bad = []
+    for ckpt in complete(run_dir):
+        reason = damage(ckpt)
+        if reason is None:
+            if int(os.environ.get("RANK", "0")) == 0:   # called before torch.distributed starts
+                for path, why in bad:
+                    print(f"warning: checkpoint {path} is damaged ({why}); resuming from {os.path.basename(ckpt)} "
+                          "instead (the damaged one is removed once that one has loaded)", flush=True)
+            return ckpt
+        bad.append((ckpt, reason))
+    if bad:
+        raise UserError(f"every checkpoint in {os.path.dirname(bad[0][0])} is damaged (the newest, "
+                        f"{os.path.basename(bad[0][0])}: {bad[0][1]}); start afresh with another out_dir")
+    return None
 
 
 def resolve_resume(cfg, argv: list[str]):
-    """-> (cfg, checkpoint dir or None). On resume the config is the checkpoint's, overridden by argv."""
+    """-> (cfg, checkpoint dir or None). On resume the config is the checkpoint's, overridden by argv.
+    Every checkpoint it returns has passed damage()."""
     if cfg.resume:
         path = os.path.expanduser(cfg.resume)
-        ckpt = path if os.path.exists(os.path.join(path, "meta.json")) else latest(path)
+        if os.path.exists(os.path.join(path, "meta.json")):   # a checkpoint itself: that one, intact, or an error
+            reason = damage(path)
+            if reason is not None:
+                raise UserError(f"checkpoint {path} is damaged ({reason}); resume=<its run directory> takes the "
+                                "newest intact one")
+            ckpt = path
+        else:
+            ckpt = newest_intact(path)
         if ckpt is None:
             raise UserError(f"resume='{cfg.resume}' is neither a checkpoint nor a run directory holding one")
     else:
-        ckpt = latest(cfg.out_dir) if cfg.out_dir else None
+        ckpt = newest_intact(cfg.out_dir) if cfg.out_dir else None
         if ckpt is None:
             return cfg, None
     ckpt = os.path.abspath(ckpt)
@@ -87,6 +157,11 @@ def resolve_resume(cfg, argv: list[str]):
                if k not in ("out_dir", "resume") and to_dict(new)[k] != v}
     if int(os.environ.get("RANK", "0")) == 0:   # called before torch.distributed starts
         print(f"resuming from {ckpt}" + "".join(f"; {k}: {a} -> {b}" for k, (a, b) in changed.items()), flush=True)
+        with open(os.path.join(ckpt, "meta.json")) as f:
+            step = json.load(f)["step"]
+        if step >= new.steps:   # the run keeps the checkpoint's steps unless the command line says more
+            print(f"the checkpoint is at step {step} and the run ends at steps={new.steps}: nothing to train; "
+                  f"to train on, resume={run_dir} steps=<more than {step}>", flush=True)
     return new, ckpt
 
 
@@ -199,7 +274,9 @@ def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule
                 "trained": trained_meta, "schedule": schedule.state_dict(),
                 "python_rng": random.getstate(), "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
                 "metrics_bytes": os.path.getsize(metrics) if os.path.exists(metrics) else 0,
-                "buffer": [m for _, m in per_rank], "extra": extra}
+                "buffer": [m for _, m in per_rank], "extra": extra,
+                "sha256": {name: file_sha256(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}}
+        meta["checksum"] = meta_checksum(meta)
         with open(os.path.join(tmp, "meta.json"), "w") as f:   # written last: its presence marks a whole checkpoint
             json.dump(meta, f)
         for name in os.listdir(tmp):

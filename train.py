@@ -138,7 +138,7 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   fused=device.type == "cuda" and not cfg.offload)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
-    run = Run(cfg=cfg, run_dir=run_dir.create(cfg, rank), device=device,
+    run = Run(cfg=cfg, run_dir=cfg.out_dir, device=device,
               learner=Learner(policy, optimizer, schedule, algo, cfg, device, critic), reference=reference,
               engine=engine, sampler=sampler, pool=pool, specs=specs, tok=tok, train_set=train_set, eval_set=eval_set,
               train_ids=train_ids, eval_ids=eval_ids, buffer=None,
@@ -157,6 +157,7 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
         run.start = sampler.evaluate(cfg, eval_set, eval_ids, specs, run.eval_gen())
         print0(f"step 0: held-out accuracy {run.start['eval/accuracy']:.3f} (reward {run.start['eval/reward']:.3f})")
         run.order, run.cursor, run.rows = torch.randperm(len(train_set), generator=run.generator), 0, []
+    run_dir.create(cfg, rank)   # config.yaml only now: a checkpoint that fails to load leaves the run as it was
     if rank == 0:
         run.logger = run_dir.Logger(run.run_dir, run.first_step, resume=bool(resume_from))
     if not resume_from:   # step 0 is a row like the others: every curve starts before the first update
@@ -283,7 +284,8 @@ def finish(run: Run, rank: int, wall: float) -> dict:
         torch.distributed.barrier()   # every rank done before the group goes (gloo aborts on an early teardown)
     start = run.start["eval/accuracy"]
     end = next((r["eval/accuracy"] for r in reversed(run.rows) if "eval/accuracy" in r), start)
-    print0(f"held-out accuracy: {start:.3f} -> {end:.3f} in {wall:.0f} s over {cfg.steps} steps; "
+    ran = cfg.steps - run.first_step + 1   # this process's steps: a resumed run began at first_step
+    print0(f"held-out accuracy: {start:.3f} -> {end:.3f} in {wall:.0f} s over {ran} steps; "
            f"run directory: {run.run_dir}")
     return {"start_accuracy": start, "end_accuracy": end, "run_dir": run.run_dir, "wall_s": wall}
 

@@ -148,3 +148,67 @@ def test_a_non_empty_out_dir_is_refused_unless_resuming(tmp_path):
         "one first (a run directory with a checkpoint resumes by itself)"
     run_dir.check(str(tmp_path), True)
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
+# --- damaged checkpoints -------------------------------------------------------------------------------------
+def tiny_checkpoints(run: str, steps=(1, 2)) -> list[str]:
+    """A run directory with real checkpoints (checkpoint.save) of a small linear policy."""
+    torch.manual_seed(0)
+    policy = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    cfg = config.Config()
+    cfg.out_dir = run
+    out = []
+    for step in steps:
+        policy(torch.randn(2, 4)).sum().backward()
+        optimizer.step(), schedule.step()
+        out.append(checkpoint.save(run, cfg, step, step, policy, optimizer, schedule, OnPolicyBuffer(),
+                                   {"data": torch.Generator()}, torch.arange(5), step, {"start": {}}))
+    return out
+
+
+def snapshot(root) -> dict:
+    return {os.path.join(d, f): open(os.path.join(d, f), "rb").read() for d, _, fs in os.walk(root) for f in fs}
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    old, new = tiny_checkpoints(run)
+    assert checkpoint.damage(old) is None and checkpoint.damage(new) is None
+    assert checkpoint.resolve_resume(config.parse([f"resume={run}"]), [])[1] == new
+    weights = os.path.join(new, "model.safetensors")
+    with open(weights, "r+b") as f:                       # a truncated copy
+        f.truncate(os.path.getsize(weights) - 8)
+    before = snapshot(run)
+    capsys.readouterr()
+    cfg, ckpt = checkpoint.resolve_resume(config.parse([f"out_dir={run}"]), [])
+    assert ckpt == old and cfg.out_dir == run
+    assert f"warning: checkpoint {new} is damaged (model.safetensors does not match its checksum (truncated or " \
+           "changed)); resuming from step_000001 instead" in capsys.readouterr().out
+    assert snapshot(run) == before                        # nothing on disk changes before a checkpoint loads
+    # a checkpoint named by itself is that one or an error
+    assert one_line_error(checkpoint.resolve_resume, config.parse([f"resume={new}"]), []) == \
+        f"checkpoint {new} is damaged (model.safetensors does not match its checksum (truncated or changed)); " \
+        "resume=<its run directory> takes the newest intact one"
+
+
+@pytest.mark.parametrize("edit", [lambda m: "{not json", lambda m: json.dumps({**json.loads(m), "step": 7})])
+def test_a_bad_meta_json_is_damage(tmp_path, edit):
+    run = str(tmp_path / "run")
+    old, new = tiny_checkpoints(run)
+    meta = os.path.join(new, "meta.json")
+    with open(meta) as f:
+        text = f.read()
+    with open(meta, "w") as f:
+        f.write(edit(text))
+    assert checkpoint.damage(new) is not None and checkpoint.newest_intact(run) == old
+
+
+def test_every_checkpoint_damaged_is_an_error(tmp_path):
+    run = str(tmp_path / "run")
+    (only,) = tiny_checkpoints(run, steps=(3,))
+    os.remove(os.path.join(only, "rank_state.safetensors"))
+    assert one_line_error(checkpoint.newest_intact, run) == \
+        f"every checkpoint in {run}/checkpoints is damaged (the newest, step_000003: rank_state.safetensors is " \
+        "missing); start afresh with another out_dir"

@@ -23,6 +23,7 @@ import run_dir
 from algos import grpo
 from algos.common import Algorithm
 from config import UserError
+from rewards.pool import RewardPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ("time/", "tokens_per_s")
@@ -86,9 +87,14 @@ def test_sigkill_anywhere_then_resume_is_exact(tmp_path, random_model_dir):
     assert os.path.isdir(killed / "checkpoints" / "step_000005.tmp")
     assert len(metrics(killed)) == 5            # step 5 was logged, but its checkpoint never completed
 
+    # the newest checkpoint is damaged (a truncated copy): resume falls back to step 3 with a warning, and the
+    # run still ends exactly as the uninterrupted one
+    weights = killed / "checkpoints" / "step_000004" / "model.safetensors"
+    os.truncate(weights, os.path.getsize(weights) // 2)
     r = run_train(small_run(random_model_dir, killed))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming from" in r.stdout
+    assert f"checkpoint {killed}/checkpoints/step_000004 is damaged" in r.stdout
+    assert f"resuming from {killed}/checkpoints/step_000003" in r.stdout
     assert metrics(killed) == metrics(base)     # same steps, once each, same numbers (timings aside)
     assert (killed / "replay.jsonl").read_bytes() == (base / "replay.jsonl").read_bytes()
     a, b = load_file(killed / "final" / "model.safetensors"), load_file(base / "final" / "model.safetensors")
@@ -111,6 +117,7 @@ def test_default_on_policy_resume_is_exact(tmp_path, random_model_dir):
     r = run_train(args(tmp_path / "killed"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert metrics(tmp_path / "killed") == metrics(tmp_path / "base")
+    assert " over 2 steps; " in r.stdout          # the summary counts the steps this process ran (3 and 4)
 
 
 def test_ppo_resume_restores_the_critic(tmp_path, random_model_dir):
@@ -132,6 +139,28 @@ def test_resume_errors_are_one_line(tmp_path, random_model_dir):
     r = run_train([f"model={random_model_dir}", f"resume={tmp_path}/nothing", "progress=false"])
     assert r.returncode == 2 and r.stderr.strip() == \
         f"error: resume='{tmp_path}/nothing' is neither a checkpoint nor a run directory holding one"
+
+
+def test_a_checkpoint_that_does_not_load_changes_nothing_on_disk(tmp_path, random_model_dir, monkeypatch):
+    """A checkpoint of another model: a one-line error, and the run directory exactly as it was (config.yaml used
+    to be rewritten before the checkpoint loaded)."""
+    import train
+    from test_bad_input import snapshot, tiny_checkpoints
+    run = tmp_path / "run"
+    tiny_checkpoints(str(run))                         # a linear policy's: it does not fit the random model
+    (run / "config.yaml").write_text("the run's own\n")
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    before = snapshot(run)
+    pools = []
+    monkeypatch.setattr(train, "RewardPool", lambda *a, **kw: pools.append(RewardPool(*a, **kw)) or pools[-1])
+    try:
+        with pytest.raises(UserError, match="does not fit this model"):
+            train.main([f"resume={run}", f"model={random_model_dir}", "arithmetic.n_train=50", "arithmetic.n_eval=8",
+                        "reward_workers=1", "progress=false"])
+    finally:
+        for pool in pools:
+            pool.close()
+    assert snapshot(run) == before
 
 
 def nan_algo(monkeypatch, bad_calls):
