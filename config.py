@@ -133,7 +133,10 @@ class DAPOConfig:
     clip_eps_high: float = opt(0.28, "clip-higher: the ratio may rise to 1 + this (the low side uses algo.clip_eps)")
     overlong_buffer: int = opt(2, "soft overlong penalty starts this many tokens before max_new_tokens (0 = off)")
     overlong_penalty: float = opt(1.0, "penalty at max_new_tokens; falls linearly to 0 over the buffer")
-    dynamic_sampling: bool = opt(True, "drop groups whose rewards are all equal (no signal) before the update")
+    dynamic_sampling: bool = opt(True, "train only on groups whose rewards differ (equal ones carry no signal), "
+                                       "sampling more prompts until prompts_per_step such groups are found")
+    max_rounds: int = opt(3, "dynamic sampling's rollout rounds per step at most (each of prompts_per_step prompts); "
+                             "a step that runs out trains on the groups it found")
 
 
 @dataclass
@@ -449,7 +452,7 @@ def ranges(cfg: Config) -> list:
     at_least_1 = [("samples_per_prompt", c.samples_per_prompt), ("prompts_per_step", c.prompts_per_step),
                   ("max_new_tokens", c.max_new_tokens), ("steps", c.steps), ("eval_every", c.eval_every),
                   ("reward_workers", c.reward_workers), ("max_bad_updates", c.max_bad_updates),
-                  ("algo.epochs", a.epochs)]
+                  ("algo.epochs", a.epochs), ("algo.dapo.max_rounds", a.dapo.max_rounds)]
     # 0 keeps the meaning each help text gives it (torch's default, keep all, one pass, ...)
     at_least_0 = [("threads", c.threads, "torch's default"), ("keep_checkpoints", c.keep_checkpoints, "keep all"),
                   ("micro_batch_size", c.micro_batch_size, "the whole mini-batch in one pass"),

@@ -213,9 +213,10 @@ def add_to_buffer(run: Run, batch: Experience):
     return {"kept_frac": kept.float().mean().item()} if kept is not None else {}
 
 
-def train_step(run: Run, step: int) -> dict:
-    """One RL step; -> its metrics row (means over ranks)."""
-    cfg, learner, times = run.cfg, run.learner, {}
+def collect(run: Run, step: int, times: dict):
+    """Phases 1-3 once: this rank's share of prompts_per_step prompts, n samples each, scored, with the trainer's
+    log-probs. -> (Experience without advantages, reward info)."""
+    cfg = run.cfg
     with profiling.phase(times, "rollout"):           # 1. the next prompts, n samples each
         idx = next_prompts(run)
         rollout = run.sampler.generate([run.train_ids[i] for i in idx], [run.train_set[i] for i in idx],
@@ -231,18 +232,60 @@ def train_step(run: Run, step: int) -> dict:
     failures = record_failures(run.run_dir, step, reward_info)   # a sample to reward_failures.jsonl
     if failures and distributed.rank() == 0:
         tqdm.write(failures)
-    batch = experience(rollout, rewards, learner.version, extra)
+    return experience(rollout, rewards, run.learner.version, extra), reward_info
+
+
+def draw(run: Run, step: int, times: dict):
+    """Phases 1-3: one round (collect), or, for an algorithm that declares max_rounds > 1 (DAPO's dynamic sampling),
+    more rounds of fresh prompts while fewer than prompts_per_step groups pass its `keep` on some rank.
+    -> (batch, reward info, samples one round draws on this rank (what the update calls the whole batch),
+    dynamic_sampling/* metrics). The batch holds every sample drawn except groups that pass `keep` beyond the
+    first prompts_per_step ones, so add_to_buffer keeps exactly a full batch and the logged reward is all of it."""
+    cfg, algo, n = run.cfg, run.learner.algo, run.cfg.samples_per_prompt
+    batch, info = collect(run, step, times)
+    max_rounds = algo.max_rounds(cfg.algo)
+    if max_rounds <= 1 or algo.keep is None:
+        return batch, info, len(batch), {}
+    want = len(batch) // n                            # this rank's groups per step
+    parts, infos, found = [batch], [info], int(algo.keep(batch, cfg.algo)[::n].sum())
+    # every rank draws the same number of rounds: each rank's update must run as many passes as the others'
+    while len(parts) < max_rounds and distributed.all_sum([float(found < want)])[0] > 0:
+        round_times = {}
+        more, more_info = collect(run, step, round_times)
+        parts, infos = parts + [more], infos + [more_info]
+        found += int(algo.keep(more, cfg.algo)[::n].sum())
+        for k, v in round_times.items():
+            times[k] += v
+    whole = Experience.cat(parts, pad_id=run.tok.pad_token_id)
+    whole.group_ids = torch.arange(len(whole) // n).repeat_interleave(n)   # rows are whole groups, in order
+    signal = algo.keep(whole, cfg.algo)[::n]                                          # (groups,) bool
+    surplus = signal & (signal.cumsum(0) > want)      # found beyond a full batch: never used
+    batch = whole.select((~surplus).repeat_interleave(n).nonzero().squeeze(-1))
+    batch.group_ids = torch.arange(len(batch) // n).repeat_interleave(n)   # 0..G-1 again (group stats index by them)
+    # reward metrics: means over the rounds, failure counts (reward_fail*) summed, as over ranks
+    metrics = {k: sum(i["metrics"][k] for i in infos) / (1 if k.startswith(distributed.SUMMED) else len(infos))
+               for k in infos[0]["metrics"]}
+    return batch, {"metrics": metrics}, want * n, {"dynamic_sampling/rounds": len(parts),
+                                                   "dynamic_sampling/groups_drawn": len(parts) * want,
+                                                   "dynamic_sampling/groups_with_signal": found}
+
+
+def train_step(run: Run, step: int) -> dict:
+    """One RL step; -> its metrics row (means over ranks)."""
+    cfg, learner, times = run.cfg, run.learner, {}
+    batch, reward_info, n_samples, rounds = draw(run, step, times)   # 1-3. rollout, scoring, log-probs
+    rewards = batch.rewards
     batch.advantages = learner.algo.advantages(batch, cfg.algo, sum_over=distributed.all_sum)
     with profiling.phase(times, "update"):            # 4. optimizer steps over the buffer's mini-batches
         kept = add_to_buffer(run, batch)
-        stats = update(learner, run.buffer, run.generator, step, len(samples))
+        stats = update(learner, run.buffer, run.generator, step, n_samples)
     with profiling.phase(times, "sync"):              # 5. the new weights into the engine, in place
         run.engine.load_weights(distributed.sync_weights(learner.policy))
     best = sum(w for _, w in run.specs)               # 6. log
     row = {"step": step, "reward": rewards.mean().item(), "accuracy": (rewards >= best - 1e-6).float().mean().item(),
            **stats, **kept, "completion_len": batch.completion_mask.sum(-1).mean().item(),
            "truncated_frac": batch.truncated.float().mean().item(), "lr": learner.schedule.get_last_lr()[0],
-           **reward_info["metrics"], **times}
+           **reward_info["metrics"], **rounds, **times}
     row["tokens_per_s"] = int(batch.attention_mask.sum()) / sum(times.values())
     row = distributed.reduce_metrics(row)             # means over ranks (tokens_per_s: the sum)
     if step % cfg.eval_every == 0 or step == cfg.steps:

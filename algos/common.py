@@ -36,6 +36,9 @@ class Algorithm:
     # True: the advantage compares samples of one prompt (a group baseline, a pair), so samples_per_prompt=1
     # gives every sample zero signal; config.validate refuses it
     needs_groups: bool = False
+    # (cfg) -> rollout rounds per step at most: with more than 1 the loop samples fresh prompts until `keep` has
+    # left prompts_per_step groups (DAPO's dynamic sampling: train.draw), instead of training on fewer
+    max_rounds: Callable = lambda cfg: 1
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:

@@ -6,9 +6,11 @@
     loss  = token-mean( max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)) ),  eps_high > eps_low
     keep  = groups whose rewards are not all equal (dynamic sampling: zero-advantage groups carry no signal)
 
-Simplified: dynamic sampling here *drops* the zero-signal groups of the step (the update sees fewer
-samples) instead of sampling more prompts until the batch is full, as the paper does; the loop skips the
-update when no group is left. The paper's recipe has no KL; algo.kl_coef still works if you set it.
+Dynamic sampling as in the paper: the loop (train.draw) samples fresh prompts_per_step prompts again while
+fewer than prompts_per_step groups have signal, at most algo.dapo.max_rounds rounds per step, and trains on the
+first prompts_per_step groups with signal (logged: dynamic_sampling/rounds, .../groups_drawn). Simplified: a
+step that runs out of rounds trains on the groups it found (fewer samples), as max_rounds=1 always does; the
+paper's recipe has no KL; algo.kl_coef still works if you set it.
 """
 from functools import partial
 
@@ -53,4 +55,5 @@ def keep_groups_with_signal(batch, cfg) -> Tensor:
 
 
 register("algo", "dapo")(Algorithm(advantages=dapo_advantages, loss=dapo_loss, keep=keep_groups_with_signal,
-                                   loss_agg="token-mean", needs_groups=True))
+                                   loss_agg="token-mean", needs_groups=True,
+                                   max_rounds=lambda cfg: cfg.dapo.max_rounds if cfg.dapo.dynamic_sampling else 1))

@@ -174,6 +174,53 @@ def test_dapo_overlong_penalty_uses_the_rollout_length_limit():
         dapo_advantages(batch, config.AlgoConfig())
 
 
+def fake_rounds(monkeypatch, rewards_per_round: list[list[float]], algo: str, **cfg_kw):
+    """train.draw over fake rounds (train.collect replaced): 3 prompts x 2 samples each, the given rewards."""
+    import types
+    import train
+    calls = []
+
+    def collect(run, step, times):
+        r = rewards_per_round[len(calls)]
+        calls.append(r)
+        times["time/rollout"] = 1.0
+        b = batch_of(r, [[1, 1, 0]] * len(r), [0, 0, 1, 1, 2, 2])
+        return b, {"metrics": {"reward/x": sum(r) / len(r), "reward_fail/x": 1.0}}
+    monkeypatch.setattr(train, "collect", collect)
+    cfg = config.Config()
+    cfg.algo.name, cfg.samples_per_prompt, cfg.prompts_per_step = algo, 2, 3
+    for k, v in cfg_kw.items():
+        setattr(cfg.algo.dapo, k, v)
+    config.fill_defaults(cfg)
+    run = types.SimpleNamespace(cfg=cfg, learner=types.SimpleNamespace(algo=registry.get("algo", algo)),
+                                tok=types.SimpleNamespace(pad_token_id=0))
+    times = {}
+    return (*train.draw(run, 1, times), times, calls)
+
+
+def test_dapo_dynamic_sampling_draws_until_the_batch_is_full_of_groups_with_signal(monkeypatch):
+    # signal per group: round 1 [no, yes, no], round 2 [yes, no, no], round 3 [yes, yes, yes]
+    rounds = [[1, 1, 0, 1, 0, 0], [1, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 1]]
+    batch, info, n_samples, metrics, times, calls = fake_rounds(monkeypatch, rounds, "dapo")
+    assert metrics == {"dynamic_sampling/rounds": 3, "dynamic_sampling/groups_drawn": 9,
+                       "dynamic_sampling/groups_with_signal": 5}
+    # round 3's last two groups with signal are surplus: 9 groups drawn, 7 in the batch, 3 of them kept
+    assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
+    keep = registry.get("algo", "dapo").keep(batch, algo_cfg())
+    assert keep.tolist() == [False, False, True, True, False, False, True, True] + [False] * 4 + [True, True]
+    assert n_samples == 6 and times == {"time/rollout": 3.0}                    # the update's whole batch: one round
+    assert info["metrics"] == {"reward/x": pytest.approx(sum(map(sum, rounds)) / 18), "reward_fail/x": 3.0}
+    # full after round 2? no more rounds
+    batch, _, _, metrics, _, calls = fake_rounds(monkeypatch, [rounds[1], rounds[2]], "dapo")
+    assert len(calls) == 2 and metrics["dynamic_sampling/groups_with_signal"] == 4 and len(batch) == 10
+    # max_rounds=1 (and dynamic_sampling=false): one round, as every other algorithm
+    for kw in ({"max_rounds": 1}, {"dynamic_sampling": False}):
+        batch, _, n_samples, metrics, _, calls = fake_rounds(monkeypatch, rounds, "dapo", **kw)
+        assert len(calls) == 1 and metrics == {} and len(batch) == n_samples == 6
+    batch, _, _, metrics, _, calls = fake_rounds(monkeypatch, rounds, "grpo")
+    assert len(calls) == 1 and metrics == {}
+
+
 def test_kl_estimates_are_bounded():
     # ref - logp = 100 overflowed k3 to inf (exp(100) > float32's max), and the update was skipped
     logp = torch.tensor([0.0, -100.0, -1.0, -3.0], requires_grad=True)

@@ -48,6 +48,7 @@ RANGES = [
                               "got -1"),
     (["algo.epochs=0"], "config key 'algo.epochs' must be >= 1; got 0"),
     (["eval_size=-1"], "config key 'eval_size' must be >= 0 (0 = every held-out prompt); got -1"),
+    (["algo.dapo.max_rounds=0"], "config key 'algo.dapo.max_rounds' must be >= 1; got 0"),
     (["micro_batch_size=3"], "micro_batch_size=3 must divide the mini-batch of 256 samples: one of 1, 2, 4, 8, 16, "
                              "32, 64, 128, or 0 / >= 256 (one pass)"),
     (["algo.minibatch_size=100"], "algo.minibatch_size=100 must split the batch of 256 samples (prompts_per_step x "
