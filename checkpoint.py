@@ -7,7 +7,8 @@
     python train.py resume=runs/a steps=200                      # command-line keys override the saved config
 
 One checkpoint is one directory; every file is readable without this code:
-    model.safetensors      the policy's full (unsharded) state dict; tied tensors stored once (meta "aliases")
+    model.safetensors      the policy's full (unsharded) state dict; tied tensors stored once (meta "aliases");
+                           frozen parameters (LoRA's base) are left out: they come from `model=` again
     model_optimizer.safetensors  optimizer state tensors by "<param name>/<key>" (exp_avg, ...); hyper-parameters in meta
     critic.safetensors, critic_optimizer.safetensors   the same for PPO's critic, when the run has one
     rank_state.safetensors per-rank state under "rank<r>/": torch/CUDA RNG, the loop's generators, the data order,
@@ -32,6 +33,7 @@ changes with the world size, so the samples differ from an uninterrupted run. Re
 a run with one refuses to change its world size.
 Kill points for tests: RL_CRASH_AT=<point>:<step> makes the process SIGKILL itself at `crash_point(point, step)`.
 """
+import dataclasses
 import hashlib
 import json
 import os
@@ -217,11 +219,29 @@ def _write_trained(tmp: str, name: str, model_sd: dict, optim_sd: dict) -> dict:
     return {"aliases": aliases, "param_groups": optim_sd["param_groups"], "scalars": scalars}
 
 
+def _frozen(model) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def _trained_state(model, opts: StateDictOptions) -> dict:
+    """The model's state dict without its frozen parameters (LoRA: the adapters alone; else all of it)."""
+    if not _frozen(model):
+        return get_model_state_dict(model, options=opts)
+    # ignore_frozen_params: the base is never gathered or copied; a tied head may still come along, hence the filter
+    sd = get_model_state_dict(model, options=dataclasses.replace(opts, ignore_frozen_params=True))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in sd.items() if k in trained}
+
+
 def _read_trained(ckpt: str, name: str, model, optimizer, meta: dict):
-    opts = StateDictOptions(full_state_dict=True)
+    frozen = _frozen(model)   # frozen parameters are not in the file: a partial load, checked by hand below
+    opts = StateDictOptions(full_state_dict=True, strict=not frozen)
     weights = load_file(os.path.join(ckpt, f"{name}.safetensors"))
     weights.update({k: weights[v] for k, v in meta["aliases"].items()})
     try:
+        odd = sorted({n for n, p in model.named_parameters() if p.requires_grad} ^ set(weights)) if frozen else []
+        if odd:
+            raise KeyError(f"its trained parameters differ from this run's, e.g. {odd[0]}")
         set_model_state_dict(model, weights, options=opts)
     except (RuntimeError, KeyError) as e:
         raise UserError(f"checkpoint {ckpt} does not fit this {name}: {str(e).strip().splitlines()[0]}")
@@ -238,7 +258,7 @@ def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule
     `critic` (PPO's value model, with its own optimizer) is saved beside the policy when given."""
     rank, world = distributed.rank(), distributed.world()
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    trained = {"model": (get_model_state_dict(policy, options=opts),                 # collective under FSDP
+    trained = {"model": (_trained_state(policy, opts),                               # collective under FSDP
                          get_optimizer_state_dict(policy, optimizer, options=opts))}
     if critic is not None:
         trained["critic"] = (get_model_state_dict(critic.model, options=opts),

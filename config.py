@@ -179,6 +179,17 @@ class VLLMConfig:
 
 
 @dataclass
+class LoRAConfig:
+    r: int = opt(0, "LoRA rank: 0 = full fine-tuning; > 0 trains only peft LoRA adapters (lora.py), the frozen base "
+                    "is the reference model; adapters usually want a higher lr (e.g. 1e-3)")
+    alpha: float = opt(32.0, "LoRA scale numerator: the update is B A * alpha / r")
+    dropout: float = opt(0.0, "dropout on the adapters' input while training")
+    targets: str = opt("all-linear", "modules to adapt: all-linear (every Linear but lm_head) or a comma list of "
+                                     "module names, e.g. q_proj,v_proj")
+    save_merged: bool = opt(False, "final/merged/ also gets the merged model (a plain transformers folder)")
+
+
+@dataclass
 class Config:
     # what to train
     model: str = opt("assets/tiny-model", "local folder or hub id of a transformers causal LM")
@@ -195,6 +206,7 @@ class Config:
     replay: ReplayConfig = opt(ReplayConfig(), "replay buffer (off by default: on-policy)")
     env: EnvConfig = opt(EnvConfig(), "multi-turn episodes with an environment and tools (off by default)")
     hilo: HiloConfig = opt(HiloConfig(), "settings of the embedded multi-turn task (task=hilo, env.name=hilo)")
+    lora: LoRAConfig = opt(LoRAConfig(), "LoRA adapters through peft (lora.r > 0; lora.py)")
     # how long and how big
     steps: int = opt(60, "RL steps (one step = rollout + score + update + sync)")
     prompts_per_step: int = opt(32, "prompts sampled per step")
@@ -240,6 +252,13 @@ class Config:
                                 "all-reduce per optimizer step: speed first, for models that fit one GPU)")
     offload: bool = opt(False, "keep FSDP shards, gradients and AdamW state in CPU memory (torchrun only; "
                                "see distributed.py)")
+    # per-stage memory (offload.py): each moves something out of GPU memory while a stage does not need it
+    offload_models: bool = opt(False, "keep the reference model (and PPO's critic) in CPU memory; each comes to the "
+                                      "GPU only for its own forward (the critic: values + update)")
+    offload_optimizer: bool = opt(False, "AdamW state in CPU memory from the end of each update to the next (the "
+                                         "rollout's KV cache gets that memory)")
+    engine_sleep: bool = opt(False, "engine.sleep() before each update and wake() after it (vLLM on GPU frees its "
+                                    "KV cache and weights; elsewhere a note says nothing was freed)")
     progress: bool = opt(True, "show a progress bar")
     profile_step: int = opt(0, "run this step under torch.profiler (0 = none): each rank writes profile-rankR.txt "
                                "(wall vs GPU kernel time per phase, top kernels) and the trace, see profiling.py")
@@ -436,6 +455,16 @@ def validate(cfg: Config, world: int = 1):
     if cfg.eval_k < 0 or (cfg.eval_k and not cfg.eval_k_temperature > 0):
         raise UserError(f"config keys 'eval_k' must be >= 0 and 'eval_k_temperature' > 0; got {cfg.eval_k} and "
                         f"{cfg.eval_k_temperature}")
+    lo = cfg.lora
+    if lo.r < 0 or lo.alpha <= 0 or not 0 <= lo.dropout < 1:
+        raise UserError(f"config keys 'lora.r' must be >= 0, 'lora.alpha' > 0 and 'lora.dropout' in [0, 1); got "
+                        f"{lo.r}, {lo.alpha}, {lo.dropout}")
+    if lo.r and (cfg.offload or (world > 1 and cfg.parallel == "fsdp")):
+        raise UserError("lora.r > 0 runs in one process or under torchrun with parallel=replicate (the adapters are "
+                        "small); not with FSDP sharding or offload=true")
+    if cfg.offload_models and (cfg.offload or (world > 1 and cfg.parallel == "fsdp")):
+        raise UserError("offload_models moves whole models between CPU and GPU; with FSDP use offload=true, which "
+                        "keeps every shard in CPU memory")
     # what the algorithm declares it needs (algos/common.py: Algorithm)
     if cfg.fused_loss and (algo.needs_critic or not algo.splittable(cfg.algo)):
         raise UserError(f"fused_loss=true needs a loss that splits over rows and no critic; algo '{cfg.algo.name}' "

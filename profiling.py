@@ -42,10 +42,18 @@ def mark(name: str):
 
 @contextlib.contextmanager
 def phase(times: dict, name: str):
-    """Time one phase of the step into times[f"time/{name}"] and mark its end in the trace (when profiling)."""
+    """Time one phase of the step into times[f"time/{name}"] and mark its end in the trace (when profiling).
+    On CUDA also its peak allocated and reserved memory, times[f"mem/{name}_gib"] and [f"mem/{name}_reserved_gib"]
+    (offload.memory_table prints them)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     yield
     times[f"time/{name}"] = time.perf_counter() - t0
+    if cuda:
+        times[f"mem/{name}_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        times[f"mem/{name}_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     mark(name)
 
 

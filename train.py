@@ -22,6 +22,8 @@ from tqdm import tqdm
 import algos, engines, envs, rewards, tasks  # noqa: F401,E401  (the plugin packages: importing them registers every name)
 import checkpoint
 import distributed
+import lora
+import offload
 import profiling
 import registry
 import run_dir
@@ -64,6 +66,7 @@ class Run:
     start: dict = None               # the step-0 evaluation
     rows: list = None                # metrics rows so far (step 0 first)
     logger: run_dir.Logger | None = None   # rank 0 only
+    stages: offload.Stages = None    # per-stage memory moves (offload_* options, engine_sleep)
 
     def eval_gen(self) -> torch.Generator:   # evaluation samples from its own stream: training's never shifts
         return torch.Generator(device=self.device).manual_seed(self.cfg.seed + 2)
@@ -91,6 +94,11 @@ def build_models(cfg: Config, device, dtype, fsdp: bool):
         torch._functorch.config.activation_memory_budget = 0.0 if cfg.grad_checkpointing and in_compile else 1.0
         for layer in layers:
             layer.compile()
+    if cfg.lora.r:   # peft adapters inside the layers set up above; the engine samples with the adapted policy
+        policy = engine_model = lora.wrap(policy, cfg.lora, cfg.model)
+        print0(lora.describe(policy))
+    else:
+        lora.wrap(policy, cfg.lora, cfg.model)   # refuses a model that already carries an adapter
     return policy, tok, engine_model
 
 
@@ -125,8 +133,11 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
     policy, tok, engine_model = build_models(cfg, device, dtype, fsdp)
     train_set, eval_set, train_ids, eval_ids = build_data(cfg, tok, policy)
     reference = None
-    if algo.needs_ref(cfg.algo):
-        reference, _ = load_model(cfg.model, device, dtype)
+    if algo.needs_ref(cfg.algo) and cfg.lora.r:   # the base itself, adapters off: no second copy (lora.py)
+        reference = lora.AdaptersOff(policy)
+    elif algo.needs_ref(cfg.algo):   # offload_models: it lives in CPU memory and visits the GPU (offload.py)
+        reference, _ = load_model(cfg.model, torch.device("cpu") if cfg.offload_models else device, dtype)
+        reference = offload.pin(reference) if cfg.offload_models else reference
         reference.eval().requires_grad_(False)
         reference = distributed.shard(reference, device, dtype, cfg.offload) if fsdp else reference
     critic = Critic(cfg, device, dtype, fsdp) if algo.needs_critic else None   # PPO's value model
@@ -135,7 +146,9 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
     # the rollout kind is chosen once here: single completions, or episodes with an environment (and tools)
     sampler = MultiTurn(engine_model, tok, cfg) if cfg.env.name else SingleTurn(engine, pool, tok)
     # speed: fused AdamW (one kernel for all parameters) on GPU; offloaded shards step on the CPU with the default
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+    # only what trains (LoRA: the adapters); the optimizer state and checkpoints hold nothing of the frozen base
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay,
                                   fused=device.type == "cuda" and not cfg.offload)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     run = Run(cfg=cfg, run_dir=cfg.out_dir, device=device,
@@ -144,6 +157,9 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
               train_ids=train_ids, eval_ids=eval_ids, buffer=None,
               generator=torch.Generator().manual_seed(cfg.seed),
               sample_gen=torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1_000_003 * rank))
+    run.stages = offload.Stages(cfg, device, run.learner, engine)
+    if offload.cpu_note(cfg, device):
+        print0(offload.cpu_note(cfg, device))
     try:
         run.buffer = make_buffer(cfg, run.run_dir, resume=bool(resume_from))
     except ValueError as e:
@@ -152,7 +168,7 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
         s = checkpoint.load(resume_from, policy, optimizer, schedule, run.buffer, generators(run), critic)
         run.first_step, run.learner.version, run.order, run.cursor = s["step"] + 1, s["version"], s["order"], s["cursor"]
         run.start, run.rows = s["extra"]["start"], s["rows"]
-        engine.load_weights(distributed.sync_weights(policy))
+        engine.load_weights(lora.engine_weights(policy) if cfg.lora.r else distributed.sync_weights(policy))
     else:
         run.start = sampler.evaluate(cfg, eval_set, eval_ids, specs, run.eval_gen())
         print0(f"step 0: held-out accuracy {run.start['eval/accuracy']:.3f} (reward {run.start['eval/reward']:.3f})")
@@ -192,7 +208,8 @@ def extra_logprobs(run: Run, rollout) -> dict:
     if updates_per_step > 1 or cfg.replay.enabled:   # the policy moves before (re)use: keep these log-probs
         out["old_logprobs"] = completion_logprobs(learner.policy, ids, attn, C, cfg.temperature)[0].cpu()
     if run.reference is not None:
-        out["ref_logprobs"] = completion_logprobs(run.reference, ids, attn, C, cfg.temperature)[0].cpu()
+        with offload.visit(run.reference, device, cfg.offload_models):   # on the GPU for this forward only
+            out["ref_logprobs"] = completion_logprobs(run.reference, ids, attn, C, cfg.temperature)[0].cpu()
     if learner.critic is not None:
         out["values"] = learner.critic.values(ids, attn, rollout.completion_mask.to(device)).cpu()
     return out
@@ -226,6 +243,7 @@ def collect(run: Run, step: int, times: dict):
     with profiling.phase(times, "logprobs"):          # 2. scoring starts in the reward workers, overlapped with
         samples = [run.train_set[i] for i in idx for _ in range(cfg.samples_per_prompt)]
         handle = run.sampler.score(samples, rollout)
+        run.stages.for_experience()                   # (offload_models: the critic comes back to the GPU)
         extra = extra_logprobs(run, rollout)          # 3. ... the log-prob (and value) forwards
     with profiling.phase(times, "reward"):            # only the part of scoring not hidden behind step 3
         rewards, reward_info = handle.result()
@@ -277,16 +295,21 @@ def train_step(run: Run, step: int) -> dict:
     rewards = batch.rewards
     batch.advantages = learner.algo.advantages(batch, cfg.algo, sum_over=distributed.all_sum)
     with profiling.phase(times, "update"):            # 4. optimizer steps over the buffer's mini-batches
+        run.stages.for_update()                       # (engine_sleep, offload_optimizer: see offload.py)
         kept = add_to_buffer(run, batch)
         stats = update(learner, run.buffer, run.generator, step, n_samples)
+        run.stages.after_update()
+    if run.stages.notes and step == run.first_step and distributed.rank() == 0:
+        tqdm.write("; ".join(run.stages.notes))       # what engine_sleep freed, or why nothing
     with profiling.phase(times, "sync"):              # 5. the new weights into the engine, in place
-        run.engine.load_weights(distributed.sync_weights(learner.policy))
+        run.engine.load_weights(lora.engine_weights(learner.policy) if cfg.lora.r else
+                                distributed.sync_weights(learner.policy))
     best = sum(w for _, w in run.specs)               # 6. log
     row = {"step": step, "reward": rewards.mean().item(), "accuracy": (rewards >= best - 1e-6).float().mean().item(),
            **stats, **kept, "completion_len": batch.completion_mask.sum(-1).mean().item(),
            "truncated_frac": batch.truncated.float().mean().item(), "lr": learner.schedule.get_last_lr()[0],
            **reward_info["metrics"], **rounds, **times}
-    row["tokens_per_s"] = int(batch.attention_mask.sum()) / sum(times.values())
+    row["tokens_per_s"] = int(batch.attention_mask.sum()) / sum(v for k, v in times.items() if k.startswith("time/"))
     row = distributed.reduce_metrics(row)             # means over ranks (tokens_per_s: the sum)
     if step % cfg.eval_every == 0 or step == cfg.steps:
         row.update(run.sampler.evaluate(cfg, run.eval_set, run.eval_ids, run.specs, run.eval_gen()))
@@ -319,9 +342,13 @@ def finish(run: Run, rank: int, wall: float) -> dict:
     if full:   # a tied lm_head is one parameter under two names: save it once, as save_pretrained does
         keep = {n for n, _ in policy.named_parameters()} | {n for n, _ in policy.named_buffers()}
         full = {k: v for k, v in full.items() if k in keep}
-    if rank == 0:
+    if rank == 0:   # LoRA: final/ is peft's adapter folder; lora.save_merged adds final/merged/
         run_dir.save_final(os.path.join(run.run_dir, "final"), policy, run.tok, full)
+        if cfg.lora.r and cfg.lora.save_merged:
+            lora.save_merged(policy, run.tok, os.path.join(run.run_dir, "final", "merged"))
         run_dir.save_plot(run.run_dir, run.rows)
+        if offload.memory_table(run.rows):
+            print(offload.memory_table(run.rows), flush=True)
         run.logger.close()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()   # every rank done before the group goes (gloo aborts on an early teardown)

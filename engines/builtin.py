@@ -16,6 +16,7 @@ from registry import register
 
 # transformers renamed the KV-cache argument (`past_key_values` -> `cache`) around 5.2x; accept both
 def _cache_kw(model) -> str:
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft's forward takes **kwargs
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -85,6 +86,8 @@ class BuiltinEngine:
 
     def load_weights(self, named_tensors):
         """Copy weights in place. A no-op for tensors that already are the engine's own parameters."""
+        if hasattr(self.model, "peft_config"):   # LoRA: the policy itself, adapters included; the fast decoder
+            return                               # merges them at each rollout (lazy merged tensors stay unmade)
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, t in named_tensors:

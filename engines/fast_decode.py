@@ -22,6 +22,9 @@ What makes it fast, and why this route:
   uses sdpa.
 - q/k/v and gate/up are each one GEMM over weights concatenated once per rollout (`refresh`): at batch 128 a
   decode GEMM is latency-bound, so fewer, larger ones are faster.
+- LoRA (peft layers over plain Linears, lora.py): `refresh` merges W + B A * alpha / r into those buffers (and
+  into buffers of its own for o_proj and down_proj), so a decode step costs what the plain model's does. The
+  other route, the low-rank product beside each projection in the step, adds 14 small GEMMs per layer per token.
 - On CUDA the step is also `torch.compile`d (fuses the norms, rotary and softmax into a few kernels) before
   capture. The graph holds the parameters' addresses, and the optimizer updates them in place, so weight sync
   stays free and the graph stays valid across training steps.
@@ -39,14 +42,27 @@ from torch import Tensor
 from engines.base import top_p_filter
 from kernels import decode_attention_kernel, sample_token
 from kernels.decode_attention import rotate
+from lora import dense_weight
 
 SUPPORTED = ("qwen2", "llama")   # model_type values whose layers have exactly the shape written below
 
 
+def base_of(model):
+    """The transformers model under a peft wrapper (the hand-written step reads its modules), else the model."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def plain_or_lora(m) -> bool:
+    """A plain nn.Linear, or a peft LoRA layer over one (refresh merges its adapters)."""
+    return type(m) is torch.nn.Linear or (type(getattr(m, "base_layer", None)) is torch.nn.Linear
+                                          and hasattr(m, "get_delta_weight"))
+
+
 def supported(model) -> bool:
-    """Llama-shaped decoder whose projections are plain nn.Linear holding plain tensors: adapters (LoRA wraps
-    q_proj) or sharded parameters (FSDP's DTensors) would be bypassed by the hand-written step, so they keep the
+    """Llama-shaped decoder whose projections are plain nn.Linear (or LoRA over them) holding plain tensors: other
+    adapters or sharded parameters (FSDP's DTensors) would be bypassed by the hand-written step, so they keep the
     plain loop."""
+    model = base_of(model)
     c = model.config
     if getattr(c, "model_type", None) not in SUPPORTED or getattr(c, "use_sliding_window", False):
         return False
@@ -56,8 +72,12 @@ def supported(model) -> bool:
     linears = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                                                layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                                                layer.mlp.down_proj)]
-    return (all(type(m) is torch.nn.Linear for m in linears)
+    return (all(map(plain_or_lora, linears)) and type(model.lm_head) is torch.nn.Linear
             and all(type(p.data) is torch.Tensor for p in model.parameters()))
+
+
+def bias_of(m):
+    return getattr(getattr(m, "base_layer", m), "bias", None)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -95,14 +115,14 @@ class FastDecoder:
                  attention: str = "kernel", keep_cache: bool = False):
         if attention not in ("matmul", "sdpa", "kernel"):
             raise ValueError(f"attention must be 'matmul', 'sdpa' or 'kernel', got {attention!r}")
-        self.model = model
+        self.model = model = base_of(model)
         self.attention, self.keep_cache = attention, keep_cache
         device = next(model.parameters()).device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
         self.compile = self.use_graph if compile is None else compile
         self.check_every = check_every
         self.states: dict[tuple[int, int], dict] = {}   # (B, S) -> cache, static buffers, graph
-        self.fused: list[tuple] = []                     # per layer: w_qkv, b_qkv, w_gate_up, b_gate_up
+        self.fused: list[tuple] = []                     # per layer: w_qkv, b_qkv, w_gate_up, b_gate_up, w_o, w_down
         c = model.config
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -123,16 +143,16 @@ class FastDecoder:
         x = F.embedding(ids, m.embed_tokens.weight)                          # (B, T, H)
         rot = cos[pos][:, None], sin[pos][:, None]                           # (B, 1, T, D) each
         for i, layer in enumerate(m.layers):
-            a, mlp, (w_qkv, b_qkv, w_gu, b_gu) = layer.self_attn, layer.mlp, self.fused[i]
+            a, mlp, (w_qkv, b_qkv, w_gu, b_gu, w_o, w_down) = layer.self_attn, layer.mlp, self.fused[i]
             qkv = F.linear(layer.input_layernorm(x), w_qkv, b_qkv)          # (B, T, (nh + 2 nkv) D): one GEMM
             if self.attention == "kernel" and T == 1:   # decode: rotary, cache write and attention in one kernel
                 o = decode_attention_kernel(qkv.view(B, -1), cos, sin, pos.view(B), ks[i], vs[i], key_ok[:, 0, 0], slots,
                                a.scaling).view(B, T, nh * D)
             else:
                 o = self._attend(qkv, rot, ks[i], vs[i], slots, key_ok, a.scaling)
-            x = x + a.o_proj(o)
+            x = x + F.linear(o, w_o, bias_of(a.o_proj))
             gate, up = F.linear(layer.post_attention_layernorm(x), w_gu, b_gu).chunk(2, dim=-1)  # (B, T, I) each
-            x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+            x = x + F.linear(mlp.act_fn(gate) * up, w_down, bias_of(mlp.down_proj))
         return self.model.lm_head(m.norm(x[:, -1]))                          # (B, V)
 
     def _attend(self, qkv: Tensor, rot: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, slots: Tensor,
@@ -156,16 +176,24 @@ class FastDecoder:
     def refresh(self):
         """Copy the current q/k/v and gate/up weights into the fused buffers (same addresses every time, so
         captured graphs stay valid). ~0.5 GB for a 0.5B model, well under a millisecond on a GPU; it buys 3 fewer
-        kernels per layer per token, which matters because small decode GEMMs are latency-bound."""
+        kernels per layer per token, which matters because small decode GEMMs are latency-bound. LoRA layers enter
+        merged (lora.dense_weight); o_proj and down_proj are read in place unless they carry an adapter."""
         cat = lambda ts, out: None if ts[0] is None else (torch.cat(ts, out=out) if out is not None else torch.cat(ts))
+
+        def own(m, out):   # a plain Linear's weight in place; a LoRA layer's merged into a buffer of ours
+            if type(m) is torch.nn.Linear:
+                return m.weight
+            w = dense_weight(m)
+            return out.copy_(w) if out is not None else (w.clone() if w is m.base_layer.weight else w)
         new = []
         for i, layer in enumerate(self.model.model.layers):
             a, mlp = layer.self_attn, layer.mlp
-            old = self.fused[i] if self.fused else (None,) * 4
-            new.append((cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], old[0]),
-                        cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], old[1]),
-                        cat([mlp.gate_proj.weight, mlp.up_proj.weight], old[2]),
-                        cat([getattr(mlp.gate_proj, "bias", None), getattr(mlp.up_proj, "bias", None)], old[3])))
+            old = self.fused[i] if self.fused else (None,) * 6
+            new.append((cat([dense_weight(a.q_proj), dense_weight(a.k_proj), dense_weight(a.v_proj)], old[0]),
+                        cat([bias_of(a.q_proj), bias_of(a.k_proj), bias_of(a.v_proj)], old[1]),
+                        cat([dense_weight(mlp.gate_proj), dense_weight(mlp.up_proj)], old[2]),
+                        cat([bias_of(mlp.gate_proj), bias_of(mlp.up_proj)], old[3]),
+                        own(a.o_proj, old[4]), own(mlp.down_proj, old[5])))
         self.fused = new
 
     def _state(self, B: int, S: int, N: int, graph_sampling: bool, device, dtype) -> dict:

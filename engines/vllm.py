@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from config import UserError
+from lora import engine_weights
 from registry import register
 from engines.base import Rollout, SamplingParams, left_pad
 
@@ -137,8 +138,8 @@ class VLLMEngine:
             self.llm = vllm.LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
         self._SamplingParams = vllm.SamplingParams
-        if model is not None:   # the policy in memory may differ from the checkpoint on disk
-            self.load_weights(model.named_parameters())
+        if model is not None:   # the policy in memory may differ from the checkpoint on disk (LoRA: merged)
+            self.load_weights(engine_weights(model))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,

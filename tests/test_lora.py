@@ -1,0 +1,157 @@
+"""LoRA through peft (lora.py) and the per-stage memory options (offload.py).
+
+Unit tests on conftest's random 2-layer model (a second each); three short train.py runs (exact resume, offload
+on/off). On a GPU machine the offload test moves real memory; on CPU it runs the same code with nothing to move.
+"""
+import copy
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import lora
+from config import LoRAConfig, UserError
+
+TIMING = ("time/", "mem/", "tokens_per_s")
+
+
+def lora_model(model_dir, r=4, targets="all-linear", seed=1):
+    """The random model with LoRA adapters whose B is random too (peft starts B at 0: the adapters would be a
+    no-op and every comparison below trivially equal)."""
+    from models import load_model
+    base, tok = load_model(model_dir, torch.device("cpu"), torch.float32)
+    model = lora.wrap(base, LoRAConfig(r=r, alpha=2 * r, targets=targets), model_dir)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model, tok
+
+
+def batch(tok):
+    from engines.base import left_pad
+    ids, mask = left_pad([tok(p)["input_ids"] for p in ["1+2=34", "123+456=579", "7=7"]], tok.pad_token_id)
+    return ids, mask
+
+
+def test_reference_with_adapters_off_is_the_frozen_base_exactly(random_model_dir):
+    from models import completion_logprobs, load_model
+    model, tok = lora_model(random_model_dir)
+    base, _ = load_model(random_model_dir, torch.device("cpu"), torch.float32)
+    base.eval()
+    ids, mask = batch(tok)
+    with torch.no_grad():
+        ref = completion_logprobs(lora.AdaptersOff(model), ids, mask, 4)[0]            # (B, C)
+        frozen = completion_logprobs(base, ids, mask, 4)[0]
+        adapted = completion_logprobs(model, ids, mask, 4)[0]
+    assert torch.equal(ref, frozen)                        # bit for bit: no second copy, no merge round trip
+    assert (adapted - frozen).abs().max() > 1e-3           # while the adapters do change the policy
+    assert all(("lora_" in n) == p.requires_grad for n, p in model.named_parameters())   # only adapters train
+
+
+def test_merged_weights_equal_peft_merge_and_load_in_transformers(random_model_dir, tmp_path):
+    """engine_weights (what vLLM gets) and final/merged are peft's own merge, under the transformers names."""
+    from transformers import AutoModelForCausalLM
+    model, tok = lora_model(random_model_dir)
+    merged = copy.deepcopy(model).merge_and_unload()
+    expect = dict(merged.named_parameters())
+    got = dict(lora.engine_weights(model))
+    assert got.keys() == expect.keys()
+    assert all(torch.allclose(got[k], expect[k], atol=1e-6) for k in got)
+    lora.save_merged(model, tok, str(tmp_path / "merged"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    ids, mask = batch(tok)
+    with torch.no_grad():
+        a, b = loaded(input_ids=ids, attention_mask=mask).logits, model(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_fast_decoder_samples_with_the_adapted_policy(random_model_dir):
+    """The fast path merges the adapters into its fused weights: its sampling log-probs are the peft model's."""
+    from engines.base import SamplingParams
+    from engines.builtin import BuiltinEngine
+    from engines.fast_decode import FastDecoder, supported
+    from models import completion_logprobs
+    model, tok = lora_model(random_model_dir)
+    assert supported(model)
+    engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, fast=True)
+    engine.decoder = FastDecoder(model, attention="matmul", use_graph=False)
+    prompts = [tok(p)["input_ids"] for p in ["1+2=", "123+456="]]
+    r = engine.generate(prompts, 4, SamplingParams(max_new_tokens=10), torch.Generator().manual_seed(0))
+    C = r.completion_mask.shape[1]
+    with torch.no_grad():
+        logp = completion_logprobs(model, r.input_ids, r.attention_mask, C)[0]
+        base = completion_logprobs(lora.AdaptersOff(model), r.input_ids, r.attention_mask, C)[0]
+    assert ((logp - r.logprobs).abs() * r.completion_mask).max() <= 1e-4
+    assert ((base - r.logprobs).abs() * r.completion_mask).max() > 1e-3       # not the base's
+    engine.load_weights(lora.engine_weights(model))                          # shared weights: nothing to copy
+
+
+def test_bad_lora_input_is_one_line(random_model_dir, tmp_path):
+    with pytest.raises(UserError, match=r"lora.targets qq_proj match no module; the model's linear layers are: "
+                                        r"down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"):
+        lora_model(random_model_dir, targets="q_proj,qq_proj")
+    model, tok = lora_model(random_model_dir)
+    model.save_pretrained(tmp_path / "adapter")          # an adapter folder loads as a peft-carrying model
+    tok.save_pretrained(tmp_path / "adapter")
+    from models import load_model
+    carrying, _ = load_model(str(tmp_path / "adapter"), torch.device("cpu"), torch.float32)
+    for r in (0, 4):   # full fine-tuning of it is refused too: save_pretrained would write the adapter alone
+        with pytest.raises(UserError, match="already carries a peft adapter"):
+            lora.wrap(carrying, LoRAConfig(r=r), "x")
+    from config import Config, validate
+    cfg = Config()
+    cfg.lora.r = -1
+    with pytest.raises(UserError, match="'lora.r' must be >= 0"):
+        validate(cfg)
+    cfg.lora.r = 4
+    with pytest.raises(UserError, match="parallel=replicate"):   # two FSDP ranks: the adapters are not sharded
+        validate(cfg, world=2)
+    from offload import cpu_note
+    cfg.offload_optimizer = True
+    assert cpu_note(cfg, torch.device("cpu")).startswith("note: the offload options (offload_optimizer) do nothing")
+
+
+def rows(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)} for line in f][1:]
+
+
+def small(out, *extra):
+    # the shipped model (its rewards vary, so the adapters move); the reference path too (kl); two mini-batches
+    # per step: the optimizer state matters between them
+    return [f"out_dir={out}", "steps=3", "prompts_per_step=4", "samples_per_prompt=4", "eval_every=3", "eval_size=8",
+            "arithmetic.n_train=200", "arithmetic.n_eval=20", "save_every=2", "algo.minibatch_size=8",
+            "algo.kl_coef=0.05", "lora.r=4", "lr=1e-2", "threads=1", "progress=false", *extra]
+
+
+def test_lora_resume_is_exact_and_checkpoints_hold_only_adapters(tmp_path):
+    """A run cut after step 2 and resumed gives the uninterrupted run's numbers (the kill points themselves are
+    tests/test_checkpoint.py's; in-process runs here skip three interpreter starts)."""
+    import train
+    train.main(small(tmp_path / "base"))
+    train.main(small(tmp_path / "cut", "steps=2"))                   # ends with a checkpoint at step 2
+    saved = load_file(tmp_path / "cut" / "checkpoints" / "step_000002" / "model.safetensors")
+    assert saved and all("lora_" in k for k in saved)               # the frozen base is not state
+    train.main(small(tmp_path / "cut"))                              # out_dir holds a checkpoint: resumes
+    no_eval = lambda rs: [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in rs]
+    got, want = no_eval(rows(tmp_path / "cut")), no_eval(rows(tmp_path / "base"))
+    assert got == want and want[-1]["kl"] > 0                        # the adapters moved off the base
+    assert (tmp_path / "base" / "final" / "adapter_model.safetensors").exists()
+
+
+def test_offload_options_change_memory_not_losses(tmp_path):
+    """Same seeded run with every offload option on and off: the same numbers (on GPU the tensors really move)."""
+    import train
+    on = ["offload_models=true", "offload_optimizer=true", "engine_sleep=true"]
+    for name, flags in {"off": [], "on": on, "lora_on": ["lora.r=4", *on]}.items():
+        args = small(tmp_path / name, "steps=2", "save_every=0", "algo.name=ppo", *flags)
+        if name != "lora_on":
+            args.remove("lora.r=4")
+        train.main(args)
+    assert rows(tmp_path / "on") == rows(tmp_path / "off")
+    assert all(math.isfinite(r["loss"]) for r in rows(tmp_path / "lora_on"))   # LoRA's reference needs no visit
