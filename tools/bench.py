@@ -1,12 +1,16 @@
-"""W1 benchmark (docs/benchmarks.md): one GRPO step of this project's train.py against TRL, on one card.
+"""W1 and W6 benchmarks (docs/benchmarks.md): one GRPO step of this project's train.py against TRL, on one card.
 
     python tools/bench.py --out bench-out                  # GPU: all parts below, then a table (bench-out/bench.md)
     python tools/bench.py --small --out /tmp/b             # CPU smoke run of the same code at toy shapes
     python tools/bench.py --parts ours,engine --ours 16:ckpt:compile,32  # a subset (ours | engine | hf | trl); ours per variant
     python tools/bench.py --parts ours --ours 64 --gpus 1,2  # ours on 1 GPU, then under torchrun on 2 (the same global batch)
+    python tools/bench.py --shape w6 --lora 16 --parts ours,trl --ours 8,32:ckpt --trl-ckpt --set 'lora.r=16'
+                                                           # W6: 7B shape, LoRA r=16 on all linear layers, TRL with peft
 
 Workload: a Qwen2 model at Qwen2.5-0.5B shape (random init, bf16, built here from a Qwen2Config: no hub),
-16 prompts x 8 samples, prompts of 64 random tokens, 256 sampled tokens each, temperature 1. The tokenizer's
+16 prompts x 8 samples, prompts of 64 random tokens, 256 sampled tokens each, temperature 1 (--shape w6: the
+Qwen2.5-7B shape, untied head, 8 prompts x 8 samples; --lora R gives TRL peft's LoraConfig(r=R, all-linear),
+ours gets it from --set 'lora.r=R'). The tokenizer's
 EOS id lies outside the model's vocabulary, so every completion runs to full length and the work is fixed.
 Parts, each in its own process (clean peak-memory counters):
   ours    train.main itself (the real loop) for 1 warm-up + N measured steps; the split comes from its
@@ -19,7 +23,8 @@ Parts, each in its own process (clean peak-memory counters):
           cache kept between calls, and the plain loop;
           sampling log-probs vs teacher-forced ones; a torch.profiler summary of one rollout and one update
   hf      transformers `generate`, default (dynamic) cache and cache_implementation="static"
-  trl     TRL's GRPOTrainer with W1's peer settings (docs/benchmarks.md), when trl is importable
+  trl     TRL's GRPOTrainer with W1's peer settings (docs/benchmarks.md), when trl is importable; --trl-ckpt also
+          runs it with gradient checkpointing
 """
 import argparse
 import json
@@ -39,10 +44,13 @@ from registry import register
 SHAPES = {  # Qwen2.5-0.5B, and a toy version for the CPU smoke run
     "w1": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                num_attention_heads=14, num_key_value_heads=2, prompts=16, samples=8, prompt_len=64, new=256),
+    "w6": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, prompts=8, samples=8, prompt_len=64, new=256, tied=False),
     "small": dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, prompts=4, samples=2, prompt_len=8, new=8),
 }
 W = dict(SHAPES["w1"])      # the shape in use; set from --small before anything reads it
+GOALS = {"w1": 0.15, "w6": 0.25}   # ours / TRL step time (docs/benchmarks.md)
 
 
 def prompt_texts(n: int, seed: int = 0) -> list[str]:
@@ -87,9 +95,16 @@ def build_model(path: str, dtype: torch.dtype):
     # that token keeps an exactly-zero residual stream through every layer; RMSNorm's Jacobian there is
     # 1/sqrt(eps) = 1000 per layer, so its gradient overflows to inf/nan in a 24-layer random model (seen on
     # an H100 with TRL and with this project alike).
-    cfg = Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=V,
+    cfg = Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=W.get("tied", True), eos_token_id=V,
                       pad_token_id=None, bos_token_id=None)
-    Qwen2ForCausalLM(cfg).to(dtype).save_pretrained(path)
+    # built on the GPU in the target dtype when there is one: a 7B model's float32 init on the CPU takes minutes
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            Qwen2ForCausalLM(cfg).save_pretrained(path)
+    finally:
+        torch.set_default_dtype(default)
     tok.save_pretrained(path)
 
 
@@ -131,6 +146,10 @@ def part_ours(a) -> dict:
         mem = {**mem, **{k: max(m[k] for m in per_rank) for k in mem if k.startswith("peak")},
                "peak_alloc_gib_per_gpu": [m.get("peak_alloc_gib", 0.0) for m in per_rank]}
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    stages = {k: max(r[k] for r in rows if k in r) for k in sorted({k for r in rows for k in r if k.startswith("mem/")})}
+    if stages:   # train.py resets the peak counters per phase (profiling.phase): the run's peak is the largest
+        mem["peak_alloc_gib"] = max([mem["peak_alloc_gib"]] + [v for k, v in stages.items() if "reserved" not in k])
+        mem["peak_reserved_gib"] = max([mem["peak_reserved_gib"]] + [v for k, v in stages.items() if "reserved" in k])
     rows = [r for r in rows if r["step"] >= 2]   # drop step 0 (the evaluation) and step 1 (the warm-up)
     keys = ["time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync"]
     steps = [sum(r[k] for k in keys) for r in rows]
@@ -140,7 +159,8 @@ def part_ours(a) -> dict:
               * (W["prompt_len"] + int(setting["max_new_tokens"])))
     return {"argv": argv, "step_s": med, "steps_s": steps, "tokens_per_s": tokens / med,
             "split_s": {k: statistics.median(r[k] for r in rows) for k in keys},
-            "logprob_mismatch_max": [r["logprob_mismatch/max"] for r in rows], "nproc": int(a.gpus), **mem}
+            "logprob_mismatch_max": [r["logprob_mismatch/max"] for r in rows], "nproc": int(a.gpus),
+            "stage_peaks_gib": stages, **mem}
 
 
 def load(a):
@@ -272,8 +292,14 @@ def part_trl(a) -> dict:
     args = GRPOConfig(output_dir=os.path.join(a.tmp, "trl"), per_device_train_batch_size=W["prompts"] * W["samples"] // 4,
                       gradient_accumulation_steps=4, num_generations=W["samples"], beta=0.0, bf16=gpu, use_cpu=not gpu,
                       max_completion_length=W["new"], temperature=1.0, max_steps=a.steps + 1, learning_rate=1e-6,
-                      logging_steps=1, report_to="none", save_strategy="no", seed=0, dataloader_num_workers=0)
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, processing_class=tok,
+                      logging_steps=1, report_to="none", save_strategy="no", seed=0, dataloader_num_workers=0,
+                      gradient_checkpointing="ckpt" in a.variant)
+    peft_config = None
+    if a.lora:   # the same adapters as ours: lora.r=R, lora.alpha=32 (its default), every linear layer but the head
+        from peft import LoraConfig
+        peft_config = LoraConfig(r=a.lora, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                 task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, processing_class=tok, peft_config=peft_config,
                           train_dataset=Dataset.from_dict({"prompt": prompt_texts(128)}), callbacks=[Clock()])
     sync()
     ends.append(time.perf_counter())
@@ -288,7 +314,7 @@ def part_trl(a) -> dict:
                                               "gradient_checkpointing", "loss_type")}, **cuda_info()}
 
 
-PARTS = {"ours": part_ours, "engine": part_engine, "hf": part_hf, "trl": part_trl}
+PARTS = {"ours": part_ours, "engine": part_engine, "hf": part_hf, "trl": part_trl, "trl-ckpt": part_trl}
 
 
 def describe(variant: str) -> str:
@@ -303,12 +329,14 @@ def table(results: dict, a) -> str:
     trl = results.get("trl", {})
     ours_runs = {k: r for k, r in results.items() if k.startswith("ours") and "step_s" in r}
     dev = next((r["device"] for k, r in results.items() if k != "_errors" and "device" in r), "?")
-    lines = [f"# W1 on {dev} (torch {torch.__version__}; {a.steps} measured steps after 1 warm-up)", "",
+    lines = [f"# {a.shape.upper()} on {dev} (torch {torch.__version__}; {a.steps} measured steps after 1 warm-up"
+             + (f"; LoRA r={a.lora}" if a.lora else "") + ")", "",
              "| | step (median) | tokens/s | peak alloc | peak reserved |", "|---|---|---|---|---|"]
     rows = [(f"this project (train.py), {describe(k[len('ours-'):].split('-np')[0])}"
              + (f", {r['nproc']} GPUs (torchrun, {'replicated' if ':rep' in k else 'FSDP2'})"
                 if r.get("nproc", 1) > 1 else ""), r) for k, r in ours_runs.items()]
-    for name, r in rows + [("TRL GRPOTrainer", trl)]:
+    trl_ckpt = results.get("trl-ckpt", {})
+    for name, r in rows + [("TRL GRPOTrainer", trl), ("TRL GRPOTrainer, gradient_checkpointing=True", trl_ckpt)]:
         if "step_s" in r:
             lines.append(f"| {name} | {r['step_s']:.3f} s | {r['tokens_per_s']:,.0f} | "
                          f"{r.get('peak_alloc_gib', 0):.1f} GiB | {r.get('peak_reserved_gib', 0):.1f} GiB |")
@@ -322,8 +350,13 @@ def table(results: dict, a) -> str:
     fits = [r for r in ours_runs.values() if "step_s" in trl and r.get("peak_alloc_gib", 0) <= trl.get("peak_alloc_gib", 0)]
     ours = min(fits or list(ours_runs.values()) or [{}], key=lambda r: r.get("step_s", 1e9))
     if "step_s" in ours and "step_s" in trl:
-        lines += ["", f"ratio ours / TRL step time: **{ours['step_s'] / trl['step_s']:.3f}** (goal <= 0.15; fastest "
+        lines += ["", f"ratio ours / TRL step time: **{ours['step_s'] / trl['step_s']:.3f}** (goal <= {GOALS.get(a.shape, 0.15)}; fastest "
                       f"of ours {'within' if fits else 'OVER'} TRL's peak memory); speed-up {trl['step_s'] / ours['step_s']:.1f}x"]
+    for k, r in ours_runs.items():
+        if r.get("stage_peaks_gib"):
+            lines += ["", f"peak allocated / reserved by stage, {describe(k[len('ours-'):].split('-np')[0])}: " + ", ".join(
+                f"{s[4:-4]} {v:.1f}" + (f" / {r['stage_peaks_gib'].get(s[:-4] + '_reserved_gib', 0):.1f}")
+                for s, v in r["stage_peaks_gib"].items() if "reserved" not in s) + " GiB"]
     if "split_s" in ours:
         lines += ["", "split of our step (medians, s): " + ", ".join(
             f"{k.split('/')[1]} {v:.3f}" for k, v in ours["split_s"].items()),
@@ -351,6 +384,9 @@ def main():
     p.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md, logs, profile.txt")
     p.add_argument("--parts", default="ours,engine,hf,trl", help="comma list of: " + ", ".join(PARTS))
     p.add_argument("--small", action="store_true", help="toy shapes (CPU smoke run)")
+    p.add_argument("--shape", default="w1", choices=["w1", "w6"], help="w1: Qwen2.5-0.5B shape; w6: Qwen2.5-7B shape")
+    p.add_argument("--lora", type=int, default=0, help="TRL's LoRA rank (peft, all linear layers); 0 = full fine-tune")
+    p.add_argument("--trl-ckpt", action="store_true", help="also run TRL with gradient checkpointing")
     p.add_argument("--steps", type=int, default=4, help="measured steps (after one warm-up step)")
     p.add_argument("--ours", default="32:ckpt:compile,32:ckpt:compile:hf",
                    help="comma list of variants MICRO[:ckpt][:compile][:fused][:hf][:rep]: micro_batch_size, "
@@ -366,7 +402,9 @@ def main():
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--tmp", help=argparse.SUPPRESS)
     a = p.parse_args()
-    W.update(SHAPES["small" if a.small else "w1"])
+    W.update(SHAPES["small" if a.small else a.shape])
+    if a.trl_ckpt and "trl" in a.parts.split(","):
+        a.parts += ",trl-ckpt"
     os.makedirs(a.out, exist_ok=True)
     if a.part:                                             # child: one part, result as JSON on the last line
         result = PARTS[a.part](a)
@@ -381,12 +419,12 @@ def main():
         model_dir = os.path.join(tmp, "model")
         build_model(model_dir, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
         variants = a.ours.split(",")
-        jobs = [(p_, v, n) for p_ in a.parts.split(",") for v in (variants if p_ == "ours" else variants[:1])
-                for n in (a.gpus.split(",") if p_ == "ours" else ["1"])]
+        jobs = [(p_, v, n) for p_ in a.parts.split(",") for v in (variants if p_ == "ours" else [""] if p_ == "trl"
+                else ["ckpt"] if p_ == "trl-ckpt" else variants[:1]) for n in (a.gpus.split(",") if p_ == "ours" else ["1"])]
         for part, variant, nproc in jobs:
             key = (f"ours-{variant}" + (f"-np{nproc}" if nproc != "1" else "")) if part == "ours" else part
             micro = variant.split(":")[0]
-            if part == "trl":
+            if part.startswith("trl"):
                 try:
                     import trl  # noqa: F401
                 except ImportError:
@@ -396,7 +434,7 @@ def main():
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
             args = [*launcher, __file__, "--part", part, "--model", model_dir, "--tmp", tmp, "--out", a.out,
                     "--gpus", nproc, "--steps", str(a.steps), "--micro", micro, "--variant", variant,
-                    "--repeats", str(a.repeats), "--set", a.set,
+                    "--repeats", str(a.repeats), "--set", a.set, "--shape", a.shape, "--lora", str(a.lora),
                     "--repeats-hf", str(a.repeats_hf)] + (["--small"] if a.small else []) + \
                    (["--fast-only"] if a.fast_only else [])
             t0 = time.perf_counter()
@@ -408,7 +446,7 @@ def main():
                 # the last line that is not a progress bar: tqdm's lines end the stderr of a crashed trainer
                 lines = [x for x in proc.stderr.strip().splitlines() if "it/s]" not in x and "s/it]" not in x]
                 err = (lines or ["no output"])[-1][:200]
-                results["_errors"]["TRL GRPOTrainer" if part == "trl" else key] = err
+                results["_errors"]["TRL GRPOTrainer" if part.startswith("trl") else key] = err
                 print(f"part {key} failed ({time.perf_counter() - t0:.0f} s): {err}", flush=True)
                 continue
             results[key] = json.loads(got[-1][len("RESULT "):])
