@@ -44,7 +44,9 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
         raise UserError(f"model path '{name}' does not exist")
     # a folder without config.json is no transformers model; left to transformers, an empty one fails in the
     # tokenizer with "You need to have sentencepiece or tiktoken installed"
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+    # (a peft adapter folder, adapter_config.json, loads too: transformers fetches its base)
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f))
+                                       for f in ("config.json", "adapter_config.json")):
         raise UserError(f"model folder '{name}' holds no config.json: not a transformers model folder "
                         "(save_pretrained writes config.json, the weights and the tokenizer files)")
     try:
