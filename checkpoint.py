@@ -253,9 +253,11 @@ def _read_trained(ckpt: str, name: str, model, optimizer, meta: dict):
 
 
 def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule, buffer, generators: dict,
-         order: torch.Tensor, cursor: int, extra: dict, critic=None) -> str | None:
+         order: torch.Tensor, cursor: int, extra: dict, critic=None, files: dict | None = None) -> str | None:
     """Write checkpoints/step_<step>/ (all ranks call this; rank 0 writes). Returns the directory on rank 0.
-    `critic` (PPO's value model, with its own optimizer) is saved beside the policy when given."""
+    `critic` (PPO's value model, with its own optimizer) is saved beside the policy when given. `files`:
+    {name: {key: tensor}} more safetensors files of rank 0's to write inside the checkpoint (mode=async's
+    batches in flight), before meta.json marks it whole."""
     rank, world = distributed.rank(), distributed.world()
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     trained = {"model": (_trained_state(policy, opts),                               # collective under FSDP
@@ -272,7 +274,7 @@ def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule
     per_rank = [(mine, buffer_meta)]
     if world > 1:
         per_rank = [None] * world if rank == 0 else None
-        dist.gather_object((mine, buffer_meta), per_rank, dst=0)
+        dist.gather_object((mine, buffer_meta), per_rank, dst=0, group=distributed.group())
     out = None
     if rank == 0:
         root = os.path.join(run_dir, "checkpoints")
@@ -286,6 +288,8 @@ def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule
             crash_point("checkpoint", step)
         save_file({f"rank{r}/{k}": v.contiguous() for r, (m, _) in enumerate(per_rank) for k, v in m.items()},
                   os.path.join(tmp, "rank_state.safetensors"))
+        for name, tensors in (files or {}).items():
+            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, name))
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
         metrics = os.path.join(run_dir, "metrics.jsonl")
@@ -309,7 +313,7 @@ def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule
         for s in done[:-cfg.keep_checkpoints] if cfg.keep_checkpoints > 0 else []:
             _remove(os.path.join(root, f"step_{s:06d}"))
     if world > 1:
-        dist.barrier()
+        dist.barrier(group=distributed.group())
     return out
 
 
@@ -362,7 +366,7 @@ def load(ckpt: str, policy, optimizer, schedule, buffer, generators: dict, criti
         from buffer import truncate
         truncate(os.path.join(run_dir, "metrics.jsonl"), meta["metrics_bytes"])
     if world > 1:
-        dist.barrier()
+        dist.barrier(group=distributed.group())
     metrics = os.path.join(run_dir, "metrics.jsonl")
     with open(metrics) if os.path.exists(metrics) else open(os.devnull) as f:
         rows = [json.loads(line) for line in f if line.strip()]

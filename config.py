@@ -26,6 +26,7 @@ DPO_LOSSES = ("sigmoid", "ipo", "simpo")
 PARALLEL_MODES = ("fsdp", "replicate")
 DTYPES = ("auto", "float32", "bfloat16")
 REPLAY_PRIORITIES = ("uniform", "advantage", "recency")
+MODES = ("sync", "async")
 
 
 
@@ -259,6 +260,14 @@ class Config:
                                          "rollout's KV cache gets that memory)")
     engine_sleep: bool = opt(False, "engine.sleep() before each update and wake() after it (vLLM on GPU frees its "
                                     "KV cache and weights; elsewhere a note says nothing was freed)")
+    # asynchronous RL (async_rl.py, docs/async.md)
+    mode: str = opt("sync", "sync: every rank generates and trains in turn; async (torchrun): the last rollout_ranks "
+                            "ranks only generate, the others only train, overlapped (docs/async.md)")
+    rollout_ranks: int = opt(1, "mode=async: how many ranks only generate (the last ones); the rest train")
+    max_staleness: int = opt(1, "mode=async: step s trains on samples of the policy after step s-1-max_staleness "
+                                "(0 = the synchronous run exactly; >0 needs algo.tis for the correction)")
+    async_timeout_s: float = opt(600.0, "mode=async: a rank waiting longer than this on another (a weight "
+                                        "broadcast, a batch) ends the run naming the rank it waited for")
     progress: bool = opt(True, "show a progress bar")
     profile_step: int = opt(0, "run this step under torch.profiler (0 = none): each rank writes profile-rankR.txt "
                                "(wall vs GPU kernel time per phase, top kernels) and the trace, see profiling.py")
@@ -418,6 +427,7 @@ def validate(cfg: Config, world: int = 1):
                               ("algo.tis", cfg.algo.tis, TIS_MODES),
                               ("algo.dpo.loss", cfg.algo.dpo.loss, DPO_LOSSES),
                               ("parallel", cfg.parallel, PARALLEL_MODES),
+                              ("mode", cfg.mode, MODES),
                               ("dtype", cfg.dtype, DTYPES),
                               ("replay.priority", cfg.replay.priority, REPLAY_PRIORITIES)]:
         if value not in known:
@@ -441,6 +451,8 @@ def validate(cfg: Config, world: int = 1):
     if r.enabled and (r.capacity < 1 or r.max_uses < 1 or r.max_staleness < 0 or not 0 < r.decay <= 1):
         raise UserError("config keys 'replay.capacity' and 'replay.max_uses' must be >= 1, "
                         "'replay.max_staleness' >= 0 and 'replay.decay' in (0, 1]")
+    if cfg.mode == "async":   # from here on, `world` counts the ranks that train
+        world = validate_async(cfg, world, algo)
     # distributed: every rank must run the same number of forward/backward passes (FSDP's collectives pair up
     # across ranks), so the batch must split into equal shares
     if world > 1 and cfg.prompts_per_step % world:
@@ -532,3 +544,28 @@ def check_device(device: str):
     if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
         raise UserError(f"device={device} but torch sees {torch.cuda.device_count()} GPU(s) (cuda:0 .. "
                         f"cuda:{torch.cuda.device_count() - 1})")
+def validate_async(cfg: Config, world: int, algo) -> int:
+    """mode=async: a rollout group and a trainer group out of the torchrun ranks (async_rl.py); -> trainer ranks."""
+    if "RANK" not in os.environ:
+        raise UserError("mode=async puts rollout and training on different ranks: launch with torchrun, e.g. "
+                        "torchrun --nproc_per_node=2 train.py mode=async")
+    if not 1 <= cfg.rollout_ranks < world:
+        raise UserError(f"rollout_ranks={cfg.rollout_ranks} must be in 1..{world - 1}: the world size is {world} "
+                        "and at least one rank must train")
+    if world - cfg.rollout_ranks != 1:
+        raise UserError(f"mode=async trains on one rank for now: use rollout_ranks={world - 1} with world size "
+                        f"{world} (rollout_ranks={cfg.rollout_ranks} leaves {world - cfg.rollout_ranks} trainers)")
+    if cfg.max_staleness < 0:
+        raise UserError(f"config key 'max_staleness' must be >= 0; got {cfg.max_staleness}")
+    if cfg.prompts_per_step % cfg.rollout_ranks:
+        raise UserError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by rollout_ranks="
+                        f"{cfg.rollout_ranks} (each rollout rank generates whole groups)")
+    if cfg.max_staleness > 0 and not algo.behaviour_weight:
+        raise UserError(f"algo '{cfg.algo.name}' cannot weight samples by the behaviour policy's log-probs: "
+                        "with mode=async use max_staleness=0 or another algorithm")
+    if cfg.max_staleness > 0 and cfg.algo.tis == "off":
+        raise UserError("mode=async with max_staleness > 0 trains on older policies' samples: set algo.tis=token "
+                        "(or seq) for the importance weight pi_prox / pi_behav (docs/async.md)")
+    if cfg.offload or cfg.replay.enabled:
+        raise UserError("mode=async does not combine with offload=true or replay.enabled=true yet")
+    return world - cfg.rollout_ranks

@@ -56,12 +56,26 @@ def init(offload: bool = False) -> tuple[int, int]:
     return rank(), world()
 
 
+# The ranks that train together. mode=async (async_rl.py) sets it to the trainer ranks, so that every helper
+# below (shares, sums, metrics, loss scales, checkpoints) sees only them; None = every rank (the default group).
+_group = None
+
+
+def use_group(group):
+    global _group
+    _group = group
+
+
+def group():
+    return _group
+
+
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_rank(_group) if dist.is_initialized() else 0
 
 
 def world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return dist.get_world_size(_group) if dist.is_initialized() else 1
 
 
 def print0(*a, **kw):
@@ -85,7 +99,7 @@ def all_sum(values: list[float]) -> list[float]:
     if world() == 1:
         return [float(v) for v in values]
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_device())
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=_group)
     return t.tolist()
 
 
@@ -102,7 +116,7 @@ def reduce_metrics(row: dict) -> dict:
     if world() == 1:
         return row
     rows: list[dict] = [None] * world()
-    dist.all_gather_object(rows, row)     # keys can differ across ranks (reward_failures/* appear when they happen)
+    dist.all_gather_object(rows, row, group=_group)     # keys can differ across ranks (reward_failures/* appear when they happen)
     out = {}
     for key in dict.fromkeys(k for r in rows for k in r):     # every key once, in order of appearance
         vals = [r[key] for r in rows if key in r]
@@ -168,7 +182,7 @@ def average_gradients(model):
     params = list(model.parameters())                 # tied weights appear once
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])  # (total parameters,) in the gradients' dtype, as DDP's
-    dist.all_reduce(flat)                             # sum (gloo has no average)
+    dist.all_reduce(flat, group=_group)               # sum (gloo has no average)
     flat /= world()
     for p, g, part in zip(params, grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))

@@ -20,6 +20,7 @@ import torch._functorch.config  # noqa: F401  (activation_memory_budget, set bel
 from tqdm import tqdm
 
 import algos, engines, envs, rewards, tasks  # noqa: F401,E401  (the plugin packages: importing them registers every name)
+import async_rl
 import checkpoint
 import distributed
 import lora
@@ -205,7 +206,9 @@ def extra_logprobs(run: Run, rollout) -> dict:
     C, B = rollout.completion_mask.shape[1], len(rollout.input_ids)
     updates_per_step = cfg.algo.epochs * -(-B // minibatch_size(cfg, B))
     out = {}
-    if updates_per_step > 1 or cfg.replay.enabled:   # the policy moves before (re)use: keep these log-probs
+    # the policy moves before (re)use, or (mode=async) has moved since the sample was drawn: these log-probs are
+    # the proximal policy of the decoupled loss (docs/async.md)
+    if updates_per_step > 1 or cfg.replay.enabled or (cfg.mode == "async" and cfg.max_staleness > 0):
         out["old_logprobs"] = completion_logprobs(learner.policy, ids, attn, C, cfg.temperature)[0].cpu()
     if run.reference is not None:
         with offload.visit(run.reference, device, cfg.offload_models):   # on the GPU for this forward only
@@ -372,6 +375,8 @@ def main(argv: list[str]) -> dict:
     run_dir.check(cfg.out_dir, resuming=resume_from is not None)
     rank, world = distributed.init(cfg.offload)        # (0, 1) unless launched by torchrun; see distributed.py
     validate(cfg, world)                               # every cross-option check, before any work
+    if cfg.mode == "async":   # rollout ranks and trainer ranks apart (async_rl.py); it calls this file's phases
+        return async_rl.main(cfg, resume_from, sys.modules[__name__])
     run = setup(cfg, resume_from, rank)
     bar = tqdm(range(run.first_step, cfg.steps + 1), disable=not cfg.progress or rank != 0, dynamic_ncols=True)
     t_run = time.perf_counter()

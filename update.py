@@ -115,8 +115,8 @@ def optimizer_step(learner: Learner, m: dict, step: int) -> bool:
     grad_norm = torch.nn.utils.clip_grad_norm_(learner.policy.parameters(), learner.cfg.grad_clip or float("inf"))
     m["grad_norm"] = distributed.grad_norm_value(grad_norm)
     finite = torch.tensor(float(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])), device=learner.device)
-    if torch.distributed.is_initialized():   # every rank must skip together or its shard drifts
-        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+    if distributed.world() > 1:   # every rank must skip together or its shard drifts
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN, group=distributed.group())
     if not finite.item():
         learner.bad_updates += 1
         if distributed.rank() == 0:

@@ -39,6 +39,9 @@ class Algorithm:
     # (cfg) -> rollout rounds per step at most: with more than 1 the loop samples fresh prompts until `keep` has
     # left prompts_per_step groups (DAPO's dynamic sampling: train.draw), instead of training on fewer
     max_rounds: Callable = lambda cfg: 1
+    # True: the loss weights each token by pi_prox / pi_behav (algo.tis on old_logprobs vs sample_logprobs), so it
+    # can train on samples of an older policy (mode=async, docs/async.md); False: config.validate refuses staleness
+    behaviour_weight: bool = True
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:

@@ -1,0 +1,357 @@
+"""Asynchronous RL (mode=async): rollout ranks only generate, trainer ranks only train, at the same time.
+
+    torchrun --nproc_per_node=2 train.py mode=async algo.tis=token                  # rank 0 trains, rank 1 samples
+    torchrun --nproc_per_node=3 train.py mode=async rollout_ranks=2 max_staleness=2 algo.tis=token
+    torchrun --nproc_per_node=2 train.py mode=async max_staleness=0                 # the one-process run, exactly
+
+train.py's main hands over to `main` here after config.validate; the trainer runs train.py's own phases (setup,
+extra_logprobs, experience, add_to_buffer, update, finish), passed in as `phases` so that this file does not
+import train.py (no import cycle). docs/async.md has the layout, the staleness rule and the correction.
+
+The logical clock, which makes a run a function of its seed and step numbers, never of wall time:
+    step s trains on the samples that the weights after step w(s) = max(0, s - 1 - max_staleness) generated,
+    from the prompts the trainer chose right after step w(s) (step 0 = setup).
+So staleness is exactly min(s - 1, max_staleness) versions, and with max_staleness=0 every batch comes from the
+weights of the step before, as in the synchronous loop. A rollout rank that is max_staleness + 1 batches ahead
+waits for the weights it needs: that wait is `time/rollout_idle`.
+Ranks: 0 .. T-1 train (T = world - rollout_ranks; one for now), T .. world-1 generate; rollout rank j takes
+prompts j::rollout_ranks of each step and its own sampling stream (j = 0 is the one-process stream).
+Messages, made in the same order on both sides, so nothing can deadlock:
+    trainer -> rollout ranks, at start and after each step t whose weights a later step needs (`publish`):
+        control (a gloo broadcast: t, version, the prompts of step t + 1 + max_staleness, on resume the sampling
+        states), then the weights, one broadcast per parameter (NCCL on GPU, gloo on CPU), straight into the
+        rollout rank's model: weights change only between rollouts (at rollout boundaries);
+    rollout rank -> trainer rank 0, after each batch (`send`): a non-blocking gloo send of the rollout, its
+        weights' version, the sampling state after it and the rank's timings; the trainer takes them in order.
+Checkpoints (trainer rank 0): the usual state, plus the batches in flight (`inflight.safetensors`: those
+generated for steps after the checkpoint's, which the trainer drains first; their weights no longer exist), the
+prompts already chosen and each rollout rank's sampling state; a resumed run hands those back to the rollout
+ranks, so kill -9 + resume continues exactly.
+Simplified: one trainer rank (no FSDP or replicate among trainers yet), evaluation on the trainer with its own
+engine, no checkpoint when a rollout rank dies (the run ends naming it; the last periodic checkpoint resumes).
+"""
+import io
+import json
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, fields
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+import checkpoint
+import distributed
+import profiling
+import registry
+from config import UserError, to_dict
+from engines.base import Rollout, SamplingParams
+from models import load_model, setup_device
+from scoring import decode, evaluate, record_failures, submit_rewards
+from update import update
+
+INFLIGHT = "inflight.safetensors"
+
+
+@dataclass
+class Clock:
+    """Which weights generate which step: a function of step numbers only."""
+    staleness: int
+    steps: int
+
+    def weights_for(self, step: int) -> int:
+        """The trainer step whose weights generate `step` (0: the initial weights)."""
+        return max(0, step - 1 - self.staleness)
+
+    def prompts_after(self, t: int) -> list[int]:
+        """The steps whose prompts the trainer chooses right after step t (t = 0: at start): the first
+        max_staleness + 1 steps at start, then each step's prompts as soon as its weights exist."""
+        new = range(1, self.staleness + 2) if t == 0 else [t + 1 + self.staleness]
+        return [s for s in new if s <= self.steps]
+
+
+class Link:
+    """The process groups and the two kinds of message between the trainer and the rollout ranks."""
+
+    def __init__(self, cfg, world: int):
+        self.cfg, self.K = cfg, cfg.rollout_ranks
+        self.T = world - self.K
+        self.clock = Clock(cfg.max_staleness, cfg.steps)
+        timeout = timedelta(seconds=cfg.async_timeout_s)
+        rollout = list(range(self.T, world))
+        # every rank creates every group, in the same order (torch.distributed's rule)
+        self.trainers = dist.new_group(list(range(self.T)), timeout=timeout)
+        self.weights = dist.new_group([0] + rollout, timeout=timeout)   # the default backend: NCCL on GPUs
+        self.control = dist.new_group([0] + rollout, backend="gloo", timeout=timeout)
+        self.data = dist.new_group([0] + rollout, backend="gloo", timeout=timeout)
+        self.sends = deque()            # rollout rank: sends in flight (their tensors must stay alive)
+
+    # --- trainer -> rollout ranks
+    def publish(self, t: int, version: int, prompts: dict, params: list, states: list | None = None) -> float:
+        """Control, then the weights after step t. -> seconds spent waiting for the rollout ranks to be ready
+        (the broadcast of the control returns when all of them have joined it)."""
+        t0 = time.perf_counter()
+        msg = [{"t": t, "version": version, "prompts": prompts, "states": states}]
+        self._guard(lambda: dist.broadcast_object_list(msg, src=0, group=self.control), "a weight broadcast")
+        idle = time.perf_counter() - t0
+        self._guard(lambda: [dist.broadcast(p.data, src=0, group=self.weights) for p in params], "a weight broadcast")
+        return idle
+
+    def receive_weights(self, params: list) -> dict:
+        msg = [None]
+        dist.broadcast_object_list(msg, src=0, group=self.control)
+        for p in params:
+            dist.broadcast(p.data, src=0, group=self.weights)
+        return msg[0]
+
+    # --- rollout ranks -> trainer
+    def send(self, step: int, payload: dict):
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.long)
+        works = [dist.isend(size, dst=0, group=self.data, tag=2 * step),
+                 dist.isend(data, dst=0, group=self.data, tag=2 * step + 1)]
+        self.sends.append((works, size, data))
+        while len(self.sends) > self.cfg.max_staleness + 2:   # the trainer takes them in order: the oldest is done
+            self.sends.popleft()[0][1].wait()
+
+    def flush(self):
+        for works, _, _ in self.sends:
+            for w in works:
+                w.wait()
+        self.sends.clear()
+
+    def receive(self, step: int, src: int) -> dict:
+        size = torch.zeros(1, dtype=torch.long)
+        what = f"step {step}'s batch"
+        self._guard(lambda: dist.recv(size, src=src, group=self.data, tag=2 * step), what, src)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        self._guard(lambda: dist.recv(data, src=src, group=self.data, tag=2 * step + 1), what, src)
+        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+    def _guard(self, fn, what: str, src: int | None = None):
+        """A rollout rank that died or hangs ends the run with its rank named, not a hang (collective timeouts)."""
+        try:
+            return fn()
+        except RuntimeError as e:   # gloo's and NCCL's errors and timeouts
+            who = f"rollout rank {src}" if src is not None else f"a rollout rank ({self.T}..{self.T + self.K - 1})"
+            raise UserError(f"{who} did not answer {what} (died, or slower than async_timeout_s="
+                            f"{self.cfg.async_timeout_s:g}): {str(e).strip().splitlines()[0][:200]}")
+
+
+def main(cfg, resume_from: str | None, phases) -> dict:
+    """Split the ranks (config.validate has checked the counts) and run this rank's part."""
+    rank, world = distributed.rank(), distributed.world()
+    link = Link(cfg, world)
+    if rank < link.T:
+        distributed.use_group(link.trainers)   # shares, sums, metrics and checkpoints: the trainer ranks only
+        return Trainer(cfg, link, phases).run(resume_from)
+    generate_loop(cfg, link, phases, rank - link.T)
+    return {}
+
+
+# ------------------------------------------------------------------------------------------- rollout ranks
+
+def generate_loop(cfg, link: Link, phases, j: int):
+    """Rollout rank j: wait for the weights each step needs, generate its share, send it; repeat."""
+    torch.manual_seed(cfg.seed)
+    device, dtype = setup_device(cfg)
+    model, tok = load_model(cfg.model, device, dtype)
+    model.requires_grad_(False)
+    _, _, train_ids, _ = phases.build_data(cfg, tok, model)
+    engine = registry.get("engine", cfg.engine)(model=model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                                                 model_path=cfg.model, seed=cfg.seed, **to_dict(cfg.vllm))
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1_000_003 * j)   # j = 0: the one-process stream
+    params = list(model.parameters())
+    sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+
+    def weights() -> dict:
+        msg = link.receive_weights(params)
+        engine.load_weights(model.named_parameters())   # the built-in engine samples with these: a no-op there
+        prompts.update(msg["prompts"])
+        return msg
+
+    prompts: dict = {}
+    msg = weights()                                     # the start: initial (or resumed) weights, first prompts
+    if msg["states"] is not None:                       # resumed: the sampling stream where the checkpoint left it
+        gen.set_state(msg["states"][j])
+    for step in range(min(prompts, default=cfg.steps + 1), cfg.steps + 1):
+        t0 = time.perf_counter()
+        while msg["t"] < link.clock.weights_for(step):  # too far ahead: wait for newer weights
+            msg = weights()
+        t1 = time.perf_counter()
+        idx = prompts.pop(step)[j::link.K]
+        rollout = engine.generate([train_ids[i] for i in idx], cfg.samples_per_prompt, sampling, gen)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        checkpoint.crash_point("generate", step)        # tests: a rollout rank that dies
+        link.send(step, {"rollout": {f.name: getattr(rollout, f.name) for f in fields(rollout)},
+                         "version": msg["version"], "state": gen.get_state(),
+                         "idle_s": t1 - t0, "generate_s": time.perf_counter() - t1})
+    link.flush()
+    engine.close()
+    dist.barrier()   # train.finish's: every rank done before the group goes
+
+
+# -------------------------------------------------------------------------------------------- trainer rank
+
+def merge(parts: list[Rollout], pad_id: int) -> Rollout:
+    """The rollout ranks' batches as one, in rank order: prompts left-padded to the widest, completions
+    right-padded to the longest, group ids renumbered. One part comes back as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    P = max(r.input_ids.shape[1] - r.completion_mask.shape[1] for r in parts)
+    C = max(r.completion_mask.shape[1] for r in parts)
+
+    def widen(x, c, value):   # (b, p + c) -> (b, P + C)
+        p = x.shape[1] - c
+        return torch.nn.functional.pad(x, (P - p, C - c), value=value)   # left of the prompt, right of the completion
+    out, groups = {}, 0
+    for r in parts:
+        c = r.completion_mask.shape[1]
+        pieces = {"input_ids": widen(r.input_ids, c, pad_id), "attention_mask": widen(r.attention_mask, c, 0),
+                  "completion_mask": torch.nn.functional.pad(r.completion_mask, (0, C - c)),
+                  "logprobs": torch.nn.functional.pad(r.logprobs, (0, C - c)), "truncated": r.truncated,
+                  "group_ids": r.group_ids + groups}
+        groups += int(r.group_ids.max()) + 1
+        for k, v in pieces.items():
+            out.setdefault(k, []).append(v)
+    return Rollout(**{k: torch.cat(v) for k, v in out.items()})
+
+
+class Trainer:
+    """Trainer rank 0: train.py's phases on batches that arrive from the rollout ranks."""
+
+    def __init__(self, cfg, link: Link, phases):
+        self.cfg, self.link, self.phases = cfg, link, phases
+        self.pending: dict[int, list[int]] = {}     # step -> its prompts (all of them), chosen, not yet trained
+        self.received: dict[int, list[dict]] = {}   # step -> the rollout ranks' messages, not yet trained
+        self.states: list = [None] * link.K          # each rollout rank's sampling state after its last batch
+
+    def run(self, resume_from: str | None) -> dict:
+        cfg, phases = self.cfg, self.phases
+        run = self.r = phases.setup(cfg, resume_from, 0)
+        self.resume(resume_from)
+        t = run.first_step - 1
+        self.publish(t, states=self.states if resume_from else None, start=True)   # the rollout ranks start
+        bar = tqdm(range(run.first_step, cfg.steps + 1), disable=not cfg.progress, dynamic_ncols=True)
+        t_run = time.perf_counter()
+        for step in bar:
+            row = self.step(step)
+            bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row.get('eval/accuracy', float('nan')):.3f}",
+                            stale=f"{row['staleness/mean']:.1f}")
+            stop = run.learner.bad_updates >= cfg.max_bad_updates
+            if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                saved = self.save(step)
+            if stop:
+                raise UserError(f"{run.learner.bad_updates} updates in a row had a non-finite loss or gradient "
+                                f"(last at step {step}); stopped with a checkpoint in {saved}")
+        return phases.finish(run, 0, time.perf_counter() - t_run)
+
+    def publish(self, t: int, states=None, start: bool = False) -> float:
+        """Choose the prompts that the weights after step t will answer (train.next_prompts, in step order, as
+        the synchronous loop does), then send both; a resumed run re-sends the prompts not yet generated."""
+        for s in self.link.clock.prompts_after(t):
+            if s not in self.pending:   # on resume the checkpoint has them already
+                self.pending[s] = self.phases.next_prompts(self.r)
+        todo = {s: idx for s, idx in self.pending.items() if s not in self.received
+                and self.link.clock.weights_for(s) == t}
+        if not todo and not start:   # no later step needs these weights
+            return 0.0
+        return self.link.publish(t, self.r.learner.version, todo, list(self.r.learner.policy.parameters()), states)
+
+    def receive_until(self, step: int):
+        """Every rollout rank's batches up to `step`, in step order (the order they are sent in)."""
+        while step not in self.received:
+            s = min(s for s in self.pending if s not in self.received)
+            msgs = [self.link.receive(s, self.link.T + j) for j in range(self.link.K)]
+            self.states = [m.pop("state") for m in msgs]
+            self.received[s] = msgs
+
+    def take(self, step: int) -> list[dict]:
+        self.receive_until(step)
+        return self.received.pop(step)
+
+    def step(self, step: int) -> dict:
+        """One training step on the batch the clock assigns to it; -> its metrics row."""
+        cfg, run, phases = self.cfg, self.r, self.phases
+        learner, times = run.learner, {}
+        with profiling.phase(times, "wait"):             # trainer idle: this step's batch is still being generated
+            msgs = self.take(step)
+        idx = self.pending.pop(step)
+        rollout = merge([Rollout(**m["rollout"]) for m in msgs], run.tok.pad_token_id)
+        versions = torch.cat([torch.full((len(m["rollout"]["input_ids"]),), m["version"]) for m in msgs])   # (B,)
+        order = [i for j in range(self.link.K) for i in idx[j::self.link.K]]   # the prompts in the rows' order
+        with profiling.phase(times, "logprobs"):         # scoring in the reward workers, overlapped with ...
+            samples = [run.train_set[i] for i in order for _ in range(cfg.samples_per_prompt)]
+            handle = submit_rewards(run.pool, samples, decode(run.tok, rollout))
+            extra = phases.extra_logprobs(run, rollout)  # ... the proximal (and reference) log-probs
+        with profiling.phase(times, "reward"):
+            rewards, reward_info = handle.result()
+        failures = record_failures(run.run_dir, step, reward_info)
+        if failures:
+            tqdm.write(failures)
+        batch = phases.experience(rollout, rewards, learner.version, extra)
+        batch.versions = versions
+        staleness = (learner.version - versions).float()                                # (B,)
+        if staleness.max() > cfg.max_staleness:   # the clock makes this impossible; a bug must not train silently
+            raise RuntimeError(f"step {step}: a sample is {int(staleness.max())} versions old (max_staleness="
+                               f"{cfg.max_staleness})")
+        batch.advantages = learner.algo.advantages(batch, cfg.algo, sum_over=distributed.all_sum)
+        with profiling.phase(times, "update"):
+            kept = phases.add_to_buffer(run, batch)
+            stats = update(learner, run.buffer, run.generator, step, len(samples))
+        t0 = time.perf_counter()
+        idle = self.publish(step)                        # the new weights (and next prompts) to the rollout ranks
+        times["time/sync"] = time.perf_counter() - t0 - idle
+        times["time/trainer_idle"] = times.pop("time/wait") + idle
+        best = sum(w for _, w in run.specs)
+        row = {"step": step, "reward": rewards.mean().item(),
+               "accuracy": (rewards >= best - 1e-6).float().mean().item(), **stats, **kept,
+               "completion_len": batch.completion_mask.sum(-1).mean().item(),
+               "truncated_frac": batch.truncated.float().mean().item(), "lr": learner.schedule.get_last_lr()[0],
+               **reward_info["metrics"], "staleness/mean": staleness.mean().item(),
+               "staleness/max": staleness.max().item(), **times,
+               "time/rollout": max(m["generate_s"] for m in msgs),        # on the rollout ranks, overlapped
+               "time/rollout_idle": max(m["idle_s"] for m in msgs)}       # rollout ranks waiting for weights
+        row["time/step"] = sum(v for k, v in times.items())             # the trainer's wall time for this step
+        row["tokens_per_s"] = int(batch.attention_mask.sum()) / row["time/step"]
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            row.update(evaluate(cfg, run.engine, run.tok, run.eval_set, run.eval_ids, run.pool, run.specs,
+                                run.eval_gen()))
+        phases.log(run, row)
+        return row
+
+    # --- checkpoints: the batches in flight travel with the trainer's state
+    def save(self, step: int) -> str | None:
+        run, learner, clock = self.r, self.r.learner, self.link.clock
+        # the batches generated from weights older than this step's: a resumed run could not make them again
+        in_flight = [s for s in self.pending if clock.weights_for(s) < step]
+        if in_flight:
+            self.receive_until(max(in_flight))
+        tensors = {f"gen/{j}": s for j, s in enumerate(self.states)}
+        meta = {"pending": {str(s): idx for s, idx in self.pending.items()}, "received": {}}
+        for s, msgs in self.received.items():
+            meta["received"][str(s)] = [{k: v for k, v in m.items() if k != "rollout"} for m in msgs]
+            tensors.update({f"batch/{s}/{j}/{k}": v for j, m in enumerate(msgs) for k, v in m["rollout"].items()})
+        return checkpoint.save(run.run_dir, run.cfg, step, learner.version, learner.policy, learner.optimizer,
+                               learner.schedule, run.buffer, self.phases.generators(run), run.order, run.cursor,
+                               {"start": run.start, "async": meta}, learner.critic, files={INFLIGHT: tensors})
+
+    def resume(self, ckpt: str | None):
+        if not ckpt:
+            return
+        with open(os.path.join(ckpt, "meta.json")) as f:
+            meta = json.load(f)["extra"].get("async")
+        if meta is None:
+            raise UserError(f"checkpoint {ckpt} was written by a mode=sync run: resume it with mode=sync")
+        tensors = load_file(os.path.join(ckpt, INFLIGHT))
+        self.pending = {int(s): idx for s, idx in meta["pending"].items()}
+        self.states = [tensors[f"gen/{j}"] for j in range(self.link.K)]
+        for s, msgs in meta["received"].items():
+            self.received[int(s)] = [{**m, "rollout": {f.name: tensors[f"batch/{s}/{j}/{f.name}"]
+                                                       for f in fields(Rollout)}} for j, m in enumerate(msgs)]

@@ -1,0 +1,177 @@
+"""mode=async (async_rl.py, docs/async.md): the logical clock, the batch merge, the bad-input errors, the decoupled
+loss by hand, and train.py end to end under torchrun on CPU (gloo):
+- max_staleness=0 with one rollout and one trainer rank gives exactly the one-process synchronous run's metrics;
+- two runs with max_staleness=1 and two rollout ranks give identical metrics (the clock is logical, not wall time);
+- kill -9 of the trainer mid-update and of a rollout rank mid-run, each followed by resume, ends exactly where an
+  uninterrupted run does (the batches in flight travel in the checkpoint), and the rollout rank's death ends the
+  run with its rank named instead of a hang.
+The runs use the embedded tiny model (its rewards are not all zero, so the updates really move the weights).
+"""
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import step_rows
+
+import registry
+from algos.common import clipped_policy_loss
+from async_rl import Clock, merge
+from buffer import Experience
+from config import Config, UserError, fill_defaults, validate
+from engines.base import Rollout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TIMING = ("time/", "tokens_per_s")
+SMALL = ["steps=4", "eval_every=2", "eval_size=16", "prompts_per_step=8", "samples_per_prompt=4", "threads=1",
+         "progress=false", "reward_workers=1"]
+
+
+def torchrun(n: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "train.py"]
+
+
+def launch(*cmds, crash_at=None):
+    """Start the commands side by side (most of their time is importing torch); -> [(returncode, output)].
+    crash_at: RL_CRASH_AT for each command (checkpoint.crash_point), None for none."""
+    procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**ENV, "RL_CRASH_AT": at or ""})
+             for c, at in zip(cmds, crash_at or [None] * len(cmds))]
+    return [(p.returncode, out) for p, out in ((p, p.communicate(timeout=300)[0]) for p in procs)]
+
+
+def untimed(run_dir) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in step_rows(run_dir)]
+
+
+# ------------------------------------------------------------------------------------------- unit tests
+
+def test_clock_is_a_function_of_step_numbers():
+    c = Clock(staleness=2, steps=6)
+    assert [c.weights_for(s) for s in range(1, 7)] == [0, 0, 0, 1, 2, 3]   # staleness min(s - 1, 2)
+    assert c.prompts_after(0) == [1, 2, 3] and c.prompts_after(1) == [4] and c.prompts_after(4) == []
+    sync = Clock(staleness=0, steps=3)
+    assert [sync.weights_for(s) for s in (1, 2, 3)] == [0, 1, 2]            # the synchronous loop's
+    assert sync.prompts_after(0) == [1] and sync.prompts_after(2) == [3]
+
+
+def test_merge_pads_prompts_left_and_completions_right():
+    a = Rollout(torch.tensor([[5, 6, 7]]), torch.tensor([[1, 1, 1]]), torch.tensor([[1.0]]), torch.tensor([[-1.0]]),
+                torch.tensor([True]), torch.tensor([0]))                          # P=2, C=1
+    b = Rollout(torch.tensor([[8, 9, 4], [8, 3, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]]),
+                torch.tensor([[1.0, 1.0], [1.0, 0.0]]), torch.tensor([[-2.0, -3.0], [-4.0, 0.0]]),
+                torch.tensor([False, False]), torch.tensor([0, 0]))             # P=1, C=2
+    m = merge([a, b], pad_id=0)
+    assert m.input_ids.tolist() == [[5, 6, 7, 0], [0, 8, 9, 4], [0, 8, 3, 0]]    # (3, P=2 + C=2)
+    assert m.attention_mask.tolist() == [[1, 1, 1, 0], [0, 1, 1, 1], [0, 1, 1, 0]]
+    assert m.completion_mask.tolist() == [[1, 0], [1, 1], [1, 0]]
+    assert m.logprobs.tolist() == [[-1, 0], [-2, -3], [-4, 0]]
+    assert m.group_ids.tolist() == [0, 1, 1] and m.truncated.tolist() == [True, False, False]
+    assert merge([a], 0) is a
+
+
+@pytest.mark.parametrize("args, world, torchrun_env, message", [
+    (["mode=async"], 2, False, "launch with torchrun"),
+    (["mode=async", "rollout_ranks=2"], 2, True, "rollout_ranks=2 must be in 1..1"),
+    (["mode=async", "rollout_ranks=0"], 2, True, "rollout_ranks=0 must be in 1..1"),
+    (["mode=async", "max_staleness=-1"], 2, True, "'max_staleness' must be >= 0"),
+    (["mode=async", "algo.tis=token", "algo.name=online_dpo"], 2, True, "cannot weight samples by the behaviour"),
+    (["mode=async"], 2, True, "set algo.tis=token"),
+    (["mode=async", "algo.tis=token", "prompts_per_step=3", "rollout_ranks=2"], 3, True, "divisible by rollout_ranks"),
+    (["mode=async", "algo.tis=token", "rollout_ranks=1"], 3, True, "trains on one rank for now"),
+    (["mode=asynch"], 1, False, "'mode' must be one of sync, async"),
+])
+def test_bad_async_input_is_one_line(monkeypatch, args, world, torchrun_env, message):
+    from config import parse
+    if torchrun_env:
+        monkeypatch.setenv("RANK", "0")
+    else:
+        monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(".", r"\.")) as e:
+        validate(fill_defaults(parse(args)), world)
+    assert "\n" not in str(e.value)
+
+
+def test_async_staleness_zero_needs_no_correction(monkeypatch):
+    from config import parse
+    monkeypatch.setenv("RANK", "0")
+    validate(fill_defaults(parse(["mode=async", "max_staleness=0", "algo.name=online_dpo"])), 2)   # no error
+    validate(fill_defaults(parse(["mode=async", "algo.tis=seq"])), 2)
+
+
+def test_decoupled_loss_by_hand():
+    """The importance weight is pi_prox / pi_behav (old_logprobs vs the engine's sample_logprobs, truncated at
+    tis_cap); the clip is around pi_prox. Two tokens, numbers chosen so every piece shows:
+        token 1: ratio = 0.5 / 0.4 = 1.25 -> clipped to 1.2 (A = +1), w = min(0.4 / 0.2, 2) = 2: loss -2.4, no grad
+        token 2: ratio = 0.25 / 0.25 = 1 (A = -1),              w = 0.25 / 0.5 = 0.5:     loss +0.5, d/dlogp = 0.5
+    token-mean over the 2 tokens: loss -0.95, gradient (0, 0.25)."""
+    cfg = Config().algo
+    cfg.tis, cfg.tis_cap = "token", 2.0
+    logp = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_()                       # (1, 2) trainer, now
+    batch = Experience(input_ids=torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 3),
+                       completion_mask=torch.ones(1, 2), sample_logprobs=torch.log(torch.tensor([[0.2, 0.5]])),
+                       rewards=torch.zeros(1), group_ids=torch.zeros(1, dtype=torch.long),
+                       versions=torch.zeros(1, dtype=torch.long), truncated=torch.zeros(1, dtype=torch.bool),
+                       old_logprobs=torch.log(torch.tensor([[0.4, 0.25]])), advantages=torch.tensor([[1.0, -1.0]]))
+    loss, m = clipped_policy_loss({"logprobs": logp, "entropy": torch.zeros(1, 2)}, batch, cfg)
+    loss.backward()
+    assert loss.item() == pytest.approx(-0.95, abs=1e-6)
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, 0.25], abs=1e-6)
+    assert m["tis_weight"].item() == pytest.approx(1.25) and m["clip_frac"].item() == pytest.approx(0.5)
+    cfg.tis_cap = 1.5   # the cap truncates token 1's weight: -1.2 * 1.5 = -1.8
+    loss, _ = clipped_policy_loss({"logprobs": logp, "entropy": torch.zeros(1, 2)}, batch, cfg)
+    assert loss.item() == pytest.approx((-1.8 + 0.5) / 2, abs=1e-6)
+
+
+def test_every_algorithm_but_pairs_takes_behaviour_logprobs():
+    for name in registry.names("algo"):
+        assert registry.get("algo", name).behaviour_weight == (name != "online_dpo"), name
+
+
+# ------------------------------------------------------------------------------------ end to end (gloo)
+
+def test_staleness_zero_equals_the_synchronous_run(tmp_path):
+    sync, asyn = tmp_path / "sync", tmp_path / "async"
+    (rs, out_s), (ra, out_a) = launch([sys.executable, "train.py", *SMALL, f"out_dir={sync}"],
+                                      [*torchrun(2), *SMALL, "mode=async", "max_staleness=0", f"out_dir={asyn}"])
+    assert rs == 0, out_s[-3000:]
+    assert ra == 0, out_a[-3000:]
+    a, b = step_rows(sync), step_rows(asyn)
+    assert len(a) == len(b) == 4
+    assert a[0]["grad_norm"] > 0 and any(r["reward"] > 0 for r in a)    # real updates, not zero advantages
+    for ra_, rb in zip(a, b):
+        assert {k: v for k, v in ra_.items() if not k.startswith(TIMING)} == \
+               {k: rb[k] for k in ra_ if not k.startswith(TIMING)}
+        assert rb["staleness/max"] == 0
+
+
+def test_two_async_runs_are_identical(tmp_path):
+    args = [*torchrun(3), *SMALL, "mode=async", "rollout_ranks=2", "max_staleness=1", "algo.tis=token"]
+    (r1, o1), (r2, o2) = launch([*args, f"out_dir={tmp_path / 'a'}"], [*args, f"out_dir={tmp_path / 'b'}"])
+    assert r1 == 0, o1[-3000:]
+    assert r2 == 0, o2[-3000:]
+    a, b = untimed(tmp_path / "a"), untimed(tmp_path / "b")
+    assert a == b and len(a) == 4
+    assert [r["staleness/max"] for r in a] == [0, 1, 1, 1]              # min(step - 1, max_staleness)
+    assert all("tis_weight" in r and math.isfinite(r["tis_weight"]) for r in a)
+    assert step_rows(tmp_path / "a")[-1]["time/rollout_idle"] >= 0
+
+
+def test_kill_and_resume_is_exact(tmp_path):
+    """Trainer SIGKILLed in step 3's update, resumed; a rollout rank SIGKILLed generating step 5, resumed; the
+    result equals an uninterrupted run, in-flight batches (max_staleness=2) included."""
+    args = [*torchrun(2), *SMALL, "steps=6", "mode=async", "max_staleness=2", "algo.tis=token", "save_every=1"]
+    base, killed = tmp_path / "base", tmp_path / "killed"
+    (rb, ob), (rk, ok) = launch([*args, f"out_dir={base}"], [*args, f"out_dir={killed}"], crash_at=[None, "update:3"])
+    assert rb == 0, ob[-3000:]
+    assert rk != 0 and len(step_rows(killed)) == 2, ok[-3000:]              # step 3 never logged
+    ((rk, ok),) = launch([*args, f"out_dir={killed}"], crash_at=["generate:5"])
+    # named, and no hang: by the trainer (async_rl.Link) or, when it stops the trainer first, by torchrun
+    assert rk != 0 and re.search(r"rollout rank 1 |rank\s*: 1 \(local_rank: 1\)", ok), ok[-3000:]
+    ((rk, ok),) = launch([*args, f"out_dir={killed}"])
+    assert rk == 0, ok[-3000:]
+    assert untimed(killed) == untimed(base)
