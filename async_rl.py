@@ -80,7 +80,7 @@ class Link:
         self.cfg, self.K = cfg, cfg.rollout_ranks
         self.T = world - self.K
         self.clock = Clock(cfg.max_staleness, cfg.steps)
-        timeout = timedelta(seconds=cfg.async_timeout_s)
+        timeout = self.timeout = timedelta(seconds=cfg.async_timeout_s)
         rollout = list(range(self.T, world))
         # every rank creates every group, in the same order (torch.distributed's rule)
         self.trainers = dist.new_group(list(range(self.T)), timeout=timeout)
@@ -128,9 +128,11 @@ class Link:
     def receive(self, step: int, src: int) -> dict:
         size = torch.zeros(1, dtype=torch.long)
         what = f"step {step}'s batch"
-        self._guard(lambda: dist.recv(size, src=src, group=self.data, tag=2 * step), what, src)
+        # irecv + wait(timeout): gloo's blocking recv waits forever, whatever the group's timeout
+        wait = lambda t, tag: dist.irecv(t, src=src, group=self.data, tag=tag).wait(self.timeout)   # noqa: E731
+        self._guard(lambda: wait(size, 2 * step), what, src)
         data = torch.empty(int(size), dtype=torch.uint8)
-        self._guard(lambda: dist.recv(data, src=src, group=self.data, tag=2 * step + 1), what, src)
+        self._guard(lambda: wait(data, 2 * step + 1), what, src)
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
     def _guard(self, fn, what: str, src: int | None = None):
