@@ -98,6 +98,8 @@ class Link:
         self._guard(lambda: dist.broadcast_object_list(msg, src=0, group=self.control), "a weight broadcast")
         idle = time.perf_counter() - t0
         self._guard(lambda: [dist.broadcast(p.data, src=0, group=self.weights) for p in params], "a weight broadcast")
+        if params and params[0].is_cuda:
+            torch.cuda.synchronize()   # so that time/sync measures the transfer (NCCL returns at once), not its launch
         return idle
 
     def receive_weights(self, params: list) -> dict:
@@ -241,7 +243,7 @@ class Trainer:
         t = run.first_step - 1
         self.publish(t, states=self.states if resume_from else None, start=True)   # the rollout ranks start
         bar = tqdm(range(run.first_step, cfg.steps + 1), disable=not cfg.progress, dynamic_ncols=True)
-        t_run = time.perf_counter()
+        t_run = self.t_mark = time.perf_counter()
         for step in bar:
             row = self.step(step)
             bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row.get('eval/accuracy', float('nan')):.3f}",
@@ -320,7 +322,8 @@ class Trainer:
                "staleness/max": staleness.max().item(), **times,
                "time/rollout": max(m["generate_s"] for m in msgs),        # on the rollout ranks, overlapped
                "time/rollout_idle": max(m["idle_s"] for m in msgs)}       # rollout ranks waiting for weights
-        row["time/step"] = sum(v for k, v in times.items())             # the trainer's wall time for this step
+        now = time.perf_counter()   # the period between two rows: what throughput is made of (log and eval too)
+        row["time/step"], self.t_mark = now - self.t_mark, now
         row["tokens_per_s"] = int(batch.attention_mask.sum()) / row["time/step"]
         if step % cfg.eval_every == 0 or step == cfg.steps:
             row.update(evaluate(cfg, run.engine, run.tok, run.eval_set, run.eval_ids, run.pool, run.specs,

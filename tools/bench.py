@@ -152,7 +152,8 @@ def part_ours(a) -> dict:
         mem["peak_reserved_gib"] = max([mem["peak_reserved_gib"]] + [v for k, v in stages.items() if "reserved" in k])
     rows = [r for r in rows if r["step"] >= 2]   # drop step 0 (the evaluation) and step 1 (the warm-up)
     keys = ["time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync"]
-    steps = [sum(r[k] for k in keys) for r in rows]
+    # mode=async: the phases overlap across ranks; the trainer's wall time per step is the period (async_rl.py)
+    steps = [r["time/step"] if "time/step" in r else sum(r[k] for k in keys) for r in rows]
     med = statistics.median(steps)
     setting = dict(x.split("=", 1) for x in argv)   # the last one wins, as in train.py (--set may override)
     tokens = (int(setting["prompts_per_step"]) * int(setting["samples_per_prompt"])
