@@ -175,3 +175,14 @@ def test_kill_and_resume_is_exact(tmp_path):
     ((rk, ok),) = launch([*args, f"out_dir={killed}"])
     assert rk == 0, ok[-3000:]
     assert untimed(killed) == untimed(base)
+
+
+def test_planner_by_hand():
+    """tools/plan.py on round numbers: R=0.4 (F=0.5), U+L=0.4, A=0.02, W=0.01.
+    2 GPUs colocated: 0.4*(0.5+0.25) + 0.4/2 + 0.02 + 0.01 = 0.53; async 1+1: max(0.4, 0.4) + 0.01 = 0.41."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from plan import plan
+    r = plan(R=0.4, U=0.3, L=0.1, W=0.01, A=0.02, F=0.5, N=2)
+    assert r["sync"] == pytest.approx(0.53) and r["async"] == pytest.approx(0.41) and r["K"] == 1
+    assert r["async0"] == pytest.approx(0.81)
+    assert plan(R=0.4, U=0.3, L=0.1, W=0.01, A=0.02, F=0.5, N=1)["sync"] == pytest.approx(0.8)

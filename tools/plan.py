@@ -1,0 +1,79 @@
+"""Step-time planner: from one GPU's measured phase times, predict the step time of synchronous colocated and
+asynchronous disaggregated placements on 1-64 GPUs (docs/async.md has the model and a table).
+
+    python tools/plan.py                                   # W1's 1-GPU H100 split (docs/benchmarks.md)
+    python tools/plan.py --rollout 0.426 --update 0.361 --logprobs 0.025 --sync 0.01 --gpus 1,2,4,8
+    python tools/plan.py --from-run runs/x                 # medians of a 1-GPU run's metrics.jsonl (steps >= 2)
+
+The model, per step of a fixed global batch:
+  rollout on n GPUs  R(n) = R * (F + (1 - F) / n)   a decode step reads every weight whatever its batch: the part F
+                                                    of the rollout does not shrink with more GPUs (docs/speed.md)
+  training on n GPUs U(n) = (U + L) / n + A * (n > 1)   update and log-probs split; A: one gradient all-reduce
+  sync colocated (N):  T = R(N) + U(N) + W * (N > 1)    every GPU generates, then trains, in turn
+  async, K of N generate: T = max(R(K), U(N - K)) + W   the two overlap; W: the weight broadcast; best K shown
+F defaults to 0.75, fitted to the 2-GPU colocated measurement (0.588 s against 0.81 s on one GPU, docs/speed.md);
+A and W default to 0.02 s and 0.01 s. With max_staleness >= 1 the overlap is exact in steady state; with 0 the
+async placement is sequential: T = R(K) + U(N - K) + W (printed as "async, staleness 0").
+"""
+import argparse
+import json
+import os
+import statistics
+
+
+def rollout_time(R: float, F: float, n: int) -> float:
+    return R * (F + (1 - F) / n)
+
+
+def train_time(U: float, L: float, A: float, n: int) -> float:
+    return (U + L) / n + (A if n > 1 else 0.0)
+
+
+def plan(R, U, L, W, A, F, N) -> dict:
+    """-> predicted step times (s) on N GPUs: sync colocated, and async with the best split (and that split)."""
+    sync = rollout_time(R, F, N) + train_time(U, L, A, N) + (W if N > 1 else 0.0)
+    if N == 1:
+        return {"sync": sync, "async": None, "async0": None, "K": None}
+    best = min(range(1, N), key=lambda K: max(rollout_time(R, F, K), train_time(U, L, A, N - K)))
+    overlap = max(rollout_time(R, F, best), train_time(U, L, A, N - best)) + W
+    seq = rollout_time(R, F, best) + train_time(U, L, A, N - best) + W
+    return {"sync": sync, "async": overlap, "async0": seq, "K": best}
+
+
+def from_run(run_dir: str) -> dict:
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rows = [r for r in rows if r["step"] >= 2]   # step 0: the evaluation; step 1: warm-up
+    med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)   # noqa: E731
+    return {"rollout": med("time/rollout"), "update": med("time/update"), "logprobs": med("time/logprobs"),
+            "sync": med("time/sync")}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rollout", type=float, default=0.426, help="1-GPU rollout time of one step's batch (s)")
+    p.add_argument("--update", type=float, default=0.361, help="1-GPU update time (s)")
+    p.add_argument("--logprobs", type=float, default=0.025, help="1-GPU old/reference log-prob time (s)")
+    p.add_argument("--sync", type=float, default=0.01, help="weight transfer to the rollout GPUs (s)")
+    p.add_argument("--allreduce", type=float, default=0.02, help="one gradient all-reduce among trainers (s)")
+    p.add_argument("--fixed", type=float, default=0.75, help="part of the rollout that more GPUs do not shrink")
+    p.add_argument("--gpus", default="1,2,4,8,16,32,64", help="comma list of GPU counts")
+    p.add_argument("--from-run", help="take rollout/update/logprobs/sync from a 1-GPU run's metrics.jsonl")
+    a = p.parse_args()
+    t = from_run(a.from_run) if a.from_run else {"rollout": a.rollout, "update": a.update, "logprobs": a.logprobs,
+                                                 "sync": a.sync}
+    one = plan(t["rollout"], t["update"], t["logprobs"], t["sync"], a.allreduce, a.fixed, 1)["sync"]
+    print(f"1 GPU: rollout {t['rollout']:.3f} s, update {t['update']:.3f} s, log-probs {t['logprobs']:.3f} s; "
+          f"fixed rollout part {a.fixed}, all-reduce {a.allreduce} s, weight sync {t['sync']} s\n")
+    print("| GPUs | sync colocated | async (rollout + train GPUs) | async, staleness 0 | async speed-up vs 1 GPU |")
+    print("|---|---|---|---|---|")
+    for N in map(int, a.gpus.split(",")):
+        r = plan(t["rollout"], t["update"], t["logprobs"], t["sync"], a.allreduce, a.fixed, N)
+        if r["async"] is None:
+            print(f"| {N} | {r['sync']:.3f} s | - | - | 1.00x |")
+            continue
+        print(f"| {N} | {r['sync']:.3f} s ({one / r['sync']:.2f}x) | {r['async']:.3f} s ({r['K']} + {N - r['K']}) | "
+              f"{r['async0']:.3f} s | {one / r['async']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
