@@ -29,11 +29,12 @@ def _cache_of(out):
 class BuiltinEngine:
     """Sampling with transformers' KV cache, batched over all prompts x n samples."""
 
-    def __init__(self, model, eos_id: int, pad_id: int, fast: bool | None = None, **_):
+    def __init__(self, model, eos_id: int, pad_id: int, fast: bool | None = None, keep_cache: bool = False, **_):
         self.model = model          # the policy itself on one device: sync is free
         self.eos_id, self.pad_id = eos_id, pad_id
         # speed: static KV cache + CUDA graph (engines/fast_decode.py); None = on CUDA for the model types it supports
         self.fast = fast
+        self.keep_cache = keep_cache   # a GPU that only generates (mode=async) keeps its cache and graphs between calls
         self.decoder = None
 
     @torch.no_grad()
@@ -46,7 +47,7 @@ class BuiltinEngine:
         ids, mask = ids.to(device), mask.to(device)
         B = ids.shape[0]
         if self.fast or (self.fast is None and device.type == "cuda" and supported(model)):
-            self.decoder = self.decoder or FastDecoder(model)
+            self.decoder = self.decoder or FastDecoder(model, keep_cache=self.keep_cache)
             completion, alive, logprobs, done = self.decoder.sample(ids, mask, sampling, self.eos_id, self.pad_id,
                                                                     generator)
             model.train(was_training)
