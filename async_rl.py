@@ -343,7 +343,8 @@ class Trainer:
         meta = {"pending": {str(s): idx for s, idx in self.pending.items()}, "received": {}}
         for s, msgs in self.received.items():
             meta["received"][str(s)] = [{k: v for k, v in m.items() if k != "rollout"} for m in msgs]
-            tensors.update({f"batch/{s}/{j}/{k}": v for j, m in enumerate(msgs) for k, v in m["rollout"].items()})
+            tensors.update({f"batch/{s}/{j}/{k}": v for j, m in enumerate(msgs) for k, v in m["rollout"].items()
+                            if v is not None})   # optional Rollout fields (turn_rewards) stay None
         return checkpoint.save(run.run_dir, run.cfg, step, learner.version, learner.policy, learner.optimizer,
                                learner.schedule, run.buffer, self.phases.generators(run), run.order, run.cursor,
                                {"start": run.start, "async": meta}, learner.critic, files={INFLIGHT: tensors})
@@ -359,5 +360,5 @@ class Trainer:
         self.pending = {int(s): idx for s, idx in meta["pending"].items()}
         self.states = [tensors[f"gen/{j}"] for j in range(self.link.K)]
         for s, msgs in meta["received"].items():
-            self.received[int(s)] = [{**m, "rollout": {f.name: tensors[f"batch/{s}/{j}/{f.name}"]
+            self.received[int(s)] = [{**m, "rollout": {f.name: tensors.get(f"batch/{s}/{j}/{f.name}")
                                                        for f in fields(Rollout)}} for j, m in enumerate(msgs)]

@@ -566,6 +566,7 @@ def validate_async(cfg: Config, world: int, algo) -> int:
     if cfg.max_staleness > 0 and cfg.algo.tis == "off":
         raise UserError("mode=async with max_staleness > 0 trains on older policies' samples: set algo.tis=token "
                         "(or seq) for the importance weight pi_prox / pi_behav (docs/async.md)")
-    if cfg.offload or cfg.replay.enabled:
-        raise UserError("mode=async does not combine with offload=true or replay.enabled=true yet")
+    if cfg.offload or cfg.replay.enabled or cfg.env.name or cfg.lora.r:
+        raise UserError("mode=async does not combine with offload=true, replay.enabled=true, env.name (multi-turn) or "
+                        "lora.r > 0 yet")
     return world - cfg.rollout_ranks

@@ -12,7 +12,7 @@ LAYERS = [
     ["buffer", "kernels", "algos", "microbatch"],
     ["distributed", "models", "lora", "offload", "critic", "profiling", "checkpoint"],
     ["engines", "tasks", "rewards", "envs"],
-    ["update", "scoring", "run_dir"],
+    ["update", "scoring", "run_dir", "async_rl"],
     ["train", "train_dpo", "tools"],
 ]
 
