@@ -206,9 +206,10 @@ def extra_logprobs(run: Run, rollout) -> dict:
     C, B = rollout.completion_mask.shape[1], len(rollout.input_ids)
     updates_per_step = cfg.algo.epochs * -(-B // minibatch_size(cfg, B))
     out = {}
-    # the policy moves before (re)use, or (mode=async) has moved since the sample was drawn: these log-probs are
-    # the proximal policy of the decoupled loss (docs/async.md)
-    if updates_per_step > 1 or cfg.replay.enabled or (cfg.mode == "async" and cfg.max_staleness > 0):
+    # the policy moves before (re)use: keep its log-probs from before the first update (the proximal policy of the
+    # decoupled loss under mode=async, docs/async.md). With one update per batch the loss takes them from its own
+    # forward (logp detached) at no cost, also when the samples are stale: pi_prox is the policy before the update
+    if updates_per_step > 1 or cfg.replay.enabled:
         out["old_logprobs"] = completion_logprobs(learner.policy, ids, attn, C, cfg.temperature)[0].cpu()
     if run.reference is not None:
         with offload.visit(run.reference, device, cfg.offload_models):   # on the GPU for this forward only

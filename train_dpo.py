@@ -72,6 +72,8 @@ def pack(tok, pairs: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, to
 def main(argv: list[str]) -> dict:
     cfg = fill_defaults(parse(argv))
     validate(cfg)
+    cfg.out_dir = cfg.out_dir or os.path.join("runs", f"dpo-{cfg.algo.dpo.loss}-{time.strftime('%Y%m%d-%H%M%S')}")
+    rundir.check(cfg.out_dir, resuming=False)   # a used or unwritable out_dir is refused before any work
     torch.manual_seed(cfg.seed)
     device, dtype = setup_device(cfg)
     pairs = read_pairs(cfg.algo.dpo.data)
@@ -91,7 +93,6 @@ def main(argv: list[str]) -> dict:
     generator = torch.Generator().manual_seed(cfg.seed)
     sample_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
 
-    cfg.out_dir = cfg.out_dir or os.path.join("runs", f"dpo-{cfg.algo.dpo.loss}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir = rundir.create(cfg, rank=0)
     logger = rundir.Logger(run_dir, first_step=1, resume=False)
     start = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, sample_gen)

@@ -96,3 +96,13 @@ def test_ablate_restarts_a_run_interrupted_before_its_first_checkpoint(tmp_path)
         pass
     assert not (tmp_path / "grpo" / "seed0" / "metrics.jsonl").exists() or \
         (tmp_path / "grpo" / "seed0" / "metrics.jsonl").read_text() != "{half a line"
+
+
+def test_train_dpo_refuses_a_used_out_dir(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("{}\n")             # another run's files
+    r = subprocess.run([sys.executable, "train_dpo.py", f"out_dir={tmp_path}"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: out_dir '{tmp_path}' is not empty and holds no checkpoint to resume: choose a new out_dir, or remove "
+        "this one first (a run directory with a checkpoint resumes by itself)"], r.stderr
+    assert (tmp_path / "metrics.jsonl").read_text() == "{}\n"
