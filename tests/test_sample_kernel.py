@@ -16,9 +16,10 @@ from kernels.sample import gumbel_sample, gumbel_sample_reference  # noqa: E402
 from tests.interpret import run_interpreted  # noqa: E402
 
 
-def check_sampler(fn, device="cpu", V=7, rows=6000, dtype=torch.float32):
-    """One call over `rows` copies of the same logits: the token frequencies must match softmax(z / T)
-    within 5 standard errors (plus one count), and each logp must equal log_softmax at the sampled token."""
+def check_sampler(fn, device="cpu", V=7, rows=6000, dtype=torch.float32, steps=(0, 1), same_rows=None):
+    """One call over `rows` copies of the same logits per step in `steps`: the token frequencies must match
+    softmax(z / T) within 5 standard errors (plus one count), and each logp must equal log_softmax at the sampled
+    token. Then the same seed and step must draw the same tokens, another step others (over `same_rows` rows)."""
     gen = torch.Generator().manual_seed(0)
     z = (torch.randn(V, generator=gen) * 2).to(device=device, dtype=dtype)
     if V > 16:   # a few live tokens, spread over the kernel's 2048-column blocks (edges included)
@@ -29,7 +30,7 @@ def check_sampler(fn, device="cpu", V=7, rows=6000, dtype=torch.float32):
     z[3] = -float("inf")                                           # a banned token is never sampled
     inv_t = torch.tensor([1 / 0.8], device=device)
     logits = z.expand(rows, V)
-    for step in (0, 1):                                            # the step changes the noise stream
+    for step in steps:                                             # the step changes the noise stream
         tok, logp = fn(logits, inv_t, torch.tensor([42], device=device), torch.tensor([step], device=device))
         assert tok.shape == (rows,) and tok.dtype == torch.long and logp.dtype == torch.float32
         ref = torch.log_softmax(z.float() * inv_t, -1)
@@ -39,6 +40,7 @@ def check_sampler(fn, device="cpu", V=7, rows=6000, dtype=torch.float32):
         se = (p * (1 - p) / rows).sqrt()
         assert ((freq - p).abs() <= 5 * se + 1.5 / rows).all(), (freq, p)   # + a count of slack: rare tokens
         assert freq[3] == 0
+    logits = z.expand(same_rows or rows, V)
     a = fn(logits, inv_t, torch.tensor([42], device=device), torch.tensor([5], device=device))[0]
     b = fn(logits, inv_t, torch.tensor([42], device=device), torch.tensor([5], device=device))[0]
     c = fn(logits, inv_t, torch.tensor([42], device=device), torch.tensor([6], device=device))[0]
@@ -50,9 +52,12 @@ def test_torch_twin():
 
 
 def test_kernel_interpreted_on_cpu():
-    # small blocks: several per program, some all -inf before a live token (the online logsumexp's edge case)
+    # small blocks: several per program, some all -inf before a live token (the online logsumexp's edge case).
+    # The interpreter runs every program in numpy, so time grows with rows x calls: one distribution check on
+    # 64 rows and the same-draw check on 8 take a third of the time that two steps and the check on 64 took.
     run_interpreted("import functools, tests.test_sample_kernel as t, kernels.sample as s; "
-                    "t.check_sampler(functools.partial(s.gumbel_sample, split=3, block=128), rows=64, V=2500); "
+                    "t.check_sampler(functools.partial(s.gumbel_sample, split=3, block=128), rows=64, V=2500, "
+                    "steps=(0,), same_rows=8); "
                     "print('ok')")
 
 
