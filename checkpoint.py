@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 import distributed
+import offload
 from config import UserError, parse, to_dict
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -249,7 +250,9 @@ def _read_trained(ckpt: str, name: str, model, optimizer, meta: dict):
     for key, v in {**load_file(os.path.join(ckpt, f"{name}_optimizer.safetensors")), **meta["scalars"]}.items():
         pname, k = key.rsplit("/", 1)
         state.setdefault(pname, {})[k] = v
-    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": meta["param_groups"]}, options=opts)
+    with offload.resident(optimizer):   # offload_optimizer: loaded as without it, in CPU memory after
+        set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": meta["param_groups"]},
+                                 options=opts)
 
 
 def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule, buffer, generators: dict,
@@ -260,11 +263,13 @@ def save(run_dir: str, cfg, step: int, version: int, policy, optimizer, schedule
     batches in flight), before meta.json marks it whole."""
     rank, world = distributed.rank(), distributed.world()
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    trained = {"model": (_trained_state(policy, opts),                               # collective under FSDP
-                         get_optimizer_state_dict(policy, optimizer, options=opts))}
+    with offload.resident(optimizer):   # offload_optimizer: a parked FSDP2 shard cannot be gathered
+        trained = {"model": (_trained_state(policy, opts),                           # collective under FSDP
+                             get_optimizer_state_dict(policy, optimizer, options=opts))}
     if critic is not None:
-        trained["critic"] = (get_model_state_dict(critic.model, options=opts),
-                             get_optimizer_state_dict(critic.model, critic.optimizer, options=opts))
+        with offload.resident(critic.optimizer):
+            trained["critic"] = (get_model_state_dict(critic.model, options=opts),
+                                 get_optimizer_state_dict(critic.model, critic.optimizer, options=opts))
     mine = {f"rng.{k}": v for k, v in _rng_state(generators).items()}
     mine["order"] = order
     buffer_meta = None

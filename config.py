@@ -256,8 +256,8 @@ class Config:
     # per-stage memory (offload.py): each moves something out of GPU memory while a stage does not need it
     offload_models: bool = opt(False, "keep the reference model (and PPO's critic) in CPU memory; each comes to the "
                                       "GPU only for its own forward (the critic: values + update)")
-    offload_optimizer: bool = opt(False, "AdamW state in CPU memory from the end of each update to the next (the "
-                                         "rollout's KV cache gets that memory)")
+    offload_optimizer: bool = opt(False, "AdamW state in CPU memory; each optimizer step brings it to the GPU ~1 GiB "
+                                         "at a time (offload.py; also under FSDP2)")
     engine_sleep: bool = opt(False, "engine.sleep() before each update and wake() after it (vLLM on GPU frees its "
                                     "KV cache and weights; elsewhere a note says nothing was freed)")
     # asynchronous RL (async_rl.py, docs/async.md)
@@ -474,6 +474,9 @@ def validate(cfg: Config, world: int = 1):
     if lo.r and (cfg.offload or (world > 1 and cfg.parallel == "fsdp")):
         raise UserError("lora.r > 0 runs in one process or under torchrun with parallel=replicate (the adapters are "
                         "small); not with FSDP sharding or offload=true")
+    if cfg.offload_optimizer and cfg.offload:
+        raise UserError("offload=true already keeps AdamW state in CPU memory (it steps there): drop offload_optimizer, "
+                        "or use it alone (shards stay on the GPU, the step too)")
     if cfg.offload_models and (cfg.offload or (world > 1 and cfg.parallel == "fsdp")):
         raise UserError("offload_models moves whole models between CPU and GPU; with FSDP use offload=true, which "
                         "keeps every shard in CPU memory")

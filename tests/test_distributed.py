@@ -206,3 +206,10 @@ def test_bad_parallel_settings(random_model_dir, tmp_path, settings, error):
                         f"out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [f"error: {error}"]
     assert not os.path.exists(tmp_path / "config.yaml")   # refused before anything was written
+
+
+def test_streamed_optimizer_step_on_fsdp_shards(tmp_path):
+    """offload_optimizer under FSDP2: the streamed AdamW step equals the plain one on every rank's shards, and
+    checkpoints gather and load its state (tests/offload_worker.py says what it checks)."""
+    run([*TORCHRUN, "tests/offload_worker.py", str(tmp_path)], logs=tmp_path, timeout=120)
+    assert (tmp_path / "ok").exists()

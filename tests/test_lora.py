@@ -155,3 +155,37 @@ def test_offload_options_change_memory_not_losses(tmp_path):
         train.main(args)
     assert rows(tmp_path / "on") == rows(tmp_path / "off")
     assert all(math.isfinite(r["loss"]) for r in rows(tmp_path / "lora_on"))   # LoRA's reference needs no visit
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_streamed_optimizer_step_is_the_whole_step(fused):
+    """offload_optimizer's step (offload.streamed_step): the optimizer runs once per chunk of parameters, their
+    state parked in CPU homes between chunks; three steps over two param groups give bit-equal weights and
+    state, and a checkpoint's view (`resident`) sees the same state. Chunks of one parameter each."""
+    import offload
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    twin = copy.deepcopy(model)
+    make = lambda m: torch.optim.AdamW([{"params": m[0].parameters()}, {"params": m[2].parameters(), "lr": 3e-2}],
+                                       lr=1e-2, weight_decay=0.1, fused=fused)
+    plain, streamed = make(model), make(twin)
+    calls, step = [], streamed.step   # what each run of the optimizer's own step saw
+    streamed.step = lambda *a, **kw: (calls.append([len(g["params"]) for g in streamed.param_groups]), step())
+    offload.stream(streamed, torch.device("cpu"), chunk_bytes=1)
+    x = torch.randn(5, 8)
+    for _ in range(3):
+        for m, opt in ((model, plain), (twin, streamed)):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+    assert calls == [[1, 0], [1, 0], [0, 1], [0, 1]] * 3                    # one parameter at a time
+    assert [len(g["params"]) for g in streamed.param_groups] == [2, 2]     # the groups are whole again
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(plain.state[p][k], streamed.state[q][k])
+    homes = streamed.offload_homes
+    assert len(homes) == 8 and all(streamed.state[q][k] is homes[(id(q), k)] for q in twin.parameters()
+                                   for k in ("exp_avg", "exp_avg_sq"))       # the state lives in its homes
+    with offload.resident(streamed):
+        assert torch.equal(streamed.state_dict()["state"][3]["exp_avg"], plain.state_dict()["state"][3]["exp_avg"])
