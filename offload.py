@@ -170,6 +170,8 @@ def resident(optimizer):
         yield
     finally:
         park(optimizer, params, optimizer.offload_homes)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 class Stages:
