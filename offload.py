@@ -20,6 +20,7 @@ prints them at the end, so the effect of each option is visible in the run's own
 On a CPU run the options have nothing to move: setup prints a note and the run goes on.
 """
 import contextlib
+import functools
 
 import torch
 
@@ -152,7 +153,12 @@ def stream(optimizer, device: torch.device, chunk_bytes: int = CHUNK_BYTES):
     """Make `optimizer.step()` a streamed step (its state lives in CPU memory from now on). The instance's
     step is replaced, not the class's; the original (the LR scheduler's counting wrapper) runs per chunk."""
     step, homes = optimizer.step, {}
-    optimizer.step = lambda *a, **kw: streamed_step(optimizer, lambda: step(*a, **kw), device, homes, chunk_bytes)
+
+    @functools.wraps(step)   # keeps the scheduler's mark on its wrapper (else a warning says step was overridden)
+    def streamed(*a, **kw):
+        streamed_step(optimizer, lambda: step(*a, **kw), device, homes, chunk_bytes)
+
+    optimizer.step = streamed
     optimizer.offload_device, optimizer.offload_homes = device, homes
 
 
