@@ -91,7 +91,7 @@ def test_fast_decoder_samples_with_the_adapted_policy(random_model_dir):
     engine.load_weights(lora.engine_weights(model))                          # shared weights: nothing to copy
 
 
-def test_bad_lora_input_is_one_line(random_model_dir, tmp_path):
+def test_bad_lora_input_is_one_line(random_model_dir, tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"lora.targets qq_proj match no module; the model's linear layers are: "
                                         r"down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"):
         lora_model(random_model_dir, targets="q_proj,qq_proj")
@@ -113,6 +113,11 @@ def test_bad_lora_input_is_one_line(random_model_dir, tmp_path):
         validate(cfg, world=2)
     from offload import cpu_note
     cfg.offload_optimizer = True
+    cfg.lora.r, cfg.offload = 0, True
+    monkeypatch.setenv("RANK", "0")   # as under torchrun
+    with pytest.raises(UserError, match="offload=true already keeps AdamW state in CPU memory"):
+        validate(cfg)
+    cfg.offload = False
     assert cpu_note(cfg, torch.device("cpu")).startswith("note: the offload options (offload_optimizer) do nothing")
 
 

@@ -1,8 +1,8 @@
 """Per-stage GPU memory of full fine-tuning with the offload options off and on (issue 22), in one command.
 
     python tools/gpu_memory.py --shape 1.5b --out mem-1.5b                  # 1 GPU: offload options off, on
-    python tools/gpu_memory.py --shape 7b --gpus 2 --out mem-7b \\
-        --variants 'stream=offload_optimizer=true;cpu-offload=offload=true threads=16' --set ''   # FSDP2, 2 GPUs
+    python tools/gpu_memory.py --shape 7b --gpus 2 --steps 2 --out mem-7b --variants 'stream=offload_optimizer=true' \\
+        --set 'micro_batch_size=32 grad_checkpointing=true'            # FSDP2 on 2 GPUs (docs/lora.md has both)
     python tools/gpu_memory.py --shape small --steps 1 --out /tmp/m            # the same code at toy shapes, CPU
 
 The model is a random Qwen2 built from a config in bf16 (tools/bench.py's build_model and its random-token task
