@@ -299,7 +299,7 @@ def train_step(run: Run, step: int) -> dict:
     rewards = batch.rewards
     batch.advantages = learner.algo.advantages(batch, cfg.algo, sum_over=distributed.all_sum)
     with profiling.phase(times, "update"):            # 4. optimizer steps over the buffer's mini-batches
-        run.stages.for_update()                       # (engine_sleep, offload_optimizer: see offload.py)
+        run.stages.for_update()                       # engine_sleep (offload_optimizer streams: offload.py)
         kept = add_to_buffer(run, batch)
         stats = update(learner, run.buffer, run.generator, step, n_samples)
         run.stages.after_update()
