@@ -58,19 +58,37 @@ INFLIGHT = "inflight.safetensors"
 
 @dataclass
 class Clock:
-    """Which weights generate which step: a function of step numbers only."""
+    """Which weights generate which step: a function of step numbers only. Iteration i of a rollout rank finishes
+    step i's trajectories; with partial rollouts it also writes the first segments of steps i+1 .. i+segments-1."""
     staleness: int
     steps: int
+    segments: int = 1   # iterations a trajectory may span (partial rollouts; 1 = off)
+
+    @property
+    def lag(self) -> int:
+        """How many steps a rollout iteration's weights trail the trainer: the staleness left after the segments."""
+        return self.staleness - (self.segments - 1)
 
     def weights_for(self, step: int) -> int:
-        """The trainer step whose weights generate `step` (0: the initial weights)."""
+        """The trainer step whose weights run iteration `step` (0: the initial weights)."""
+        return max(0, step - 1 - self.lag)
+
+    def start_weights(self, step: int) -> int:
+        """The weights of step's first segment (iteration step - segments + 1): its oldest tokens' version."""
         return max(0, step - 1 - self.staleness)
 
     def prompts_after(self, t: int) -> list[int]:
         """The steps whose prompts the trainer chooses right after step t (t = 0: at start): the first
-        max_staleness + 1 steps at start, then each step's prompts as soon as its weights exist."""
+        max_staleness + 1 steps at start, then each step's prompts as soon as its first segment's weights exist."""
         new = range(1, self.staleness + 2) if t == 0 else [t + 1 + self.staleness]
         return [s for s in new if s <= self.steps]
+
+
+def segments(cfg) -> int:
+    """Iterations a trajectory may span: enough budgets to reach max_new_tokens, but at most max_staleness + 1, so
+    that its oldest token is never older than max_staleness versions when it is trained (docs/async.md)."""
+    B = cfg.partial.budget_tokens
+    return min(-(-cfg.max_new_tokens // B), cfg.max_staleness + 1) if B > 0 else 1
 
 
 class Link:
@@ -79,7 +97,7 @@ class Link:
     def __init__(self, cfg, world: int):
         self.cfg, self.K = cfg, cfg.rollout_ranks
         self.T = world - self.K
-        self.clock = Clock(cfg.max_staleness, cfg.steps)
+        self.clock = Clock(cfg.max_staleness, cfg.steps, segments(cfg))
         timeout = self.timeout = timedelta(seconds=cfg.async_timeout_s)
         rollout = list(range(self.T, world))
         # every rank creates every group, in the same order (torch.distributed's rule)
@@ -90,11 +108,12 @@ class Link:
         self.sends = deque()            # rollout rank: sends in flight (their tensors must stay alive)
 
     # --- trainer -> rollout ranks
-    def publish(self, t: int, version: int, prompts: dict, params: list, states: list | None = None) -> float:
+    def publish(self, t: int, version: int, prompts: dict, params: list, states: list | None = None,
+                partials: list | None = None) -> float:
         """Control, then the weights after step t. -> seconds spent waiting for the rollout ranks to be ready
         (the broadcast of the control returns when all of them have joined it)."""
         t0 = time.perf_counter()
-        msg = [{"t": t, "version": version, "prompts": prompts, "states": states}]
+        msg = [{"t": t, "version": version, "prompts": prompts, "states": states, "partials": partials}]
         self._guard(lambda: dist.broadcast_object_list(msg, src=0, group=self.control), "a weight broadcast")
         idle = time.perf_counter() - t0
         self._guard(lambda: [dist.broadcast(p.data, src=0, group=self.weights) for p in params], "a weight broadcast")
@@ -161,7 +180,8 @@ def main(cfg, resume_from: str | None, phases) -> dict:
 # ------------------------------------------------------------------------------------------- rollout ranks
 
 def generate_loop(cfg, link: Link, phases, j: int):
-    """Rollout rank j: wait for the weights each step needs, generate its share, send it; repeat."""
+    """Rollout rank j: wait for the weights each iteration needs, generate its share, send it; repeat. Iteration i
+    finishes step i and, with partial rollouts, writes a segment of each open later step (`advance`)."""
     torch.manual_seed(cfg.seed)
     device, dtype = setup_device(cfg)
     model, tok = load_model(cfg.model, device, dtype)
@@ -172,7 +192,7 @@ def generate_loop(cfg, link: Link, phases, j: int):
                                                  **to_dict(cfg.vllm))   # keep_cache: this GPU only generates
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1_000_003 * j)   # j = 0: the one-process stream
     params = list(model.parameters())
-    sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens)
+    D = link.clock.segments - 1
 
     def weights() -> dict:
         msg = link.receive_weights(params)
@@ -181,25 +201,71 @@ def generate_loop(cfg, link: Link, phases, j: int):
         return msg
 
     prompts: dict = {}
+    opened: dict[int, dict] = {}                        # step -> its trajectories so far (partial rollouts)
     msg = weights()                                     # the start: initial (or resumed) weights, first prompts
     if msg["states"] is not None:                       # resumed: the sampling stream where the checkpoint left it
         gen.set_state(msg["states"][j])
-    for step in range(min(prompts, default=cfg.steps + 1), cfg.steps + 1):
+        opened = {int(s): state for s, state in msg["partials"][j].items()}
+    for step in range(min([*prompts, *opened], default=cfg.steps + 1), cfg.steps + 1):
         t0 = time.perf_counter()
         while msg["t"] < link.clock.weights_for(step):  # too far ahead: wait for newer weights
             msg = weights()
         t1 = time.perf_counter()
-        idx = prompts.pop(step)[j::link.K]
-        rollout = engine.generate([train_ids[i] for i in idx], cfg.samples_per_prompt, sampling, gen)
+        for s in range(step, min(step + D, cfg.steps) + 1):   # oldest first: one generate call per step
+            ids = None if s in opened else [train_ids[i] for i in prompts.pop(s)[j::link.K]]
+            opened[s] = advance(engine, opened.get(s), ids, s == step, msg["version"], cfg, gen, tok.pad_token_id)
         if device.type == "cuda":
             torch.cuda.synchronize()
         checkpoint.crash_point("generate", step)        # tests: a rollout rank that dies
-        link.send(step, {"rollout": {f.name: getattr(rollout, f.name) for f in fields(rollout)},
-                         "version": msg["version"], "state": gen.get_state(),
+        done = opened.pop(step)
+        link.send(step, {"rollout": {f.name: done.get(f.name) for f in fields(Rollout)},
+                         "token_versions": done["versions"], "segments": done["segments"],
+                         "version": int(done["version0"]), "state": gen.get_state(), "partial": dict(opened),
                          "idle_s": t1 - t0, "generate_s": time.perf_counter() - t1})
     link.flush()
     engine.close()
     dist.barrier()   # train.finish's: every rank done before the group goes
+
+
+def advance(engine, state: dict | None, prompts: list | None, final: bool, version: int, cfg, gen, pad_id) -> dict:
+    """One segment of one step's trajectories: new prompts (state None: n samples each) or the continuation of
+    its unfinished rows (prompt + completion so far as the prompt, 1 sample each). At most partial.budget_tokens
+    new tokens per trajectory, except in its last iteration (final), which runs it to max_new_tokens. -> the
+    state: the Rollout's fields plus versions (B, C) (the weights' version of each token), segments (B,) and
+    version0 (its first segment's version). Without partial rollouts this is one engine.generate call, unchanged."""
+    M, budget = cfg.max_new_tokens, cfg.partial.budget_tokens or cfg.max_new_tokens
+    if state is None:
+        seg = engine.generate(prompts, cfg.samples_per_prompt,
+                              SamplingParams(cfg.temperature, cfg.top_p, M if final else min(budget, M)), gen)
+        state = {f.name: getattr(seg, f.name) for f in fields(seg) if getattr(seg, f.name) is not None}
+        B = len(seg.input_ids)
+        return {**state, "versions": torch.full(seg.completion_mask.shape, version, dtype=torch.long),
+                "segments": torch.ones(B, dtype=torch.long), "version0": torch.tensor(version)}
+    length = state["completion_mask"].sum(-1).long()                               # (B,)
+    rows = (state["truncated"] & (length < M)).nonzero().squeeze(-1)               # cut at the budget, not at M
+    if len(rows) == 0:
+        return state
+    n = int(length[rows].max())   # every open row of a step was cut at the same budgets: one length
+    keep = state["attention_mask"][rows].bool()
+    seg = engine.generate([state["input_ids"][r][k].tolist() for r, k in zip(rows.tolist(), keep)], 1,
+                          SamplingParams(cfg.temperature, cfg.top_p, M - n if final else min(budget, M - n)), gen)
+    return extend(state, rows, n, seg, version, pad_id)
+
+
+def extend(state: dict, rows, n: int, seg: Rollout, version: int, pad_id: int) -> dict:
+    """Write a continuation segment seg (r, P' + c) into rows of state, completion columns n .. n + c."""
+    C, c = state["completion_mask"].shape[1], seg.completion_mask.shape[1]
+    P, W = state["input_ids"].shape[1] - C, max(C, n + c)
+    out = {k: torch.nn.functional.pad(v, (0, W - C), value=pad_id if k == "input_ids" else 0)
+           if v.dim() == 2 else v.clone() for k, v in state.items()}   # (B, P + W) and (B, W)
+    out["input_ids"][rows, P + n:P + n + c] = seg.input_ids[:, -c:]
+    out["attention_mask"][rows, P + n:P + n + c] = seg.attention_mask[:, -c:]
+    out["completion_mask"][rows, n:n + c] = seg.completion_mask
+    out["logprobs"][rows, n:n + c] = seg.logprobs
+    out["versions"][rows, n:n + c] = version
+    out["truncated"][rows] = seg.truncated
+    out["segments"][rows] += 1
+    return out
 
 
 # -------------------------------------------------------------------------------------------- trainer rank
@@ -236,13 +302,14 @@ class Trainer:
         self.pending: dict[int, list[int]] = {}     # step -> its prompts (all of them), chosen, not yet trained
         self.received: dict[int, list[dict]] = {}   # step -> the rollout ranks' messages, not yet trained
         self.states: list = [None] * link.K          # each rollout rank's sampling state after its last batch
+        self.partials: list = [{}] * link.K          # ... and its open trajectories then (partial rollouts)
 
     def run(self, resume_from: str | None) -> dict:
         cfg, phases = self.cfg, self.phases
         run = self.r = phases.setup(cfg, resume_from, 0)
         self.resume(resume_from)
         t = run.first_step - 1
-        self.publish(t, states=self.states if resume_from else None, start=True)   # the rollout ranks start
+        self.publish(t, resumed=bool(resume_from), start=True)   # the rollout ranks start
         bar = tqdm(range(run.first_step, cfg.steps + 1), disable=not cfg.progress, dynamic_ncols=True)
         t_run = self.t_mark = time.perf_counter()
         for step in bar:
@@ -257,17 +324,19 @@ class Trainer:
                                 f"(last at step {step}); stopped with a checkpoint in {saved}")
         return phases.finish(run, 0, time.perf_counter() - t_run)
 
-    def publish(self, t: int, states=None, start: bool = False) -> float:
-        """Choose the prompts that the weights after step t will answer (train.next_prompts, in step order, as
-        the synchronous loop does), then send both; a resumed run re-sends the prompts not yet generated."""
-        for s in self.link.clock.prompts_after(t):
+    def publish(self, t: int, resumed: bool = False, start: bool = False) -> float:
+        """Choose the prompts whose first segment the weights after step t will write (train.next_prompts, in
+        step order, as the synchronous loop does), then send both; a resumed run hands the rollout ranks back
+        their sampling states and open trajectories."""
+        clock = self.link.clock
+        for s in clock.prompts_after(t):
             if s not in self.pending:   # on resume the checkpoint has them already
                 self.pending[s] = self.phases.next_prompts(self.r)
-        todo = {s: idx for s, idx in self.pending.items() if s not in self.received
-                and self.link.clock.weights_for(s) == t}
-        if not todo and not start:   # no later step needs these weights
+        todo = {s: idx for s, idx in self.pending.items() if s not in self.received and clock.start_weights(s) == t}
+        if not start and t + 1 + clock.lag > self.cfg.steps:   # no later iteration runs on these weights
             return 0.0
-        return self.link.publish(t, self.r.learner.version, todo, list(self.r.learner.policy.parameters()), states)
+        return self.link.publish(t, self.r.learner.version, todo, list(self.r.learner.policy.parameters()),
+                                 *((self.states, self.partials) if resumed else ()))
 
     def receive_until(self, step: int):
         """Every rollout rank's batches up to `step`, in step order (the order they are sent in)."""
@@ -275,6 +344,7 @@ class Trainer:
             s = min(s for s in self.pending if s not in self.received)
             msgs = [self.link.receive(s, self.link.T + j) for j in range(self.link.K)]
             self.states = [m.pop("state") for m in msgs]
+            self.partials = [m.pop("partial") for m in msgs]
             self.received[s] = msgs
 
     def take(self, step: int) -> list[dict]:
@@ -302,11 +372,9 @@ class Trainer:
             tqdm.write(failures)
         batch = phases.experience(rollout, rewards, learner.version, extra)
         batch.versions = versions
-        staleness = (learner.version - versions).float()                                # (B,)
-        if staleness.max() > cfg.max_staleness:   # the clock makes this impossible; a bug must not train silently
-            raise RuntimeError(f"step {step}: a sample is {int(staleness.max())} versions old (max_staleness="
-                               f"{cfg.max_staleness})")
+        staleness = (learner.version - versions).float()   # (B,) a sample is as old as its oldest token
         batch.advantages = learner.algo.advantages(batch, cfg.algo, sum_over=distributed.all_sum)
+        partial = self.check_tokens(step, msgs, batch)   # every token's version; old_segments=mask masks here
         with profiling.phase(times, "update"):
             kept = phases.add_to_buffer(run, batch)
             stats = update(learner, run.buffer, run.generator, step, len(samples))
@@ -317,7 +385,7 @@ class Trainer:
         best = sum(w for _, w in run.specs)
         row = {"step": step, "reward": rewards.mean().item(),
                "accuracy": (rewards >= best - 1e-6).float().mean().item(), **stats, **kept,
-               "completion_len": batch.completion_mask.sum(-1).mean().item(),
+               "completion_len": rollout.completion_mask.sum(-1).mean().item(), **partial,
                "truncated_frac": batch.truncated.float().mean().item(), "lr": learner.schedule.get_last_lr()[0],
                **reward_info["metrics"], "staleness/mean": staleness.mean().item(),
                "staleness/max": staleness.max().item(), **times,
@@ -332,6 +400,30 @@ class Trainer:
         phases.log(run, row)
         return row
 
+    def check_tokens(self, step: int, msgs: list[dict], batch) -> dict:
+        """The staleness bound on every completion token (its weights' version, from the rollout rank), then,
+        with partial rollouts, partial.old_segments=mask: only each trajectory's newest segment stays in the loss
+        (m_t = 1[v_t = max_t' v_t']); the advantages are already computed. -> the partial-rollout metrics."""
+        cfg, C = self.cfg, batch.completion_mask.shape[1]
+        versions = torch.cat([torch.nn.functional.pad(m["token_versions"], (0, C - m["token_versions"].shape[1]))
+                              for m in msgs])                                      # (B, C)
+        tokens = batch.completion_mask > 0                                         # (B, C)
+        old = int((self.r.learner.version - versions)[tokens].max()) if tokens.any() else 0
+        if old > cfg.max_staleness:   # the clock makes this impossible; a bug must not train silently
+            raise RuntimeError(f"step {step}: a token is {old} versions old (max_staleness={cfg.max_staleness})")
+        if not cfg.partial.budget_tokens:
+            return {}
+        newest = versions.masked_fill(~tokens, -1).max(-1, keepdim=True).values   # (B, 1)
+        n = tokens.sum().clamp(min=1)
+        segs = torch.cat([m["segments"] for m in msgs]).float()                   # (B,)
+        out = {"partial/frac": (segs > 1).float().mean().item(), "partial/segments": segs.mean().item(),
+               "staleness/token_mean": ((self.r.learner.version - versions) * tokens).sum().item() / n.item()}
+        if cfg.partial.old_segments == "mask":
+            keep = tokens & (versions == newest)                                   # (B, C)
+            out["partial/masked_frac"] = 1 - keep.sum().item() / n.item()
+            batch.completion_mask = batch.completion_mask * keep.to(batch.completion_mask.dtype)
+        return out
+
     # --- checkpoints: the batches in flight travel with the trainer's state
     def save(self, step: int) -> str | None:
         run, learner, clock = self.r, self.r.learner, self.link.clock
@@ -340,11 +432,17 @@ class Trainer:
         if in_flight:
             self.receive_until(max(in_flight))
         tensors = {f"gen/{j}": s for j, s in enumerate(self.states)}
-        meta = {"pending": {str(s): idx for s, idx in self.pending.items()}, "received": {}}
+        meta = {"pending": {str(s): idx for s, idx in self.pending.items()}, "received": {},
+                "partial": [sorted(p) for p in self.partials]}   # each rollout rank's open steps
+        tensors.update({f"partial/{j}/{s}/{k}": v for j, p in enumerate(self.partials) for s, st in p.items()
+                        for k, v in st.items()})
         for s, msgs in self.received.items():
-            meta["received"][str(s)] = [{k: v for k, v in m.items() if k != "rollout"} for m in msgs]
+            meta["received"][str(s)] = [{k: v for k, v in m.items() if k != "rollout" and not torch.is_tensor(v)}
+                                        for m in msgs]
             tensors.update({f"batch/{s}/{j}/{k}": v for j, m in enumerate(msgs) for k, v in m["rollout"].items()
                             if v is not None})   # optional Rollout fields (turn_rewards) stay None
+            tensors.update({f"msg/{s}/{j}/{k}": v for j, m in enumerate(msgs) for k, v in m.items()
+                            if torch.is_tensor(v)})   # token_versions, segments
         return checkpoint.save(run.run_dir, run.cfg, step, learner.version, learner.policy, learner.optimizer,
                                learner.schedule, run.buffer, self.phases.generators(run), run.order, run.cursor,
                                {"start": run.start, "async": meta}, learner.critic, files={INFLIGHT: tensors})
@@ -359,6 +457,10 @@ class Trainer:
         tensors = load_file(os.path.join(ckpt, INFLIGHT))
         self.pending = {int(s): idx for s, idx in meta["pending"].items()}
         self.states = [tensors[f"gen/{j}"] for j in range(self.link.K)]
+        self.partials = [{s: {k.split("/")[3]: v for k, v in tensors.items() if k.startswith(f"partial/{j}/{s}/")}
+                          for s in steps} for j, steps in enumerate(meta.get("partial", [[]] * self.link.K))]
         for s, msgs in meta["received"].items():
             self.received[int(s)] = [{**m, "rollout": {f.name: tensors.get(f"batch/{s}/{j}/{f.name}")
-                                                       for f in fields(Rollout)}} for j, m in enumerate(msgs)]
+                                                       for f in fields(Rollout)},
+                                      **{k: tensors[f"msg/{s}/{j}/{k}"] for k in ("token_versions", "segments")}}
+                                     for j, m in enumerate(msgs)]

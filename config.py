@@ -27,6 +27,7 @@ PARALLEL_MODES = ("fsdp", "replicate")
 DTYPES = ("auto", "float32", "bfloat16")
 REPLAY_PRIORITIES = ("uniform", "advantage", "recency")
 MODES = ("sync", "async")
+PARTIAL_OLD = ("weight", "mask")
 
 
 
@@ -83,6 +84,14 @@ class ReplayConfig:
     alpha: float = opt(1.0, "exponent on |advantage| for priority=advantage")
     decay: float = opt(0.5, "weight per policy version of age for priority=recency")
     log: bool = opt(True, "append every experience to <out_dir>/replay.jsonl")
+
+
+@dataclass
+class PartialConfig:
+    budget_tokens: int = opt(0, "mode=async: new tokens per trajectory per rollout iteration; an unfinished one is "
+                                "kept and continued next iteration under newer weights (0 = off, docs/async.md)")
+    old_segments: str = opt("weight", "a partial trajectory's segments older than its last: weight (importance "
+                                      "weight from each token's own behaviour log-prob) or mask (out of the loss)")
 
 
 @dataclass
@@ -268,6 +277,7 @@ class Config:
                                 "(0 = the synchronous run exactly; >0 needs algo.tis for the correction)")
     async_timeout_s: float = opt(600.0, "mode=async: a rank waiting longer than this on another (a weight "
                                         "broadcast, a batch) ends the run naming the rank it waited for")
+    partial: PartialConfig = opt(PartialConfig(), "mode=async: partial rollouts (Kimi k1.5 style)")
     progress: bool = opt(True, "show a progress bar")
     profile_step: int = opt(0, "run this step under torch.profiler (0 = none): each rank writes profile-rankR.txt "
                                "(wall vs GPU kernel time per phase, top kernels) and the trace, see profiling.py")
@@ -451,6 +461,7 @@ def validate(cfg: Config, world: int = 1):
     if r.enabled and (r.capacity < 1 or r.max_uses < 1 or r.max_staleness < 0 or not 0 < r.decay <= 1):
         raise UserError("config keys 'replay.capacity' and 'replay.max_uses' must be >= 1, "
                         "'replay.max_staleness' >= 0 and 'replay.decay' in (0, 1]")
+    check_partial(cfg)
     if cfg.mode == "async":   # from here on, `world` counts the ranks that train
         world = validate_async(cfg, world, algo)
     # distributed: every rank must run the same number of forward/backward passes (FSDP's collectives pair up
@@ -547,6 +558,19 @@ def check_device(device: str):
     if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
         raise UserError(f"device={device} but torch sees {torch.cuda.device_count()} GPU(s) (cuda:0 .. "
                         f"cuda:{torch.cuda.device_count() - 1})")
+def check_partial(cfg: Config):
+    """partial.*: rollout iterations and weight versions exist only in mode=async (async_rl.py)."""
+    p = cfg.partial
+    if p.budget_tokens < 0:
+        raise UserError(f"config key 'partial.budget_tokens' must be >= 0 (0 = off); got {p.budget_tokens}")
+    if p.old_segments not in PARTIAL_OLD:
+        raise UserError(f"config key 'partial.old_segments' must be one of {', '.join(PARTIAL_OLD)}; "
+                        f"got {p.old_segments!r}")
+    if p.budget_tokens and cfg.mode != "async":
+        raise UserError(f"partial.budget_tokens={p.budget_tokens} continues trajectories under newer weights, which "
+                        "only mode=async has: use mode=async (torchrun) or partial.budget_tokens=0")
+
+
 def validate_async(cfg: Config, world: int, algo) -> int:
     """mode=async: a rollout group and a trainer group out of the torchrun ranks (async_rl.py); -> trainer ranks."""
     if "RANK" not in os.environ:

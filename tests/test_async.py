@@ -1,12 +1,15 @@
-"""mode=async (async_rl.py, docs/async.md): the logical clock, the batch merge, the bad-input errors, the decoupled
-loss by hand, and train.py end to end under torchrun on CPU (gloo):
-- max_staleness=0 with one rollout and one trainer rank gives exactly the one-process synchronous run's metrics;
-- two runs with max_staleness=1 and two rollout ranks give identical metrics (the clock is logical, not wall time);
-- kill -9 of the trainer mid-update and of a rollout rank mid-run, each followed by resume, ends exactly where an
-  uninterrupted run does (the batches in flight travel in the checkpoint), and the rollout rank's death ends the
-  run with its rank named instead of a hang.
+"""mode=async (async_rl.py, docs/async.md): the logical clock, the batch merge, partial-rollout segments (a scripted
+engine), the bad-input errors, the decoupled loss by hand, and train.py end to end under torchrun on CPU (gloo):
+- max_staleness=0 with one rollout and one trainer rank gives exactly the one-process synchronous run's metrics,
+  with partial.budget_tokens set too (the staleness bound leaves no room for a second segment);
+- kill -9 of the trainer mid-update and of rollout ranks mid-run, each followed by resume, ends exactly where an
+  uninterrupted run does (the batches in flight and the partial trajectories travel in the checkpoint), and the
+  rollout rank's death ends the run with its rank named instead of a hang. The run has two rollout ranks,
+  max_staleness=3 and partial rollouts, so it also shows that two runs of one config give identical metrics (the
+  clock is logical, not wall time): that was a separate pair of runs before, the largest cost of this file.
 The runs use the embedded tiny model (its rewards are not all zero, so the updates really move the weights).
 """
+import json
 import math
 import os
 import re
@@ -19,7 +22,7 @@ from conftest import step_rows
 
 import registry
 from algos.common import clipped_policy_loss
-from async_rl import Clock, merge
+from async_rl import Clock, advance, merge, segments
 from buffer import Experience
 from config import Config, UserError, fill_defaults, validate
 from engines.base import Rollout
@@ -59,6 +62,71 @@ def test_clock_is_a_function_of_step_numbers():
     assert sync.prompts_after(0) == [1] and sync.prompts_after(2) == [3]
 
 
+def test_partial_clock_spends_staleness_on_segments():
+    """max_new_tokens=8, budget 3: 3 segments wanted, max_staleness + 1 allowed; the rest is the iteration lag."""
+    cfg = Config()
+    cfg.max_new_tokens, cfg.max_staleness, cfg.partial.budget_tokens = 8, 3, 3
+    assert segments(cfg) == 3
+    c = Clock(staleness=3, steps=8, segments=3)
+    assert c.lag == 1 and [c.weights_for(s) for s in range(1, 6)] == [0, 0, 1, 2, 3]   # iteration s's weights
+    assert [c.start_weights(s) for s in range(1, 7)] == [0, 0, 0, 0, 1, 2]              # first segment's: oldest
+    assert all(s - 1 - c.start_weights(s) <= 3 for s in range(1, 9))                    # never over the bound
+    cfg.max_staleness = 0
+    assert segments(cfg) == 1                      # staleness 0: every trajectory in one piece, as without budget
+    cfg.max_staleness, cfg.partial.budget_tokens = 3, 8
+    assert segments(cfg) == 1                      # a budget >= max_new_tokens never cuts
+
+
+class Scripted:
+    """An engine whose row with prompt [100 L] writes 100 L + 1, 100 L + 2, ... and EOS (1) as token L: the
+    continuation of a cut row is what the uncut row would have written. Log-prob of a token = -token / 1000."""
+    calls: list
+
+    def generate(self, prompts, n, sampling, gen=None):
+        self.calls.append((len(prompts), n, sampling.max_new_tokens))
+        rows = [list(p) for p in prompts for _ in range(n)]
+        outs = []
+        for seq in rows:
+            out = []
+            while len(out) < sampling.max_new_tokens and (not out or out[-1] != 1):
+                written = len(seq) - 1 + len(out)
+                out.append(1 if written == seq[0] // 100 - 1 else (out or seq)[-1] + 1)
+            outs.append(out)
+        C, P = max(map(len, outs)), max(map(len, rows))
+        ids = torch.tensor([[0] * (P - len(r)) + r + o + [0] * (C - len(o)) for r, o in zip(rows, outs)])
+        attn = torch.tensor([[0] * (P - len(r)) + [1] * (len(r) + len(o)) + [0] * (C - len(o))
+                             for r, o in zip(rows, outs)])
+        cm = attn[:, P:].float()
+        return Rollout(ids, attn, cm, -ids[:, P:].float() / 1000 * cm, torch.tensor([o[-1] != 1 for o in outs]),
+                       torch.arange(len(prompts)).repeat_interleave(n))
+
+
+def test_partial_segments_join_into_the_whole_trajectory():
+    """Lengths 2, 5, 8 and 9 (> max_new_tokens=8) at budget 3: three iterations (versions 4, 5, 6) give the
+    completions one uncut generate gives, each token tagged with its iteration's version."""
+    cfg = Config()
+    cfg.max_new_tokens, cfg.samples_per_prompt, cfg.partial.budget_tokens = 8, 1, 3
+    eng = Scripted()
+    eng.calls = []
+    prompts = [[200], [500], [800], [900]]
+    state = advance(eng, None, prompts, False, 4, cfg, None, 0)
+    state = advance(eng, state, None, False, 5, cfg, None, 0)
+    state = advance(eng, state, None, True, 6, cfg, None, 0)
+    assert eng.calls == [(4, 1, 3), (3, 1, 3), (2, 1, 2)]     # rows still open: the 2-token one ended at once
+    whole = eng.generate(prompts, 1, cfg, None)                 # Config has temperature/top_p/max_new_tokens
+    for f in ("input_ids", "attention_mask", "completion_mask", "logprobs", "truncated"):
+        assert torch.equal(state[f], getattr(whole, f)), f
+    v = torch.tensor([4, 4, 4, 5, 5, 5, 6, 6])
+    assert (state["versions"] * state["completion_mask"]).tolist() == \
+           [(v * torch.tensor([1, 1] + [0] * 6)).tolist(), (v * torch.tensor([1] * 5 + [0] * 3)).tolist(),
+            v.tolist(), v.tolist()]
+    assert state["segments"].tolist() == [1, 2, 3, 3] and int(state["version0"]) == 4
+    cfg.partial.budget_tokens = 0                               # off: one call, the engine's rollout as it is
+    eng.calls = []
+    state = advance(eng, None, prompts, True, 0, cfg, None, 0)
+    assert eng.calls == [(4, 1, 8)] and torch.equal(state["input_ids"], whole.input_ids)
+
+
 def test_merge_pads_prompts_left_and_completions_right():
     a = Rollout(torch.tensor([[5, 6, 7]]), torch.tensor([[1, 1, 1]]), torch.tensor([[1.0]]), torch.tensor([[-1.0]]),
                 torch.tensor([True]), torch.tensor([0]))                          # P=2, C=1
@@ -84,6 +152,10 @@ def test_merge_pads_prompts_left_and_completions_right():
     (["mode=async", "algo.tis=token", "prompts_per_step=3", "rollout_ranks=2"], 3, True, "divisible by rollout_ranks"),
     (["mode=async", "algo.tis=token", "rollout_ranks=1"], 3, True, "trains on one rank for now"),
     (["mode=asynch"], 1, False, "'mode' must be one of sync, async"),
+    (["mode=async", "algo.tis=token", "partial.budget_tokens=-1"], 2, True, "'partial.budget_tokens' must be >= 0"),
+    (["partial.budget_tokens=4"], 1, False, "only mode=async has"),
+    (["mode=async", "algo.tis=token", "partial.budget_tokens=4", "partial.old_segments=drop"], 2, True,
+     "'partial.old_segments' must be one of weight, mask"),
 ])
 def test_bad_async_input_is_one_line(monkeypatch, args, world, torchrun_env, message):
     from config import parse
@@ -135,9 +207,12 @@ def test_every_algorithm_but_pairs_takes_behaviour_logprobs():
 # ------------------------------------------------------------------------------------ end to end (gloo)
 
 def test_staleness_zero_equals_the_synchronous_run(tmp_path):
+    """partial.budget_tokens=3 < max_new_tokens is set too: at max_staleness=0 no token may be a version old, so
+    no trajectory is cut and the run stays the synchronous one, exactly."""
     sync, asyn = tmp_path / "sync", tmp_path / "async"
     (rs, out_s), (ra, out_a) = launch([sys.executable, "train.py", *SMALL, f"out_dir={sync}"],
-                                      [*torchrun(2), *SMALL, "mode=async", "max_staleness=0", f"out_dir={asyn}"])
+                                      [*torchrun(2), *SMALL, "mode=async", "max_staleness=0", f"out_dir={asyn}",
+                                       "partial.budget_tokens=3"])
     assert rs == 0, out_s[-3000:]
     assert ra == 0, out_a[-3000:]
     a, b = step_rows(sync), step_rows(asyn)
@@ -146,35 +221,33 @@ def test_staleness_zero_equals_the_synchronous_run(tmp_path):
     for ra_, rb in zip(a, b):
         assert {k: v for k, v in ra_.items() if not k.startswith(TIMING)} == \
                {k: rb[k] for k in ra_ if not k.startswith(TIMING)}
-        assert rb["staleness/max"] == 0
-
-
-def test_two_async_runs_are_identical(tmp_path):
-    args = [*torchrun(3), *SMALL, "mode=async", "rollout_ranks=2", "max_staleness=1", "algo.tis=token"]
-    (r1, o1), (r2, o2) = launch([*args, f"out_dir={tmp_path / 'a'}"], [*args, f"out_dir={tmp_path / 'b'}"])
-    assert r1 == 0, o1[-3000:]
-    assert r2 == 0, o2[-3000:]
-    a, b = untimed(tmp_path / "a"), untimed(tmp_path / "b")
-    assert a == b and len(a) == 4
-    assert [r["staleness/max"] for r in a] == [0, 1, 1, 1]              # min(step - 1, max_staleness)
-    assert all("tis_weight" in r and math.isfinite(r["tis_weight"]) for r in a)
-    assert step_rows(tmp_path / "a")[-1]["time/rollout_idle"] >= 0
+        assert rb["staleness/max"] == 0 and rb["partial/segments"] == 1
 
 
 def test_kill_and_resume_is_exact(tmp_path):
-    """Trainer SIGKILLed in step 3's update, resumed; a rollout rank SIGKILLed generating step 5, resumed; the
-    result equals an uninterrupted run, in-flight batches (max_staleness=2) included."""
-    args = [*torchrun(2), *SMALL, "steps=6", "mode=async", "max_staleness=2", "algo.tis=token", "save_every=1"]
+    """Two rollout ranks, max_staleness=3, partial.budget_tokens=4 of max_new_tokens=8 (2 segments, so the rollout
+    iterations trail by 2 steps). Trainer SIGKILLed in step 3's update (checkpoint 2 holds steps 3 and 4's batches
+    and step 5's half-written trajectories), resumed; the rollout ranks SIGKILLed generating step 5, resumed; the
+    result equals an uninterrupted run, which also checks that two runs of one config are identical."""
+    args = [*torchrun(3), *SMALL, "steps=6", "mode=async", "rollout_ranks=2", "max_staleness=3", "algo.tis=token",
+            "partial.budget_tokens=4", "save_every=1"]
     base, killed = tmp_path / "base", tmp_path / "killed"
     (rb, ob), (rk, ok) = launch([*args, f"out_dir={base}"], [*args, f"out_dir={killed}"], crash_at=[None, "update:3"])
     assert rb == 0, ob[-3000:]
     assert rk != 0 and len(step_rows(killed)) == 2, ok[-3000:]              # step 3 never logged
+    with open(killed / "checkpoints" / "step_000002" / "meta.json") as f:
+        inflight = json.load(f)["extra"]["async"]
+    assert sorted(inflight["received"]) == ["3", "4"] and inflight["partial"] == [[5], [5]]
     ((rk, ok),) = launch([*args, f"out_dir={killed}"], crash_at=["generate:5"])
     # named, and no hang: by the trainer (async_rl.Link) or, when it stops the trainer first, by torchrun
-    assert rk != 0 and re.search(r"rollout rank 1 |rank\s*: 1 \(local_rank: 1\)", ok), ok[-3000:]
+    assert rk != 0 and re.search(r"rollout rank [12] |rank\s*: [12] \(local_rank: [12]\)", ok), ok[-3000:]
     ((rk, ok),) = launch([*args, f"out_dir={killed}"])
     assert rk == 0, ok[-3000:]
-    assert untimed(killed) == untimed(base)
+    rows = untimed(base)
+    assert untimed(killed) == rows and len(rows) == 6
+    assert [r["staleness/max"] for r in rows] == [0, 1, 2, 3, 3, 3]          # min(step - 1, max_staleness)
+    assert max(r["partial/frac"] for r in rows) > 0 and all(math.isfinite(r["tis_weight"]) for r in rows)
+    assert step_rows(base)[-1]["time/rollout_idle"] >= 0
 
 
 def test_planner_by_hand():
