@@ -27,6 +27,9 @@ Checkpoints (trainer rank 0): the usual state, plus the batches in flight (`infl
 generated for steps after the checkpoint's, which the trainer drains first; their weights no longer exist), the
 prompts already chosen and each rollout rank's sampling state; a resumed run hands those back to the rollout
 ranks, so kill -9 + resume continues exactly.
+Partial rollouts (partial.budget_tokens, docs/async.md): a trajectory may span segments(cfg) iterations, at most
+budget tokens in each but its last; rollout iterations then trail by lag = max_staleness - (segments - 1) steps, so
+that no token is older than max_staleness versions. The open trajectories ride with each batch and in checkpoints.
 Simplified: one trainer rank (no FSDP or replicate among trainers yet), evaluation on the trainer with its own
 engine, no checkpoint when a rollout rank dies (the run ends naming it; the last periodic checkpoint resumes).
 """

@@ -30,8 +30,10 @@ from engines.base import Rollout
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TIMING = ("time/", "tokens_per_s")
+# arithmetic.n_train: every rank tokenizes the whole training set at start (20000 prompts by default, ~3 s of a
+# CI core per rank); these runs draw at most 6 x 8 of them
 SMALL = ["steps=4", "eval_every=2", "eval_size=16", "prompts_per_step=8", "samples_per_prompt=4", "threads=1",
-         "progress=false", "reward_workers=1"]
+         "progress=false", "reward_workers=1", "arithmetic.n_train=256"]
 
 
 def torchrun(n: int) -> list[str]:
@@ -125,6 +127,31 @@ def test_partial_segments_join_into_the_whole_trajectory():
     eng.calls = []
     state = advance(eng, None, prompts, True, 0, cfg, None, 0)
     assert eng.calls == [(4, 1, 8)] and torch.equal(state["input_ids"], whole.input_ids)
+
+
+def test_old_segments_mask_or_weight_and_the_token_bound():
+    """Trainer version 5, max_staleness 2. Row 0 has two segments (versions 3, 3 | 4), row 1 one (3, 3, 3, 3):
+    mask keeps row 0's newest segment only and all of row 1; weight keeps every token (the TIS weight of each
+    uses its own behaviour log-prob); a token of version 2 (3 old) stops the step."""
+    from types import SimpleNamespace
+
+    from async_rl import Trainer
+    t = Trainer.__new__(Trainer)
+    t.cfg, t.r = Config(), SimpleNamespace(learner=SimpleNamespace(version=5))
+    t.cfg.max_staleness, t.cfg.partial.budget_tokens = 2, 2
+    msgs = [{"token_versions": torch.tensor([[3, 3, 4, 0], [3, 3, 3, 3]]), "segments": torch.tensor([2, 1])}]
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 1, 1]])
+    batch = SimpleNamespace(completion_mask=mask.clone())
+    m = t.check_tokens(1, msgs, batch)
+    assert torch.equal(batch.completion_mask, mask) and "partial/masked_frac" not in m
+    assert m["partial/frac"] == 0.5 and m["partial/segments"] == 1.5
+    assert m["staleness/token_mean"] == pytest.approx((2 + 2 + 1 + 2 * 4) / 7)
+    t.cfg.partial.old_segments = "mask"
+    m = t.check_tokens(1, msgs, batch)
+    assert batch.completion_mask.tolist() == [[0, 0, 1, 0], [1, 1, 1, 1]] and m["partial/masked_frac"] == 2 / 7
+    msgs[0]["token_versions"][1, 0] = 2
+    with pytest.raises(RuntimeError, match="a token is 3 versions old"):
+        t.check_tokens(1, msgs, SimpleNamespace(completion_mask=mask.clone()))
 
 
 def test_merge_pads_prompts_left_and_completions_right():
