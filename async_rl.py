@@ -463,7 +463,14 @@ class Trainer:
         self.partials = [{s: {k.split("/")[3]: v for k, v in tensors.items() if k.startswith(f"partial/{j}/{s}/")}
                           for s in steps} for j, steps in enumerate(meta.get("partial", [[]] * self.link.K))]
         for s, msgs in meta["received"].items():
-            self.received[int(s)] = [{**m, "rollout": {f.name: tensors.get(f"batch/{s}/{j}/{f.name}")
-                                                       for f in fields(Rollout)},
-                                      **{k: tensors[f"msg/{s}/{j}/{k}"] for k in ("token_versions", "segments")}}
-                                     for j, m in enumerate(msgs)]
+            self.received[int(s)] = [self.reload(m, tensors, f"{s}/{j}") for j, m in enumerate(msgs)]
+
+    @staticmethod
+    def reload(m: dict, tensors: dict, key: str) -> dict:
+        """One saved rollout-rank message. A checkpoint from before partial rollouts has no per-token versions:
+        its batches were written in one piece, by m["version"]."""
+        rollout = {f.name: tensors.get(f"batch/{key}/{f.name}") for f in fields(Rollout)}
+        cm = rollout["completion_mask"]
+        return {**m, "rollout": rollout,
+                "token_versions": tensors.get(f"msg/{key}/token_versions", torch.full(cm.shape, m["version"])),
+                "segments": tensors.get(f"msg/{key}/segments", torch.ones(len(cm), dtype=torch.long))}
