@@ -132,7 +132,8 @@ class FastDecoder:
     # --- the model, by hand ---------------------------------------------------------------------
     def _forward(self, ids: Tensor, pos: Tensor, slots: Tensor, key_ok: Tensor, ks: list[Tensor], vs: list[Tensor],
                  cos: Tensor, sin: Tensor) -> Tensor:
-        """ids, pos (B, T); writes these T tokens' K/V at cache slots (T,) of ks, vs (per layer (B, nkv, S, D));
+        """ids, pos (B, T); writes these T tokens' K/V at cache slots (T,), or (B, T) per row, of ks, vs (per layer
+        (B, nkv, S, D));
         key_ok (B, 1, T, S) says which slots each query may see; cos, sin (S, D) rotary tables.
         Returns the last token's logits (B, V)."""
         m = self.model.model
@@ -145,7 +146,7 @@ class FastDecoder:
         for i, layer in enumerate(m.layers):
             a, mlp, (w_qkv, b_qkv, w_gu, b_gu, w_o, w_down) = layer.self_attn, layer.mlp, self.fused[i]
             qkv = F.linear(layer.input_layernorm(x), w_qkv, b_qkv)          # (B, T, (nh + 2 nkv) D): one GEMM
-            if self.attention == "kernel" and T == 1:   # decode: rotary, cache write and attention in one kernel
+            if self.attention == "kernel" and T == 1 and slots.dim() == 1:   # decode: rotary, cache write, attention
                 o = decode_attention_kernel(qkv.view(B, -1), cos, sin, pos.view(B), ks[i], vs[i], key_ok[:, 0, 0], slots,
                                a.scaling).view(B, T, nh * D)
             else:
@@ -157,8 +158,8 @@ class FastDecoder:
 
     def _attend(self, qkv: Tensor, rot: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                 key_ok: Tensor, scale: float) -> Tensor:
-        """Layer by layer: qkv (B, T, (nh + 2 nkv) D) -> rotary, cache write at slots (T,), attention (B, T, nh D).
-        The prefill's route, and the decode's with attention="sdpa" or "matmul"."""
+        """Layer by layer: qkv (B, T, (nh + 2 nkv) D) -> rotary, cache write at slots (T,) (or per row (B, T): a
+        multi-turn chunk), attention (B, T, nh D). The prefill's route, and the decode's with attention="sdpa" or "matmul"."""
         B, T, _ = qkv.shape
         nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
         q, k, v = qkv.split([nh * D, nkv * D, nkv * D], dim=-1)
@@ -166,8 +167,13 @@ class FastDecoder:
         k = k.view(B, T, nkv, D).transpose(1, 2)                             # (B, nkv, T, D)
         v = v.view(B, T, nkv, D).transpose(1, 2)
         q, k = rotate(q, *rot), rotate(k, *rot)
-        k_cache.index_copy_(2, slots, k)
-        v_cache.index_copy_(2, slots, v)
+        if slots.dim() == 1:
+            k_cache.index_copy_(2, slots, k)
+            v_cache.index_copy_(2, slots, v)
+        else:   # each row's chunk at its own slots (B, T)
+            at = slots[:, None, :, None].expand(B, nkv, T, D)
+            k_cache.scatter_(2, at, k.to(k_cache.dtype))
+            v_cache.scatter_(2, at, v.to(v_cache.dtype))
         if self.attention == "matmul":
             return attend(q, k_cache, v_cache, key_ok, scale)
         o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=key_ok, scale=scale, enable_gqa=True)
@@ -196,10 +202,10 @@ class FastDecoder:
                         own(a.o_proj, old[4]), own(mlp.down_proj, old[5])))
         self.fused = new
 
-    def _state(self, B: int, S: int, N: int, graph_sampling: bool, device, dtype) -> dict:
+    def _state(self, B: int, S: int, N: int, graph_sampling: bool, device, dtype, turns: bool = False) -> dict:
         """Cache and static buffers for batch B, S cache slots and N new tokens (a graph reads and writes only
-        these, so each replay sees the current token, position and sampling step)."""
-        key = (B, S, N, graph_sampling)
+        these, so each replay sees the current token, position and sampling step); turns: the multi-turn step's."""
+        key = (B, S, N, graph_sampling, turns)
         if key not in self.states:
             if len(self.states) >= 2:             # bound memory: e.g. one training and one evaluation shape
                 self.states.pop(next(iter(self.states)))
@@ -219,6 +225,8 @@ class FastDecoder:
                 "inv_t": zeros(1, dtype=torch.float32), "seed": zeros(1, dtype=torch.long),
                 "completion": zeros(B, N, dtype=torch.long), "alive": zeros(B, N, dtype=torch.bool),
                 "logprobs": zeros(B, N, dtype=torch.float32), "done": zeros(B, dtype=torch.bool),
+                # multi-turn: which rows still write this turn, and how many tokens each may still write
+                "gen": zeros(B, dtype=torch.bool), "left": zeros(B, dtype=torch.long), "turns": turns,
                 "graph_sampling": graph_sampling, "graph": None, "logits": None}
         return self.states[key]
 
@@ -263,18 +271,19 @@ class FastDecoder:
     def _capture(self, st: dict):
         # warm up on a side stream (compiles, creates cuBLAS handles), then record one step; replays re-run it.
         # The warm-up steps write garbage into the buffers; sample() resets them all before the real decode.
+        decode = self._decode_turn if st["turns"] else self._decode
         try:
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
                 for _ in range(1 if self.captured else 3):
                     self._rewind(st)
-                    self._decode(st)
+                    decode(st)
             torch.cuda.current_stream().wait_stream(s)
             self._rewind(st)
             st["graph"] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(st["graph"]):
-                st["logits"] = self._decode(st)
+                st["logits"] = decode(st)
             self.captured = True
         except Exception as e:    # a compiler that fails on this machine costs speed, never the run
             if self._step is self._forward:
@@ -352,3 +361,125 @@ class FastDecoder:
             self.release()                   # the views above keep only these small buffers alive
             return out
         return tuple(t.clone() for t in out)   # the next call overwrites kept buffers
+
+    # --- multi-turn: episodes continue in the same cache (engines/multiturn.py drives the turns) ----------
+    @torch.no_grad()
+    def start_episodes(self, prompts: list[list[int]], room: list[int], N: int, sampling, eos_id: int, pad_id: int,
+                       generator: torch.Generator | None = None):
+        """Allocate the cache for B episodes (prompt b plus room[b] more tokens each, N per turn at most) and
+        prefill the prompts. Then decode_turn() and feed() alternate; finish() frees the cache."""
+        B, device = len(prompts), next(self.model.parameters()).device
+        R = max(len(p) + r for p, r in zip(prompts, room))
+        # + N: a turn decodes at shared slots after the longest row; + 1: the spare slot padding writes to
+        S = -(-(R + N + 1) // 64) * 64
+        self.eos_id, self.pad_id, self.N, self.generator = eos_id, pad_id, N, generator
+        self.sampling, graph_sampling = sampling, sampling.top_p >= 1.0     # as in sample()
+        st = self.turns = self._state(B, S, N, graph_sampling, device, next(self.model.parameters()).dtype, turns=True)
+        self.refresh()
+        if self.use_graph and st["graph"] is None:
+            self._capture(st)
+        st["key_ok"].zero_()
+        st["pos"].zero_()
+        st["inv_t"].fill_(1.0 / sampling.temperature)
+        self.feed(prompts)
+
+    def _compact(self, st: dict):
+        """Move each row's visible slots to the front, in order (attention does not care where a key sits): then
+        a row's slot is its position, and the holes its waits left (pad columns) are free again."""
+        ok = st["key_ok"][:, 0, 0]                                                  # (B, S)
+        order = torch.sort((~ok).to(torch.uint8), dim=1, stable=True).indices      # (B, S) visible slots first
+        at = order[:, None, :, None]
+        for cache in st["k"] + st["v"]:                                             # (B, nkv, S, D) each
+            cache.copy_(cache.gather(2, at.expand_as(cache)))
+        ok.copy_(ok.gather(1, order))
+
+    @torch.no_grad()
+    def feed(self, chunks: list[list[int]]):
+        """Append each row's chunk of tokens ([] for a row that waits) after its last real token, all rows in one
+        forward (no re-prefill of the history); keeps the logits after each row's last token for the next turn."""
+        st = self.turns
+        self._compact(st)
+        B, S, device = st["key_ok"].shape[0], st["key_ok"].shape[-1], st["pos"].device
+        W = max(1, max(len(c) for c in chunks))
+        ids = torch.full((B, W), self.pad_id, dtype=torch.long)
+        real = torch.zeros((B, W), dtype=torch.bool)
+        for b, c in enumerate(chunks):   # left-padded: the last column is every fed row's last token
+            if c:
+                ids[b, W - len(c):], real[b, W - len(c):] = torch.tensor(c, dtype=torch.long), True
+        ids, real = ids.to(device), real.to(device)                                 # (B, W)
+        start = st["pos"].clone()                                                   # (B, 1) = first free slot
+        pos = start + (real.cumsum(-1) - 1).clamp(min=0)                            # (B, W) real tokens before
+        slots = torch.where(real, pos, S - 1)                                       # pads: the spare last slot
+        at = torch.arange(S, device=device)
+        chunk = (at >= start[:, :, None]) & (at <= pos[:, :, None]) & real[:, :, None]   # (B, W, S) causal
+        key_ok = st["key_ok"][:, 0] | chunk | (at == slots[:, :, None])           # a pad query sees itself
+        self.logits = self._forward(ids, pos, slots, key_ok[:, None], st["k"], st["v"], st["cos"], st["sin"])
+        n = real.sum(-1, keepdim=True)                                              # (B, 1)
+        st["key_ok"][:, 0, 0] |= (at >= start) & (at < start + n)
+        st["pos"] += n
+
+    def _decode_turn(self, st: dict):
+        """The multi-turn decode step: forward each writing row's last token; rows that wait forward padding
+        that stays invisible and do not advance their position. Then (graph_sampling) sample the next token."""
+        gen = st["gen"]
+        st["key_ok"].index_copy_(3, st["slot"], gen.view(-1, 1, 1, 1))
+        logits = self._step(st["tok"], st["pos"], st["slot"], st["key_ok"], st["k"], st["v"], st["cos"], st["sin"])
+        st["pos"] += gen[:, None]
+        st["slot"] += 1
+        if st["graph_sampling"]:
+            self._take_turn(st, *self._sample(logits, st))
+        return logits
+
+    def _take_turn(self, st: dict, tok: Tensor, logp: Tensor):
+        """Write column t for the writing rows; a row stops at its end-of-turn token or its budget. On the device."""
+        gen = st["gen"]
+        tok = torch.where(gen, tok, self.pad_id)                                    # (B,)
+        st["completion"].index_copy_(1, st["t"], tok[:, None])
+        st["alive"].index_copy_(1, st["t"], gen[:, None])
+        st["logprobs"].index_copy_(1, st["t"], torch.where(gen, logp, 0.0)[:, None])
+        gen &= (tok != self.eos_id) & (st["t"] + 1 < st["left"])
+        st["tok"].copy_(tok[:, None])
+        st["t"] += 1
+
+    @torch.no_grad()
+    def decode_turn(self, writing: list[bool], left: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One assistant turn for the rows that write (left[b]: tokens row b may still write). -> on the CPU:
+        tokens (B, N), written (B, N) bool, their log-probs (B, N), still (B,) bool: rows stopped by N alone."""
+        st, N, sampling = self.turns, self.N, self.sampling
+        first, S = int(st["pos"].max()), st["key_ok"].shape[-1]
+        if first + N >= S:
+            raise RuntimeError(f"fast_decode: the turn would pass the cache's {S} slots (at {first} + {N})")
+        st["slot"].fill_(first)                                  # shared slots after every row's last token
+        st["gen"].copy_(torch.tensor(writing))
+        st["left"].copy_(torch.tensor(left))
+        st["t"].zero_()
+        if st["graph_sampling"]:                                 # the kernel's noise: new for every turn
+            where = self.generator.device if self.generator is not None else "cpu"
+            st["seed"].fill_(int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator, device=where)))
+        st["completion"].fill_(self.pad_id)
+        st["alive"].zero_()
+        st["logprobs"].zero_()
+        logits = self.logits
+        for t in range(N):
+            if t:
+                if t % self.check_every == 0 and not bool(st["gen"].any()):   # one host sync per check_every
+                    break
+                if st["graph"] is not None:
+                    st["graph"].replay()
+                    logits = st["logits"]
+                else:
+                    logits = self._decode_turn(st)
+            if t == 0 and st["graph_sampling"]:                  # the first token: from the fed chunk's logits
+                self._take_turn(st, *self._sample(logits, st))
+            elif not st["graph_sampling"]:
+                scaled = logits.float() / sampling.temperature                       # (B, V)
+                probs = torch.softmax(top_p_filter(scaled, sampling.top_p), -1)
+                tok = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+                self._take_turn(st, tok, torch.log_softmax(scaled, -1).gather(-1, tok[:, None]).squeeze(-1))
+        return st["completion"].cpu(), st["alive"].cpu(), st["logprobs"].cpu(), st["gen"].cpu()
+
+    def finish(self):
+        """The episodes are over: free the cache unless keep_cache."""
+        self.turns, self.logits = None, None
+        if not self.keep_cache:
+            self.release()

@@ -21,9 +21,15 @@ Budgets: max_turns, max_new_tokens per turn, env.max_tokens per episode and the 
 past one is cut and flagged truncated, never an error. An environment step that raises, hangs, returns the
 wrong type or a huge observation ends its episode as a recorded failure (reward_failures.jsonl, env_fail/*
 metrics) and that episode gets no loss (its completion_mask is zeroed): the environment broke, not the policy.
-Simplified: the portable transformers-cache loop only (CPU, or GPU without the CUDA-graph fast path); rows
-that finished their turn early idle until the batch's longest turn ends.
+Two decoders run this loop. The portable one (_Decoder: transformers' cache, a token a step) on CPU and for
+models the fast path does not cover; on CUDA, for the models engines/fast_decode.py supports, its FastDecoder
+(preallocated per-layer caches, the CUDA-graphed decode step): a whole turn runs on the device with one host
+sync per check_every tokens (decode_turn), rows whose turn ended wait masked, and each observation chunk is
+written into the same cache after the row's last token (feed, which first compacts the cache so that the
+waits' holes are reused). Both keep positions = real-token counts, so either's log-probs are the trainer's.
+Rows that finished their turn early idle until the batch's longest turn ends.
 """
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +39,7 @@ import distributed
 from config import UserError
 from engines.base import Rollout, SamplingParams, left_pad, top_p_filter
 from engines.builtin import _cache_kw, _cache_of
+from engines.fast_decode import FastDecoder, supported
 from envs.pool import EnvPool
 from envs.tools import check_tools
 from models import context_length, position_ids
@@ -87,8 +94,12 @@ class Renderer:
 class MultiTurn:
     """The sampler train.py uses when env.name is set: generate (episodes), score (their returns), evaluate."""
 
-    def __init__(self, model, tok, cfg):
+    def __init__(self, model, tok, cfg, fast: bool | None = None, cut_turns: bool = False):
+        """fast: the GPU fast path (engines/fast_decode.py); None = on CUDA for the models it supports.
+        cut_turns: a turn that reaches max_new_tokens without its end-of-turn token ends the turn (the environment
+        answers the text so far) rather than the episode; W4 (tools/bench.py) uses it for fixed work."""
         self.model, self.tok, self.cfg, self.env = model, tok, cfg, cfg.env
+        self.fast, self.cut_turns, self.decoder = fast, cut_turns, None
         if cfg.engine != "builtin":
             raise UserError(f"env.name={cfg.env.name} runs episodes on the builtin engine's model; engine={cfg.engine} "
                             "has no multi-turn generate yet")
@@ -118,13 +129,17 @@ class MultiTurn:
         model = self.model
         was_training = model.training
         model.eval()
+        device = next(model.parameters()).device
+        fast = self.fast or (self.fast is None and device.type == "cuda" and supported(model))
+        if fast:
+            self.decoder = self.decoder or FastDecoder(model)
         try:   # layers compiled for training (compile=true) would recompile at every new cache length
-            with torch.compiler.set_stance("force_eager"):
-                return self._episodes([r for r in rows for _ in range(n)], len(rows), n, sampling, generator)
+            with contextlib.nullcontext() if fast else torch.compiler.set_stance("force_eager"):
+                return self._episodes([r for r in rows for _ in range(n)], len(rows), n, sampling, generator, fast)
         finally:
             model.train(was_training)
 
-    def _episodes(self, rows, n_prompts, n, sampling, generator) -> Episodes:
+    def _episodes(self, rows, n_prompts, n, sampling, generator, fast: bool) -> Episodes:
         B, cfg = len(rows), self.env
         ep = _Batch(B)
         resets = self.pool.run([("reset", r) for r in rows])
@@ -139,15 +154,23 @@ class MultiTurn:
         ids, mask = left_pad(prompts, self.pad_id)                                     # (B, P)
         context = context_length(self.model)
         room = [min(cfg.max_tokens, context - len(p)) for p in prompts]              # completion tokens allowed
-        dec = _Decoder(self.model, ids, mask, self.pad_id)
-        pending = [[] for _ in range(B)]
-        for turn in range(cfg.max_turns):
-            ended = self._turn(dec, ep, pending, room, sampling, generator)            # 2. the policy's turn
-            self._step(ep, ended, room, pending, last_turn=turn == cfg.max_turns - 1)  # 3. the environments
-            if not any(ep.active):
-                break
-            dec.feed([p if a else [] for p, a in zip(pending, ep.active)])             # 4. observations
+        if fast:
+            dec = self.decoder
+            dec.start_episodes(prompts, room, self.cfg.max_new_tokens, sampling, self.eos_id, self.pad_id, generator)
+        else:
+            dec = _Decoder(self.model, ids, mask, self.pad_id)
+        try:
             pending = [[] for _ in range(B)]
+            for turn in range(cfg.max_turns):
+                ended = (self._fast_turn if fast else self._turn)(dec, ep, pending, room, sampling, generator)  # 2.
+                self._step(ep, ended, room, pending, last_turn=turn == cfg.max_turns - 1)  # 3. the environments
+                if not any(ep.active):
+                    break
+                dec.feed([p if a else [] for p, a in zip(pending, ep.active)])             # 4. observations
+                pending = [[] for _ in range(B)]
+        finally:
+            if fast:
+                dec.finish()
         return ep.rollout(ids, mask, self.pad_id, n_prompts, n, self.name)
 
     def _turn(self, dec, ep, pending, room, sampling, generator) -> list[int]:
@@ -178,7 +201,28 @@ class MultiTurn:
                 return ended
             dec.feed(chunk)
         for b in gen.nonzero().flatten().tolist():   # no end-of-turn within max_new_tokens: the episode is cut
-            ep.stop(b, truncated=True)
+            if self.cut_turns:                       # (or only the turn: its last token is already in the cache)
+                ended.append(b)
+            else:
+                ep.stop(b, truncated=True)
+        return ended
+
+    def _fast_turn(self, dec, ep, pending, room, sampling, generator) -> list[int]:
+        """_turn on the fast path: the whole turn runs on the device (engines/fast_decode.py: decode_turn), then the
+        rows' tokens come back at once. A row's last token (its end-of-turn) is not in the cache yet: it is pending."""
+        B = len(ep.tokens)
+        ep.turn_start = [len(t) for t in ep.tokens]
+        toks, written, logps, still = dec.decode_turn(ep.active, [room[b] - len(ep.tokens[b]) for b in range(B)])
+        ended = []
+        for b in (b for b in range(B) if ep.active[b]):
+            row, lp = toks[b][written[b]].tolist(), logps[b][written[b]].tolist()
+            for t, x in zip(row, lp):
+                ep.add(b, t, x, model=True)
+            if row[-1] == self.eos_id or (still[b] and self.cut_turns):
+                ended.append(b)
+                pending[b] = [row[-1]]
+            else:   # out of the episode's budget, or of max_new_tokens
+                ep.stop(b, truncated=True)
         return ended
 
     def _step(self, ep, ended: list[int], room, pending, last_turn: bool):

@@ -16,6 +16,7 @@ from buffer import Experience
 from config import AGG_MODES, AlgoConfig, Config
 from conftest import make_random_model
 from engines.base import SamplingParams
+from engines.fast_decode import FastDecoder
 from engines.multiturn import MultiTurn, Renderer
 from envs.pool import EnvPool
 from envs.tools import calculator, call_tools, parse_hermes, parse_tags
@@ -81,6 +82,70 @@ def test_sampling_logprobs_are_the_teacher_forced_ones_over_the_whole_episode(ep
     assert torch.allclose(ro.turn_rewards.sum(-1), rewards) and (rewards == 0.5 * torch.tensor(ro.info["turns"])).all()
     assert info["metrics"]["tokens/in_loss"] == ro.completion_mask.sum().item()
     assert info["metrics"]["tokens/out_of_loss"] == obs.sum().item()
+
+
+def both_paths(model, tok, sampling, check_every=1, cut_turns=False, attention="kernel", device="cpu"):
+    """The same seeded echo episodes through the portable loop and the fast path (on CPU: no graph, no compile)."""
+    out = []
+    for fast in (False, True):
+        mt = sampler(model, tok, "echo", args="turns=3")
+        mt.fast, mt.cut_turns = fast, cut_turns
+        mt.decoder = FastDecoder(model, check_every=check_every, attention=attention) if fast else None
+        try:
+            out.append(mt.generate([], [{"prompt": "?"}, {"prompt": "??"}, {"prompt": "?"}], 4, sampling,
+                                   torch.Generator(device).manual_seed(0)))
+        finally:
+            mt.close()
+        assert fast == (mt.decoder is not None and mt.decoder.states == {})   # the fast path ran, then freed its cache
+    return out
+
+
+def assert_teacher_forced(model, ro, tol=1e-4):
+    C = ro.completion_mask.shape[1]
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, ro.input_ids.to(model.device), ro.attention_mask.to(model.device), C)
+    assert ((logp.cpu() - ro.logprobs) * ro.completion_mask).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("attention,cut_turns", [("kernel", False), ("sdpa", True)])
+def test_fast_path_gives_the_portable_loops_episodes(episodes, attention, cut_turns):
+    """top_p < 1 samples eagerly with the caller's generator on both paths: with a check every token they draw
+    alike, so the episodes are the same token for token, ending at different turns; cut_turns: a turn that hits
+    max_new_tokens continues the episode."""
+    model, tok = episodes[:2]
+    slow, fast = both_paths(model, tok, SamplingParams(1.0, 0.95, 6), cut_turns=cut_turns, attention=attention)
+    assert torch.equal(slow.input_ids, fast.input_ids) and torch.equal(slow.attention_mask, fast.attention_mask)
+    assert torch.equal(slow.completion_mask, fast.completion_mask) and torch.equal(slow.truncated, fast.truncated)
+    assert (slow.logprobs - fast.logprobs).abs().max() <= 1e-5 and slow.info["turns"] == fast.info["turns"]
+    turns, C = torch.tensor(fast.info["turns"]), fast.completion_mask.shape[1]
+    eots = ((fast.input_ids[:, -C:] == tok.eos_token_id) & fast.completion_mask.bool()).sum(-1)   # (B,)
+    if cut_turns:   # every echo episode lasts its 3 turns, some of which ended at max_new_tokens
+        assert (turns == 3).all() and (eots < 3).any(), (turns, eots)
+    else:
+        assert len(set(turns.tolist())) > 1, turns
+    assert_teacher_forced(model, fast)
+
+
+def test_fast_path_in_graph_sampling_logprobs_are_the_teacher_forced_ones(episodes):
+    """top_p = 1: the decode step samples on the device (kernels/sample.py), new noise each turn."""
+    model, tok = episodes[:2]
+    fast = both_paths(model, tok, SamplingParams(1.0, 1.0, 6), check_every=4)[1]
+    assert len(set(fast.info["turns"])) > 1 and (fast.completion_mask.sum(-1) > 0).all(), fast.info["turns"]
+    assert_teacher_forced(model, fast)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fast_path_on_gpu_with_graph_and_compile(tmp_path):
+    """The CUDA-graphed, compiled step (the Triton decode-attention and sampling kernels), float32."""
+    path = make_random_model(str(tmp_path / "m"), vocab_chars=CHARS)
+    model, tok = load_model(path, torch.device("cuda"), torch.float32)
+    model = eos_happy(model, tok.eos_token_id).cuda()
+    slow, fast = both_paths(model, tok, SamplingParams(1.0, 0.95, 6), device="cuda")
+    assert torch.equal(slow.input_ids, fast.input_ids) and slow.info["turns"] == fast.info["turns"]
+    assert_teacher_forced(model, fast)
+    fast = both_paths(model, tok, SamplingParams(1.0, 1.0, 6), check_every=16, device="cuda")[1]
+    assert len(set(fast.info["turns"])) > 1, fast.info["turns"]
+    assert_teacher_forced(model, fast)
 
 
 def batch_from(ro, rewards, seed=0) -> Experience:
