@@ -22,6 +22,9 @@ Parts, each in its own process (clean peak-memory counters):
   engine  the built-in engine alone on the same batch: fast path (graph + compile) with each attention, with the
           cache kept between calls, and the plain loop;
           sampling log-probs vs teacher-forced ones; a torch.profiler summary of one rollout and one update
+  w4      W4 (not in the default --parts): multi-turn episodes on the fast path against the single-turn rollout of
+          the same length, and the portable multi-turn loop (not with --fast-only); `bash tools/gpu_w4.sh OUT` runs
+          it with the GPU tests of tests/test_multiturn.py
   hf      transformers `generate`, default (dynamic) cache and cache_implementation="static"
   trl     TRL's GRPOTrainer with W1's peer settings (docs/benchmarks.md), when trl is importable; --trl-ckpt also
           runs it with gradient checkpointing
@@ -73,9 +76,24 @@ def cheap_reward(prompt: str, completion: str, **_) -> float:
 
 # Registered by the module 'bench' only (see the bottom): reward workers import a reward by its module's name,
 # and a worker cannot import '__main__' (every reward failed to start while the script registered them itself).
+class BenchEcho:
+    """W4's environment: answers every turn with `obs` digits (one token each under the bench tokenizer) and never
+    ends an episode itself (env.max_turns does), so the work is fixed."""
+
+    def __init__(self, obs: int = 16):
+        self.obs = obs
+
+    def reset(self, fields: dict) -> str:
+        return fields["prompt"]
+
+    def step(self, action: str):
+        return "".join(str(1 + i % 9) for i in range(self.obs)), 0.0, False, {}
+
+
 if __name__ != "__main__":
     register("task", "bench_random")(random_prompts)
     register("reward", "bench_cheap")(cheap_reward)
+    register("env", "bench_echo")(BenchEcho)   # the environment workers import it from the module 'bench' too
 
 
 def build_model(path: str, dtype: torch.dtype):
@@ -315,7 +333,81 @@ def part_trl(a) -> dict:
                                               "gradient_checkpointing", "loss_type")}, **cuda_info()}
 
 
-PARTS = {"ours": part_ours, "engine": part_engine, "hf": part_hf, "trl": part_trl, "trl-ckpt": part_trl}
+def part_w4(a) -> dict:
+    """W4: W1's 128 sequences as episodes of 4 turns of W['new'] / 4 tokens with 16-token observations between
+    (engines/multiturn.py, cut_turns: the turns end at max_new_tokens), against W1's single-turn rollout of the
+    same W['new'] tokens, in tokens/s of model-written tokens; the portable loop for reference."""
+    from config import Config
+    from engines.base import SamplingParams
+    from engines.builtin import BuiltinEngine
+    from engines.fast_decode import FastDecoder
+    from engines.multiturn import MultiTurn
+    from models import completion_logprobs, encode_prompts
+    model, tok = load(a)
+    gpu, turns = torch.cuda.is_available(), 4
+    cfg = Config()
+    cfg.max_new_tokens, obs = W["new"] // turns, 2 if a.small else 16
+    cfg.env.name, cfg.env.args, cfg.env.max_turns = "bench_echo", f"obs={obs}", turns
+    cfg.env.max_tokens, cfg.env.workers, cfg.env.memory_mb = W["new"] + turns * obs, 2, 0   # workers import torch
+    texts = prompt_texts(128)[:W["prompts"]]
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    variants = [("multi-turn: fast path" + (" (graph + compile)" if gpu else " (eager, CPU)"), True),
+                ("single-turn W1 rollout: fast path" + (" (graph + compile)" if gpu else " (eager, CPU)"), None),
+                ("multi-turn: portable loop", False)]
+    res = {}
+    for name, fast in variants[:2] if a.fast_only else variants:
+        env_s = []
+        if fast is None:
+            engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, fast=True)
+            engine.decoder = FastDecoder(model, use_graph=gpu)
+            fn = lambda: engine.generate(encode_prompts(tok, texts), W["samples"], SamplingParams(1.0, 1.0, W["new"]), gen)
+        else:
+            mt = MultiTurn(model, tok, cfg, fast=fast, cut_turns=True)
+            mt.decoder = FastDecoder(model, use_graph=gpu) if fast else None
+            run = mt.pool.run
+
+            def timed_run(jobs, run=run):   # the environments' share of a rollout
+                t0 = time.perf_counter()
+                out = run(jobs)
+                env_s[-1] += time.perf_counter() - t0
+                return out
+            mt.pool.run = timed_run
+            fn = lambda: env_s.append(0.0) or mt.generate([], [{"prompt": t} for t in texts], W["samples"],
+                                                           SamplingParams(1.0, 1.0, W["new"]), gen)
+        first, times, r = timed(fn, a.repeats if fast is not False else 1)
+        if fast is not None:
+            mt.close()
+        C, written = r.completion_mask.shape[1], float(r.completion_mask.sum())
+        with torch.no_grad():   # sampling log-probs vs the trainer's teacher-forced ones (bf16 on GPU)
+            logp, _ = completion_logprobs(model, r.input_ids.to(model.device), r.attention_mask.to(model.device), C)
+        diff = (logp.float().cpu() - r.logprobs).abs() * r.completion_mask
+        res[name] = {"first_s": first, "times_s": times, "median_s": statistics.median(times),
+                     "model_tokens": written, "model_tokens_per_s": written / statistics.median(times),
+                     "sequence_len": C, "env_s_per_call": statistics.median(env_s[1:]) if env_s else None,   # after the warm-up
+                     "turns": statistics.mean(r.info["turns"]) if fast is not None else 1,
+                     "logprob_diff_mean": float(diff.sum() / r.completion_mask.sum()), "logprob_diff_max": float(diff.max())}
+    return {"w4": res, **cuda_info()}
+
+
+def w4_table(results: dict) -> list[str]:
+    """W4's rows and its ratio (docs/benchmarks.md: goal >= 0.7)."""
+    res = results.get("w4", {}).get("w4", {})
+    if not res:
+        return []
+    lines = ["", f"| W4: {W['prompts'] * W['samples']} sequences, {W['new']} model tokens each | median | first call | "
+                 "model tokens/s | turns | env steps / call | logprob diff mean / max |", "|---|---|---|---|---|---|---|"]
+    for name, r in res.items():
+        env = f"{r['env_s_per_call']:.3f} s" if r["env_s_per_call"] is not None else ""
+        lines.append(f"| {name} | {r['median_s']:.3f} s | {r['first_s']:.1f} s | {r['model_tokens_per_s']:,.0f} | "
+                     f"{r['turns']:.1f} | {env} | {r['logprob_diff_mean']:.4f} / {r['logprob_diff_max']:.3f} |")
+    multi, single = (next((r for k, r in res.items() if k.startswith(p)), None) for p in ("multi-turn: fast", "single"))
+    if multi and single:
+        lines += ["", f"W4 ratio, multi-turn / single-turn model tokens/s: **{multi['model_tokens_per_s'] / single['model_tokens_per_s']:.3f}** "
+                      f"(goal >= 0.7; device {results['w4'].get('device', '?')})"]
+    return lines
+
+
+PARTS = {"ours": part_ours, "w4": part_w4, "engine": part_engine, "hf": part_hf, "trl": part_trl, "trl-ckpt": part_trl}
 
 
 def describe(variant: str) -> str:
@@ -377,6 +469,7 @@ def table(results: dict, a) -> str:
     if prof:
         lines += [""] + [f"profile {k}: wall {v['wall_s_profiled']:.3f} s, GPU kernels {v['gpu_kernel_s']:.3f} s; top: "
                          + "; ".join(f"{n[:40]} {t:.3f}s" for n, t, _ in v["top"][:4]) for k, v in prof.items()]
+    lines += w4_table(results)
     return "\n".join(lines) + "\n"
 
 
