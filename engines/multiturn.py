@@ -61,6 +61,7 @@ class Renderer:
         self.tok, self.eos_id, self.schemas = tok, eos_id, tool_schemas or None
         self.chat = bool(getattr(tok, "chat_template", None))
         self.frames = {}   # role -> (text before, text after) the observation
+        self.seen = {}     # (text, role) -> ids
 
     def _ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
@@ -72,6 +73,15 @@ class Renderer:
         return self._ids(text)
 
     def observation(self, text: str, role: str) -> list[int]:
+        """The ids of an observation; environments repeat theirs ("higher", "lower"): those are tokenized once."""
+        key = (text, role)
+        if key not in self.seen:
+            if len(self.seen) >= 4096:
+                self.seen.clear()
+            self.seen[key] = self._observation(text, role)
+        return list(self.seen[key])
+
+    def _observation(self, text: str, role: str) -> list[int]:
         if not self.chat:
             return self._ids(text)
         if role not in self.frames:   # render a dummy exchange with and without the message; keep the difference
@@ -213,11 +223,11 @@ class MultiTurn:
         B = len(ep.tokens)
         ep.turn_start = [len(t) for t in ep.tokens]
         toks, written, logps, still = dec.decode_turn(ep.active, [room[b] - len(ep.tokens[b]) for b in range(B)])
-        ended = []
+        ended, n = [], written.sum(-1).tolist()           # a row writes columns 0 .. n - 1, then stops
+        toks, logps, still = toks.tolist(), logps.tolist(), still.tolist()
         for b in (b for b in range(B) if ep.active[b]):
-            row, lp = toks[b][written[b]].tolist(), logps[b][written[b]].tolist()
-            for t, x in zip(row, lp):
-                ep.add(b, t, x, model=True)
+            row = toks[b][:n[b]]
+            ep.extend(b, row, logps[b][:n[b]], model=True)
             if row[-1] == self.eos_id or (still[b] and self.cut_turns):
                 ended.append(b)
                 pending[b] = [row[-1]]
@@ -239,12 +249,11 @@ class MultiTurn:
             if done:
                 ep.stop(b, success=bool(info.get("success", ep.returns[b] > 0)))
                 continue
-            obs_ids = self.render.observation(obs, role)
+            obs_ids = [] if last_turn else self.render.observation(obs, role)
             if last_turn or len(ep.tokens[b]) + len(obs_ids) >= room[b]:   # no room for another turn: cut
                 ep.stop(b, truncated=True)
                 continue
-            for t in obs_ids:
-                ep.add(b, t, 0.0, model=False)
+            ep.extend(b, obs_ids, [0.0] * len(obs_ids), model=False)
             pending[b] = pending[b] + obs_ids
 
     # ------------------------------------------------------------------------------ scoring and evaluation
@@ -314,6 +323,11 @@ class _Batch:
         self.tokens[b].append(token)
         self.logps[b].append(logp)
         self.is_model[b].append(model)
+
+    def extend(self, b: int, tokens: list[int], logps: list[float], model: bool):
+        self.tokens[b] += tokens
+        self.logps[b] += logps
+        self.is_model[b] += [model] * len(tokens)
 
     def end_turn(self, b: int, reward: float, calls: int, errors: int):
         self.turn_rewards[b].append((len(self.tokens[b]) - 1, reward))
