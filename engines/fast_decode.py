@@ -7,6 +7,8 @@ sampling log-probs equal teacher-forced ones.
     dec = FastDecoder(model)                              # the policy itself: reads its parameters in place
                                                           # (q/k/v and gate/up are re-fused per call, see refresh)
     completion, alive, logprobs, done = dec.sample(ids, mask, sampling, eos_id, pad_id, generator)
+    # multi-turn (engines/multiturn.py): start_episodes (prefill), then decode_turn / feed (an observation chunk
+    # into the same cache) per turn, then finish
 
 What makes it fast, and why this route:
 - The decode step is written by hand over the model's own modules (embedding, norms, projections, MLP,
@@ -90,6 +92,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tenso
     s = s.view(B, nkv, g, T, -1).masked_fill(~mask[:, :, None], float("-inf"))
     p = s.float().softmax(-1).to(q.dtype).view(B, nkv, g * T, -1)            # softmax in fp32, like HF's eager
     return (p @ v).view(B, nh, T, D).transpose(1, 2).reshape(B, T, nh * D)
+
+
+def eager_sample(logits: Tensor, sampling, generator) -> tuple[Tensor, Tensor]:
+    """top_p < 1 (a sort per token: outside the graph): (B, V) logits -> tokens (B,), their log-probs (B,); no host sync."""
+    scaled = logits.float() / sampling.temperature                           # (B, V)
+    probs = torch.softmax(top_p_filter(scaled, sampling.top_p), -1)
+    tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)       # (B,)
+    return tok, torch.log_softmax(scaled, -1).gather(-1, tok[:, None]).squeeze(-1)
 
 
 class Clock:
@@ -349,10 +359,7 @@ class FastDecoder:
             if t == 0 and graph_sampling:    # the first token comes from the prefill's logits
                 self._take(st, *self._sample(logits, st))
             elif not graph_sampling:
-                scaled = logits.float() / sampling.temperature                 # (B, V)
-                probs = torch.softmax(top_p_filter(scaled, sampling.top_p), -1)
-                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)   # (B,) no host sync
-                self._take(st, tok, torch.log_softmax(scaled, -1).gather(-1, tok[:, None]).squeeze(-1))
+                self._take(st, *eager_sample(logits, sampling, generator))
         alive = st["alive"]
         C = int(alive.any(0).sum())          # columns up to the last live token (one sync)
         clock.lap("decode")
@@ -472,10 +479,7 @@ class FastDecoder:
             if t == 0 and st["graph_sampling"]:                  # the first token: from the fed chunk's logits
                 self._take_turn(st, *self._sample(logits, st))
             elif not st["graph_sampling"]:
-                scaled = logits.float() / sampling.temperature                       # (B, V)
-                probs = torch.softmax(top_p_filter(scaled, sampling.top_p), -1)
-                tok = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-                self._take_turn(st, tok, torch.log_softmax(scaled, -1).gather(-1, tok[:, None]).squeeze(-1))
+                self._take_turn(st, *eager_sample(logits, sampling, self.generator))
         return st["completion"].cpu(), st["alive"].cpu(), st["logprobs"].cpu(), st["gen"].cpu()
 
     def finish(self):
