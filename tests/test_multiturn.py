@@ -313,19 +313,21 @@ def test_chat_template_frames_observations_as_messages(random_model_dir):
 
 
 def test_the_embedded_multiturn_task_learns_on_cpu(tmp_path):
-    """configs/multiturn.yaml with a smaller budget: held-out wins (sampled) rise within 16 steps (~15 s of training).
-    The full config goes 0.39 -> 0.93 in 60 steps (docs/environments.md)."""
+    """configs/multiturn.yaml with a smaller budget: held-out wins (sampled, the same draws at both evaluations, so
+    an unchanged policy scores the same) rise by 20 points within 8 steps: 0.39 -> 0.63 (~10 s of training; 16 steps
+    reach only 0.64, so the shorter run loses no margin). The full config goes 0.39 -> 0.93 in 60 steps
+    (docs/environments.md)."""
     import json
-    import subprocess
-    import sys
-    out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "train.py", "--config", "configs/multiturn.yaml", "steps=16", "eval_every=16",
-                        "progress=false", f"out_dir={out}"], cwd=os.path.dirname(os.path.dirname(__file__)),
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    import train
+    root, out, threads = os.path.dirname(os.path.dirname(__file__)), tmp_path / "run", torch.get_num_threads()
+    try:   # in this process: a subprocess would import torch and transformers again (most of its time)
+        train.main(["--config", os.path.join(root, "configs/multiturn.yaml"), f"model={os.path.join(root, 'assets/hilo-model')}",
+                    "steps=8", "eval_every=8", "progress=false", f"out_dir={out}"])
+    finally:
+        torch.set_num_threads(threads)   # the config's threads=1 must not reach the other tests
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     start, end = rows[0]["eval/accuracy"], rows[-1]["eval/accuracy"]
-    assert end - start >= 0.15, (start, end)
+    assert end - start >= 0.20, (start, end)
     assert all(row["env_fail"] == 0 and 1 < row["episode/turns"] <= 4 for row in rows[1:])
     assert all(row["tokens/out_of_loss"] > 0 and row["logprob_mismatch/max"] < 1e-4 for row in rows[1:])
 
