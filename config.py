@@ -21,7 +21,8 @@ import registry
 # the valid values of the options that name a choice (the algorithms, engines, tasks and rewards: the registry)
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-TIS_MODES = ("off", "token", "seq")
+TIS_MODES = ("off", "token", "seq", "mask")
+LOGPROBS_MODES = ("raw", "processed")
 DPO_LOSSES = ("sigmoid", "ipo", "simpo")
 PARALLEL_MODES = ("fsdp", "replicate")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -169,8 +170,10 @@ class AlgoConfig:
     norm_len: int = opt(0, "constant divisor of seq-mean-token-sum-norm (0 = max_new_tokens)")
     max_new_tokens: int = opt(0, "not an option: copied from max_new_tokens at start (algorithms see only this section)")
     scale_rewards: bool = opt(True, "divide group-centred rewards by the group's std (GRPO); off = Dr. GRPO style")
-    tis: str = opt("off", "truncated importance sampling against rollout/train log-prob mismatch: off, token, seq")
-    tis_cap: float = opt(2.0, "truncation of the importance weight pi_train / pi_sample")
+    tis: str = opt("off", "importance sampling against rollout/train log-prob mismatch: off, token or seq (the "
+                          "weight pi_train / pi_sample truncated at tis_cap), mask (a token whose weight leaves "
+                          "[1/tis_cap, tis_cap] gets no loss, the others their full weight; docs/mismatch.md)")
+    tis_cap: float = opt(2.0, "truncation of the importance weight pi_train / pi_sample (tis=mask: the band's edge)")
     epochs: int = opt(1, "passes over each rollout batch (PPO epochs); >1 reuses samples off-policy")
     minibatch_size: int = opt(0, "samples per optimizer step; 0 = the whole rollout batch (one step, on-policy)")
     ppo: PPOConfig = opt(PPOConfig(), "PPO (algo.name=ppo): critic and GAE")
@@ -224,6 +227,17 @@ class Config:
     max_new_tokens: int = opt(8, "completion length limit")
     temperature: float = opt(1.0, "sampling temperature for rollouts (log-probs are taken at this temperature)")
     top_p: float = opt(1.0, "nucleus sampling for rollouts")
+    # sources of rollout/trainer mismatch, each off by default (the mismatch lab: docs/mismatch.md, engine=builtin)
+    top_k: int = opt(0, "sample each rollout token from the k most likely only (0 = off)")
+    logprobs_mode: str = opt("raw", "rollout log-probs the engine reports: raw (the whole distribution at "
+                                    "temperature, before top_p / top_k) or processed (of the truncated, "
+                                    "renormalised distribution actually sampled from, as vLLM's processed_logprobs)")
+    engine_dtype: str = opt("auto", "dtype the rollout engine samples in: auto (the trainer's) or float32 / bfloat16 "
+                                    "(a copy of the policy in that dtype, synced after each step)")
+    engine_lag: int = opt(0, "the engine samples with the weights of this many RL steps ago (a stale policy; "
+                             "0 = the current ones; a resumed run starts the lag afresh)")
+    train_temperature: float = opt(0.0, "temperature of the trainer's log-probs (0 = temperature, the sampling one); "
+                                        "another value is a deliberate temperature mismatch")
     # optimisation
     lr: float = opt(1e-4, "AdamW learning rate")
     weight_decay: float = opt(0.0, "AdamW weight decay")
@@ -435,6 +449,8 @@ def validate(cfg: Config, world: int = 1):
     for key, value, known in [("algo.loss_agg", cfg.algo.loss_agg, AGG_MODES),
                               ("algo.kl_estimator", cfg.algo.kl_estimator, KL_ESTIMATORS),
                               ("algo.tis", cfg.algo.tis, TIS_MODES),
+                              ("logprobs_mode", cfg.logprobs_mode, LOGPROBS_MODES),
+                              ("engine_dtype", cfg.engine_dtype, DTYPES),
                               ("algo.dpo.loss", cfg.algo.dpo.loss, DPO_LOSSES),
                               ("parallel", cfg.parallel, PARALLEL_MODES),
                               ("mode", cfg.mode, MODES),
@@ -462,6 +478,7 @@ def validate(cfg: Config, world: int = 1):
         raise UserError("config keys 'replay.capacity' and 'replay.max_uses' must be >= 1, "
                         "'replay.max_staleness' >= 0 and 'replay.decay' in (0, 1]")
     check_partial(cfg)
+    check_mismatch_sources(cfg, world)
     if cfg.mode == "async":   # from here on, `world` counts the ranks that train
         world = validate_async(cfg, world, algo)
     # distributed: every rank must run the same number of forward/backward passes (FSDP's collectives pair up
@@ -514,14 +531,38 @@ def ranges(cfg: Config) -> list:
                   ("algo.minibatch_size", a.minibatch_size, "the whole batch"),
                   ("eval_size", c.eval_size, "every held-out prompt"), ("save_every", c.save_every, "only at the end"),
                   ("warmup_steps", c.warmup_steps, "none"), ("grad_clip", c.grad_clip, "off"),
+                  ("top_k", c.top_k, "off"), ("engine_lag", c.engine_lag, "the current weights"),
                   ("eval_temperature", c.eval_temperature, "greedy")]
     return [("lr", c.lr, math.isfinite(c.lr) and c.lr > 0, "a finite number > 0"),
             ("temperature", c.temperature, c.temperature > 0, "> 0"),
             ("top_p", c.top_p, 0 < c.top_p <= 1, "in (0, 1]"),
+            ("train_temperature", c.train_temperature, c.train_temperature >= 0, ">= 0 (0 = temperature)"),
+            ("algo.tis_cap", a.tis_cap, a.tis_cap >= 1, ">= 1 (the weight's truncation, or the band [1/cap, cap])"),
             ("reward_timeout_s", c.reward_timeout_s, c.reward_timeout_s > 0, "> 0 (seconds)"),
             ("weight_decay", c.weight_decay, c.weight_decay >= 0, ">= 0"),
             *[(k, v, v >= 1, ">= 1") for k, v in at_least_1],
             *[(k, v, v >= 0, f">= 0 (0 = {zero})") for k, v, zero in at_least_0]]
+
+
+def mismatch_sources(cfg: Config) -> list[str]:
+    """The rollout/trainer mismatch options set away from their defaults (docs/mismatch.md)."""
+    return [k for k, on in [("top_k", cfg.top_k > 0), ("logprobs_mode", cfg.logprobs_mode != "raw"),
+                            ("engine_dtype", cfg.engine_dtype != "auto"), ("engine_lag", cfg.engine_lag > 0),
+                            ("train_temperature", cfg.train_temperature > 0)] if on]
+
+
+def trainer_temperature(cfg: Config) -> float:
+    """The temperature of every trainer-side log-prob (policy, old, reference): the sampling one unless the
+    train_temperature mismatch is switched on."""
+    return cfg.train_temperature or cfg.temperature
+
+
+def check_mismatch_sources(cfg: Config, world: int):
+    """The mismatch options live in the built-in engine's single-turn rollout, one process, mode=sync."""
+    on = mismatch_sources(cfg)
+    if on and (cfg.engine != "builtin" or cfg.env.name or cfg.mode != "sync" or world > 1 or cfg.lora.r):
+        raise UserError(f"{', '.join(on)} (the mismatch lab's options) need engine=builtin, single-turn rollouts "
+                        "(no env.name), mode=sync, one process and no LoRA")
 
 
 def check_batch_split(cfg: Config, world: int):

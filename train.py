@@ -29,7 +29,7 @@ import profiling
 import registry
 import run_dir
 from buffer import Experience, make_buffer
-from config import Config, UserError, fill_defaults, parse, to_dict, validate
+from config import Config, UserError, fill_defaults, parse, to_dict, trainer_temperature, validate
 from critic import Critic
 from distributed import print0
 from engines.base import SamplingParams
@@ -143,7 +143,8 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
         reference = distributed.shard(reference, device, dtype, cfg.offload) if fsdp else reference
     critic = Critic(cfg, device, dtype, fsdp) if algo.needs_critic else None   # PPO's value model
     engine = registry.get("engine", cfg.engine)(model=engine_model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                                                 model_path=cfg.model, seed=cfg.seed, **to_dict(cfg.vllm))
+                                                 model_path=cfg.model, seed=cfg.seed, **to_dict(cfg.vllm),
+                                                 sample_dtype=cfg.engine_dtype, lag=cfg.engine_lag)   # docs/mismatch.md
     # the rollout kind is chosen once here: single completions, or episodes with an environment (and tools)
     sampler = MultiTurn(engine_model, tok, cfg) if cfg.env.name else SingleTurn(engine, pool, tok)
     # speed: fused AdamW (one kernel for all parameters) on GPU; offloaded shards step on the CPU with the default
@@ -210,10 +211,10 @@ def extra_logprobs(run: Run, rollout) -> dict:
     # decoupled loss under mode=async, docs/async.md). With one update per batch the loss takes them from its own
     # forward (logp detached) at no cost, also when the samples are stale: pi_prox is the policy before the update
     if updates_per_step > 1 or cfg.replay.enabled:
-        out["old_logprobs"] = completion_logprobs(learner.policy, ids, attn, C, cfg.temperature)[0].cpu()
+        out["old_logprobs"] = completion_logprobs(learner.policy, ids, attn, C, trainer_temperature(cfg))[0].cpu()
     if run.reference is not None:
         with offload.visit(run.reference, device, cfg.offload_models):   # on the GPU for this forward only
-            out["ref_logprobs"] = completion_logprobs(run.reference, ids, attn, C, cfg.temperature)[0].cpu()
+            out["ref_logprobs"] = completion_logprobs(run.reference, ids, attn, C, trainer_temperature(cfg))[0].cpu()
     if learner.critic is not None:
         out["values"] = learner.critic.values(ids, attn, rollout.completion_mask.to(device)).cpu()
     return out
@@ -241,8 +242,9 @@ def collect(run: Run, step: int, times: dict):
     with profiling.phase(times, "rollout"):           # 1. the next prompts, n samples each
         idx = next_prompts(run)
         rollout = run.sampler.generate([run.train_ids[i] for i in idx], [run.train_set[i] for i in idx],
-                                       cfg.samples_per_prompt, SamplingParams(cfg.temperature, cfg.top_p,
-                                                                              cfg.max_new_tokens), run.sample_gen)
+                                       cfg.samples_per_prompt, SamplingParams(
+                                           cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.top_k,
+                                           cfg.logprobs_mode, rollout=True), run.sample_gen)
         checkpoint.crash_point("rollout", step)
     with profiling.phase(times, "logprobs"):          # 2. scoring starts in the reward workers, overlapped with
         samples = [run.train_set[i] for i in idx for _ in range(cfg.samples_per_prompt)]

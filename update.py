@@ -23,6 +23,7 @@ import torch
 
 import checkpoint
 import distributed
+from config import trainer_temperature
 from microbatch import micro_batches, split_weight
 from models import completion_logprobs, completion_loss
 
@@ -62,7 +63,8 @@ def fused_policy_loss(learner: Learner, micro):
             metrics[k] = metrics.get(k, 0.0) + w * v
         return loss * w
     C = micro.completion_mask.shape[1]
-    loss, logp, _ = completion_loss(learner.policy, micro.input_ids, micro.attention_mask, C, cfg.temperature, loss_fn)
+    loss, logp, _ = completion_loss(learner.policy, micro.input_ids, micro.attention_mask, C, trainer_temperature(cfg),
+                                    loss_fn)
     return loss, logp, metrics
 
 
@@ -72,7 +74,8 @@ def micro_loss(learner: Learner, micro):
     if cfg.fused_loss:   # speed: the loss's gradient is taken in the kernel, rows at a time
         return fused_policy_loss(learner, micro)
     C = micro.completion_mask.shape[1]
-    logp, entropy = completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C, cfg.temperature)
+    logp, entropy = completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
+                                        trainer_temperature(cfg))
     new = {"logprobs": logp, "entropy": entropy}
     if learner.critic is not None:   # PPO: the value loss trains the critic in the same backward
         new["values"] = learner.critic.values(micro.input_ids, micro.attention_mask, micro.completion_mask, grad=True)

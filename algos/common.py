@@ -12,6 +12,7 @@ Conventions to check before comparing numbers with another framework:
     clip_frac_cut counts those whose gradient the clip removes (verl's pg_clipfrac);
   * KL estimates are bounded: log-ratio to +-KL_LOG_RATIO_MAX, k3 to K3_MAX (verl's choice), on always.
 """
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -165,16 +166,22 @@ def tis_weights(train_logp: Tensor, sample_logp: Tensor, mask: Tensor, mode: str
 
     token: w_t = min(pi_train(y_t) / pi_sample(y_t), cap)
     seq:   w   = min(prod_t pi_train / pi_sample, cap), the same on every token of the sequence
-    Both are detached: they reweight the gradient, they are not optimised.
+    mask:  w_t = rho_t if 1/cap <= rho_t <= cap else 0, rho_t = pi_train(y_t) / pi_sample(y_t): masked importance
+           sampling, per token; a token the engine saw far off the trainer's policy gets no loss at all instead
+           of a truncated weight (docs/mismatch.md)
+    All are detached: they reweight the gradient, they are not optimised.
     """
     log_w = (train_logp.detach() - sample_logp) * mask                                 # (B, C)
     if mode == "token":
         return log_w.exp().clamp(max=cap) * mask
     if mode == "seq":
         return log_w.sum(-1, keepdim=True).clamp(max=30).exp().clamp(max=cap) * mask   # (B, 1) -> (B, C)
+    if mode == "mask":
+        inside = log_w.abs() <= math.log(cap)                                          # (B, C) rho in the band
+        return torch.where(inside, log_w.exp(), 0.0) * mask                            # where: exp(big) * 0 is nan
     if mode == "off":
         return mask
-    raise ValueError(f"unknown tis {mode!r}; known: off, token, seq")
+    raise ValueError(f"unknown tis {mode!r}; known: off, token, seq, mask")
 
 
 def clipped_policy_loss(new: dict, batch, cfg, loss_agg: str | None = None,
@@ -204,6 +211,8 @@ def clipped_policy_loss(new: dict, batch, cfg, loss_agg: str | None = None,
         w = tis_weights(old, batch.sample_logprobs, mask, cfg.tis, cfg.tis_cap)             # (B, C)
         per_token = per_token * w
         metrics["tis_weight"] = masked_mean(w, mask).detach()
+        if cfg.tis == "mask":   # the share of tokens whose loss the band removed
+            metrics["tis_masked_frac"] = masked_mean((w == 0).float(), mask).detach()
     per_token = per_token + kl_in_loss(logp, batch, cfg, metrics)
     loss = aggregate(per_token, mask, loss_agg or cfg.loss_agg, cfg.norm_len)
     metrics["entropy"] = masked_mean(new["entropy"].detach(), mask)

@@ -21,6 +21,11 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
+    top_k: int = 0                 # sample from the k most likely tokens only (0 = all)
+    logprobs_mode: str = "raw"     # raw: log-probs of softmax(logits / T); processed: of the top-k / top-p truncated,
+                                   # renormalised distribution the token was drawn from (vLLM's processed_logprobs)
+    rollout: bool = False          # a training rollout: an engine's deliberate mismatch (a dtype copy, stale weights:
+                                   # docs/mismatch.md) applies; evaluation samples with the current weights
 
 
 @dataclass
@@ -57,6 +62,24 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     drop_sorted = cum - sorted_logits.softmax(-1) >= top_p     # keep the token that crosses top_p
     drop = drop_sorted.scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Set logits below each row's k-th largest to -inf (B, V); k = 0 keeps all (ties with the k-th stay)."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(k, dim=-1).values[:, -1:]                                  # (B, 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def sample_tokens(logits: Tensor, sampling: SamplingParams, generator=None) -> tuple[Tensor, Tensor]:
+    """Logits (B, V) -> sampled tokens (B,) and their log-probs (B,): temperature, then top-k, then top-p (vLLM's
+    order); the log-prob is the raw or the processed one as sampling.logprobs_mode says."""
+    scaled = logits.float() / sampling.temperature                               # (B, V)
+    kept = top_p_filter(top_k_filter(scaled, sampling.top_k), sampling.top_p)    # (B, V) -inf outside
+    tok = torch.multinomial(torch.softmax(kept, dim=-1), 1, generator=generator).squeeze(-1)   # (B,)
+    logp_all = torch.log_softmax(kept if sampling.logprobs_mode == "processed" else scaled, dim=-1)
+    return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
 
 
 def make_rollout(ids: Tensor, mask: Tensor, completion: Tensor, cmask: Tensor, logprobs: Tensor, done: Tensor,

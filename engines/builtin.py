@@ -3,12 +3,19 @@
 On one device it samples with the policy's own parameters, so weight sync costs nothing. On CUDA, for
 Llama-shaped models, it hands the decode to engines/fast_decode.py (static KV cache, CUDA graph); elsewhere it
 runs the portable loop below, a token at a time through transformers' own cache.
+
+Two deliberate mismatches for the mismatch lab (docs/mismatch.md), both off by default: `sample_dtype` (a copy of
+the policy in another dtype, e.g. a bf16 engine beside an fp32 trainer) and `lag` (the copy gets each synced set
+of weights `lag` syncs late: a stale policy). They apply to training rollouts only (SamplingParams.rollout);
+evaluation samples with the policy itself. The copy always runs the portable loop.
 """
+import copy
 import inspect
+from collections import deque
 
 import torch
 
-from engines.base import Rollout, SamplingParams, left_pad, make_rollout, top_p_filter
+from engines.base import Rollout, SamplingParams, left_pad, make_rollout, sample_tokens
 from engines.fast_decode import FastDecoder, supported
 from models import position_ids
 from registry import register
@@ -29,8 +36,15 @@ def _cache_of(out):
 class BuiltinEngine:
     """Sampling with transformers' KV cache, batched over all prompts x n samples."""
 
-    def __init__(self, model, eos_id: int, pad_id: int, fast: bool | None = None, keep_cache: bool = False, **_):
+    def __init__(self, model, eos_id: int, pad_id: int, fast: bool | None = None, keep_cache: bool = False,
+                 sample_dtype: str = "auto", lag: int = 0, **_):
         self.model = model          # the policy itself on one device: sync is free
+        dtype = next(model.parameters()).dtype if sample_dtype == "auto" else getattr(torch, sample_dtype)
+        # the mismatch lab: training rollouts sample with a copy in another dtype and/or with stale weights
+        self.rollout_model = model
+        if dtype != next(model.parameters()).dtype or lag:
+            self.rollout_model = copy.deepcopy(model).to(dtype).requires_grad_(False)
+        self.lag, self.waiting = lag, deque()   # synced weights not yet in the copy, oldest first
         self.eos_id, self.pad_id = eos_id, pad_id
         # speed: static KV cache + CUDA graph (engines/fast_decode.py); None = on CUDA for the model types it supports
         self.fast = fast
@@ -40,13 +54,15 @@ class BuiltinEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
                  generator: torch.Generator | None = None) -> Rollout:
-        model, device = self.model, next(self.model.parameters()).device
+        model = self.rollout_model if sampling.rollout else self.model
+        device = next(model.parameters()).device
         was_training = model.training
         model.eval()
         ids, mask = left_pad([p for p in prompts for _ in range(n)], self.pad_id)  # (B, P)
         ids, mask = ids.to(device), mask.to(device)
         B = ids.shape[0]
-        if self.fast or (self.fast is None and device.type == "cuda" and supported(model)):
+        plain = model is not self.model or sampling.top_k > 0 or sampling.logprobs_mode != "raw"   # the lab's options
+        if not plain and (self.fast or (self.fast is None and device.type == "cuda" and supported(model))):
             self.decoder = self.decoder or FastDecoder(model, keep_cache=self.keep_cache)
             completion, alive, logprobs, done = self.decoder.sample(ids, mask, sampling, self.eos_id, self.pad_id,
                                                                     generator)
@@ -65,14 +81,11 @@ class BuiltinEngine:
         done = torch.zeros(B, dtype=torch.bool, device=device)
         tokens, logps, alive = [], [], []
         for _ in range(sampling.max_new_tokens):
-            scaled = logits.float() / sampling.temperature                       # (B, V)
-            logp_all = torch.log_softmax(scaled, dim=-1)
-            probs = torch.softmax(top_p_filter(scaled, sampling.top_p), dim=-1)
-            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)   # (B,)
+            tok, logp = sample_tokens(logits, sampling, generator)               # (B,) each
             tok = torch.where(done, self.pad_id, tok)
             alive.append(~done)
             tokens.append(tok)
-            logps.append(logp_all.gather(-1, tok[:, None]).squeeze(-1))
+            logps.append(torch.where(done, 0.0, logp))   # a finished row's pad may lie outside top-k: -inf
             done = done | (tok == self.eos_id)
             if bool(done.all()):
                 break
@@ -89,7 +102,12 @@ class BuiltinEngine:
         """Copy weights in place. A no-op for tensors that already are the engine's own parameters."""
         if hasattr(self.model, "peft_config"):   # LoRA: the policy itself, adapters included; the fast decoder
             return                               # merges them at each rollout (lazy merged tensors stay unmade)
-        params = dict(self.model.named_parameters())
+        if self.lag:   # a stale policy: these weights reach the copy only after `lag` more syncs
+            self.waiting.append([(name, t.detach().clone()) for name, t in named_tensors])
+            if len(self.waiting) <= self.lag:
+                return
+            named_tensors = self.waiting.popleft()
+        params = dict(self.rollout_model.named_parameters())
         with torch.no_grad():
             for name, t in named_tensors:
                 if params[name].data_ptr() != t.data_ptr():
