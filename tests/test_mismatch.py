@@ -130,3 +130,16 @@ def test_bad_mismatch_options_are_one_line_errors(args, message):
     with pytest.raises(config.UserError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
         config.validate(config.fill_defaults(config.parse(args)))
     assert "\n" not in str(e.value)
+
+
+def test_the_lab_has_one_valid_command_per_experiment(capsys):
+    from tools import mismatch_lab
+    cmds = mismatch_lab.main(["--print", "--sources", "bf16,stale", "--repairs", "off,mask"]).splitlines()
+    assert cmds == ["python train.py", "python train.py engine_dtype=bfloat16",
+                    "python train.py engine_dtype=bfloat16 algo.tis=mask", "python train.py engine_lag=4",
+                    "python train.py engine_lag=4 algo.tis=mask"]
+    for source in mismatch_lab.SOURCES:   # every source is a one-line change that validates, with every repair
+        for repair in mismatch_lab.REPAIRS:
+            args = mismatch_lab.command(source, repair, []).split()[2:]
+            config.validate(config.fill_defaults(config.parse(args)))
+            assert config.mismatch_sources(config.parse(args)) or source == "none"
