@@ -80,16 +80,17 @@ def plot(source: str, runs: dict, path: str):
 
 def table(runs: dict, common: list[str]) -> str:
     """Per experiment: the mismatch (mean over steps of the per-step mean, and the largest per-step max), the
-    repair's mean weight and masked share, held-out accuracy (final, best) and the wall time."""
+    repair's mean weight and masked share of tokens, held-out accuracy (final, best) and the wall time."""
     lines = ["| source | repair | mismatch mean | mismatch max | weight mean | masked | final acc. | best acc. | "
              "wall s | command |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (source, repair), res in runs.items():
         rows, s = res["rows"], summary(res["rows"])
         mis, top = series(rows, "logprob_mismatch/mean")[1], series(rows, "logprob_mismatch/max")[1]
         w, masked = series(rows, "tis_weight")[1], series(rows, "tis_masked_frac")[1]
-        cell = lambda x, f: format(x.mean(), f) if len(x) else "-"
-        lines.append(f"| {source} | {repair} | {mis.mean():.4f} | {top.max():.3f} | {cell(w, '.3f')} | "
-                     f"{cell(masked, '.4f')} | {s['final']:.3f} | {s['best']:.3f} | {res['wall_s']:.0f} | "
+        weight = f"{w.mean():.3f}" if len(w) else "-"
+        share = f"{100 * masked.mean():.3f}%" if len(masked) else "-"
+        lines.append(f"| {source} | {repair} | {mis.mean():.4f} | {top.max():.3f} | {weight} | {share} | "
+                     f"{s['final']:.3f} | {s['best']:.3f} | {res['wall_s']:.0f} | "
                      f"`{command(source, repair, common)}` |")
     return "\n".join(lines) + "\n"
 
