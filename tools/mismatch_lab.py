@@ -134,6 +134,5 @@ def main(argv: list[str]) -> str:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    except RuntimeError as e:   # a failed run: ablate.launch names it and its log
+        sys.exit(f"error: {e}")
