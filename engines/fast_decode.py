@@ -120,6 +120,27 @@ class Clock:
             print(f"fast_decode: {name} {self.t - t:.4f} s", file=sys.stderr, flush=True)
 
 
+class Split:
+    """Where a multi-turn rollout's time goes, by phase (tools/bench.py's W4 split): lap(name) adds the time since
+    the last lap to times[name], after a device synchronisation. Off (no syncs, no clock) unless the caller asks."""
+    def __init__(self, device, on: bool = False):
+        self.on, self.device, self.times = on, device, {}
+        self.t = self.now() if on else 0.0
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, name: str):
+        if self.on:
+            t, self.t = self.t, self.now()
+            self.times[name] = self.times.get(name, 0.0) + self.t - t
+
+
+OFF = Split(torch.device("cpu"))
+
+
 class FastDecoder:
     def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
                  attention: str = "kernel", keep_cache: bool = False):
@@ -137,6 +158,7 @@ class FastDecoder:
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self._step = torch.compile(self._forward, dynamic=False, fullgraph=True) if self.compile else self._forward
+        self.compact_always = False   # tests: take feed's compaction route every time
         self.captured = False   # once warm, a re-capture needs 1 warm-up step, not 3 (measured: docs/speed.md)
 
     # --- the model, by hand ---------------------------------------------------------------------
@@ -388,6 +410,7 @@ class FastDecoder:
         st["key_ok"].zero_()
         st["pos"].zero_()
         st["inv_t"].fill_(1.0 / sampling.temperature)
+        self.slot = 0          # the next free cache slot, shared by all rows: known on the host, so no sync per turn
         self.feed(prompts)
 
     def _compact(self, st: dict):
@@ -401,29 +424,36 @@ class FastDecoder:
         ok.copy_(ok.gather(1, order))
 
     @torch.no_grad()
-    def feed(self, chunks: list[list[int]]):
+    def feed(self, chunks: list[list[int]], split: Split = OFF):
         """Append each row's chunk of tokens ([] for a row that waits) after its last real token, all rows in one
-        forward (no re-prefill of the history); keeps the logits after each row's last token for the next turn."""
+        forward (no re-prefill of the history); keeps the logits after each row's last token for the next turn.
+        The chunks go at shared slots after every row's last one (slot and position differ: attention does not
+        care where a key sits, rotary takes the position); the cache is compacted only when the next turn would
+        not fit (measured: docs/benchmarks.md, W4)."""
         st = self.turns
-        self._compact(st)
         B, S, device = st["key_ok"].shape[0], st["key_ok"].shape[-1], st["pos"].device
         W = max(1, max(len(c) for c in chunks))
-        ids = torch.full((B, W), self.pad_id, dtype=torch.long)
-        real = torch.zeros((B, W), dtype=torch.bool)
-        for b, c in enumerate(chunks):   # left-padded: the last column is every fed row's last token
-            if c:
-                ids[b, W - len(c):], real[b, W - len(c):] = torch.tensor(c, dtype=torch.long), True
-        ids, real = ids.to(device), real.to(device)                                 # (B, W)
-        start = st["pos"].clone()                                                   # (B, 1) = first free slot
-        pos = start + (real.cumsum(-1) - 1).clamp(min=0)                            # (B, W) real tokens before
-        slots = torch.where(real, pos, S - 1)                                       # pads: the spare last slot
+        if self.slot + W + self.N + 1 > S or self.compact_always:
+            self._compact(st)
+            self.slot = int(st["pos"].max())                                        # one sync, only here
+            split.lap("compaction")
+        # left-padded: the last column is every fed row's last token; a pad query sees only its own slot
+        ids = torch.tensor([[self.pad_id] * (W - len(c)) + c for c in chunks], dtype=torch.long).to(device)  # (B, W)
+        n = torch.tensor([[len(c)] for c in chunks], dtype=torch.long).to(device)  # (B, 1)
+        col = torch.arange(W, device=device)                                        # (W,)
+        real = col >= W - n                                                         # (B, W)
+        start = st["pos"].clone()                                                   # (B, 1) real tokens so far
+        pos = start + (real.cumsum(-1) - 1).clamp(min=0)                            # (B, W)
+        slots = (self.slot + col).expand(B, W)                                      # (B, W)
         at = torch.arange(S, device=device)
-        chunk = (at >= start[:, :, None]) & (at <= pos[:, :, None]) & real[:, :, None]   # (B, W, S) causal
-        key_ok = st["key_ok"][:, 0] | chunk | (at == slots[:, :, None])           # a pad query sees itself
+        first = self.slot + W - n                                                   # (B, 1) first new real slot
+        chunk = (at >= first[:, :, None]) & (at <= slots[:, :, None]) & real[:, :, None]   # (B, W, S) causal
+        key_ok = st["key_ok"][:, 0] | chunk | (at == slots[:, :, None])           # (B, W, S)
         self.logits = self._forward(ids, pos, slots, key_ok[:, None], st["k"], st["v"], st["cos"], st["sin"])
-        n = real.sum(-1, keepdim=True)                                              # (B, 1)
-        st["key_ok"][:, 0, 0] |= (at >= start) & (at < start + n)
+        st["key_ok"][:, 0, 0] |= (at >= first) & (at < self.slot + W)
         st["pos"] += n
+        self.slot += W
+        split.lap("feed")
 
     def _decode_turn(self, st: dict):
         """The multi-turn decode step: forward each writing row's last token; rows that wait forward padding
@@ -453,7 +483,7 @@ class FastDecoder:
         """One assistant turn for the rows that write (left[b]: tokens row b may still write). -> on the CPU:
         tokens (B, N), written (B, N) bool, their log-probs (B, N), still (B,) bool: rows stopped by N alone."""
         st, N, sampling = self.turns, self.N, self.sampling
-        first, S = int(st["pos"].max()), st["key_ok"].shape[-1]
+        first, S = self.slot, st["key_ok"].shape[-1]
         if first + N >= S:
             raise RuntimeError(f"fast_decode: the turn would pass the cache's {S} slots (at {first} + {N})")
         st["slot"].fill_(first)                                  # shared slots after every row's last token
@@ -471,6 +501,7 @@ class FastDecoder:
             if t:
                 if t % self.check_every == 0 and not bool(st["gen"].any()):   # one host sync per check_every
                     break
+                self.slot += 1                                   # this step writes slot first + t - 1
                 if st["graph"] is not None:
                     st["graph"].replay()
                     logits = st["logits"]

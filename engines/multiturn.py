@@ -39,7 +39,7 @@ import distributed
 from config import UserError
 from engines.base import Rollout, SamplingParams, left_pad, top_p_filter
 from engines.builtin import _cache_kw, _cache_of
-from engines.fast_decode import FastDecoder, supported
+from engines.fast_decode import OFF, FastDecoder, Split, supported
 from envs.pool import EnvPool
 from envs.tools import check_tools
 from models import context_length, position_ids
@@ -110,6 +110,7 @@ class MultiTurn:
         answers the text so far) rather than the episode; W4 (tools/bench.py) uses it for fixed work."""
         self.model, self.tok, self.cfg, self.env = model, tok, cfg, cfg.env
         self.fast, self.cut_turns, self.decoder = fast, cut_turns, None
+        self.split = OFF   # tools/bench.py sets a Split(device, on=True) to time the phases of a rollout
         if cfg.engine != "builtin":
             raise UserError(f"env.name={cfg.env.name} runs episodes on the builtin engine's model; engine={cfg.engine} "
                             "has no multi-turn generate yet")
@@ -150,9 +151,11 @@ class MultiTurn:
             model.train(was_training)
 
     def _episodes(self, rows, n_prompts, n, sampling, generator, fast: bool) -> Episodes:
-        B, cfg = len(rows), self.env
+        B, cfg, split = len(rows), self.env, self.split
         ep = _Batch(B)
+        split.lap("host")
         resets = self.pool.run([("reset", r) for r in rows])
+        split.lap("env")
         prompts = []
         for b, res in enumerate(resets):
             if res[0] == "ok":
@@ -167,6 +170,7 @@ class MultiTurn:
         if fast:
             dec = self.decoder
             dec.start_episodes(prompts, room, self.cfg.max_new_tokens, sampling, self.eos_id, self.pad_id, generator)
+            split.lap("prefill")
         else:
             dec = _Decoder(self.model, ids, mask, self.pad_id)
         try:
@@ -176,12 +180,16 @@ class MultiTurn:
                 self._step(ep, ended, room, pending, last_turn=turn == cfg.max_turns - 1)  # 3. the environments
                 if not any(ep.active):
                     break
-                dec.feed([p if a else [] for p, a in zip(pending, ep.active)])             # 4. observations
+                chunks = [p if a else [] for p, a in zip(pending, ep.active)]
+                split.lap("host")
+                dec.feed(chunks, split) if fast else dec.feed(chunks)                      # 4. observations
                 pending = [[] for _ in range(B)]
         finally:
             if fast:
                 dec.finish()
-        return ep.rollout(ids, mask, self.pad_id, n_prompts, n, self.name)
+        out = ep.rollout(ids, mask, self.pad_id, n_prompts, n, self.name)
+        split.lap("host")
+        return out
 
     def _turn(self, dec, ep, pending, room, sampling, generator) -> list[int]:
         """Decode until every active row's turn ends; -> the rows whose turn ended with the end-of-turn token."""
@@ -222,7 +230,9 @@ class MultiTurn:
         rows' tokens come back at once. A row's last token (its end-of-turn) is not in the cache yet: it is pending."""
         B = len(ep.tokens)
         ep.turn_start = [len(t) for t in ep.tokens]
+        self.split.lap("host")
         toks, written, logps, still = dec.decode_turn(ep.active, [room[b] - len(ep.tokens[b]) for b in range(B)])
+        self.split.lap("decode_turn")
         ended, n = [], written.sum(-1).tolist()           # a row writes columns 0 .. n - 1, then stops
         toks, logps, still = toks.tolist(), logps.tolist(), still.tolist()
         for b in (b for b in range(B) if ep.active[b]):
@@ -237,8 +247,11 @@ class MultiTurn:
 
     def _step(self, ep, ended: list[int], room, pending, last_turn: bool):
         """Step the environments of the rows whose turn ended; append each observation to the row's pending tokens."""
-        actions = [self.tok.decode(ep.tokens[b][ep.turn_start[b]:], skip_special_tokens=True) for b in ended]
+        # one batch_decode: one call into the tokenizer for the whole batch, not one per row
+        actions = self.tok.batch_decode([ep.tokens[b][ep.turn_start[b]:] for b in ended], skip_special_tokens=True)
+        self.split.lap("host")
         results = self.pool.run([("step", ep.state[b], a) for b, a in zip(ended, actions)])
+        self.split.lap("env")
         for b, res in zip(ended, results):
             if res[0] != "ok":
                 ep.fail(b, res[1], res[2])

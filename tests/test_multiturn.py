@@ -84,13 +84,16 @@ def test_sampling_logprobs_are_the_teacher_forced_ones_over_the_whole_episode(ep
     assert info["metrics"]["tokens/out_of_loss"] == obs.sum().item()
 
 
-def both_paths(model, tok, sampling, check_every=1, cut_turns=False, attention="kernel", device="cpu"):
-    """The same seeded echo episodes through the portable loop and the fast path (on CPU: no graph, no compile)."""
+def both_paths(model, tok, sampling, check_every=1, cut_turns=False, attention="kernel", device="cpu", compact=False):
+    """The same seeded echo episodes through the portable loop and the fast path (on CPU: no graph, no compile);
+    compact: the fast path compacts its cache before every chunk (else only when the next turn would not fit)."""
     out = []
     for fast in (False, True):
         mt = sampler(model, tok, "echo", args="turns=3")
         mt.fast, mt.cut_turns = fast, cut_turns
         mt.decoder = FastDecoder(model, check_every=check_every, attention=attention) if fast else None
+        if fast:
+            mt.decoder.compact_always = compact
         try:
             out.append(mt.generate([], [{"prompt": "?"}, {"prompt": "??"}, {"prompt": "?"}], 4, sampling,
                                    torch.Generator(device).manual_seed(0)))
@@ -107,13 +110,15 @@ def assert_teacher_forced(model, ro, tol=1e-4):
     assert ((logp.cpu() - ro.logprobs) * ro.completion_mask).abs().max().item() <= tol
 
 
-@pytest.mark.parametrize("attention,cut_turns", [("kernel", False), ("sdpa", True)])
-def test_fast_path_gives_the_portable_loops_episodes(episodes, attention, cut_turns):
+@pytest.mark.parametrize("attention,cut_turns,compact", [("kernel", False, False), ("sdpa", True, True)])
+def test_fast_path_gives_the_portable_loops_episodes(episodes, attention, cut_turns, compact):
     """top_p < 1 samples eagerly with the caller's generator on both paths: with a check every token they draw
     alike, so the episodes are the same token for token, ending at different turns; cut_turns: a turn that hits
-    max_new_tokens continues the episode."""
+    max_new_tokens continues the episode. compact: the chunks go in after compacting the cache (the route taken when
+    the next turn would not fit), else at shared slots after the rows' last ones."""
     model, tok = episodes[:2]
-    slow, fast = both_paths(model, tok, SamplingParams(1.0, 0.95, 6), cut_turns=cut_turns, attention=attention)
+    slow, fast = both_paths(model, tok, SamplingParams(1.0, 0.95, 6), cut_turns=cut_turns, attention=attention,
+                            compact=compact)
     assert torch.equal(slow.input_ids, fast.input_ids) and torch.equal(slow.attention_mask, fast.attention_mask)
     assert torch.equal(slow.completion_mask, fast.completion_mask) and torch.equal(slow.truncated, fast.truncated)
     assert (slow.logprobs - fast.logprobs).abs().max() <= 1e-5 and slow.info["turns"] == fast.info["turns"]

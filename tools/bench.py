@@ -375,6 +375,7 @@ def part_w4(a) -> dict:
             fn = lambda: env_s.append(0.0) or mt.generate([], [{"prompt": t} for t in texts], W["samples"],
                                                            SamplingParams(1.0, 1.0, W["new"]), gen)
         first, times, r = timed(fn, a.repeats if fast is not False else 1)
+        split = w4_split(mt, fn, model) if fast else None   # after the timed calls: its syncs cost a little
         if fast is not None:
             mt.close()
         C, written = r.completion_mask.shape[1], float(r.completion_mask.sum())
@@ -384,9 +385,30 @@ def part_w4(a) -> dict:
         res[name] = {"first_s": first, "times_s": times, "median_s": statistics.median(times),
                      "model_tokens": written, "model_tokens_per_s": written / statistics.median(times),
                      "sequence_len": C, "env_s_per_call": statistics.median(env_s[1:]) if env_s else None,   # after the warm-up
-                     "turns": statistics.mean(r.info["turns"]) if fast is not None else 1,
+                     "turns": statistics.mean(r.info["turns"]) if fast is not None else 1, "split_s": split,
                      "logprob_diff_mean": float(diff.sum() / r.completion_mask.sum()), "logprob_diff_max": float(diff.max())}
     return {"w4": res, **cuda_info()}
+
+
+def w4_split(mt, fn, model) -> dict:
+    """Per-phase seconds of one more multi-turn rollout (a device sync at each phase's end; medians of 3), and with
+    W4_PROFILE=1 a torch.profiler table of one rollout in $W4_PROFILE_OUT (default ./w4_profile.txt)."""
+    from engines.fast_decode import OFF, Split
+    runs = []
+    for _ in range(3):
+        mt.split = Split(next(model.parameters()).device, on=True)
+        fn()
+        runs.append(mt.split.times)
+    mt.split = OFF
+    if os.environ.get("W4_PROFILE") == "1" and torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            sync()
+        with open(os.environ.get("W4_PROFILE_OUT", "w4_profile.txt"), "w") as f:
+            for key in ("self_cuda_time_total", "self_cpu_time_total"):
+                f.write(prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
+    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in sorted({k for r in runs for k in r})}
 
 
 def w4_table(results: dict) -> list[str]:
@@ -400,6 +422,10 @@ def w4_table(results: dict) -> list[str]:
         env = f"{r['env_s_per_call']:.3f} s" if r["env_s_per_call"] is not None else ""
         lines.append(f"| {name} | {r['median_s']:.3f} s | {r['first_s']:.1f} s | {r['model_tokens_per_s']:,.0f} | "
                      f"{r['turns']:.1f} | {env} | {r['logprob_diff_mean']:.4f} / {r['logprob_diff_max']:.3f} |")
+    for name, r in res.items():
+        if r.get("split_s"):
+            lines += ["", f"split of one {name} rollout (s, synchronised per phase, median of 3): " + ", ".join(
+                f"{k} {v:.4f}" for k, v in r["split_s"].items()) + f"; sum {sum(r['split_s'].values()):.3f}"]
     multi, single = (next((r for k, r in res.items() if k.startswith(p)), None) for p in ("multi-turn: fast", "single"))
     if multi and single:
         lines += ["", f"W4 ratio, multi-turn / single-turn model tokens/s: **{multi['model_tokens_per_s'] / single['model_tokens_per_s']:.3f}** "
