@@ -120,17 +120,12 @@ class Clock:
             print(f"fast_decode: {name} {self.t - t:.4f} s", file=sys.stderr, flush=True)
 
 
-class Split:
+class Split(Clock):
     """Where a multi-turn rollout's time goes, by phase (tools/bench.py's W4 split): lap(name) adds the time since
     the last lap to times[name], after a device synchronisation. Off (no syncs, no clock) unless the caller asks."""
     def __init__(self, device, on: bool = False):
         self.on, self.device, self.times = on, device, {}
         self.t = self.now() if on else 0.0
-
-    def now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
 
     def lap(self, name: str):
         if self.on:
