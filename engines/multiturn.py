@@ -25,8 +25,8 @@ Two decoders run this loop. The portable one (_Decoder: transformers' cache, a t
 models the fast path does not cover; on CUDA, for the models engines/fast_decode.py supports, its FastDecoder
 (preallocated per-layer caches, the CUDA-graphed decode step): a whole turn runs on the device with one host
 sync per check_every tokens (decode_turn), rows whose turn ended wait masked, and each observation chunk is
-written into the same cache after the row's last token (feed, which first compacts the cache so that the
-waits' holes are reused). Both keep positions = real-token counts, so either's log-probs are the trainer's.
+written into the same cache at shared slots after the last one used (feed; it compacts the cache, reusing the
+waits' holes, only when the next turn would not fit). Both keep positions = real-token counts, so either's log-probs are the trainer's.
 Rows that finished their turn early idle until the batch's longest turn ends.
 """
 import contextlib
