@@ -70,9 +70,10 @@ def parse_args():
     return args
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character of CHARS, plus <pad>, <eos>, <unk>; decode concatenates without spaces."""
-    vocab = {PAD_TEXT: 0, EOS_TEXT: 1, UNK_TEXT: 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
+def build_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
+    """One token per character of chars, plus <pad>, <eos>, <unk>; decode concatenates without spaces.
+    tools/make_ladder.py passes CHARS + more: the base characters keep their ids."""
+    vocab = {PAD_TEXT: 0, EOS_TEXT: 1, UNK_TEXT: 2, **{c: i + 3 for i, c in enumerate(chars)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TEXT))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")   # every character alone
     tok.decoder = decoders.Fuse()                                                # "5","1","0" -> "510"
