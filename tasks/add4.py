@@ -1,7 +1,7 @@
 """Ladder rung 1, `add4`: 4-digit addition (one more carry position than the default task's 3 digits).
 
     python train.py task=add4 model=assets/ladder-add4
-    get("task", "add4")(None)[0][0]  # {"prompt": "4831+0275=", "answer": "60150"}
+    get("task", "add4")(None)[1][0]      # {"prompt": "0809+8809=", "answer": "81690"}   (9618, units first)
 
 The format is tasks/arithmetic.py's with digits=4 (operands zero-padded, the sum units digit first and 5 wide),
 as is its held-out split (a stable hash of the unordered operand pair) and its verifier, reward `arithmetic`

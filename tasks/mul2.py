@@ -1,7 +1,7 @@
 """Ladder rung 2, `mul2`: 2-digit by 2-digit multiplication.
 
     python train.py task=mul2 model=assets/ladder-mul2
-    get("task", "mul2")(None)[0][0]  # {"prompt": "47*38=", "answer": "6871"}   (47*38 = 1786, units first)
+    make_mul_sample(47, 38)              # {"prompt": "47*38=", "answer": "6871"}   (47*38 = 1786, units first)
 
 Operands are uniform in [0, 100), zero-padded to 2 digits; the product is written units digit first and
 zero-padded to 4 digits, as tasks/arithmetic.py writes sums (each answer digit then depends on operand digits

@@ -1,11 +1,14 @@
-"""Ladder rung 3, `sum3`: a two-step sum of three 3-digit numbers.
+"""The ladder's top rung, `sum3`: a two-step sum of three 3-digit numbers. No shipped warm start yet.
 
-    python train.py task=sum3 model=assets/ladder-sum3
-    get("task", "sum3")(None)[0][0]  # {"prompt": "483+027+915=", "answer": "5241"}   (1425, units first)
+    python train.py task=sum3            # the default tiny model reads its characters (digits, '+', '=')
+    make_sum3_sample((483, 27, 915))     # {"prompt": "483+027+915=", "answer": "5241"}   (1425, units first)
 
 Two additions in one answer: each answer digit needs three operand digits and a carry that can be 0, 1 or 2, so
 the model has to carry a larger intermediate state than in `arithmetic` or `add4`. The answer is written units
-digit first and zero-padded to 4 digits (the largest sum, 2997, has 4).
+digit first and zero-padded to 4 digits (the largest sum, 2997, has 4). A short SFT of the tiny model on it
+(600 steps of 64, lr 1e-3, as tools/make_ladder.py does for add4) learned the format but no digit (loss ~1.38,
+held-out accuracy 0.000): RL has no signal from there, so the rung waits for a warm start that reaches a few
+percent (longer SFT, a bigger model, or a curriculum from add4).
 
 Held-out split: a stable hash (blake2b) of the sorted operand triple, so every order of the same three numbers
 lands in the same split. Verifier: reward `arithmetic` (exact match of the answer string).

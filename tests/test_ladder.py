@@ -19,7 +19,7 @@ from tasks.mul2 import make_mul_sample, mul2_samples  # noqa: E402
 from tasks.sum3 import is_heldout3, make_sum3_sample, sum3_samples  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNGS = ("add4", "mul2", "sum3")
+RUNGS = ("add4", "mul2", "sum3")   # sum3: the task only (no warm start shipped)
 
 
 def operands(prompt: str, op: str) -> list[int]:
@@ -30,6 +30,7 @@ def test_examples_in_the_docstrings():
     assert make_mul_sample(47, 38) == {"prompt": "47*38=", "answer": "6871"}
     assert make_mul_sample(3, 5) == {"prompt": "03*05=", "answer": "5100"}
     assert make_sum3_sample((483, 27, 915)) == {"prompt": "483+027+915=", "answer": "5241"}
+    assert add4_samples(1, True)[0] == {"prompt": "0809+8809=", "answer": "81690"}
 
 
 @pytest.mark.parametrize("rows, op, width, value", [
@@ -71,12 +72,10 @@ def test_unknown_rung_is_one_line_listing_the_tasks():
     assert "add5" in str(e.value) and all(r in str(e.value) for r in RUNGS) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("rung", RUNGS)
+@pytest.mark.parametrize("rung", ("add4", "mul2"))
 def test_shipped_warm_start_tokenizes_the_rung(rung):
     from transformers import AutoTokenizer
     path = os.path.join(ROOT, "assets", f"ladder-{rung}")
-    if not os.path.isdir(path):
-        pytest.skip(f"{path} not built")
     tok = AutoTokenizer.from_pretrained(path)
     row = get("task", rung)(None)[1][0]
     ids = tok.encode(row["prompt"] + row["answer"])
