@@ -146,7 +146,7 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
                                                  model_path=cfg.model, seed=cfg.seed, **to_dict(cfg.vllm),
                                                  sample_dtype=cfg.engine_dtype, lag=cfg.engine_lag)   # docs/mismatch.md
     # the rollout kind is chosen once here: single completions, or episodes with an environment (and tools)
-    sampler = MultiTurn(engine_model, tok, cfg) if cfg.env.name else SingleTurn(engine, pool, tok)
+    sampler = MultiTurn(engine_model, tok, cfg, engine=engine) if cfg.env.name else SingleTurn(engine, pool, tok)
     # speed: fused AdamW (one kernel for all parameters) on GPU; offloaded shards step on the CPU with the default
     # only what trains (LoRA: the adapters); the optimizer state and checkpoints hold nothing of the frozen base
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,

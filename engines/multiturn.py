@@ -1,7 +1,7 @@
 """Multi-turn rollouts: the policy writes a turn, the environment answers, the policy continues from its KV cache.
 
     python train.py --config configs/multiturn.yaml           # env.name=hilo: the embedded multi-turn task
-    sampler = MultiTurn(model, tok, cfg)                      # train.py builds it in setup when env.name is set
+    sampler = MultiTurn(model, tok, cfg, engine=engine)       # train.py builds it in setup when env.name is set
     rollout = sampler.generate(prompt_ids, rows, n, sampling, generator)     # an Episodes (a Rollout)
     rewards, info = sampler.score(samples, rollout).result()                # episode returns, metrics, failures
 
@@ -27,6 +27,8 @@ models the fast path does not cover; on CUDA, for the models engines/fast_decode
 sync per check_every tokens (decode_turn), rows whose turn ended wait masked, and each observation chunk is
 written into the same cache at shared slots after the last one used (feed; it compacts the cache, reusing the
 waits' holes, only when the next turn would not fit). Both keep positions = real-token counts, so either's log-probs are the trainer's.
+With engine=vllm, engines/vllm.py's VLLMTurns stands in for FastDecoder (same calls, same loop): each turn
+submits the episodes' whole histories as token-id prompts and vLLM's prefix cache serves the KV already computed.
 Rows that finished their turn early idle until the batch's longest turn ends.
 """
 import contextlib
@@ -104,16 +106,20 @@ class Renderer:
 class MultiTurn:
     """The sampler train.py uses when env.name is set: generate (episodes), score (their returns), evaluate."""
 
-    def __init__(self, model, tok, cfg, fast: bool | None = None, cut_turns: bool = False):
+    def __init__(self, model, tok, cfg, fast: bool | None = None, cut_turns: bool = False, engine=None):
         """fast: the GPU fast path (engines/fast_decode.py); None = on CUDA for the models it supports.
         cut_turns: a turn that reaches max_new_tokens without its end-of-turn token ends the turn (the environment
-        answers the text so far) rather than the episode; W4 (tools/bench.py) uses it for fixed work."""
+        answers the text so far) rather than the episode; W4 (tools/bench.py) uses it for fixed work.
+        engine: train.py's engine; with engine=vllm its turns() decoder writes the turns (engines/vllm.py: VLLMTurns)."""
         self.model, self.tok, self.cfg, self.env = model, tok, cfg, cfg.env
         self.fast, self.cut_turns, self.decoder = fast, cut_turns, None
         self.split = OFF   # tools/bench.py sets a Split(device, on=True) to time the phases of a rollout
-        if cfg.engine != "builtin":
-            raise UserError(f"env.name={cfg.env.name} runs episodes on the builtin engine's model; engine={cfg.engine} "
-                            "has no multi-turn generate yet")
+        if cfg.engine == "vllm":   # the fast path's loop, with vLLM writing the turns
+            if engine is None:
+                raise UserError(f"env.name={cfg.env.name} with engine=vllm needs the vllm engine passed in (engine=)")
+            self.fast, self.decoder = True, engine.turns()
+        elif cfg.engine != "builtin":
+            raise UserError(f"env.name={cfg.env.name} runs episodes on engine=builtin or engine=vllm, not {cfg.engine}")
         tools = [t for t in (s.strip() for s in cfg.env.tools.split(",")) if t]
         try:
             check_tools(tools, cfg.env.parser)                   # unknown tool or parser: the known ones

@@ -99,6 +99,11 @@ def _keep_host_rng():
     np.random.set_state(npy)
 
 
+def _sampled_logprobs(c) -> list[float]:
+    # logprobs=0 gives one dict per step holding just the sampled token
+    return [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
+
+
 def _full(t: Tensor) -> Tensor:
     # an FSDP2 shard is a DTensor: gather the whole tensor (a collective: every rank syncs together)
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
@@ -144,25 +149,33 @@ class VLLMEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
                  generator: torch.Generator | None = None) -> Rollout:
-        if self.asleep or self.stale:
-            raise RuntimeError("vllm engine is asleep, or woke from level 2 without weights: wake(), then load_weights()")
-        device = generator.device if generator is not None else "cpu"
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator, device=device)
-        requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        params = [self._SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                       max_tokens=sampling.max_new_tokens, logprobs=0, seed=int(s),
-                                       ignore_eos=True, stop_token_ids=[self.eos_id], detokenize=False)
-                  for s in seeds.tolist()]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self._sample(prompts, n, sampling, [sampling.max_new_tokens] * len(prompts), generator)
         completions, logps = [], []
         for out in outputs:   # vLLM returns requests in the order given
             if len(out.outputs) != n:
                 raise RuntimeError(f"vllm returned {len(out.outputs)} samples for a prompt, expected {n}")
             for c in sorted(out.outputs, key=lambda c: c.index):
                 completions.append(list(c.token_ids))
-                # logprobs=0 gives one dict per step holding just the sampled token
-                logps.append([step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)])
+                logps.append(_sampled_logprobs(c))
         return self._to_rollout(prompts, n, completions, logps)
+
+    def _sample(self, prompts: list[list[int]], n: int, sampling: SamplingParams, max_tokens: list[int],
+                generator: torch.Generator | None) -> list:
+        """n samples of each token-id prompt (at most max_tokens[i] tokens each) -> vLLM's RequestOutputs, in order."""
+        if self.asleep or self.stale:
+            raise RuntimeError("vllm engine is asleep, or woke from level 2 without weights: wake(), then load_weights()")
+        device = generator.device if generator is not None else "cpu"
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator, device=device)
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        params = [self._SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                       max_tokens=m, logprobs=0, seed=int(s),
+                                       ignore_eos=True, stop_token_ids=[self.eos_id], detokenize=False)
+                  for s, m in zip(seeds.tolist(), max_tokens)]
+        return self.llm.generate(requests, params, use_tqdm=False)
+
+    def turns(self) -> "VLLMTurns":
+        """The multi-turn decoder (engines/multiturn.py drives it when engine=vllm and env.name is set)."""
+        return VLLMTurns(self)
 
     def _to_rollout(self, prompts, n, completions, logps) -> Rollout:
         """The built-in engine's layout: prompt left-padded to P, completion right-padded to C."""
@@ -218,3 +231,49 @@ class VLLMEngine:
         self.asleep, self.stale = False, self.sleep_level >= 2
         return "vllm engine: awake (KV cache reallocated; " + \
             ("weights restored)" if self.sleep_level == 1 else "weights empty until the next load_weights())")
+
+
+class VLLMTurns:
+    """Multi-turn episodes on vLLM, with FastDecoder's turn interface (start_episodes, decode_turn, feed, finish), so
+    engines/multiturn.py runs the same loop and bookkeeping. Each turn submits every writing episode's whole history
+    (prompt, earlier turns, observations) as a token-id prompt; vLLM's prefix cache (on by default) keeps the KV of
+    the history's full blocks, so mostly the tokens since the last turn are prefilled. cached_tokens / prompt_tokens
+    count how much of the submitted histories the cache served (vLLM's num_cached_tokens)."""
+
+    def __init__(self, engine: VLLMEngine):
+        self.engine, self.history = engine, None
+        self.cached_tokens = self.prompt_tokens = 0
+
+    def start_episodes(self, prompts: list[list[int]], room: list[int], N: int, sampling: SamplingParams, eos_id: int,
+                       pad_id: int, generator: torch.Generator | None = None):
+        if eos_id != self.engine.eos_id:
+            raise ValueError(f"vllm engine stops at token {self.engine.eos_id}, the episodes' end of turn is {eos_id}")
+        self.history = [list(p) for p in prompts]
+        self.N, self.sampling, self.pad_id, self.generator = N, sampling, pad_id, generator
+
+    def feed(self, chunks: list[list[int]], split=None):
+        """Append each row's pending end-of-turn token and observation to its history (computed at the next turn)."""
+        for h, c in zip(self.history, chunks):
+            h += c
+
+    @torch.no_grad()
+    def decode_turn(self, writing: list[bool], left: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One turn for the writing rows -> tokens (B, N), written (B, N) bool, log-probs (B, N), still (B,) bool:
+        rows stopped by N alone. A row's last token joins its history at feed(), as on the fast path."""
+        B, N, rows = len(writing), self.N, [b for b, w in enumerate(writing) if w]
+        toks = torch.full((B, N), self.pad_id, dtype=torch.long)
+        written, logps, still = torch.zeros((B, N), dtype=torch.bool), torch.zeros((B, N)), torch.zeros(B, dtype=torch.bool)
+        outputs = self.engine._sample([self.history[b] for b in rows], 1, self.sampling,
+                                      [min(N, left[b]) for b in rows], self.generator) if rows else []
+        for b, out in zip(rows, outputs):
+            c = out.outputs[0]
+            row, k = list(c.token_ids), len(c.token_ids)
+            toks[b, :k], written[b, :k], logps[b, :k] = torch.tensor(row), True, torch.tensor(_sampled_logprobs(c))
+            still[b] = k == N and row[-1] != self.engine.eos_id
+            self.history[b] += row[:-1]
+            self.cached_tokens += out.num_cached_tokens or 0
+            self.prompt_tokens += len(out.prompt_token_ids)
+        return toks, written, logps, still
+
+    def finish(self):
+        self.history = None

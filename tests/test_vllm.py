@@ -246,3 +246,48 @@ def test_torchrun_fsdp2_shards_sync(tmp_path):
     found = [(tmp_path / f"mismatch{rank}.txt").read_text().split() for rank in (0, 1)]
     assert [int(f[0]) for f in found] == [0, 1], found
     assert all(float(f[1]) > STALE_MIN and float(f[2]) < SYNC_TOL for f in found), found   # stale, synced
+
+
+@needs_vllm
+def test_multiturn_episodes_on_vllm_reuse_the_prefix_cache(tmp_path):
+    """engine=vllm with env.name: MultiTurn's loop, turns written by vLLM (engines/vllm.py: VLLMTurns). Echo episodes
+    of several turns (cut_turns: a turn may also end at max_new_tokens); the model tokens' sampling log-probs are the
+    trainer's teacher-forced ones, observations are attended but out of the loss, and later turns hit the prefix cache
+    (block_size 32, 40-token prompts: each turn's history has a full block the previous turn computed)."""
+    from config import Config
+    from engines.base import SamplingParams
+    from engines.multiturn import MultiTurn
+    from engines.vllm import VLLMEngine
+    from models import completion_logprobs
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import hostile_envs  # noqa: F401  (tests/: the echo environment)
+    path = make_random_model(str(tmp_path), seed=1, vocab_chars="0123456789<>=?")
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    policy.config.max_position_embeddings = 512
+    policy.save_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    cfg = Config()
+    cfg.engine, cfg.max_new_tokens = "vllm", 6
+    cfg.env.name, cfg.env.args, cfg.env.timeout_s = "echo", "turns=4", 5.0
+    mt = None
+    engine = VLLMEngine(model=policy, eos_id=1, pad_id=0, model_path=path, kv_cache_memory_bytes=32 << 20,
+                        llm_kwargs={"block_size": 32})
+    try:
+        mt = MultiTurn(policy, tok, cfg, cut_turns=True, engine=engine)
+        ro = mt.generate([], [{"prompt": "?" * 40}, {"prompt": "1?" * 20}], 3, SamplingParams(1.0, 1.0, 6),
+                         torch.Generator().manual_seed(0))
+        turns = mt.decoder
+    finally:
+        if mt is not None:
+            mt.close()
+        engine.close()
+    assert min(ro.info["turns"]) >= 2 and sum(ro.info["turns"]) > len(ro.info["turns"]) * 2, ro.info["turns"]
+    C, model_tok = ro.completion_mask.shape[1], ro.completion_mask.bool()
+    with torch.no_grad():
+        logp, _ = completion_logprobs(policy, ro.input_ids, ro.attention_mask, C)           # (B, C)
+    assert (logp - ro.logprobs)[model_tok].abs().max().item() < SYNC_TOL
+    obs = ro.attention_mask[:, -C:].bool() & ~model_tok                                  # (B, C) observation tokens
+    assert obs.any() and (ro.logprobs[~model_tok] == 0).all()
+    for b in range(len(ro.input_ids)):
+        assert tok.decode(ro.input_ids[b, -C:][obs[b]].tolist()) == "<>=" * (ro.info["turns"][b] - 1)
+    assert 0 < turns.cached_tokens < turns.prompt_tokens, (turns.cached_tokens, turns.prompt_tokens)
