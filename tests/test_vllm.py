@@ -6,7 +6,8 @@
 The engine tests build one engine per model (tied and untied lm_head), generate, change the policy's
 weights, sync them in place and check that vLLM's sampling log-probs equal the trainer's on the same
 tokens (max |diff| < SYNC_TOL) without re-creating the engine. Models are tiny random Qwen2s (head_dim
-32, which vLLM's CPU attention needs), float32 on both sides. Two tests run train.py itself: with vLLM a
+32, which vLLM's CPU attention needs), float32 on both sides. One test runs multi-turn episodes (MultiTurn with
+the engine's turns()). Two tests run train.py itself: with vLLM a
 3-step `engine=vllm` run, without it the one-line install error.
 """
 import importlib.util
