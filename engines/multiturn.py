@@ -110,7 +110,7 @@ class MultiTurn:
         """fast: the GPU fast path (engines/fast_decode.py); None = on CUDA for the models it supports.
         cut_turns: a turn that reaches max_new_tokens without its end-of-turn token ends the turn (the environment
         answers the text so far) rather than the episode; W4 (tools/bench.py) uses it for fixed work.
-        engine: train.py's engine; with engine=vllm its turns() decoder writes the turns (engines/vllm.py: VLLMTurns)."""
+        engine: train.py's engine; with engine=vllm its turns() writes the turns (engines/vllm.py: VLLMTurns)."""
         self.model, self.tok, self.cfg, self.env = model, tok, cfg, cfg.env
         self.fast, self.cut_turns, self.decoder = fast, cut_turns, None
         self.split = OFF   # tools/bench.py sets a Split(device, on=True) to time the phases of a rollout

@@ -161,7 +161,7 @@ class VLLMEngine:
 
     def _sample(self, prompts: list[list[int]], n: int, sampling: SamplingParams, max_tokens: list[int],
                 generator: torch.Generator | None) -> list:
-        """n samples of each token-id prompt (at most max_tokens[i] tokens each) -> vLLM's RequestOutputs, in order."""
+        """n samples of each token-id prompt, at most max_tokens[i] tokens each -> vLLM's RequestOutputs, in order."""
         if self.asleep or self.stale:
             raise RuntimeError("vllm engine is asleep, or woke from level 2 without weights: wake(), then load_weights()")
         device = generator.device if generator is not None else "cpu"
@@ -262,7 +262,8 @@ class VLLMTurns:
         rows stopped by N alone. A row's last token joins its history at feed(), as on the fast path."""
         B, N, rows = len(writing), self.N, [b for b, w in enumerate(writing) if w]
         toks = torch.full((B, N), self.pad_id, dtype=torch.long)
-        written, logps, still = torch.zeros((B, N), dtype=torch.bool), torch.zeros((B, N)), torch.zeros(B, dtype=torch.bool)
+        written, logps = torch.zeros((B, N), dtype=torch.bool), torch.zeros((B, N))
+        still = torch.zeros(B, dtype=torch.bool)
         outputs = self.engine._sample([self.history[b] for b in rows], 1, self.sampling,
                                       [min(N, left[b]) for b in rows], self.generator) if rows else []
         for b, out in zip(rows, outputs):
