@@ -119,6 +119,18 @@ def table(results: list[dict], entries: list[str], baseline: str, title: str) ->
     return "\n".join(lines) + "\n"
 
 
+def finish_figure(fig, axes, path: str):
+    """Grid and legend on each axis, then the PNG under a temporary name and renamed: never half a file."""
+    import matplotlib.pyplot as plt
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp", format="png")
+    os.replace(path + ".tmp", path)
+    plt.close(fig)
+
+
 def plot(results: list[dict], entries: list[str], path: str):
     import matplotlib
     matplotlib.use("Agg")
@@ -139,13 +151,7 @@ def plot(results: list[dict], entries: list[str], path: str):
         ax_rew.plot(np.arange(1, m + 1), np.array([t[:m] for t in train]).mean(0), color=line.get_color(), label=e)
     ax_acc.set(xlabel="step", ylabel="held-out accuracy", title="held-out accuracy (band: 95% bootstrap CI)")
     ax_rew.set(xlabel="step", ylabel="train reward", title="train reward (mean over seeds)")
-    for ax in (ax_acc, ax_rew):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path + ".tmp", format="png")
-    os.replace(path + ".tmp", path)
-    plt.close(fig)
+    finish_figure(fig, (ax_acc, ax_rew), path)
 
 
 def main(argv: list[str]) -> str:

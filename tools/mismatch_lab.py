@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
-from tools.ablate import launch, summary  # noqa: E402  (its runner: resume, wall times; its per-run summary)
+from tools.ablate import finish_figure, launch, summary  # noqa: E402  (its runner, per-run summary, PNG writer)
 
 SOURCES = {   # each a one-line change of the default run; "none" is the reference without mismatch
     "none": [],
@@ -69,13 +69,7 @@ def plot(source: str, runs: dict, path: str):
     ax_mis.set(xlabel="step", ylabel="mean |engine - trainer log-prob|", yscale="log",
                title=f"{source}: logprob_mismatch/mean ({' '.join(SOURCES[source])})")
     ax_acc.set(xlabel="step", ylabel="held-out accuracy (greedy)", title=f"{source}: learning curve")
-    for ax in (ax_mis, ax_acc):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path + ".tmp", format="png")
-    os.replace(path + ".tmp", path)
-    plt.close(fig)
+    finish_figure(fig, (ax_mis, ax_acc), path)
 
 
 def table(runs: dict, common: list[str]) -> str:
