@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engines.base import top_p_filter
+from engines.base import sample_tokens
 from kernels import decode_attention_kernel, sample_token
 from kernels.decode_attention import rotate
 from lora import dense_weight
@@ -92,14 +92,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tenso
     s = s.view(B, nkv, g, T, -1).masked_fill(~mask[:, :, None], float("-inf"))
     p = s.float().softmax(-1).to(q.dtype).view(B, nkv, g * T, -1)            # softmax in fp32, like HF's eager
     return (p @ v).view(B, nh, T, D).transpose(1, 2).reshape(B, T, nh * D)
-
-
-def eager_sample(logits: Tensor, sampling, generator) -> tuple[Tensor, Tensor]:
-    """top_p < 1 (a sort per token: outside the graph): (B, V) logits -> tokens (B,), their log-probs (B,); no host sync."""
-    scaled = logits.float() / sampling.temperature                           # (B, V)
-    probs = torch.softmax(top_p_filter(scaled, sampling.top_p), -1)
-    tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)       # (B,)
-    return tok, torch.log_softmax(scaled, -1).gather(-1, tok[:, None]).squeeze(-1)
 
 
 class Clock:
@@ -376,7 +368,7 @@ class FastDecoder:
             if t == 0 and graph_sampling:    # the first token comes from the prefill's logits
                 self._take(st, *self._sample(logits, st))
             elif not graph_sampling:
-                self._take(st, *eager_sample(logits, sampling, generator))
+                self._take(st, *sample_tokens(logits, sampling, generator))
         alive = st["alive"]
         C = int(alive.any(0).sum())          # columns up to the last live token (one sync)
         clock.lap("decode")
@@ -505,7 +497,7 @@ class FastDecoder:
             if t == 0 and st["graph_sampling"]:                  # the first token: from the fed chunk's logits
                 self._take_turn(st, *self._sample(logits, st))
             elif not st["graph_sampling"]:
-                self._take_turn(st, *eager_sample(logits, sampling, self.generator))
+                self._take_turn(st, *sample_tokens(logits, sampling, self.generator))
         return st["completion"].cpu(), st["alive"].cpu(), st["logprobs"].cpu(), st["gen"].cpu()
 
     def finish(self):
