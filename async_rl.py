@@ -192,6 +192,7 @@ def generate_loop(cfg, link: Link, phases, j: int):
     _, _, train_ids, _ = phases.build_data(cfg, tok, model)
     engine = registry.get("engine", cfg.engine)(model=model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                                                  model_path=cfg.model, seed=cfg.seed, keep_cache=True,
+                                                 decode_weights=cfg.decode_weights,
                                                  **to_dict(cfg.vllm))   # keep_cache: this GPU only generates
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1_000_003 * j)   # j = 0: the one-process stream
     params = list(model.parameters())

@@ -26,6 +26,7 @@ LOGPROBS_MODES = ("raw", "processed")
 DPO_LOSSES = ("sigmoid", "ipo", "simpo")
 PARALLEL_MODES = ("fsdp", "replicate")
 DTYPES = ("auto", "float32", "bfloat16")
+DECODE_WEIGHTS = ("fused", "in_place")   # engines/fast_decode.py WEIGHTS
 REPLAY_PRIORITIES = ("uniform", "advantage", "recency")
 MODES = ("sync", "async")
 PARTIAL_OLD = ("weight", "mask")
@@ -283,6 +284,10 @@ class Config:
                                          "at a time (offload.py; also under FSDP2)")
     engine_sleep: bool = opt(False, "engine.sleep() before each update and wake() after it (vLLM on GPU frees its "
                                     "KV cache and weights; elsewhere a note says nothing was freed)")
+    decode_weights: str = opt("fused", "how the built-in engine's GPU decoder reads the weights: fused (q/k/v and "
+                                       "gate/up concatenated, LoRA merged, per rollout: fastest) or in_place (no "
+                                       "copy: one GEMM per projection, LoRA as its low-rank product; the copies "
+                                       "are 12 GiB at a 7B LoRA, docs/lora.md)")
     # asynchronous RL (async_rl.py, docs/async.md)
     mode: str = opt("sync", "sync: every rank generates and trains in turn; async (torchrun): the last rollout_ranks "
                             "ranks only generate, the others only train, overlapped (docs/async.md)")
@@ -451,6 +456,7 @@ def validate(cfg: Config, world: int = 1):
                               ("algo.tis", cfg.algo.tis, TIS_MODES),
                               ("logprobs_mode", cfg.logprobs_mode, LOGPROBS_MODES),
                               ("engine_dtype", cfg.engine_dtype, DTYPES),
+                              ("decode_weights", cfg.decode_weights, DECODE_WEIGHTS),
                               ("algo.dpo.loss", cfg.algo.dpo.loss, DPO_LOSSES),
                               ("parallel", cfg.parallel, PARALLEL_MODES),
                               ("mode", cfg.mode, MODES),

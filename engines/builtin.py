@@ -37,7 +37,7 @@ class BuiltinEngine:
     """Sampling with transformers' KV cache, batched over all prompts x n samples."""
 
     def __init__(self, model, eos_id: int, pad_id: int, fast: bool | None = None, keep_cache: bool = False,
-                 sample_dtype: str = "auto", lag: int = 0, **_):
+                 sample_dtype: str = "auto", lag: int = 0, decode_weights: str = "fused", **_):
         self.model = model          # the policy itself on one device: sync is free
         dtype = next(model.parameters()).dtype if sample_dtype == "auto" else getattr(torch, sample_dtype)
         # the mismatch lab: training rollouts sample with a copy in another dtype and/or with stale weights
@@ -49,6 +49,7 @@ class BuiltinEngine:
         # speed: static KV cache + CUDA graph (engines/fast_decode.py); None = on CUDA for the model types it supports
         self.fast = fast
         self.keep_cache = keep_cache   # a GPU that only generates (mode=async) keeps its cache and graphs between calls
+        self.decode_weights = decode_weights   # fused or in_place (engines/fast_decode.py: FastDecoder.refresh)
         self.decoder = None
 
     @torch.no_grad()
@@ -63,7 +64,7 @@ class BuiltinEngine:
         B = ids.shape[0]
         plain = model is not self.model or sampling.top_k > 0 or sampling.logprobs_mode != "raw"   # the lab's options
         if not plain and (self.fast or (self.fast is None and device.type == "cuda" and supported(model))):
-            self.decoder = self.decoder or FastDecoder(model, keep_cache=self.keep_cache)
+            self.decoder = self.decoder or FastDecoder(model, keep_cache=self.keep_cache, weights=self.decode_weights)
             completion, alive, logprobs, done = self.decoder.sample(ids, mask, sampling, self.eos_id, self.pad_id,
                                                                     generator)
             model.train(was_training)

@@ -25,8 +25,11 @@ What makes it fast, and why this route:
 - q/k/v and gate/up are each one GEMM over weights concatenated once per rollout (`refresh`): at batch 128 a
   decode GEMM is latency-bound, so fewer, larger ones are faster.
 - LoRA (peft layers over plain Linears, lora.py): `refresh` merges W + B A * alpha / r into those buffers (and
-  into buffers of its own for o_proj and down_proj), so a decode step costs what the plain model's does. The
-  other route, the low-rank product beside each projection in the step, adds 14 small GEMMs per layer per token.
+  into buffers of its own for o_proj and down_proj), so a decode step costs what the plain model's does.
+  `weights="in_place"` (config decode_weights) is the other route, for models whose copies do not fit (12 GiB
+  at a 7B LoRA): no copy of any weight, one GEMM per projection where its weight lives, and per group of
+  projections sharing an input one pair of GEMMs for all their adapters (x A^T B^T, B block-diagonal): 15 GEMMs
+  per layer per token instead of 4 with LoRA on every projection, 7 without LoRA.
 - On CUDA the step is also `torch.compile`d (fuses the norms, rotary and softmax into a few kernels) before
   capture. The graph holds the parameters' addresses, and the optimizer updates them in place, so weight sync
   stays free and the graph stays valid across training steps.
@@ -47,6 +50,7 @@ from kernels.decode_attention import rotate
 from lora import dense_weight
 
 SUPPORTED = ("qwen2", "llama")   # model_type values whose layers have exactly the shape written below
+WEIGHTS = ("fused", "in_place")  # FastDecoder(weights=): how the step reads the weights (refresh)
 
 
 def base_of(model):
@@ -80,6 +84,53 @@ def supported(model) -> bool:
 
 def bias_of(m):
     return getattr(getattr(m, "base_layer", m), "bias", None)
+
+
+def base_weight(m) -> Tensor:
+    """The frozen (or, without LoRA, trained) weight of a Linear or of a peft LoRA layer's base, where it lives."""
+    return getattr(m, "base_layer", m).weight
+
+
+def _cat(ts: list, out: Tensor | None) -> Tensor | None:
+    """ts concatenated along dim 0, into out (the last rollout's buffer: same address) when there is one."""
+    if ts[0] is None:
+        return None
+    return torch.cat(ts, out=out) if out is not None else torch.cat(ts)
+
+
+def low_rank(ms: list, prev_a: Tensor | None, prev_b: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """The active LoRA adapters of layers ms (sharing one input) as one pair: A (R, in) stacks every adapter's
+    A, B (sum of outs, R) is block-diagonal with each adapter's B * alpha / r in its layer's rows, so
+    x A^T B^T is every adapter's update of the concatenated output in two GEMMs. (None, None) without adapters."""
+    blocks, row = [], 0                                     # (A, scaled B, first output row)
+    for m in ms:
+        if hasattr(m, "lora_A") and not (m.disable_adapters or m.merged):
+            for name in (n for n in m.active_adapters if n in m.lora_A):
+                if m.use_dora.get(name):
+                    raise ValueError("weights='in_place' does not apply DoRA adapters: use weights='fused'")
+                blocks.append((m.lora_A[name].weight, m.lora_B[name].weight * m.scaling[name], row))
+        row += base_weight(m).shape[0]
+    if not blocks:
+        return None, None
+    dtype = base_weight(ms[0]).dtype
+    with torch.no_grad():
+        a = torch.cat([A for A, _, _ in blocks]).to(dtype)                     # (R, in)
+        b = torch.zeros(row, a.shape[0], dtype=dtype, device=a.device)         # (out, R)
+        col = 0
+        for A, B, first in blocks:
+            b[first:first + B.shape[0], col:col + A.shape[0]] = B
+            col += A.shape[0]
+    return (prev_a.copy_(a), prev_b.copy_(b)) if prev_a is not None else (a, b)
+
+
+def project(x: Tensor, p: tuple) -> Tensor:
+    """x (B, T, in) -> (B, T, out): the projections of one group (FastDecoder.refresh) applied to their shared
+    input: one GEMM per weight in ws (outputs side by side), the bias, and the low-rank product x A^T B^T."""
+    ws, b, A, B = p
+    y = F.linear(x, ws[0], b) if len(ws) == 1 else torch.cat([F.linear(x, w) for w in ws], dim=-1)
+    if len(ws) > 1 and b is not None:
+        y = y + b
+    return y if A is None else y + F.linear(F.linear(x, A), B)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -130,17 +181,19 @@ OFF = Split(torch.device("cpu"))
 
 class FastDecoder:
     def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
-                 attention: str = "kernel", keep_cache: bool = False):
+                 attention: str = "kernel", keep_cache: bool = False, weights: str = "fused"):
         if attention not in ("matmul", "sdpa", "kernel"):
             raise ValueError(f"attention must be 'matmul', 'sdpa' or 'kernel', got {attention!r}")
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
         self.model = model = base_of(model)
-        self.attention, self.keep_cache = attention, keep_cache
+        self.attention, self.keep_cache, self.weights = attention, keep_cache, weights
         device = next(model.parameters()).device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
         self.compile = self.use_graph if compile is None else compile
         self.check_every = check_every
         self.states: dict[tuple[int, int], dict] = {}   # (B, S) -> cache, static buffers, graph
-        self.fused: list[tuple] = []                     # per layer: w_qkv, b_qkv, w_gate_up, b_gate_up, w_o, w_down
+        self.fused: list[tuple] = []                     # per layer: the (ws, b, A, B) of qkv, gate_up, o, down
         c = model.config
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -163,16 +216,16 @@ class FastDecoder:
         x = F.embedding(ids, m.embed_tokens.weight)                          # (B, T, H)
         rot = cos[pos][:, None], sin[pos][:, None]                           # (B, 1, T, D) each
         for i, layer in enumerate(m.layers):
-            a, mlp, (w_qkv, b_qkv, w_gu, b_gu, w_o, w_down) = layer.self_attn, layer.mlp, self.fused[i]
-            qkv = F.linear(layer.input_layernorm(x), w_qkv, b_qkv)          # (B, T, (nh + 2 nkv) D): one GEMM
+            a, mlp, (p_qkv, p_gu, p_o, p_down) = layer.self_attn, layer.mlp, self.fused[i]
+            qkv = project(layer.input_layernorm(x), p_qkv)                   # (B, T, (nh + 2 nkv) D)
             if self.attention == "kernel" and T == 1 and slots.dim() == 1:   # decode: rotary, cache write, attention
                 o = decode_attention_kernel(qkv.view(B, -1), cos, sin, pos.view(B), ks[i], vs[i], key_ok[:, 0, 0], slots,
                                a.scaling).view(B, T, nh * D)
             else:
                 o = self._attend(qkv, rot, ks[i], vs[i], slots, key_ok, a.scaling)
-            x = x + F.linear(o, w_o, bias_of(a.o_proj))
-            gate, up = F.linear(layer.post_attention_layernorm(x), w_gu, b_gu).chunk(2, dim=-1)  # (B, T, I) each
-            x = x + F.linear(mlp.act_fn(gate) * up, w_down, bias_of(mlp.down_proj))
+            x = x + project(o, p_o)
+            gate, up = project(layer.post_attention_layernorm(x), p_gu).chunk(2, dim=-1)  # (B, T, I) each
+            x = x + project(mlp.act_fn(gate) * up, p_down)
         return self.model.lm_head(m.norm(x[:, -1]))                          # (B, V)
 
     def _attend(self, qkv: Tensor, rot: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, slots: Tensor,
@@ -199,27 +252,36 @@ class FastDecoder:
         return o.transpose(1, 2).reshape(B, T, nh * D)                       # (B, T, nh * D)
 
     def refresh(self):
-        """Copy the current q/k/v and gate/up weights into the fused buffers (same addresses every time, so
-        captured graphs stay valid). ~0.5 GB for a 0.5B model, well under a millisecond on a GPU; it buys 3 fewer
-        kernels per layer per token, which matters because small decode GEMMs are latency-bound. LoRA layers enter
-        merged (lora.dense_weight); o_proj and down_proj are read in place unless they carry an adapter."""
-        cat = lambda ts, out: None if ts[0] is None else (torch.cat(ts, out=out) if out is not None else torch.cat(ts))
-
-        def own(m, out):   # a plain Linear's weight in place; a LoRA layer's merged into a buffer of ours
-            if type(m) is torch.nn.Linear:
-                return m.weight
-            w = dense_weight(m)
-            return out.copy_(w) if out is not None else (w.clone() if w is m.base_layer.weight else w)
+        """Per layer, what each of its four GEMM groups (q/k/v, gate/up, o, down) applies, as (ws, b, A, B) for
+        `project`, re-read before each rollout into the same buffers (captured graphs stay valid).
+        weights="fused": q/k/v and gate/up concatenated into one weight each, LoRA adapters merged (lora.dense_weight),
+        o_proj and down_proj read in place unless they carry an adapter: ~0.5 GB of copies for a 0.5B model,
+        well under a millisecond on a GPU, 3 fewer kernels per layer per token (small decode GEMMs are
+        latency-bound, so fewer, larger ones are faster).
+        weights="in_place": no copy of any weight: one GEMM per projection on the weight where it lives, and a
+        LoRA group adds its adapters' low-rank product (a few MB of copies); for models whose copies would not fit."""
         new = []
         for i, layer in enumerate(self.model.model.layers):
             a, mlp = layer.self_attn, layer.mlp
-            old = self.fused[i] if self.fused else (None,) * 6
-            new.append((cat([dense_weight(a.q_proj), dense_weight(a.k_proj), dense_weight(a.v_proj)], old[0]),
-                        cat([bias_of(a.q_proj), bias_of(a.k_proj), bias_of(a.v_proj)], old[1]),
-                        cat([dense_weight(mlp.gate_proj), dense_weight(mlp.up_proj)], old[2]),
-                        cat([bias_of(mlp.gate_proj), bias_of(mlp.up_proj)], old[3]),
-                        own(a.o_proj, old[4]), own(mlp.down_proj, old[5])))
+            old = self.fused[i] if self.fused else (None,) * 4
+            groups = ([a.q_proj, a.k_proj, a.v_proj], [mlp.gate_proj, mlp.up_proj], [a.o_proj], [mlp.down_proj])
+            new.append(tuple(self._group(ms, prev) for ms, prev in zip(groups, old)))
         self.fused = new
+
+    def _group(self, ms: list, prev: tuple | None) -> tuple:
+        """(ws, b, A, B) of Linears (or peft LoRA layers) ms that read the same input; prev: the last call's
+        buffers, refilled in place."""
+        prev = prev or (None,) * 4
+        b = _cat([bias_of(m) for m in ms], prev[1])
+        if self.weights == "in_place":
+            return [base_weight(m) for m in ms], b, *low_rank(ms, prev[2], prev[3])
+        if len(ms) == 1 and type(ms[0]) is torch.nn.Linear:
+            return [ms[0].weight], b, None, None                                # read in place
+        merged = [dense_weight(m) for m in ms]                                  # new tensors, or W if adapters are off
+        if prev[0] is not None:
+            return [_cat(merged, prev[0][0])], b, None, None
+        w = torch.cat(merged) if len(ms) > 1 else merged[0]
+        return [w.clone() if w is base_weight(ms[0]) else w], b, None, None     # ours, so later calls can refill it
 
     def _state(self, B: int, S: int, N: int, graph_sampling: bool, device, dtype, turns: bool = False) -> dict:
         """Cache and static buffers for batch B, S cache slots and N new tokens (a graph reads and writes only

@@ -149,7 +149,7 @@ class MultiTurn:
         device = next(model.parameters()).device
         fast = self.fast or (self.fast is None and device.type == "cuda" and supported(model))
         if fast:
-            self.decoder = self.decoder or FastDecoder(model)
+            self.decoder = self.decoder or FastDecoder(model, weights=self.cfg.decode_weights)
         try:   # layers compiled for training (compile=true) would recompile at every new cache length
             with contextlib.nullcontext() if fast else torch.compiler.set_stance("force_eager"):
                 return self._episodes([r for r in rows for _ in range(n)], len(rows), n, sampling, generator, fast)

@@ -70,24 +70,44 @@ def test_merged_weights_equal_peft_merge_and_load_in_transformers(random_model_d
     assert torch.allclose(a, b, atol=1e-5)
 
 
-def test_fast_decoder_samples_with_the_adapted_policy(random_model_dir):
-    """The fast path merges the adapters into its fused weights: its sampling log-probs are the peft model's."""
+@pytest.mark.parametrize("weights,targets", [("fused", "all-linear"), ("in_place", "all-linear"),
+                                             ("in_place", "q_proj,v_proj,down_proj")])
+def test_fast_decoder_samples_with_the_adapted_policy(random_model_dir, weights, targets):
+    """fused: the adapters merged into the fast path's own weights; in_place: no copy of any base weight, the
+    low-rank products beside each projection (targets on some projections of a group test the block layout).
+    Either way its sampling log-probs are the peft model's, also after the adapters change between rollouts."""
     from engines.base import SamplingParams
     from engines.builtin import BuiltinEngine
-    from engines.fast_decode import FastDecoder, supported
+    from engines.fast_decode import FastDecoder, base_weight, supported
     from models import completion_logprobs
-    model, tok = lora_model(random_model_dir)
+    model, tok = lora_model(random_model_dir, targets=targets)
     assert supported(model)
     engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, fast=True)
-    engine.decoder = FastDecoder(model, attention="matmul", use_graph=False)
+    engine.decoder = dec = FastDecoder(model, attention="matmul", use_graph=False, weights=weights)
     prompts = [tok(p)["input_ids"] for p in ["1+2=", "123+456="]]
-    r = engine.generate(prompts, 4, SamplingParams(max_new_tokens=10), torch.Generator().manual_seed(0))
-    C = r.completion_mask.shape[1]
-    with torch.no_grad():
-        logp = completion_logprobs(model, r.input_ids, r.attention_mask, C)[0]
-        base = completion_logprobs(lora.AdaptersOff(model), r.input_ids, r.attention_mask, C)[0]
-    assert ((logp - r.logprobs).abs() * r.completion_mask).max() <= 1e-4
-    assert ((base - r.logprobs).abs() * r.completion_mask).max() > 1e-3       # not the base's
+    for seed in (0, 1):
+        if seed:   # a training step moved the adapters: the next rollout samples with the new ones
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.add_(torch.randn_like(p) * 0.05)
+        r = engine.generate(prompts, 4, SamplingParams(max_new_tokens=10), torch.Generator().manual_seed(seed))
+        C = r.completion_mask.shape[1]
+        with torch.no_grad():
+            logp = completion_logprobs(model, r.input_ids, r.attention_mask, C)[0]
+            base = completion_logprobs(lora.AdaptersOff(model), r.input_ids, r.attention_mask, C)[0]
+        assert ((logp - r.logprobs).abs() * r.completion_mask).max() <= 1e-4
+        assert ((base - r.logprobs).abs() * r.completion_mask).max() > 1e-3       # not the base's
+    if weights == "in_place":   # every weight the step reads is the model's own tensor: no copies
+        layer = model.get_base_model().model.layers[0]
+        dec.refresh()                                                            # (a rollout frees them after)
+        ws = [w for group in dec.fused[0] for w in group[0]]
+        mine = [base_weight(getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj")] + \
+               [base_weight(getattr(layer.mlp, n)) for n in ("gate_proj", "up_proj")] + \
+               [base_weight(layer.self_attn.o_proj), base_weight(layer.mlp.down_proj)]
+        assert len(ws) == 7 and all(a is b for a, b in zip(ws, mine))
+        assert dec.fused[0][3][2].shape == (4, layer.mlp.down_proj.in_features)       # down: one r=4 adapter
+        assert (dec.fused[0][2][2] is None) == (targets != "all-linear")          # o_proj: A only if adapted
     engine.load_weights(lora.engine_weights(model))                          # shared weights: nothing to copy
 
 
