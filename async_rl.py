@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 train.py mode=async algo.tis=token                  # rank 0 trains, rank 1 samples
     torchrun --nproc_per_node=3 train.py mode=async rollout_ranks=2 max_staleness=2 algo.tis=token
     torchrun --nproc_per_node=2 train.py mode=async max_staleness=0                 # the one-process run, exactly
+    torchrun --nproc_per_node=3 train.py mode=async algo.tis=token                  # ranks 0, 1 train (FSDP2), 2 samples
 
 train.py's main hands over to `main` here after config.validate; the trainer runs train.py's own phases (setup,
 extra_logprobs, experience, add_to_buffer, update, finish), passed in as `phases` so that this file does not
@@ -14,8 +15,13 @@ The logical clock, which makes a run a function of its seed and step numbers, ne
 So staleness is exactly min(s - 1, max_staleness) versions, and with max_staleness=0 every batch comes from the
 weights of the step before, as in the synchronous loop. A rollout rank that is max_staleness + 1 batches ahead
 waits for the weights it needs: that wait is `time/rollout_idle`.
-Ranks: 0 .. T-1 train (T = world - rollout_ranks; one for now), T .. world-1 generate; rollout rank j takes
-prompts j::rollout_ranks of each step and its own sampling stream (j = 0 is the one-process stream).
+Ranks: 0 .. T-1 train (T = world - rollout_ranks), T .. world-1 generate; rollout rank j takes prompts
+j::rollout_ranks of each step and its own sampling stream (j = 0 is the one-process stream). The trainers are the
+synchronous loop's ranks among themselves (distributed.py on their own group: parallel=fsdp shards over them,
+replicate averages their gradients, metrics are reduced over them); each trains on whole groups rank::T of every
+batch. Trainer rank 0 alone talks to the rollout ranks and hands each batch to the other trainers (a gloo
+broadcast); under FSDP every trainer gathers the new weights into its engine's full copy (as the synchronous
+loop's sync does) and trainer rank 0 broadcasts that copy.
 Messages, made in the same order on both sides, so nothing can deadlock:
     trainer -> rollout ranks, at start and after each step t whose weights a later step needs (`publish`):
         control (a gloo broadcast: t, version, the prompts of step t + 1 + max_staleness, on resume the sampling
@@ -23,15 +29,15 @@ Messages, made in the same order on both sides, so nothing can deadlock:
         rollout rank's model: weights change only between rollouts (at rollout boundaries);
     rollout rank -> trainer rank 0, after each batch (`send`): a non-blocking gloo send of the rollout, its
         weights' version, the sampling state after it and the rank's timings; the trainer takes them in order.
-Checkpoints (trainer rank 0): the usual state, plus the batches in flight (`inflight.safetensors`: those
+Checkpoints (every trainer takes part, as in the synchronous loop; trainer rank 0 writes): the usual state, plus the batches in flight (`inflight.safetensors`: those
 generated for steps after the checkpoint's, which the trainer drains first; their weights no longer exist), the
 prompts already chosen and each rollout rank's sampling state; a resumed run hands those back to the rollout
 ranks, so kill -9 + resume continues exactly.
 Partial rollouts (partial.budget_tokens, docs/async.md): a trajectory may span segments(cfg) iterations, at most
 budget tokens in each but its last; rollout iterations then trail by lag = max_staleness - (segments - 1) steps, so
 that no token is older than max_staleness versions. The open trajectories ride with each batch and in checkpoints.
-Simplified: one trainer rank (no FSDP or replicate among trainers yet), evaluation on the trainer with its own
-engine, no checkpoint when a rollout rank dies (the run ends naming it; the last periodic checkpoint resumes).
+Simplified: evaluation on the trainers with their own engines; no checkpoint when a rollout rank dies (the run
+ends naming it; the last periodic checkpoint resumes).
 """
 import io
 import json
@@ -105,6 +111,7 @@ class Link:
         rollout = list(range(self.T, world))
         # every rank creates every group, in the same order (torch.distributed's rule)
         self.trainers = dist.new_group(list(range(self.T)), timeout=timeout)
+        self.trainer_objs = dist.new_group(list(range(self.T)), backend="gloo", timeout=timeout)   # batches 0 -> others
         self.weights = dist.new_group([0] + rollout, timeout=timeout)   # the default backend: NCCL on GPUs
         self.control = dist.new_group([0] + rollout, backend="gloo", timeout=timeout)
         self.data = dist.new_group([0] + rollout, backend="gloo", timeout=timeout)
@@ -158,6 +165,14 @@ class Link:
         data = torch.empty(int(size), dtype=torch.uint8)
         self._guard(lambda: wait(data, 2 * step + 1), what, src)
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+    def share(self, msgs: list | None) -> list:
+        """Trainer rank 0's messages from the rollout ranks, to every trainer rank (one gloo broadcast)."""
+        if self.T == 1:
+            return msgs
+        box = [msgs]
+        dist.broadcast_object_list(box, src=0, group=self.trainer_objs)
+        return box[0]
 
     def _guard(self, fn, what: str, src: int | None = None):
         """A rollout rank that died or hangs ends the run with its rank named, not a hang (collective timeouts)."""
@@ -298,8 +313,17 @@ def merge(parts: list[Rollout], pad_id: int) -> Rollout:
     return Rollout(**{k: torch.cat(v) for k, v in out.items()})
 
 
+def take_rows(r: Rollout, rows: torch.Tensor, n: int) -> Rollout:
+    """The rows of a rollout (whole groups of n, in order), with group ids renumbered 0, 1, ..."""
+    out = {f.name: None if getattr(r, f.name) is None else getattr(r, f.name)[rows] for f in fields(Rollout)}
+    return Rollout(**{**out, "group_ids": torch.arange(len(rows) // n).repeat_interleave(n)})
+
+
 class Trainer:
-    """Trainer rank 0: train.py's phases on batches that arrive from the rollout ranks."""
+    """The trainer ranks: train.py's phases on batches that arrive from the rollout ranks. Trainer rank 0 alone
+    talks to them (receives the batches, hands each trainer all of them: `Link.share`; sends prompts and weights);
+    every trainer trains on its share of each batch (whole groups rank::T, as the synchronous loop's ranks do),
+    with parallel=fsdp or replicate among the trainers (distributed.py, on the trainer group)."""
 
     def __init__(self, cfg, link: Link, phases):
         self.cfg, self.link, self.phases = cfg, link, phases
@@ -310,7 +334,8 @@ class Trainer:
 
     def run(self, resume_from: str | None) -> dict:
         cfg, phases = self.cfg, self.phases
-        run = self.r = phases.setup(cfg, resume_from, 0)
+        self.rank = distributed.rank()               # among the trainers
+        run = self.r = phases.setup(cfg, resume_from, self.rank)
         self.resume(resume_from)
         t = run.first_step - 1
         self.publish(t, resumed=bool(resume_from), start=True)   # the rollout ranks start
@@ -326,7 +351,7 @@ class Trainer:
             if stop:
                 raise UserError(f"{run.learner.bad_updates} updates in a row had a non-finite loss or gradient "
                                 f"(last at step {step}); stopped with a checkpoint in {saved}")
-        return phases.finish(run, 0, time.perf_counter() - t_run)
+        return phases.finish(run, self.rank, time.perf_counter() - t_run)
 
     def publish(self, t: int, resumed: bool = False, start: bool = False) -> float:
         """Choose the prompts whose first segment the weights after step t will write (train.next_prompts, in
@@ -335,18 +360,32 @@ class Trainer:
         clock = self.link.clock
         for s in clock.prompts_after(t):
             if s not in self.pending:   # on resume the checkpoint has them already
-                self.pending[s] = self.phases.next_prompts(self.r)
+                self.pending[s] = self.phases.next_prompts(self.r, whole=True)   # every trainer: the whole list
         todo = {s: idx for s, idx in self.pending.items() if s not in self.received and clock.start_weights(s) == t}
-        if not start and t + 1 + clock.lag > self.cfg.steps:   # no later iteration runs on these weights
+        if self.rank > 0 or (not start and t + 1 + clock.lag > self.cfg.steps):   # no later iteration needs them
             return 0.0
-        return self.link.publish(t, self.r.learner.version, todo, list(self.r.learner.policy.parameters()),
+        return self.link.publish(t, self.r.learner.version, todo, self.weights(),
                                  *((self.states, self.partials) if resumed else ()))
+
+    def weights(self) -> list:
+        """The full weights to broadcast, in the order of the rollout ranks' model.parameters(): the policy's own,
+        or under FSDP the engine's full copy (`gather` keeps it current)."""
+        policy = self.r.learner.policy
+        return list((self.r.engine.model if distributed.is_sharded(policy) else policy).parameters())
+
+    def gather(self):
+        """FSDP among the trainers: every trainer gathers the new weights into its engine's full copy (the
+        synchronous loop's sync), which evaluation samples with and trainer rank 0 broadcasts from."""
+        policy = self.r.learner.policy
+        if distributed.is_sharded(policy):
+            self.r.engine.load_weights(distributed.sync_weights(policy))
 
     def receive_until(self, step: int):
         """Every rollout rank's batches up to `step`, in step order (the order they are sent in)."""
         while step not in self.received:
             s = min(s for s in self.pending if s not in self.received)
-            msgs = [self.link.receive(s, self.link.T + j) for j in range(self.link.K)]
+            msgs = self.link.share([self.link.receive(s, self.link.T + j) for j in range(self.link.K)]
+                                   if self.rank == 0 else None)
             self.states = [m.pop("state") for m in msgs]
             self.partials = [m.pop("partial") for m in msgs]
             self.received[s] = msgs
@@ -361,10 +400,18 @@ class Trainer:
         learner, times = run.learner, {}
         with profiling.phase(times, "wait"):             # trainer idle: this step's batch is still being generated
             msgs = self.take(step)
-        idx = self.pending.pop(step)
+        idx, K, T, n = self.pending.pop(step), self.link.K, self.link.T, cfg.samples_per_prompt
         rollout = merge([Rollout(**m["rollout"]) for m in msgs], run.tok.pad_token_id)
+        C = rollout.completion_mask.shape[1]
         versions = torch.cat([torch.full((len(m["rollout"]["input_ids"]),), m["version"]) for m in msgs])   # (B,)
-        order = [i for j in range(self.link.K) for i in idx[j::self.link.K]]   # the prompts in the rows' order
+        tokens_v = torch.cat([torch.nn.functional.pad(m["token_versions"], (0, C - m["token_versions"].shape[1]))
+                              for m in msgs])                                        # (B, C) each token's weights
+        segs = torch.cat([m["segments"] for m in msgs])                              # (B,)
+        order = [i for j in range(K) for i in idx[j::K]]   # the prompts in the rows' order
+        # this trainer's share: whole groups rank, rank + T, ... (distributed.share over the trainers)
+        rows = torch.arange(len(order)).view(-1, 1)[self.rank::T].mul(n).add(torch.arange(n)).view(-1)   # (B / T,)
+        rollout, versions, tokens_v, segs = take_rows(rollout, rows, n), versions[rows], tokens_v[rows], segs[rows]
+        order = order[self.rank::T]
         with profiling.phase(times, "logprobs"):         # scoring in the reward workers, overlapped with ...
             samples = [run.train_set[i] for i in order for _ in range(cfg.samples_per_prompt)]
             handle = submit_rewards(run.pool, samples, decode(run.tok, rollout))
@@ -378,11 +425,12 @@ class Trainer:
         batch.versions = versions
         staleness = (learner.version - versions).float()   # (B,) a sample is as old as its oldest token
         batch.advantages = learner.algo.advantages(batch, cfg.algo, sum_over=distributed.all_sum)
-        partial = self.check_tokens(step, msgs, batch)   # every token's version; old_segments=mask masks here
+        partial = self.check_tokens(step, tokens_v, segs, batch)   # every token's version; old_segments=mask masks
         with profiling.phase(times, "update"):
             kept = phases.add_to_buffer(run, batch)
             stats = update(learner, run.buffer, run.generator, step, len(samples))
         t0 = time.perf_counter()
+        self.gather()                                    # FSDP: the new weights into every trainer's engine copy
         idle = self.publish(step)                        # the new weights (and next prompts) to the rollout ranks
         times["time/sync"] = time.perf_counter() - t0 - idle
         times["time/trainer_idle"] = times.pop("time/wait") + idle
@@ -398,19 +446,19 @@ class Trainer:
         now = time.perf_counter()   # the period between two rows: what throughput is made of (log and eval too)
         row["time/step"], self.t_mark = now - self.t_mark, now
         row["tokens_per_s"] = int(batch.attention_mask.sum()) / row["time/step"]
+        row = distributed.reduce_metrics(row)            # over the trainers: means (tokens_per_s: the sum)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             row.update(evaluate(cfg, run.engine, run.tok, run.eval_set, run.eval_ids, run.pool, run.specs,
                                 run.eval_gen()))
         phases.log(run, row)
         return row
 
-    def check_tokens(self, step: int, msgs: list[dict], batch) -> dict:
-        """The staleness bound on every completion token (its weights' version, from the rollout rank), then,
-        with partial rollouts, partial.old_segments=mask: only each trajectory's newest segment stays in the loss
-        (m_t = 1[v_t = max_t' v_t']); the advantages are already computed. -> the partial-rollout metrics."""
-        cfg, C = self.cfg, batch.completion_mask.shape[1]
-        versions = torch.cat([torch.nn.functional.pad(m["token_versions"], (0, C - m["token_versions"].shape[1]))
-                              for m in msgs])                                      # (B, C)
+    def check_tokens(self, step: int, versions: torch.Tensor, segs: torch.Tensor, batch) -> dict:
+        """The staleness bound on every completion token (versions (B, C): its weights' version, from the rollout
+        rank), then, with partial rollouts (segs (B,): each trajectory's segments), partial.old_segments=mask: only
+        each trajectory's newest segment stays in the loss (m_t = 1[v_t = max_t' v_t']); the advantages are
+        already computed. -> the partial-rollout metrics."""
+        cfg = self.cfg
         tokens = batch.completion_mask > 0                                         # (B, C)
         old = int((self.r.learner.version - versions)[tokens].max()) if tokens.any() else 0
         if old > cfg.max_staleness:   # the clock makes this impossible; a bug must not train silently
@@ -419,7 +467,7 @@ class Trainer:
             return {}
         newest = versions.masked_fill(~tokens, -1).max(-1, keepdim=True).values   # (B, 1)
         n = tokens.sum().clamp(min=1)
-        segs = torch.cat([m["segments"] for m in msgs]).float()                   # (B,)
+        segs = segs.float()
         out = {"partial/frac": (segs > 1).float().mean().item(), "partial/segments": segs.mean().item(),
                "staleness/token_mean": ((self.r.learner.version - versions) * tokens).sum().item() / n.item()}
         if cfg.partial.old_segments == "mask":

@@ -626,14 +626,13 @@ def validate_async(cfg: Config, world: int, algo) -> int:
     if not 1 <= cfg.rollout_ranks < world:
         raise UserError(f"rollout_ranks={cfg.rollout_ranks} must be in 1..{world - 1}: the world size is {world} "
                         "and at least one rank must train")
-    if world - cfg.rollout_ranks != 1:
-        raise UserError(f"mode=async trains on one rank for now: use rollout_ranks={world - 1} with world size "
-                        f"{world} (rollout_ranks={cfg.rollout_ranks} leaves {world - cfg.rollout_ranks} trainers)")
     if cfg.max_staleness < 0:
         raise UserError(f"config key 'max_staleness' must be >= 0; got {cfg.max_staleness}")
-    if cfg.prompts_per_step % cfg.rollout_ranks:
-        raise UserError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by rollout_ranks="
-                        f"{cfg.rollout_ranks} (each rollout rank generates whole groups)")
+    trainers = world - cfg.rollout_ranks
+    for what, count in (("rollout_ranks", cfg.rollout_ranks), ("the trainer ranks", trainers)):
+        if cfg.prompts_per_step % count:
+            raise UserError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by {what} ({count}): each "
+                            f"rank takes whole groups, equal shares (world {world}, rollout_ranks={cfg.rollout_ranks})")
     if cfg.max_staleness > 0 and not algo.behaviour_weight:
         raise UserError(f"algo '{cfg.algo.name}' cannot weight samples by the behaviour policy's log-probs: "
                         "with mode=async use max_staleness=0 or another algorithm")

@@ -190,14 +190,15 @@ def generators(run: Run) -> dict:
 
 # --------------------------------------------------------------------------------------------- the phases
 
-def next_prompts(run: Run) -> list[int]:
-    """This rank's prompts for the step (whole groups; every rank draws the same list and takes its share)."""
+def next_prompts(run: Run, whole: bool = False) -> list[int]:
+    """This rank's prompts for the step (whole groups; every rank draws the same list and takes its share);
+    whole: the whole list (mode=async's trainers, which hand it to the rollout ranks)."""
     cfg = run.cfg
     if run.cursor + cfg.prompts_per_step > len(run.order):   # a new epoch over the training prompts
         run.order, run.cursor = torch.randperm(len(run.train_set), generator=run.generator), 0
     idx = run.order[run.cursor:run.cursor + cfg.prompts_per_step].tolist()
     run.cursor += len(idx)
-    return distributed.share(idx)
+    return idx if whole else distributed.share(idx)
 
 
 @torch.no_grad()

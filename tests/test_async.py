@@ -177,7 +177,7 @@ def test_merge_pads_prompts_left_and_completions_right():
     (["mode=async", "algo.tis=token", "algo.name=online_dpo"], 2, True, "cannot weight samples by the behaviour"),
     (["mode=async"], 2, True, "set algo.tis=token"),
     (["mode=async", "algo.tis=token", "prompts_per_step=3", "rollout_ranks=2"], 3, True, "divisible by rollout_ranks"),
-    (["mode=async", "algo.tis=token", "rollout_ranks=1"], 3, True, "trains on one rank for now"),
+    (["mode=async", "algo.tis=token", "rollout_ranks=1"], 4, True, "must be divisible by the trainer ranks"),
     (["mode=asynch"], 1, False, "'mode' must be one of sync, async"),
     (["mode=async", "algo.tis=token", "partial.budget_tokens=-1"], 2, True, "'partial.budget_tokens' must be >= 0"),
     (["partial.budget_tokens=4"], 1, False, "only mode=async has"),
@@ -235,13 +235,17 @@ def test_every_algorithm_but_pairs_takes_behaviour_logprobs():
 
 def test_staleness_zero_equals_the_synchronous_run(tmp_path):
     """partial.budget_tokens=3 < max_new_tokens is set too: at max_staleness=0 no token may be a version old, so
-    no trajectory is cut and the run stays the synchronous one, exactly."""
-    sync, asyn = tmp_path / "sync", tmp_path / "async"
-    (rs, out_s), (ra, out_a) = launch([sys.executable, "train.py", *SMALL, f"out_dir={sync}"],
-                                      [*torchrun(2), *SMALL, "mode=async", "max_staleness=0", f"out_dir={asyn}",
-                                       "partial.budget_tokens=3"])
+    no trajectory is cut and the run stays the synchronous one, exactly. Beside it, two trainer ranks
+    (parallel=replicate, each on half of every batch's groups) and one rollout rank give the same metrics to 1e-6
+    (the gradient is the mean of two halves' instead of one sum: float rounding apart, the same update)."""
+    sync, asyn, two = tmp_path / "sync", tmp_path / "async", tmp_path / "two-trainers"
+    (rs, out_s), (ra, out_a), (r2, out_2) = launch(
+        [sys.executable, "train.py", *SMALL, f"out_dir={sync}"],
+        [*torchrun(2), *SMALL, "mode=async", "max_staleness=0", f"out_dir={asyn}", "partial.budget_tokens=3"],
+        [*torchrun(3), *SMALL, "steps=3", "mode=async", "max_staleness=0", "parallel=replicate", f"out_dir={two}"])
     assert rs == 0, out_s[-3000:]
     assert ra == 0, out_a[-3000:]
+    assert r2 == 0, out_2[-3000:]
     a, b = step_rows(sync), step_rows(asyn)
     assert len(a) == len(b) == 4
     assert a[0]["grad_norm"] > 0 and any(r["reward"] > 0 for r in a)    # real updates, not zero advantages
@@ -249,6 +253,27 @@ def test_staleness_zero_equals_the_synchronous_run(tmp_path):
         assert {k: v for k, v in ra_.items() if not k.startswith(TIMING)} == \
                {k: rb[k] for k in ra_ if not k.startswith(TIMING)}
         assert rb["staleness/max"] == 0 and rb["partial/segments"] == 1
+    c = step_rows(two)
+    assert len(c) == 3
+    for ra_, rc in zip(a, c):
+        assert all(rc[k] == pytest.approx(v, rel=1e-6, abs=1e-6) for k, v in ra_.items() if not k.startswith(TIMING))
+
+
+def test_two_fsdp_trainers_resume_exactly(tmp_path):
+    """One rollout rank, two trainer ranks sharding the policy with FSDP2 over the trainer group, max_staleness=2
+    with partial rollouts: the trainers killed in step 3's update and resumed end where an uninterrupted run does
+    (trainer rank 0 alone talks to the rollout rank; the batches in flight travel in its checkpoint)."""
+    args = [*torchrun(3), *SMALL, "mode=async", "max_staleness=2", "algo.tis=token", "partial.budget_tokens=4",
+            "save_every=1"]
+    base, killed = tmp_path / "base", tmp_path / "killed"
+    (rb, ob), (rk, ok) = launch([*args, f"out_dir={base}"], [*args, f"out_dir={killed}"], crash_at=[None, "update:3"])
+    assert rb == 0, ob[-3000:]
+    assert rk != 0 and len(step_rows(killed)) == 2, ok[-3000:]
+    ((rk, ok),) = launch([*args, f"out_dir={killed}"])
+    assert rk == 0, ok[-3000:]
+    rows = untimed(base)
+    assert untimed(killed) == rows and len(rows) == 4
+    assert [r["staleness/max"] for r in rows] == [0, 1, 2, 2] and max(r["partial/frac"] for r in rows) > 0
 
 
 def test_kill_and_resume_is_exact(tmp_path):
