@@ -249,6 +249,9 @@ class Config:
     micro_batch_size: int = opt(0, "samples per forward/backward; gradients accumulate up to the mini-batch "
                                    "(bounds memory; 0 = the whole mini-batch in one pass)")
     grad_checkpointing: bool = opt(False, "recompute activations in backward (less memory, ~30% more update time)")
+    memory_budget_gib: float = opt(0.0, "GPU memory for this process in GiB: at setup, micro_batch_size and "
+                                        "grad_checkpointing are chosen from each stage's predicted peak (memory.py, "
+                                        "docs/memory.md; a value of theirs set away from its default is kept); 0 = off")
     fused_loss: bool = opt(False, "take the policy loss's gradient inside the log-prob kernel (kernels/"
                                   "logprob_loss.py): one lm_head matmul fewer per update; not with a critic")
     compile: bool = opt(False, "torch.compile each decoder layer for training (fewer kernel launches and saved "
@@ -514,6 +517,10 @@ def validate(cfg: Config, world: int = 1):
     if cfg.offload_models and (cfg.offload or (world > 1 and cfg.parallel == "fsdp")):
         raise UserError("offload_models moves whole models between CPU and GPU; with FSDP use offload=true, which "
                         "keeps every shard in CPU memory")
+    if cfg.memory_budget_gib and (algo.needs_critic or cfg.engine != "builtin" or cfg.offload
+                                  or (world > 1 and cfg.parallel == "fsdp")):
+        raise UserError("memory_budget_gib predicts one process's (or parallel=replicate's) memory with the built-in "
+                        "engine and no critic: drop it with PPO, engine=vllm, FSDP or offload=true")
     # what the algorithm declares it needs (algos/common.py: Algorithm)
     if cfg.fused_loss and (algo.needs_critic or not algo.splittable(cfg.algo)):
         raise UserError(f"fused_loss=true needs a loss that splits over rows and no critic; algo '{cfg.algo.name}' "
@@ -538,7 +545,7 @@ def ranges(cfg: Config) -> list:
                   ("eval_size", c.eval_size, "every held-out prompt"), ("save_every", c.save_every, "only at the end"),
                   ("warmup_steps", c.warmup_steps, "none"), ("grad_clip", c.grad_clip, "off"),
                   ("top_k", c.top_k, "off"), ("engine_lag", c.engine_lag, "the current weights"),
-                  ("eval_temperature", c.eval_temperature, "greedy")]
+                  ("eval_temperature", c.eval_temperature, "greedy"), ("memory_budget_gib", c.memory_budget_gib, "off")]
     return [("lr", c.lr, math.isfinite(c.lr) and c.lr > 0, "a finite number > 0"),
             ("temperature", c.temperature, c.temperature > 0, "> 0"),
             ("top_p", c.top_p, 0 < c.top_p <= 1, "in (0, 1]"),

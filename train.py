@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch._functorch.config  # noqa: F401  (activation_memory_budget, set below for compile=true)
@@ -24,6 +25,7 @@ import async_rl
 import checkpoint
 import distributed
 import lora
+import memory
 import offload
 import profiling
 import registry
@@ -121,11 +123,25 @@ def build_data(cfg: Config, tok, policy):
     return train_set, eval_set, train_ids, eval_ids
 
 
+def memory_plan(cfg: Config, dtype, algo) -> str:
+    """memory_budget_gib: the model's shape from its config and the longest prompt from the task, before any weight
+    is loaded (the task's prompts are read twice); sets micro_batch_size and grad_checkpointing (memory.py)."""
+    from transformers import AutoConfig, AutoTokenizer
+    try:
+        mc, tok = AutoConfig.from_pretrained(cfg.model), AutoTokenizer.from_pretrained(cfg.model)
+    except (OSError, ValueError) as e:
+        raise UserError(f"memory_budget_gib: cannot read model '{cfg.model}': {str(e).strip().splitlines()[0]}")
+    prompt_len = max(map(len, build_data(cfg, tok, SimpleNamespace(config=mc))[2]))
+    return memory.apply_budget(cfg, memory.Shape.of(mc, prompt_len, cfg, distributed.world(), dtype.itemsize), algo)
+
+
 def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
     """Models, engine, data, reward pool and run directory; then the step-0 evaluation, or the resumed state."""
     torch.manual_seed(cfg.seed)
     device, dtype = setup_device(cfg)
     algo = registry.get("algo", cfg.algo.name)
+    if cfg.memory_budget_gib:   # micro_batch_size and grad_checkpointing from each stage's predicted peak (memory.py)
+        print0(memory_plan(cfg, dtype, algo))
     specs = parse_spec(cfg.rewards)
     reward_args = parse_reward_args(cfg.reward_args, specs)
     pool = RewardPool([(name, weight, reward_args.get(name, {})) for name, weight in specs],

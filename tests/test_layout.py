@@ -10,7 +10,7 @@ LAYERS = [
     ["registry"],
     ["config"],
     ["buffer", "kernels", "algos", "microbatch"],
-    ["distributed", "models", "lora", "offload", "critic", "profiling", "checkpoint"],
+    ["distributed", "models", "lora", "memory", "offload", "critic", "profiling", "checkpoint"],
     ["engines", "tasks", "rewards", "envs"],
     ["update", "scoring", "run_dir", "async_rl"],
     ["train", "train_dpo", "tools"],
