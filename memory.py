@@ -178,5 +178,5 @@ def apply_budget(cfg, s: Shape, algo) -> str:
     whole = f" (the whole mini-batch of {s.minibatch})" if not cfg.micro_batch_size else ""
     return (f"memory_budget_gib={cfg.memory_budget_gib:g}: micro_batch_size={cfg.micro_batch_size}{whole} "
             f"grad_checkpointing={str(cfg.grad_checkpointing).lower()}" + (f" ({', '.join(kept)} as set)" if kept else "")
-            + "; predicted peak GiB: " + ", ".join(f"{k} {gib(v)}" for k, v in peaks.items())
+            + "; predicted peak GiB: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in peaks.items())
             + f" (at {s.tokens} tokens per sequence)")

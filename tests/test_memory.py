@@ -124,8 +124,20 @@ def test_tiny_run_with_a_budget_runs_with_the_chosen_settings(tmp_path, monkeypa
                 "prompts_per_step=4", "samples_per_prompt=4", "eval_every=100", "eval_size=4", "reward_workers=1",
                 "arithmetic.n_train=200", "arithmetic.n_eval=20", "threads=1", "progress=false"])
     assert ("memory_budget_gib=0.0095: micro_batch_size=2 grad_checkpointing=true (grad_checkpointing as set); "
-            "predicted peak GiB: rollout 0.0, update 0.0" in capsys.readouterr().out)
+            "predicted peak GiB: rollout 0.01, update 0.01" in capsys.readouterr().out)
     saved = yaml.safe_load(open(out / "config.yaml"))
     assert (saved["micro_batch_size"], saved["grad_checkpointing"], saved["memory_budget_gib"]) == (2, True, 0.0095)
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")][1:]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_the_gpu_tool_reads_the_log_line():
+    """tools/gpu_memory.py puts the prediction beside the measured peaks by parsing apply_budget's line."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import gpu_memory
+    cfg = config(16, compile=True, memory_budget_gib=19.1)
+    line = memory.apply_budget(cfg, shape(W1, cfg), grpo())
+    got = gpu_memory.predicted(f"step 0\n{line}\nmore")
+    assert got["budget_choice"] == "micro_batch_size=32 grad_checkpointing=false"
+    assert set(got["predicted_gib"]) == {"rollout", "update"} and 13 < got["predicted_gib"]["update"] < 14

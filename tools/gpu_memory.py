@@ -4,12 +4,15 @@
     python tools/gpu_memory.py --shape 7b --gpus 2 --steps 2 --out mem-7b --variants 'stream=offload_optimizer=true' \\
         --set 'micro_batch_size=32 grad_checkpointing=true'            # FSDP2 on 2 GPUs (docs/lora.md has both)
     python tools/gpu_memory.py --shape small --steps 1 --out /tmp/m            # the same code at toy shapes, CPU
+    python tools/gpu_memory.py --shape w1 --steps 6 --set 'compile=true' --variants \\
+        'hand=micro_batch_size=32 grad_checkpointing=true;b19=memory_budget_gib=19.1 micro_batch_size=0;b5=memory_budget_gib=5.32 micro_batch_size=0'
+                                         # memory_budget_gib at TRL's two W1 peaks: predicted vs measured per stage
 
 The model is a random Qwen2 built from a config in bf16 (tools/bench.py's build_model and its random-token task
 and cheap reward): 1.5b is Qwen2.5-1.5B's shape (hidden 1536, MLP 8960, 28 layers, 12 / 2 heads, tied head), 7b
-Qwen2.5-7B's (tools/bench.py's W6 shape). The batch is W6's: 8 prompts x 8 samples, 64 + 256 tokens. --set
-holds train.py settings for every variant (default: a KL reference, so offload_models has a model to move);
-each variant adds its own. A variant is NAME=SETTINGS; variants are separated by ';'.
+Qwen2.5-7B's (tools/bench.py's W6 shape), w1 Qwen2.5-0.5B's. The batch is W6's: 8 prompts x 8 samples, 64 + 256
+tokens (w1: W1's 16 x 8). --set holds train.py settings for every variant (default: a KL reference, so
+offload_models has a model to move); each variant adds its own. A variant is NAME=SETTINGS; variants are separated by ';'.
 Checkpoints and final/ are not written (at 7B they would be 120 GB of disk and minutes of writing): each
 variant's process replaces train.save, the final gather and save_final with no-ops. The step time is the median
 over --steps steps after one warm-up; the stage table is the largest mem/<stage>_gib over the run (train.py
@@ -33,6 +36,7 @@ SHAPES = {
     "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                  num_attention_heads=12, num_key_value_heads=2, tied=True),
     "7b": {k: v for k, v in bench.SHAPES["w6"].items()},
+    "w1": bench.SHAPES["w1"],            # Qwen2.5-0.5B with W1's own batch (16 x 8), docs/benchmarks.md
     "small": bench.SHAPES["small"],
 }
 BATCH = dict(prompts=8, samples=8, prompt_len=64, new=256)
@@ -42,7 +46,7 @@ STAGES = ("rollout", "logprobs", "reward", "update", "sync")
 
 
 def shape(name: str) -> dict:
-    return {**SHAPES[name], **(BATCH if name != "small" else {})}
+    return {**SHAPES[name], **(BATCH if name in ("1.5b", "7b") else {})}
 
 
 def child(a):
@@ -78,7 +82,17 @@ def run_variant(a, name: str, settings: str, model_dir: str, tmp: str) -> dict |
         lines = [x for x in err.strip().splitlines() if "it/s]" not in x and "s/it]" not in x]
         print(f"{name}: failed: {(lines or ['no output'])[-1][:300]}", flush=True)
         return None
-    return json.loads(got[-1][len("RESULT "):])
+    return {**json.loads(got[-1][len("RESULT "):]), **predicted(out)}
+
+
+def predicted(out: str) -> dict:
+    """memory_budget_gib's log line (memory.apply_budget) -> its choice and predicted GiB per stage."""
+    line = next((x for x in out.splitlines() if x.startswith("memory_budget_gib=")), None)
+    if line is None:
+        return {}
+    stages = line.split("predicted peak GiB: ")[1].split(" (at")[0]
+    return {"budget_choice": line.split(": ")[1].split(";")[0],
+            "predicted_gib": {k: float(v) for k, v in (x.split() for x in stages.split(", "))}}
 
 
 def report(results: dict, a) -> str:
@@ -95,6 +109,13 @@ def report(results: dict, a) -> str:
         peaks = [f"{r['stage_peaks_gib'].get(f'mem/{s}_gib', 0):.1f} / "
                  f"{r['stage_peaks_gib'].get(f'mem/{s}_reserved_gib', 0):.1f}" for s in STAGES]
         lines.append(f"| {name} ({settings}) | {r['step_s']:.2f} | {split} | " + " | ".join(peaks) + " |")
+    budgeted = [(name, r) for name, (_, r) in results.items() if r and "predicted_gib" in r]
+    if budgeted:   # memory_budget_gib's prediction (memory.py) against the allocated peaks above
+        lines += ["", "| variant | memory_budget_gib chose | stage: predicted / measured allocated GiB |", "|---|---|---|"]
+        for name, r in budgeted:
+            pairs = [f"{s} {p:.1f} / {r['stage_peaks_gib'].get(f'mem/{s}_gib', 0):.2f}"
+                     for s, p in r["predicted_gib"].items()]
+            lines.append(f"| {name} | {r['budget_choice']} | {', '.join(pairs)} |")
     return "\n".join(lines)
 
 
