@@ -1,14 +1,17 @@
 """memory_budget_gib: micro_batch_size and grad_checkpointing chosen at setup from a predicted peak per stage.
 
     shape = Shape.of(model_config, prompt_len, cfg, world, dtype_bytes)      # numbers only: no weights loaded
-    peaks = predict(shape, cfg, micro=32, ckpt=True)    # -> {"rollout": bytes, "logprobs": bytes, "update": bytes}
-    micro, ckpt, peaks = choose(shape, cfg)             # the fastest setting whose every stage fits the budget
+    peaks = predict(shape, cfg, micro=32, ckpt=True)    # -> {"rollout": bytes, "update": bytes (, "logprobs")}
+    line = apply_budget(cfg, shape, algo)               # sets cfg's two settings; the log line says what and why
 
-Preference, fastest first: no recompute with the largest micro-batch that fits (the whole mini-batch, then its
-divisors downwards), then recompute with the largest that fits. The predicted peaks do not depend on the budget,
-so a larger budget can only pick an earlier, faster setting (tested). A micro_batch_size or grad_checkpointing
-set away from its default (0 = one pass, false) is the user's and is kept; the defaults are the fastest setting,
-the budget's own first choice, so the budget moves off them only as far as it needs to fit.
+Preference: the fastest setting whose every stage fits, by a rough time estimate (`seconds`): no recompute with
+the largest micro-batch that fits (the whole mini-batch, then its divisors downwards), then recompute with the
+largest that fits; except that recompute wins where the no-recompute setting would need so many small passes that
+the host, not the GPU, bounds them (W1: 32 passes of 4 samples against 4 of 32 with recompute). The predicted
+peaks and times do not depend on the budget, so a larger budget can only pick an earlier, faster setting (tested).
+A micro_batch_size or grad_checkpointing set away from its default (0 = one pass, false) is the user's and is
+kept; the defaults are the fastest setting, the budget's own first choice, so the budget moves off them only as
+far as it needs to fit.
 
 `predict` is the whole model, one screen: the byte terms every stage holds (weights, AdamW state, ...), and the
 terms of each stage. Its three fitted constants (ACT, RECOMPUTE, DECODE_WORK) and LOGPROB_FWD come from peaks
@@ -27,7 +30,8 @@ RECOMPUTE = 22.0      # with recompute: the one layer being re-run and its gradi
 LOGPROB_FWD = 5       # no-grad log-prob forward over the whole batch: ~5 live (B, T, I) tensors (gate, up, act, ...)
 DECODE_WORK = 0.9 * GiB   # rollout: prefill activations, compiled step and graph pools, LoRA merge temporaries
 # the order of settings (not their memory): a pass of few tokens is host-bound, so many small passes without
-# recompute can be slower than a few large ones with it (W1: 32 passes of 4 would take ~2 s, 4 of 32 with recompute 0.36 s)
+# recompute can be slower than a few large ones with it (W1, by this estimate: 32 passes of 4 ~2.1 s, 4 of 32 with
+# recompute ~0.34 s; measured 0.36 s)
 # s per decoder layer per pass to issue its kernels. compiled: W1's 67 ms for 24 layers; eager: not measured alone,
 # W1's 108 ms with transformers' checkpoint wrapper re-running compiled layers from Python stands in for it
 HOST_PER_LAYER = {"compiled": 2.8e-3, "eager": 4.5e-3}
