@@ -517,10 +517,10 @@ def validate(cfg: Config, world: int = 1):
     if cfg.offload_models and (cfg.offload or (world > 1 and cfg.parallel == "fsdp")):
         raise UserError("offload_models moves whole models between CPU and GPU; with FSDP use offload=true, which "
                         "keeps every shard in CPU memory")
-    if cfg.memory_budget_gib and (algo.needs_critic or cfg.engine != "builtin" or cfg.offload
+    if cfg.memory_budget_gib and (algo.needs_critic or cfg.engine != "builtin" or cfg.offload or cfg.mode != "sync"
                                   or (world > 1 and cfg.parallel == "fsdp")):
         raise UserError("memory_budget_gib predicts one process's (or parallel=replicate's) memory with the built-in "
-                        "engine and no critic: drop it with PPO, engine=vllm, FSDP or offload=true")
+                        "engine and no critic: drop it with PPO, engine=vllm, FSDP, offload=true or mode=async")
     # what the algorithm declares it needs (algos/common.py: Algorithm)
     if cfg.fused_loss and (algo.needs_critic or not algo.splittable(cfg.algo)):
         raise UserError(f"fused_loss=true needs a loss that splits over rows and no critic; algo '{cfg.algo.name}' "
