@@ -138,12 +138,12 @@ def shard(model, device: torch.device, compute_dtype: torch.dtype, offload: bool
     kw = {}
     if compute_dtype != next(model.parameters()).dtype:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    if offload:
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     if _group is not None:   # mode=async: shard over the trainer ranks only (use_group), not every rank
         from torch.distributed.device_mesh import DeviceMesh
         kw["mesh"] = DeviceMesh.from_group(_group, device.type)
-    elif device.type == "cuda":
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    elif device.type == "cuda":   # offload: the float32 masters never go to the GPU whole, only shard by shard
         model.to(device)
     layers = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():

@@ -213,3 +213,19 @@ def test_streamed_optimizer_step_on_fsdp_shards(tmp_path):
     checkpoints gather and load its state (tests/offload_worker.py says what it checks)."""
     run([*TORCHRUN, "tests/offload_worker.py", str(tmp_path)], logs=tmp_path, timeout=120)
     assert (tmp_path / "ok").exists()
+
+
+@pytest.mark.parametrize("offload, moved", [(True, False), (False, True)])
+def test_shard_moves_the_model_to_the_gpu_only_without_offload(monkeypatch, offload, moved):
+    """distributed.shard on a GPU: the whole float32 model goes to the device first (plain FSDP), never with
+    offload=true (its shards live in CPU memory: a whole copy on the GPU is what offload exists to avoid). CPU
+    check with fully_shard stubbed and the move recorded."""
+    import torch.distributed.fsdp as fsdp
+
+    import distributed
+    model = torch.nn.Linear(2, 2)
+    moves, units = [], []
+    monkeypatch.setattr(model, "to", lambda *a, **k: moves.append(a) or model)
+    monkeypatch.setattr(fsdp, "fully_shard", lambda m, **kw: units.append(kw))
+    distributed.shard(model, torch.device("cuda", 0), torch.float32, offload=offload)
+    assert bool(moves) == moved and len(units) == 1 and ("offload_policy" in units[0]) == offload
