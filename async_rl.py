@@ -116,26 +116,36 @@ class Link:
         self.control = dist.new_group([0] + rollout, backend="gloo", timeout=timeout)
         self.data = dist.new_group([0] + rollout, backend="gloo", timeout=timeout)
         self.sends = deque()            # rollout rank: sends in flight (their tensors must stay alive)
+        self.names: list[str] = []      # rollout rank: the parameters in the order trainer 0 sends them
 
     # --- trainer -> rollout ranks
-    def publish(self, t: int, version: int, prompts: dict, params: list, states: list | None = None,
-                partials: list | None = None) -> float:
-        """Control, then the weights after step t. -> seconds spent waiting for the rollout ranks to be ready
-        (the broadcast of the control returns when all of them have joined it)."""
+    def publish(self, t: int, version: int, prompts: dict, weights, names: list | None = None,
+                states: list | None = None, partials: list | None = None) -> float:
+        """Trainer rank 0: control, then the weights after step t, broadcast one tensor at a time as `weights`
+        yields (name, full tensor) pairs (distributed.sync_weights: under FSDP each unit is gathered among the
+        trainers as it comes, so no full copy is made for the broadcast). `names` (at start): their order, which
+        the rollout ranks keep. -> seconds spent waiting for the rollout ranks to be ready (the broadcast of the
+        control returns when all of them have joined it)."""
         t0 = time.perf_counter()
-        msg = [{"t": t, "version": version, "prompts": prompts, "states": states, "partials": partials}]
+        msg = [{"t": t, "version": version, "prompts": prompts, "names": names, "states": states,
+                "partials": partials}]
         self._guard(lambda: dist.broadcast_object_list(msg, src=0, group=self.control), "a weight broadcast")
         idle = time.perf_counter() - t0
-        self._guard(lambda: [dist.broadcast(p.data, src=0, group=self.weights) for p in params], "a weight broadcast")
-        if params and params[0].is_cuda:
+        cuda = False
+        for _, p in weights:
+            self._guard(lambda: dist.broadcast(p.detach(), src=0, group=self.weights), "a weight broadcast")
+            cuda = p.is_cuda
+        if cuda:
             torch.cuda.synchronize()   # so that time/sync measures the transfer (NCCL returns at once), not its launch
         return idle
 
-    def receive_weights(self, params: list) -> dict:
+    def receive_weights(self, params: dict) -> dict:
+        """Rollout rank: the control message, then each parameter in place, in the order trainer 0 sends them."""
         msg = [None]
         dist.broadcast_object_list(msg, src=0, group=self.control)
-        for p in params:
-            dist.broadcast(p.data, src=0, group=self.weights)
+        self.names = msg[0]["names"] or self.names
+        for name in self.names:
+            dist.broadcast(params[name].data, src=0, group=self.weights)
         return msg[0]
 
     # --- rollout ranks -> trainer
@@ -210,7 +220,7 @@ def generate_loop(cfg, link: Link, phases, j: int):
                                                  decode_weights=cfg.decode_weights,
                                                  **to_dict(cfg.vllm))   # keep_cache: this GPU only generates
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1_000_003 * j)   # j = 0: the one-process stream
-    params = list(model.parameters())
+    params = dict(model.named_parameters())
     D = link.clock.segments - 1
 
     def weights() -> dict:
@@ -362,23 +372,20 @@ class Trainer:
             if s not in self.pending:   # on resume the checkpoint has them already
                 self.pending[s] = self.phases.next_prompts(self.r, whole=True)   # every trainer: the whole list
         todo = {s: idx for s, idx in self.pending.items() if s not in self.received and clock.start_weights(s) == t}
-        if self.rank > 0 or (not start and t + 1 + clock.lag > self.cfg.steps):   # no later iteration needs them
+        if not start and t + 1 + clock.lag > self.cfg.steps:   # no later iteration needs them
             return 0.0
-        return self.link.publish(t, self.r.learner.version, todo, self.weights(),
+        # the full weights, whatever the trainer's engine (vLLM keeps none in this process): the policy's own, or
+        # under FSDP gathered among the trainers one unit at a time (every trainer takes part in each gather);
+        # their names' order once at start (under FSDP a gather of its own, once per run)
+        policy = self.r.learner.policy
+        names = [n for n, _ in distributed.sync_weights(policy)] if start else None
+        pairs = distributed.sync_weights(policy)
+        if self.rank > 0:
+            for _ in pairs:   # the gathers only: trainer rank 0 alone talks to the rollout ranks
+                pass
+            return 0.0
+        return self.link.publish(t, self.r.learner.version, todo, pairs, names,
                                  *((self.states, self.partials) if resumed else ()))
-
-    def weights(self) -> list:
-        """The full weights to broadcast, in the order of the rollout ranks' model.parameters(): the policy's own,
-        or under FSDP the engine's full copy (`gather` keeps it current)."""
-        policy = self.r.learner.policy
-        return list((self.r.engine.model if distributed.is_sharded(policy) else policy).parameters())
-
-    def gather(self):
-        """FSDP among the trainers: every trainer gathers the new weights into its engine's full copy (the
-        synchronous loop's sync), which evaluation samples with and trainer rank 0 broadcasts from."""
-        policy = self.r.learner.policy
-        if distributed.is_sharded(policy):
-            self.r.engine.load_weights(distributed.sync_weights(policy))
 
     def receive_until(self, step: int):
         """Every rollout rank's batches up to `step`, in step order (the order they are sent in)."""
@@ -401,8 +408,8 @@ class Trainer:
         with profiling.phase(times, "wait"):             # trainer idle: this step's batch is still being generated
             msgs = self.take(step)
         idx, K, T, n = self.pending.pop(step), self.link.K, self.link.T, cfg.samples_per_prompt
-        rollout = merge([Rollout(**m["rollout"]) for m in msgs], run.tok.pad_token_id)
-        C = rollout.completion_mask.shape[1]
+        whole = merge([Rollout(**m["rollout"]) for m in msgs], run.tok.pad_token_id)
+        C = whole.completion_mask.shape[1]
         versions = torch.cat([torch.full((len(m["rollout"]["input_ids"]),), m["version"]) for m in msgs])   # (B,)
         tokens_v = torch.cat([torch.nn.functional.pad(m["token_versions"], (0, C - m["token_versions"].shape[1]))
                               for m in msgs])                                        # (B, C) each token's weights
@@ -410,7 +417,7 @@ class Trainer:
         order = [i for j in range(K) for i in idx[j::K]]   # the prompts in the rows' order
         # this trainer's share: whole groups rank, rank + T, ... (distributed.share over the trainers)
         rows = torch.arange(len(order)).view(-1, 1)[self.rank::T].mul(n).add(torch.arange(n)).view(-1)   # (B / T,)
-        rollout, versions, tokens_v, segs = take_rows(rollout, rows, n), versions[rows], tokens_v[rows], segs[rows]
+        rollout, versions = take_rows(whole, rows, n), versions[rows]
         order = order[self.rank::T]
         with profiling.phase(times, "logprobs"):         # scoring in the reward workers, overlapped with ...
             samples = [run.train_set[i] for i in order for _ in range(cfg.samples_per_prompt)]
@@ -425,12 +432,12 @@ class Trainer:
         batch.versions = versions
         staleness = (learner.version - versions).float()   # (B,) a sample is as old as its oldest token
         batch.advantages = learner.algo.advantages(batch, cfg.algo, sum_over=distributed.all_sum)
-        partial = self.check_tokens(step, tokens_v, segs, batch)   # every token's version; old_segments=mask masks
+        # every token's version (the whole batch's: metrics as one trainer would log them); old_segments=mask masks
+        partial = self.check_tokens(step, tokens_v, segs, whole.completion_mask, batch, rows)
         with profiling.phase(times, "update"):
             kept = phases.add_to_buffer(run, batch)
             stats = update(learner, run.buffer, run.generator, step, len(samples))
         t0 = time.perf_counter()
-        self.gather()                                    # FSDP: the new weights into every trainer's engine copy
         idle = self.publish(step)                        # the new weights (and next prompts) to the rollout ranks
         times["time/sync"] = time.perf_counter() - t0 - idle
         times["time/trainer_idle"] = times.pop("time/wait") + idle
@@ -448,18 +455,23 @@ class Trainer:
         row["tokens_per_s"] = int(batch.attention_mask.sum()) / row["time/step"]
         row = distributed.reduce_metrics(row)            # over the trainers: means (tokens_per_s: the sum)
         if step % cfg.eval_every == 0 or step == cfg.steps:
+            # the engine's weights: FSDP's full copy (gathered), vLLM's; the built-in engine over the policy: a no-op
+            run.engine.load_weights(distributed.sync_weights(learner.policy))
             row.update(evaluate(cfg, run.engine, run.tok, run.eval_set, run.eval_ids, run.pool, run.specs,
                                 run.eval_gen()))
         phases.log(run, row)
         return row
 
-    def check_tokens(self, step: int, versions: torch.Tensor, segs: torch.Tensor, batch) -> dict:
-        """The staleness bound on every completion token (versions (B, C): its weights' version, from the rollout
-        rank), then, with partial rollouts (segs (B,): each trajectory's segments), partial.old_segments=mask: only
-        each trajectory's newest segment stays in the loss (m_t = 1[v_t = max_t' v_t']); the advantages are
-        already computed. -> the partial-rollout metrics."""
+    def check_tokens(self, step: int, versions: torch.Tensor, segs: torch.Tensor, mask: torch.Tensor, batch,
+                     rows: torch.Tensor | None = None) -> dict:
+        """The staleness bound on every completion token of the step's whole batch (versions (B, C): its weights'
+        version, from the rollout rank; mask (B, C): the completion mask), then, with partial rollouts (segs (B,):
+        each trajectory's segments), partial.old_segments=mask: only each trajectory's newest segment stays in the
+        loss (m_t = 1[v_t = max_t' v_t']) of this trainer's batch, rows `rows` of the whole (None: all of it);
+        the advantages are already computed. -> the partial-rollout metrics of the whole batch: every trainer
+        logs the same numbers, so their mean over trainers is what one trainer would log (token means included)."""
         cfg = self.cfg
-        tokens = batch.completion_mask > 0                                         # (B, C)
+        tokens = mask > 0                                                          # (B, C)
         old = int((self.r.learner.version - versions)[tokens].max()) if tokens.any() else 0
         if old > cfg.max_staleness:   # the clock makes this impossible; a bug must not train silently
             raise RuntimeError(f"step {step}: a token is {old} versions old (max_staleness={cfg.max_staleness})")
@@ -473,6 +485,7 @@ class Trainer:
         if cfg.partial.old_segments == "mask":
             keep = tokens & (versions == newest)                                   # (B, C)
             out["partial/masked_frac"] = 1 - keep.sum().item() / n.item()
+            keep = keep if rows is None else keep[rows]                            # (b, C) this trainer's rows
             batch.completion_mask = batch.completion_mask * keep.to(batch.completion_mask.dtype)
         return out
 

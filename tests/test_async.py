@@ -132,26 +132,30 @@ def test_partial_segments_join_into_the_whole_trajectory():
 def test_old_segments_mask_or_weight_and_the_token_bound():
     """Trainer version 5, max_staleness 2. Row 0 has two segments (versions 3, 3 | 4), row 1 one (3, 3, 3, 3):
     mask keeps row 0's newest segment only and all of row 1; weight keeps every token (the TIS weight of each
-    uses its own behaviour log-prob); a token of version 2 (3 old) stops the step."""
+    uses its own behaviour log-prob); a token of version 2 (3 old) stops the step. A trainer that holds row 1
+    only (rows=[1], one of two trainer ranks) logs the whole batch's numbers and masks its own row."""
     from types import SimpleNamespace
 
     from async_rl import Trainer
     t = Trainer.__new__(Trainer)
     t.cfg, t.r = Config(), SimpleNamespace(learner=SimpleNamespace(version=5))
     t.cfg.max_staleness, t.cfg.partial.budget_tokens = 2, 2
-    msgs = [{"token_versions": torch.tensor([[3, 3, 4, 0], [3, 3, 3, 3]]), "segments": torch.tensor([2, 1])}]
+    versions, segs = torch.tensor([[3, 3, 4, 0], [3, 3, 3, 3]]), torch.tensor([2, 1])
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 1, 1]])
     batch = SimpleNamespace(completion_mask=mask.clone())
-    m = t.check_tokens(1, msgs, batch)
+    m = t.check_tokens(1, versions, segs, mask, batch)
     assert torch.equal(batch.completion_mask, mask) and "partial/masked_frac" not in m
     assert m["partial/frac"] == 0.5 and m["partial/segments"] == 1.5
     assert m["staleness/token_mean"] == pytest.approx((2 + 2 + 1 + 2 * 4) / 7)
     t.cfg.partial.old_segments = "mask"
-    m = t.check_tokens(1, msgs, batch)
-    assert batch.completion_mask.tolist() == [[0, 0, 1, 0], [1, 1, 1, 1]] and m["partial/masked_frac"] == 2 / 7
-    msgs[0]["token_versions"][1, 0] = 2
+    whole = t.check_tokens(1, versions, segs, mask, batch)
+    assert batch.completion_mask.tolist() == [[0, 0, 1, 0], [1, 1, 1, 1]] and whole["partial/masked_frac"] == 2 / 7
+    mine = SimpleNamespace(completion_mask=mask[1:].clone())
+    assert t.check_tokens(1, versions, segs, mask, mine, torch.tensor([1])) == whole
+    assert mine.completion_mask.tolist() == [[1, 1, 1, 1]]
+    versions[1, 0] = 2
     with pytest.raises(RuntimeError, match="a token is 3 versions old"):
-        t.check_tokens(1, msgs, SimpleNamespace(completion_mask=mask.clone()))
+        t.check_tokens(1, versions, segs, mask, SimpleNamespace(completion_mask=mask.clone()))
 
 
 def test_merge_pads_prompts_left_and_completions_right():
@@ -236,13 +240,17 @@ def test_every_algorithm_but_pairs_takes_behaviour_logprobs():
 def test_staleness_zero_equals_the_synchronous_run(tmp_path):
     """partial.budget_tokens=3 < max_new_tokens is set too: at max_staleness=0 no token may be a version old, so
     no trajectory is cut and the run stays the synchronous one, exactly. Beside it, two trainer ranks
-    (parallel=replicate, each on half of every batch's groups) and one rollout rank give the same metrics to 1e-6
-    (the gradient is the mean of two halves' instead of one sum: float rounding apart, the same update)."""
+    (parallel=fsdp, each on half of every batch's groups) and one rollout rank give the same metrics to 1e-6
+    (the gradient is the mean of two halves' instead of one sum: float rounding apart, the same update). FSDP
+    rather than replicate: its weights reach the rollout rank through per-unit gathers (step 2's samples and
+    rewards would differ if a gathered tensor went out wrong or stale) and reach the trainers' own engine copies
+    before evaluation (step 2's eval/*). The samples are the one-process run's, not a 2-rank sync run's: the one
+    rollout rank draws them all from the one-process sampling stream."""
     sync, asyn, two = tmp_path / "sync", tmp_path / "async", tmp_path / "two-trainers"
     (rs, out_s), (ra, out_a), (r2, out_2) = launch(
         [sys.executable, "train.py", *SMALL, f"out_dir={sync}"],
         [*torchrun(2), *SMALL, "mode=async", "max_staleness=0", f"out_dir={asyn}", "partial.budget_tokens=3"],
-        [*torchrun(3), *SMALL, "steps=3", "mode=async", "max_staleness=0", "parallel=replicate", f"out_dir={two}"])
+        [*torchrun(3), *SMALL, "steps=3", "mode=async", "max_staleness=0", "parallel=fsdp", f"out_dir={two}"])
     assert rs == 0, out_s[-3000:]
     assert ra == 0, out_a[-3000:]
     assert r2 == 0, out_2[-3000:]
