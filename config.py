@@ -636,10 +636,12 @@ def validate_async(cfg: Config, world: int, algo) -> int:
     if cfg.max_staleness < 0:
         raise UserError(f"config key 'max_staleness' must be >= 0; got {cfg.max_staleness}")
     trainers = world - cfg.rollout_ranks
+    unit = math.lcm(cfg.rollout_ranks, trainers)   # every valid prompts_per_step is a multiple of it
     for what, count in (("rollout_ranks", cfg.rollout_ranks), ("the trainer ranks", trainers)):
         if cfg.prompts_per_step % count:
             raise UserError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by {what} ({count}): each "
-                            f"rank takes whole groups, equal shares (world {world}, rollout_ranks={cfg.rollout_ranks})")
+                            f"rank takes whole groups, equal shares (world {world}, rollout_ranks={cfg.rollout_ranks})"
+                            f"; valid: a multiple of {unit}, e.g. {', '.join(str(unit * i) for i in (1, 2, 4, 8))}")
     if cfg.max_staleness > 0 and not algo.behaviour_weight:
         raise UserError(f"algo '{cfg.algo.name}' cannot weight samples by the behaviour policy's log-probs: "
                         "with mode=async use max_staleness=0 or another algorithm")

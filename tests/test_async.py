@@ -182,6 +182,8 @@ def test_merge_pads_prompts_left_and_completions_right():
     (["mode=async"], 2, True, "set algo.tis=token"),
     (["mode=async", "algo.tis=token", "prompts_per_step=3", "rollout_ranks=2"], 3, True, "divisible by rollout_ranks"),
     (["mode=async", "algo.tis=token", "rollout_ranks=1"], 4, True, "must be divisible by the trainer ranks"),
+    (["mode=async", "algo.tis=token", "rollout_ranks=2", "prompts_per_step=8"], 5, True,
+     "valid: a multiple of 6, e.g. 6, 12, 24, 48"),   # 2 rollout ranks and 3 trainer ranks
     (["mode=asynch"], 1, False, "'mode' must be one of sync, async"),
     (["mode=async", "algo.tis=token", "partial.budget_tokens=-1"], 2, True, "'partial.budget_tokens' must be >= 0"),
     (["partial.budget_tokens=4"], 1, False, "only mode=async has"),
