@@ -20,8 +20,9 @@ j::rollout_ranks of each step and its own sampling stream (j = 0 is the one-proc
 synchronous loop's ranks among themselves (distributed.py on their own group: parallel=fsdp shards over them,
 replicate averages their gradients, metrics are reduced over them); each trains on whole groups rank::T of every
 batch. Trainer rank 0 alone talks to the rollout ranks and hands each batch to the other trainers (a gloo
-broadcast); under FSDP every trainer gathers the new weights into its engine's full copy (as the synchronous
-loop's sync does) and trainer rank 0 broadcasts that copy.
+broadcast). Weights out: distributed.sync_weights yields the full tensors (under FSDP it gathers one unit at a time
+among the trainers, every trainer taking part) and trainer rank 0 broadcasts each as it comes, in the order of
+the names it sent at start; the trainers' own engines (evaluation only) get the weights before each evaluation.
 Messages, made in the same order on both sides, so nothing can deadlock:
     trainer -> rollout ranks, at start and after each step t whose weights a later step needs (`publish`):
         control (a gloo broadcast: t, version, the prompts of step t + 1 + max_staleness, on resume the sampling
@@ -29,8 +30,9 @@ Messages, made in the same order on both sides, so nothing can deadlock:
         rollout rank's model: weights change only between rollouts (at rollout boundaries);
     rollout rank -> trainer rank 0, after each batch (`send`): a non-blocking gloo send of the rollout, its
         weights' version, the sampling state after it and the rank's timings; the trainer takes them in order.
-Checkpoints (every trainer takes part, as in the synchronous loop; trainer rank 0 writes): the usual state, plus the batches in flight (`inflight.safetensors`: those
-generated for steps after the checkpoint's, which the trainer drains first; their weights no longer exist), the
+Checkpoints (every trainer takes part, as in the synchronous loop; trainer rank 0 writes): the usual state, plus
+the batches in flight (`inflight.safetensors`: those generated for steps after the checkpoint's, which the
+trainers drain first; their weights no longer exist), the
 prompts already chosen and each rollout rank's sampling state; a resumed run hands those back to the rollout
 ranks, so kill -9 + resume continues exactly.
 Partial rollouts (partial.budget_tokens, docs/async.md): a trajectory may span segments(cfg) iterations, at most
