@@ -183,15 +183,18 @@ class Link:
         if self.T == 1:
             return msgs
         box = [msgs]
-        dist.broadcast_object_list(box, src=0, group=self.trainer_objs)
+        who = "trainer rank 0" if dist.get_rank() else f"a trainer rank (1..{self.T - 1})"   # the one to blame
+        self._guard(lambda: dist.broadcast_object_list(box, src=0, group=self.trainer_objs), "a batch's copy", who=who)
         return box[0]
 
-    def _guard(self, fn, what: str, src: int | None = None):
-        """A rollout rank that died or hangs ends the run with its rank named, not a hang (collective timeouts)."""
+    def _guard(self, fn, what: str, src: int | None = None, who: str | None = None):
+        """A rank that died or hangs ends the run with its rank named, not a hang (collective timeouts): rollout
+        rank src, any rollout rank (src None), or `who`."""
         try:
             return fn()
         except RuntimeError as e:   # gloo's and NCCL's errors and timeouts
-            who = f"rollout rank {src}" if src is not None else f"a rollout rank ({self.T}..{self.T + self.K - 1})"
+            who = who or (f"rollout rank {src}" if src is not None else
+                          f"a rollout rank ({self.T}..{self.T + self.K - 1})")
             raise UserError(f"{who} did not answer {what} (died, or slower than async_timeout_s="
                             f"{self.cfg.async_timeout_s:g}): {str(e).strip().splitlines()[0][:200]}")
 

@@ -158,6 +158,26 @@ def test_old_segments_mask_or_weight_and_the_token_bound():
         t.check_tokens(1, versions, segs, mask, SimpleNamespace(completion_mask=mask.clone()))
 
 
+def test_a_dead_trainer_rank_is_named(monkeypatch):
+    """Trainer rank 1 waiting for a batch's copy from trainer rank 0, which died: a one-line error naming it
+    (the copies' group has the async_timeout_s timeout), as a dead rollout rank's is."""
+    import torch.distributed as dist
+
+    from async_rl import Link
+    link = Link.__new__(Link)
+    link.cfg, link.T, link.K, link.trainer_objs = Config(), 2, 1, None
+
+    def dead(*a, **k):
+        raise RuntimeError("Connection closed by peer\nmore lines")
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
+    monkeypatch.setattr(dist, "broadcast_object_list", dead)
+    with pytest.raises(UserError, match=r"^trainer rank 0 did not answer a batch's copy .*Connection closed by peer$"):
+        link.share(None)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 0)
+    with pytest.raises(UserError, match=r"^a trainer rank \(1\.\.1\) did not answer"):
+        link.share([{}])
+
+
 def test_merge_pads_prompts_left_and_completions_right():
     a = Rollout(torch.tensor([[5, 6, 7]]), torch.tensor([[1, 1, 1]]), torch.tensor([[1.0]]), torch.tensor([[-1.0]]),
                 torch.tensor([True]), torch.tensor([0]))                          # P=2, C=1
