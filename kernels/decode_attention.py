@@ -26,16 +26,29 @@ from torch import Tensor
 
 from kernels.logprob import HAS_TRITON
 
+# split kernel's ticket counters by (device, count): zero between calls (the last split of each (sequence, KV
+# head) resets its own), so they live across calls and CUDA-graph replays instead of a memset per layer
+_TICKETS: dict[tuple, Tensor] = {}
+
+
+def _tickets(n: int, device) -> Tensor:
+    key = (str(device), n)
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _TICKETS[key]
+
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
     def _decode_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, ok_ptr, last_ptr, o_ptr, scale,
-                          s_qkv, s_cs, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, sok_b,
+                          s_qkv, s_cs, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, sok_b, pm_ptr, ps_ptr, pa_ptr, tick_ptr,
                           NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                          D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
-        b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)        # sequence, KV head
+                          D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+                          SPLITS: tl.constexpr):
+        b, h, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)   # sequence, KV head, split
         gi = tl.arange(0, GP)                                          # query heads of this group (padded)
         d = tl.arange(0, DP)
         dm = d < D
@@ -57,50 +70,96 @@ if HAS_TRITON:
         k_new = (k_new * cos + tl.load(kr + partner, mask=dm, other=0.0).to(tl.float32) * sin).to(k_ptr.dtype.element_ty)
         v_new = tl.load(row + (NH + NKV) * D + h * D + d, mask=dm, other=0.0).to(k_ptr.dtype.element_ty)
         last = tl.load(last_ptr)
-        tl.store(k_ptr + b * sk_b + h * sk_h + last * sk_s + d, k_new, mask=dm)
-        tl.store(v_ptr + b * sv_b + h * sv_h + last * sv_s + d, v_new, mask=dm)
-        # the new token first, from registers: the online softmax starts at its score with weight 1
-        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale           # (GP,) running max
-        s = tl.full((GP,), 1.0, tl.float32)                                               # running sum
-        acc = tl.zeros((GP, DP), tl.float32) + v_new.to(tl.float32)[None, :]              # running output
-        for s0 in range(0, last, BLOCK):                               # then the cache before it
+        # split `part` reads slots [lo, hi) of [0, last): chunks of whole blocks, so the grid stays fixed while
+        # the filled length grows between graph replays; splits past the filled length read nothing
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(last, SPLITS), BLOCK), 1) * BLOCK
+        lo = part * chunk
+        hi = tl.minimum(lo + chunk, last)
+        if part == 0:                                                  # one program writes the new K/V
+            tl.store(k_ptr + b * sk_b + h * sk_h + last * sk_s + d, k_new, mask=dm)
+            tl.store(v_ptr + b * sv_b + h * sv_h + last * sv_s + d, v_new, mask=dm)
+        # split 0 starts from the new token, from registers (its score, weight 1); the others from nothing
+        m0 = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+        first = part == 0
+        m = tl.where(first, m0, -float("inf"))                         # (GP,) running max
+        s = tl.where(first, tl.full((GP,), 1.0, tl.float32), 0.0)     # running sum
+        acc = tl.where(first, tl.zeros((GP, DP), tl.float32) + v_new.to(tl.float32)[None, :], 0.0)   # running output
+        for s0 in range(lo, hi, BLOCK):                                # then the cache before it
             j = s0 + tl.arange(0, BLOCK)
-            jm = j < last
+            jm = j < hi
             ok = (tl.load(ok_ptr + b * sok_b + j, mask=jm, other=0) != 0) & jm
             kv = jm[:, None] & dm[None, :]
             k = tl.load(k_ptr + b * sk_b + h * sk_h + j[:, None] * sk_s + d[None, :], mask=kv, other=0.0)  # (BLOCK, DP)
             v = tl.load(v_ptr + b * sv_b + h * sv_h + j[:, None] * sv_s + d[None, :], mask=kv, other=0.0)
             sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (GP, BLOCK) float32
             sc = tl.where(ok[None, :], sc, -float("inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))                       # finite: m already is
-            p_ = tl.exp(sc - m_new[:, None])
-            alpha = tl.exp(m - m_new)
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)       # nothing visible yet: exp(-inf - -inf) is nan
+            p_ = tl.exp(sc - shift[:, None])
+            alpha = tl.exp(m - shift)
             s = s * alpha + tl.sum(p_, 1)
             acc = acc * alpha[:, None] + tl.dot(p_.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
-        o = acc / s[:, None]
-        tl.store(o_ptr + b * so_b + qh + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
+        if SPLITS == 1:
+            o = acc / s[:, None]
+            tl.store(o_ptr + b * so_b + qh + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
+        else:
+            _combine(o_ptr + b * so_b + qh + d[None, :], qm, m, s, acc, (b * NKV + h) * SPLITS, part,
+                     pm_ptr, ps_ptr, pa_ptr, tick_ptr + b * NKV + h, GP, DP, SPLITS)
+
+    @triton.jit
+    def _combine(o_ptrs, qm, m, s, acc, base, part, pm_ptr, ps_ptr, pa_ptr, tick_ptr,
+                 GP: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr):
+        # flash-decoding's reduction, in the kernel: each split stores its (max, sum, output) partials, then
+        # takes a ticket; the last of the (sequence, KV head)'s splits to arrive merges them and resets the
+        # counter for the next replay (no second kernel per layer in the graph)
+        gi = tl.arange(0, GP)
+        d = tl.arange(0, DP)
+        mine = (base + part) * GP + gi                                 # (GP,) rows of this split's partials
+        tl.store(pm_ptr + mine, m)
+        tl.store(ps_ptr + mine, s)
+        tl.store(pa_ptr + mine[:, None] * DP + d[None, :], acc)
+        ticket = tl.atomic_add(tick_ptr, 1, sem="acq_rel")             # releases the stores above
+        if ticket == SPLITS - 1:
+            tl.store(tick_ptr, 0)
+            r = (base + tl.arange(0, SPLITS))[:, None] * GP + gi[None, :]           # (SPLITS, GP)
+            pm = tl.load(pm_ptr + r, cache_modifier=".cg")
+            ps = tl.load(ps_ptr + r, cache_modifier=".cg")
+            mx = tl.max(pm, 0)                                         # (GP,) finite: split 0 holds the new token
+            w = tl.where(pm == -float("inf"), 0.0, tl.exp(pm - mx[None, :]))       # (SPLITS, GP)
+            tot = tl.sum(ps * w, 0)                                    # (GP,)
+            o = tl.zeros((GP, DP), tl.float32)
+            for i in tl.static_range(SPLITS):
+                ri = (base + i) * GP + gi
+                wi = tl.sum(tl.where(tl.arange(0, SPLITS)[:, None] == i, w, 0.0), 0)   # (GP,) row i of w
+                o += tl.load(pa_ptr + ri[:, None] * DP + d[None, :], cache_modifier=".cg") * wi[:, None]
+            tl.store(o_ptrs, (o / tot[:, None]).to(o_ptrs.dtype.element_ty), mask=qm)
 
     # An opaque custom op, not a triton_op: inductor then calls it as it is instead of lowering the kernel into
     # its own code, which failed to compile inside the decode step (torch 2.11)
     @torch.library.custom_op("rlhack::decode_attention", mutates_args=("k", "v"))
     def _decode_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
-                             key_ok: Tensor, last: Tensor, scale: float, block: int, warps: int, stages: int) -> Tensor:
+                             key_ok: Tensor, last: Tensor, scale: float, block: int, warps: int, stages: int,
+                             splits: int) -> Tensor:
         B, nkv, _, D = k.shape
         nh = qkv.shape[1] // D - 2 * nkv
         out = torch.empty(B, nh * D, dtype=qkv.dtype, device=qkv.device)
         G = nh // nkv
-        _decode_attention[(B, nkv)](
+        GP, DP = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
+        n = B * nkv * splits if splits > 1 else 1                      # partials: only a split run needs them
+        pm, ps = (torch.empty(n * GP, dtype=torch.float32, device=qkv.device) for _ in range(2))
+        pa = torch.empty(n * GP * DP, dtype=torch.float32, device=qkv.device)
+        _decode_attention[(B, nkv, splits)](
             qkv, cos, sin, pos, k, v, key_ok, last, out, scale, qkv.stride(0), cos.stride(0),
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0),
-            key_ok.stride(0), NH=nh, NKV=nkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
-            DP=max(16, triton.next_power_of_2(D)), BLOCK=block,
+            key_ok.stride(0), pm, ps, pa, _tickets(B * nkv if splits > 1 else 1, qkv.device),
+            NH=nh, NKV=nkv, G=G, GP=GP, D=D, DP=DP, BLOCK=block,
             PRECISION="ieee" if k.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
-            num_warps=warps, num_stages=stages)
+            SPLITS=splits, num_warps=warps, num_stages=stages)
         return out
 
     @_decode_attention_op.register_fake
-    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages):
+    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages, splits):
         return qkv.new_empty(qkv.shape[0], qkv.shape[1] - 2 * k.shape[1] * k.shape[3])
 
 
@@ -125,13 +184,18 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
 
 
 def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor,
-                     last: Tensor, scale: float, block: int = 128, warps: int = 4, stages: int = 2) -> Tensor:
+                     last: Tensor, scale: float, block: int = 128, warps: int = 4, stages: int = 2,
+                     splits: int = 1) -> Tensor:
     """See the module's docstring. The Triton kernel (CUDA, or TRITON_INTERPRET=1); block, warps, stages: the
     kernel's settings. The defaults were the fastest of those tried at W1's decode shape, timed over 24 layers'
     caches so that each read comes from memory, as in the decode step, not from L2 (measured: docs/kernels.md,
-    "Decode attention")."""
+    "Decode attention"). splits > 1: flash-decoding, each (sequence, KV head)'s filled slots cut into `splits`
+    chunks of whole blocks, one program each (the grid is fixed; the chunk follows `last`), merged in the kernel
+    by the last split to finish."""
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two >= 1, got {splits}")
     _check(qkv, cos, sin, pos, k, v, key_ok, last)
-    return _decode_attention_op(qkv, cos, sin, pos, k, v, key_ok, last, float(scale), block, warps, stages)
+    return _decode_attention_op(qkv, cos, sin, pos, k, v, key_ok, last, float(scale), block, warps, stages, splits)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -3,6 +3,7 @@
 Tiers as in test_kernels.py: the torch twin here, the Triton kernel interpreted on CPU in a subprocess,
 the kernel on CUDA at W1's decode shape (skipped without a GPU).
 """
+import functools
 import os
 import sys
 
@@ -75,12 +76,17 @@ def test_bad_shapes_are_named():
 
 def test_kernel_interpreted():
     run_interpreted("""
+import functools
 import torch
 from tests.test_decode_attention import check_attention
 from kernels.decode_attention import decode_attention
 check_attention(decode_attention)                                  # odd head_dim, GQA 3, several blocks
 check_attention(decode_attention, B=2, nh=4, nkv=4, S=70, D=16, last=69)   # MHA, last = final slot
 check_attention(decode_attention, B=2, nh=14, nkv=2, S=64, D=64, last=0)   # one slot
+split = functools.partial(decode_attention, splits=4, block=16)    # flash-decoding: 4 chunks merged in-kernel
+check_attention(split, B=2, nh=6, nkv=2, S=150, D=40, last=97)     # row 0: only split 0 sees a key
+check_attention(split, B=2, nh=6, nkv=2, S=150, D=40, last=20)     # splits past the filled length
+check_attention(split, B=1, nh=14, nkv=2, S=64, D=64, last=0)
 print("ok")
 """)
 
@@ -91,3 +97,6 @@ def test_kernel_cuda():
         check_attention(decode_attention, "cuda", B=128, nh=14, nkv=2, S=320, D=64, last=last, dtype=torch.bfloat16,
                         tol=3e-2)
     check_attention(decode_attention, "cuda", B=5, nh=6, nkv=2, S=150, D=40, last=97)   # float32, odd sizes
+    for splits, last in ((4, 0), (4, 130), (8, 319), (16, 200)):
+        check_attention(functools.partial(decode_attention, splits=splits, block=32), "cuda", B=128, nh=14, nkv=2,
+                        S=320, D=64, last=last, dtype=torch.bfloat16, tol=3e-2)
