@@ -179,6 +179,13 @@ class Split(Clock):
 OFF = Split(torch.device("cpu"))
 
 
+# kernel variants the decode graph uses, set before a rollout (tests, tools/decode_kernel_bench.py) or from the
+# environment: flash-decoding splits of the attention kernel (1: one program per (sequence, KV head)), and the
+# sampler ("gumbel" or "cdf", kernels.sample_token). Defaults: today's kernels until the others are timed
+ATTENTION_SPLITS = int(os.environ.get("FAST_DECODE_SPLITS", "1"))
+SAMPLER = os.environ.get("FAST_DECODE_SAMPLER", "gumbel")
+
+
 class FastDecoder:
     def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
                  attention: str = "kernel", keep_cache: bool = False, weights: str = "fused"):
@@ -220,7 +227,7 @@ class FastDecoder:
             qkv = project(layer.input_layernorm(x), p_qkv)                   # (B, T, (nh + 2 nkv) D)
             if self.attention == "kernel" and T == 1 and slots.dim() == 1:   # decode: rotary, cache write, attention
                 o = decode_attention_kernel(qkv.view(B, -1), cos, sin, pos.view(B), ks[i], vs[i], key_ok[:, 0, 0], slots,
-                               a.scaling).view(B, T, nh * D)
+                               a.scaling, splits=ATTENTION_SPLITS).view(B, T, nh * D)
             else:
                 o = self._attend(qkv, rot, ks[i], vs[i], slots, key_ok, a.scaling)
             x = x + project(o, p_o)
@@ -330,7 +337,7 @@ class FastDecoder:
 
     def _sample(self, logits: Tensor, st: dict) -> tuple[Tensor, Tensor]:
         """(B, V) logits -> sampled tokens (B,) and their log-probs (B,) at temperature 1 / st["inv_t"]."""
-        return sample_token(logits, st["inv_t"], st["seed"], st["t"])
+        return sample_token(logits, st["inv_t"], st["seed"], st["t"], method=SAMPLER)
 
     def _take(self, st: dict, tok: Tensor, logp: Tensor):
         """Write the sampled column t (rows already done get padding), then advance t. All on the device."""

@@ -22,7 +22,7 @@ from kernels.decode_attention import decode_attention, decode_attention_referenc
 from kernels.linear_logprob import linear_logprob_entropy
 from kernels.logprob_loss import linear_logprob_loss
 from kernels.logprob import HAS_TRITON, logprob_entropy, logprob_entropy_reference
-from kernels.sample import gumbel_sample, gumbel_sample_reference
+from kernels.sample import cdf_sample, gumbel_sample, gumbel_sample_reference
 
 
 def use_triton(*tensors: Tensor) -> bool:
@@ -60,17 +60,26 @@ def linear_logprob_loss_kernel(hidden: Tensor, weight: Tensor, targets: Tensor, 
                                use_triton=use_triton(hidden, weight), into_grad=into_grad)
 
 
-def sample_token(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor) -> tuple[Tensor, Tensor]:
+SAMPLERS = ("gumbel", "cdf")
+
+
+def sample_token(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor, method: str = "gumbel") -> tuple[Tensor, Tensor]:
     """logits (B, V), inv_t / seed / step (1,) device tensors -> tok (B,), logp (B,): one token per row at
-    temperature 1 / inv_t, noise keyed by seed and step (kernels/sample.py; the decode graph replays it)."""
-    fn = gumbel_sample if use_triton(logits) else gumbel_sample_reference
-    return fn(logits, inv_t, seed, step)
+    temperature 1 / inv_t, noise keyed by seed and step (kernels/sample.py; the decode graph replays it).
+    method: "gumbel" (exponential race) or "cdf" (inverse CDF, one uniform per row): same distribution,
+    different draws for the same seed; the CPU twin is the Gumbel one for both."""
+    if method not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {method!r}")
+    if not use_triton(logits):
+        return gumbel_sample_reference(logits, inv_t, seed, step)
+    return (cdf_sample if method == "cdf" else gumbel_sample)(logits, inv_t, seed, step)
 
 
 def decode_attention_kernel(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
-                            key_ok: Tensor, last: Tensor, scale: float) -> Tensor:
+                            key_ok: Tensor, last: Tensor, scale: float, splits: int = 1) -> Tensor:
     """qkv (B, (nh + 2 nkv) D), rotary tables cos/sin (S, D), pos (B,), caches k/v (B, nkv, S, D), key_ok (B, S),
     last (1,) -> (B, nh D): rotary, the new K/V written at slot `last`, and attention over the slots up to it
-    (kernels/decode_attention.py)."""
-    fn = decode_attention if use_triton(qkv) else decode_attention_reference
-    return fn(qkv, cos, sin, pos, k, v, key_ok, last, scale)
+    (kernels/decode_attention.py). splits > 1: the kernel's flash-decoding form (the CPU twin ignores it)."""
+    if use_triton(qkv):
+        return decode_attention(qkv, cos, sin, pos, k, v, key_ok, last, scale, splits=splits)
+    return decode_attention_reference(qkv, cos, sin, pos, k, v, key_ok, last, scale)

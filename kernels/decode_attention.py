@@ -184,14 +184,16 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
 
 
 def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor,
-                     last: Tensor, scale: float, block: int = 128, warps: int = 4, stages: int = 2,
+                     last: Tensor, scale: float, block: int | None = None, warps: int = 4, stages: int = 2,
                      splits: int = 1) -> Tensor:
     """See the module's docstring. The Triton kernel (CUDA, or TRITON_INTERPRET=1); block, warps, stages: the
     kernel's settings. The defaults were the fastest of those tried at W1's decode shape, timed over 24 layers'
     caches so that each read comes from memory, as in the decode step, not from L2 (measured: docs/kernels.md,
     "Decode attention"). splits > 1: flash-decoding, each (sequence, KV head)'s filled slots cut into `splits`
     chunks of whole blocks, one program each (the grid is fixed; the chunk follows `last`), merged in the kernel
-    by the last split to finish."""
+    by the last split to finish. block: 128 unsplit, 32 split (chunks of whole blocks: small blocks let short
+    caches use several splits; not yet tuned on a GPU)."""
+    block = block or (128 if splits == 1 else 32)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two >= 1, got {splits}")
     _check(qkv, cos, sin, pos, k, v, key_ok, last)

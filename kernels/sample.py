@@ -124,3 +124,98 @@ def gumbel_sample_reference(logits: Tensor, inv_t: Tensor, seed: Tensor, step: T
     u = torch.rand(z.shape, generator=gen, device=logits.device).clamp(min=1e-20)
     tok = (z - torch.log(-torch.log(u))).argmax(-1)                     # (B,)
     return tok, z.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
+
+
+# --- inverse-CDF sampler (method "cdf"): one read of the logits for the logsumexp, one uniform per row ----------
+# Why: the Gumbel kernel's 80 us at 128 x 151,936 is arithmetic, not reading (39 MB is ~13 us on an H100): per
+# column it pays a quarter of a 10-round Philox call (~25 integer multiply/xor steps), a log, an IEEE division
+# and an exp, and per 1024-column group four block-wide reductions (max, sum, race max, argmax), each a trip
+# through shared memory with barriers; ~60 instructions a column over 19.4 M columns is ~40 us of issue on 132
+# SMs before any stall. Sampling by the inverse CDF needs per column only a multiply, a max and an exp (the
+# logsumexp itself); one uniform per row picks the part whose cumulative mass crosses u * S, and only that
+# part's columns (one block row of 4096) are read again, to walk its cumulative sum. Same distribution as
+# softmax(z / T) (float32 cumulative sums: each cut point is off by ~1e-6 of the row's mass, far under the
+# bf16 rounding of the logits themselves); a different draw than the Gumbel kernel for the same seed.
+
+if HAS_TRITON:
+    @triton.jit
+    def _lse_partial(z_ptr, pm_ptr, ps_ptr, inv_t_ptr, V, stride, span, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        # program (row, part): max m and sum of exp(z - m) over columns [part * span, (part + 1) * span)
+        row, part = tl.program_id(0), tl.program_id(1)
+        inv_t = tl.load(inv_t_ptr)
+        row_off = row.to(tl.int64) * stride
+        m = -float("inf")
+        s = 0.0
+        q = tl.arange(0, BLOCK)
+        for c0 in range(part * span, tl.minimum((part + 1) * span, V), BLOCK):
+            cols = c0 + q
+            z = tl.load(z_ptr + row_off + cols, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_t
+            m_new = tl.maximum(m, tl.max(z, 0))
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)       # all -inf so far: exp(-inf - -inf) is nan
+            s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), 0)
+            m = m_new
+        tl.store(pm_ptr + row * SPLIT + part, m)
+        tl.store(ps_ptr + row * SPLIT + part, s)
+
+    @triton.jit
+    def _first_above(c, x, idx, fallback_ok, N: tl.constexpr):
+        # index of the first entry of cumulative c above x; where rounding leaves none, the last with mass
+        hit = tl.min(tl.where(c > x, idx, N), 0)
+        return tl.where(hit < N, hit, tl.max(tl.where(fallback_ok, idx, -1), 0))
+
+    @triton.jit
+    def _cdf_pick(z_ptr, pm_ptr, ps_ptr, tok_ptr, logp_ptr, inv_t_ptr, seed_ptr, step_ptr, V, stride, span, parts,
+                  SPLIT: tl.constexpr, CB: tl.constexpr):
+        row = tl.program_id(0)
+        inv_t = tl.load(inv_t_ptr)
+        j = tl.arange(0, SPLIT)
+        pm = tl.load(pm_ptr + row * SPLIT + j, mask=j < parts, other=-float("inf"))
+        ps = tl.load(ps_ptr + row * SPLIT + j, mask=j < parts, other=0.0)
+        m = tl.max(pm, 0)
+        w = tl.where(ps > 0, ps * tl.exp(pm - m), 0.0)                 # (SPLIT,) each part's mass
+        total = tl.sum(w, 0)
+        u = tl.rand(tl.load(seed_ptr) + tl.load(step_ptr) * 1000003, row)   # one uniform per row and step
+        x = u * total
+        part = _first_above(tl.cumsum(w, 0), x, j, w > 0, SPLIT)
+        x = x - tl.sum(tl.where(j < part, w, 0.0), 0)                  # mass left to cross inside the part
+        row_off = row.to(tl.int64) * stride
+        q = tl.arange(0, CB)
+        run = 0.0
+        tok = -1
+        last_live = 0
+        for c0 in range(part * span, tl.minimum((part + 1) * span, V), CB):
+            cols = c0 + q
+            z = tl.load(z_ptr + row_off + cols, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_t
+            e = tl.exp(z - m)                                          # (CB,) 0 where z is -inf
+            c = tl.cumsum(e, 0) + run
+            hit = tl.min(tl.where(c > x, cols, V), 0)
+            tok = tl.where((tok < 0) & (hit < V), hit, tok)
+            last_live = tl.maximum(last_live, tl.max(tl.where(e > 0, cols, -1), 0))
+            run = run + tl.sum(e, 0)
+        tok = tl.where(tok < 0, last_live, tok)                        # rounding left x just above the part's sum
+        z_tok = tl.load(z_ptr + row_off + tok).to(tl.float32) * inv_t
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(logp_ptr + row, z_tok - m - tl.log(total))
+
+
+def cdf_sample(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor, split: int = SPLIT, block: int = BLOCK,
+               warps: int = 8, pick_block: int = 1024) -> tuple[Tensor, Tensor]:
+    """gumbel_sample's contract by the inverse CDF (see above): logits (B, V), inv_t / seed / step (1,) device
+    tensors -> tok (B,) long, logp (B,) float32. split, block, warps: the logsumexp pass's programs per row at
+    most, columns per step, warps; pick_block: columns per step of the pick's walk."""
+    B, V = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    parts = min(split, triton.cdiv(V, block))
+    span = triton.cdiv(triton.cdiv(V, parts), block) * block
+    parts = triton.cdiv(V, span)                                       # whole blocks per part: maybe fewer parts
+    P2 = triton.next_power_of_2(parts)
+    pm = torch.empty(B, P2, dtype=torch.float32, device=logits.device)
+    ps = torch.empty(B, P2, dtype=torch.float32, device=logits.device)
+    _lse_partial[(B, parts)](logits, pm, ps, inv_t, V, logits.stride(0), span, SPLIT=P2, BLOCK=block,
+                             num_warps=warps)
+    tok = torch.empty(B, dtype=torch.long, device=logits.device)
+    logp = torch.empty(B, dtype=torch.float32, device=logits.device)
+    _cdf_pick[(B,)](logits, pm, ps, tok, logp, inv_t, seed, step, V, logits.stride(0), span, parts, SPLIT=P2,
+                    CB=min(pick_block, triton.next_power_of_2(span)), num_warps=4)
+    return tok, logp

@@ -12,7 +12,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from kernels.sample import gumbel_sample, gumbel_sample_reference  # noqa: E402
+from kernels.sample import cdf_sample, gumbel_sample, gumbel_sample_reference  # noqa: E402
 from tests.interpret import run_interpreted  # noqa: E402
 
 
@@ -61,7 +61,16 @@ def test_kernel_interpreted_on_cpu():
                     "print('ok')")
 
 
+def test_cdf_kernel_interpreted_on_cpu():
+    # the inverse-CDF sampler: several parts and several pick steps per part (a tenth of the Gumbel test's time)
+    run_interpreted("import functools, tests.test_sample_kernel as t, kernels.sample as s; "
+                    "t.check_sampler(functools.partial(s.cdf_sample, split=3, block=128, pick_block=256), rows=64, "
+                    "V=2500, steps=(0,), same_rows=8); "
+                    "print('ok')")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_on_cuda_full_vocab():
-    check_sampler(gumbel_sample, "cuda", V=151936, rows=2000, dtype=torch.bfloat16)
-    check_sampler(gumbel_sample, "cuda", V=11, rows=20000)
+    for fn in (gumbel_sample, cdf_sample):
+        check_sampler(fn, "cuda", V=151936, rows=2000, dtype=torch.bfloat16)
+        check_sampler(fn, "cuda", V=11, rows=20000)
