@@ -30,14 +30,18 @@ try:  # triton is optional: without it (or off CUDA without TRITON_INTERPRET=1) 
 except ImportError:  # pragma: no cover - depends on the machine
     HAS_TRITON = False
 
-# Vocabulary columns per kernel step, and warps per row (one program per row): enough to read a logits tile near
-# the card's memory bandwidth; larger steps were no faster (measured: docs/kernels.md, "Log-prob passes").
-LAUNCH = dict(BLOCK=4096, num_warps=8)
+# Vocabulary columns per kernel step, and warps per program: enough to read a logits tile near the card's memory
+# bandwidth; larger steps were no faster (measured: docs/kernels.md, "Log-prob passes"). SPLIT: programs per row
+# (each takes a contiguous column range), so that a chunk of ~1k rows fills the card in whole waves (to be measured
+# at W2's H=896 chunk: docs/kernels.md, "W2 at H=896"). chunk_stats's running state always uses one per row.
+LAUNCH = dict(BLOCK=4096, num_warps=8, SPLIT=1)
 
 
-def _launch(n_cols: int) -> dict:
-    block = min(LAUNCH["BLOCK"], triton.next_power_of_2(n_cols))
-    return dict(BLOCK=block, num_warps=max(1, min(LAUNCH["num_warps"], block // 512)))
+def _launch(n_cols: int, split: int = 1) -> tuple[int, int, dict]:
+    """(columns per program, programs per row, kernel settings) for rows of n_cols columns."""
+    block = min(LAUNCH["BLOCK"], triton.next_power_of_2(triton.cdiv(n_cols, split)))
+    per = triton.cdiv(triton.cdiv(n_cols, split), block) * block   # a multiple of BLOCK: aligned, unmasked steps
+    return per, triton.cdiv(n_cols, per), dict(BLOCK=block, num_warps=max(1, min(LAUNCH["num_warps"], block // 512)))
 
 
 def logprob_entropy_reference(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
@@ -52,17 +56,27 @@ def logprob_entropy_reference(logits: Tensor, targets: Tensor, temperature: floa
 
 if HAS_TRITON:
     @triton.jit
-    def _stats_kernel(x_ptr, stride_x, tgt_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, n_cols, col0, inv_t,
-                      BLOCK: tl.constexpr):
-        # one program per row; state: m = running max of z, s = sum exp(z - m), t = sum exp(z - m) * (z - m)
+    def _stats_kernel(x_ptr, stride_x, tgt_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, n_cols, col0, inv_t, per,
+                      FRESH: tl.constexpr, BLOCK: tl.constexpr):
+        # program (row, j) folds columns [j * per, (j + 1) * per) of its row into state slot row * S + j (S = grid
+        # dim 1); state: m = running max of z, s = sum exp(z - m), t = sum exp(z - m) * (z - m), zy = target's z.
+        # FRESH: start from the empty state instead of loading one (the buffers may then be uninitialised)
         row = tl.program_id(0).to(tl.int64)
+        slot = row * tl.num_programs(1) + tl.program_id(1)
         x_row = x_ptr + row * stride_x
-        m = tl.load(m_ptr + row)
-        s = tl.load(s_ptr + row)
-        t = tl.load(t_ptr + row)
-        for start in range(0, n_cols, BLOCK):
+        c0 = tl.program_id(1) * per
+        c1 = tl.minimum(c0 + per, n_cols)
+        if FRESH:
+            m = tl.full([], -float("inf"), tl.float32)
+            s = tl.full([], 0.0, tl.float32)
+            t = tl.full([], 0.0, tl.float32)
+        else:
+            m = tl.load(m_ptr + slot)
+            s = tl.load(s_ptr + slot)
+            t = tl.load(t_ptr + slot)
+        for start in range(c0, c1, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            z = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32) * inv_t
+            z = tl.load(x_row + cols, mask=cols < c1, other=-float("inf")).to(tl.float32) * inv_t
             m_new = tl.maximum(m, tl.max(z, 0))
             shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # an all -inf prefix must not give nan
             alpha = tl.exp(m - shift)
@@ -71,19 +85,49 @@ if HAS_TRITON:
             t = alpha * (t + dm * s) + tl.sum(e * tl.where(e > 0, z - shift, 0.0), 0)
             s = alpha * s + tl.sum(e, 0)
             m = m_new
-        tl.store(m_ptr + row, m)
-        tl.store(s_ptr + row, s)
-        tl.store(t_ptr + row, t)
+        tl.store(m_ptr + slot, m)
+        tl.store(s_ptr + slot, s)
+        tl.store(t_ptr + slot, t)
         tgt = tl.load(tgt_ptr + row)
-        here = (tgt >= col0) & (tgt < col0 + n_cols)
+        here = (tgt >= col0 + c0) & (tgt < col0 + c1)
         zy = tl.load(x_row + tl.where(here, tgt - col0, 0)).to(tl.float32) * inv_t
-        tl.store(zy_ptr + row, tl.where(here, zy, tl.load(zy_ptr + row)))
+        if FRESH:
+            tl.store(zy_ptr + slot, tl.where(here, zy, 0.0))
+        else:
+            tl.store(zy_ptr + slot, tl.where(here, zy, tl.load(zy_ptr + slot)))
+
+    @triton.jit
+    def _finish_kernel(part_ptr, tgt_ptr, out_ptr, n, S, BLOCK_S: tl.constexpr):
+        # part (4, n, S): each row's S partial states (m, s, t, zy) from _stats_kernel -> out (4, n): logp, entropy,
+        # lse, E[z], as finish_stats computes them from one merged state
+        row = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, BLOCK_S)
+        ok = k < S
+        at = part_ptr + row * S + k
+        pm = tl.load(at, mask=ok, other=-float("inf"))
+        ps = tl.load(at + n * S, mask=ok, other=0.0)
+        pt = tl.load(at + 2 * n * S, mask=ok, other=0.0)
+        zy = tl.sum(tl.load(at + 3 * n * S, mask=ok, other=0.0), 0)  # only the target's slot is not 0
+        m = tl.max(pm, 0)
+        shift = tl.where(m == -float("inf"), 0.0, m)
+        alpha = tl.exp(pm - shift)                                 # (BLOCK_S,) rebase each part onto the row max
+        s = tl.sum(alpha * ps, 0)
+        t = tl.sum(alpha * (pt + tl.where(alpha > 0, pm - shift, 0.0) * ps), 0)
+        valid = tl.load(tgt_ptr + row) >= 0
+        lse = m + tl.log(s)
+        tl.store(out_ptr + row, tl.where(valid, zy - lse, 0.0))
+        tl.store(out_ptr + n + row, tl.where(valid, tl.log(s) - t / s, 0.0))
+        tl.store(out_ptr + 2 * n + row, lse)
+        tl.store(out_ptr + 3 * n + row, m + t / s)
 
     @triton.jit
     def _grad_kernel(x_ptr, stride_x, g_ptr, stride_g, tgt_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr,
-                     n_cols, col0, inv_t, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr):
-        # d loss / d logits = (g_logp * (onehot - p) - g_ent * p * (z - E[z])) / T; g may alias x
+                     n_cols, col0, inv_t, per, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr):
+        # d loss / d logits = (g_logp * (onehot - p) - g_ent * p * (z - E[z])) / T; g may alias x.
+        # Program (row, j) writes columns [j * per, (j + 1) * per) of its row.
         row = tl.program_id(0).to(tl.int64)
+        c0 = tl.program_id(1) * per
+        c1 = tl.minimum(c0 + per, n_cols)
         tgt = tl.load(tgt_ptr + row)
         valid = tgt >= 0
         lse = tl.load(lse_ptr + row)
@@ -92,9 +136,9 @@ if HAS_TRITON:
             gent = tl.where(valid, tl.load(gent_ptr + row), 0.0)
             ez = tl.load(ez_ptr + row)
         local_t = tgt - col0
-        for start in range(0, n_cols, BLOCK):
+        for start in range(c0, c1, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            mask = cols < n_cols
+            mask = cols < c1
             z = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_t
             p = tl.exp(z - lse)
             g = glp * (tl.where(cols == local_t, 1.0, 0.0) - p)
@@ -113,8 +157,9 @@ def chunk_stats(x: Tensor, targets: Tensor, state, col0: int, inv_t: float, use_
     """Fold logits columns [col0, col0 + x.shape[1]) of each row into the running state (in place)."""
     m, s, t, zy = state
     if use_triton:
-        _stats_kernel[(x.shape[0],)](x, x.stride(0), targets, m, s, t, zy, x.shape[1], col0, inv_t,
-                                     **_launch(x.shape[1]))
+        per, _, kw = _launch(x.shape[1])                           # one program per row: the state is per row
+        _stats_kernel[(x.shape[0], 1)](x, x.stride(0), targets, m, s, t, zy, x.shape[1], col0, inv_t, per,
+                                       FRESH=False, **kw)
         return
     z = x.float() * inv_t                                          # (n, v)
     m_new = torch.maximum(m, z.max(-1).values)                     # (n,)
@@ -141,14 +186,33 @@ def finish_stats(state, targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor
     return logp, entropy, lse, ez
 
 
+def row_stats(x: Tensor, targets: Tensor, inv_t: float, use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Whole rows of logits x (n, V) -> (logp, entropy, lse, E[z]), each (n,) float32, as chunk_stats from a fresh
+    state + finish_stats give them, in two launches (LAUNCH["SPLIT"] programs per row, then a merge per row)
+    instead of ~15 small ones: at W2's 26 chunks those small kernels are ~1 ms of the step (to be measured)."""
+    if not use_triton:
+        state = new_state(x.shape[0], x.device)
+        chunk_stats(x, targets, state, 0, inv_t, False)
+        return finish_stats(state, targets)
+    n = x.shape[0]
+    per, split, kw = _launch(x.shape[1], LAUNCH["SPLIT"])
+    part = torch.empty(4, n, split, dtype=torch.float32, device=x.device)     # m, s, t, zy per (row, split)
+    _stats_kernel[(n, split)](x, x.stride(0), targets, part[0], part[1], part[2], part[3], x.shape[1], 0, inv_t,
+                              per, FRESH=True, **kw)
+    out = torch.empty(4, n, dtype=torch.float32, device=x.device)             # logp, entropy, lse, E[z]
+    _finish_kernel[(n,)](part, targets, out, n, split, BLOCK_S=triton.next_power_of_2(split))
+    return out[0], out[1], out[2], out[3]
+
+
 def chunk_grad(x: Tensor, out: Tensor, targets: Tensor, lse: Tensor, ez: Tensor, g_logp: Tensor,
                g_ent, col0: int, inv_t: float, use_triton: bool):
     """d loss / d logits for columns [col0, col0 + x.shape[1]) into out (may be x itself)."""
     if use_triton:
         has_ent = g_ent is not None
-        _grad_kernel[(x.shape[0],)](x, x.stride(0), out, out.stride(0), targets, lse, ez, g_logp,
-                                    g_ent if has_ent else g_logp, x.shape[1], col0, inv_t, HAS_ENT=has_ent,
-                                    **_launch(x.shape[1]))
+        per, split, kw = _launch(x.shape[1], LAUNCH["SPLIT"])
+        _grad_kernel[(x.shape[0], split)](x, x.stride(0), out, out.stride(0), targets, lse, ez, g_logp,
+                                          g_ent if has_ent else g_logp, x.shape[1], col0, inv_t, per,
+                                          HAS_ENT=has_ent, **kw)
         return
     valid = targets >= 0
     z = x.float() * inv_t                                          # (n, v)

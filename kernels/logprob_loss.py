@@ -16,7 +16,7 @@ log-probs (a batch mean of logp, say) is not a sum over rows: take linear_logpro
 How: rows are grouped into chunks whose (tokens x V) logits fit `chunk_bytes`; padded tokens (target < 0)
 are left out of the matmuls and count for nothing. Per chunk:
   1. logits = h @ W.T                       cuBLAS, into one reused (n, V) buffer in the input dtype
-  2. lse, E[z], logp, entropy per token     Triton pass over the buffer (kernels/logprob.py chunk_stats)
+  2. lse, E[z], logp, entropy per token     Triton pass over the buffer (kernels/logprob.py row_stats)
   3. loss_fn on (b, C) leaf tensors; torch.autograd.grad gives d loss / d logp and d loss / d entropy
   4. G = d loss / d logits                  Triton pass, in place over the logits (chunk_grad)
   5. d h = G @ W,  d W (+)= G.T @ h         cuBLAS
@@ -41,8 +41,8 @@ loop with the torch twins of the kernels (the CPU path); kernels/__init__.py pic
 import torch
 from torch import Tensor
 
-from kernels.logprob import (HAS_TRITON, check_inputs, check_linear_inputs, chunk_grad, chunk_stats, finish_stats,
-                             hand_to_grad, into_grad_of, new_state)
+from kernels.logprob import (HAS_TRITON, check_inputs, check_linear_inputs, chunk_grad, hand_to_grad, into_grad_of,
+                             row_stats)
 
 CHUNK_BYTES = 384 * 2**20  # one (tokens x V) logits buffer: W2 (docs/benchmarks.md) stays < 0.5 GiB extra
 
@@ -88,9 +88,7 @@ def chunked_loss(hidden, weight, targets, rows_shape, temperature, loss_fn, chun
             h, tgt = hidden.index_select(0, idx), targets.index_select(0, idx)   # (m, H), (m,)
         if m:
             logits = torch.mm(h, weight.T, out=buf[: m * V].view(m, V))        # (m, V)
-            state = new_state(m, hidden.device)
-            chunk_stats(logits, tgt, state, 0, inv_t, use_triton)
-            lp_m, en_m, lse, ez = finish_stats(state, tgt)         # (m,) each
+            lp_m, en_m, lse, ez = row_stats(logits, tgt, inv_t, use_triton)   # (m,) each
             for out, x in ((logp_out, lp_m), (ent_out, en_m)):
                 if idx is None:
                     out[t0:t1] = x

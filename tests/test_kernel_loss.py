@@ -21,6 +21,7 @@ sys.path.insert(0, ROOT)
 
 from kernels.logprob_loss import linear_logprob_loss, plan_chunks  # noqa: E402
 from tests.interpret import run_interpreted  # noqa: E402
+from kernels import logprob  # noqa: E402
 from kernels.logprob import logprob_entropy_reference  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -142,6 +143,13 @@ def check_all(use_triton):
     check_loss(use_triton, "ppo", tied=True, rows_per_chunk=2, into_grad=True)  # the head's gradient into .grad
     check_loss(use_triton, "linear", dtype=torch.bfloat16, rows_per_chunk=2, into_grad=True)
     check_loss(use_triton, "linear", B=4, C=1, V=257, H=5, rows_per_chunk=3)   # a token per row
+    old = dict(logprob.LAUNCH)
+    logprob.LAUNCH.update(BLOCK=32, SPLIT=4)                      # several programs per row: partial states merged
+    try:
+        check_loss(use_triton, "ppo", dtype=torch.bfloat16, rows_per_chunk=2)
+        check_loss(use_triton, "gspo", V=130, rows_per_chunk=3)   # 130 columns: a split with no full step
+    finally:
+        logprob.LAUNCH.update(old)
 
 
 def test_torch_twins_match_reference():

@@ -17,7 +17,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from kernels import linear_logprob  # noqa: E402
+from kernels import linear_logprob, logprob  # noqa: E402
 from tests.interpret import run_interpreted  # noqa: E402
 from kernels.linear_logprob import linear_logprob_entropy  # noqa: E402
 from kernels.logprob import logprob_entropy, logprob_entropy_reference  # noqa: E402
@@ -88,7 +88,7 @@ def check_linear(use_triton, N=45, V=301, H=24, dtype=torch.float32, temperature
 
 def check_all(use_triton):
     """Every case the kernels must get right; run with the torch twins here and interpreted Triton below."""
-    old = linear_logprob.TOKENS_PER_BLOCK
+    old, launch = linear_logprob.TOKENS_PER_BLOCK, dict(logprob.LAUNCH)
     linear_logprob.TOKENS_PER_BLOCK = 16                           # several token blocks at tiny N
     try:
         for dtype in (torch.float32, torch.bfloat16):
@@ -99,6 +99,8 @@ def check_all(use_triton):
             check_linear(use_triton, dtype=dtype, tied=True, into_grad=True)   # the head's gradient into .grad
         check_linear(use_triton, dtype=torch.bfloat16, into_grad=True, chunk_bytes=1 << 20)  # float32 sum, then into .grad
         check_linear(use_triton, N=5, V=130, H=7, temperature=1.3, chunk_bytes=1 << 20)  # one tile
+        logprob.LAUNCH.update(BLOCK=32, SPLIT=3)                  # the gradient pass with 3 programs per row
+        check_linear(use_triton, dtype=torch.bfloat16)
         # masked vocabulary (-inf logits, as after top-k filtering): finite, zero probability there
         x = torch.randn(6, 50)
         x[:, 10:] = -float("inf")
@@ -107,6 +109,7 @@ def check_all(use_triton):
         assert rel(lp, rl) < 1e-5 and rel(en, re) < 1e-5
     finally:
         linear_logprob.TOKENS_PER_BLOCK = old
+        logprob.LAUNCH.update(launch)
 
 
 def test_torch_twins_match_reference():
