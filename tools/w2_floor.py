@@ -176,8 +176,10 @@ def shape_report(H, V, args, settings, budgets):
     lines = [f"\n### H={H}, V={V}: chunk {m} tokens x {k} chunks (default budget {old_b >> 20} MiB)\n",
              "| (a) product, alone, %d-token blocks | ms |" % args.block, "|---|---|"]
     lines += [f"| {n} | {v:.1f} |" for n, v in mm.items()]
-    lines += ["", "| (c) part, per chunk x chunks | ms |", "|---|---|"]
-    lines += [f"| {n} | {v:.1f} |" for n, v in pt.items()]
+    lines += ["", "| (c) part, per chunk x chunks | ms | logits traffic TB/s |", "|---|---|---|"]
+    for n, v in pt.items():   # the statistics read the logits once; the gradient pass reads and writes them
+        passes = 2 if n.startswith("grad") else 1 if "stats" in n else 0
+        lines.append(f"| {n} | {v:.1f} | {passes * m * V * 2 * k / v / GB:.2f} |" if passes else f"| {n} | {v:.1f} | |")
     lines += ["", "| (c) linear_logprob_loss fwd+bwd | ms | extra GiB | / (a) |", "|---|---|---|---|"]
     lines += [f"| {n} | {v[0]:.1f} | {v[1]:.2f} | {v[0] / floor_a:.3f}x |" for n, v in runs.items()]
     del h, w
