@@ -421,7 +421,7 @@ class Trainer:
         segs = torch.cat([m["segments"] for m in msgs])                              # (B,)
         order = [i for j in range(K) for i in idx[j::K]]   # the prompts in the rows' order
         # this trainer's share: whole groups rank, rank + T, ... (distributed.share over the trainers)
-        rows = torch.arange(len(order)).view(-1, 1)[self.rank::T].mul(n).add(torch.arange(n)).view(-1)   # (B / T,)
+        rows = (torch.arange(self.rank, len(order), T)[:, None] * n + torch.arange(n)).view(-1)   # (B / T,)
         rollout, versions = take_rows(whole, rows, n), versions[rows]
         order = order[self.rank::T]
         with profiling.phase(times, "logprobs"):         # scoring in the reward workers, overlapped with ...

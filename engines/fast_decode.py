@@ -279,7 +279,7 @@ class FastDecoder:
         """(ws, b, A, B) of Linears (or peft LoRA layers) ms that read the same input; prev: the last call's
         buffers, refilled in place."""
         prev = prev or (None,) * 4
-        b = _cat([bias_of(m) for m in ms], prev[1])
+        b = bias_of(ms[0]) if len(ms) == 1 else _cat([bias_of(m) for m in ms], prev[1])   # one: read in place
         if self.weights == "in_place":
             return [base_weight(m) for m in ms], b, *low_rank(ms, prev[2], prev[3])
         if len(ms) == 1 and type(ms[0]) is torch.nn.Linear:

@@ -127,12 +127,10 @@ def gumbel_sample_reference(logits: Tensor, inv_t: Tensor, seed: Tensor, step: T
 
 
 # --- inverse-CDF sampler (method "cdf"): one read of the logits for the logsumexp, one uniform per row ----------
-# Why: the Gumbel kernel's 80 us at 128 x 151,936 is arithmetic, not reading (39 MB is ~13 us on an H100): per
-# column it pays a quarter of a 10-round Philox call (~25 integer multiply/xor steps), a log, an IEEE division
-# and an exp, and per 1024-column group four block-wide reductions (max, sum, race max, argmax), each a trip
-# through shared memory with barriers; ~60 instructions a column over 19.4 M columns is ~40 us of issue on 132
-# SMs before any stall. Sampling by the inverse CDF needs per column only a multiply, a max and an exp (the
-# logsumexp itself); one uniform per row picks the part whose cumulative mass crosses u * S, and only that
+# Why: the Gumbel kernel is bound by per-column arithmetic, not by reading the logits: a quarter of a Philox
+# call, a log, an IEEE division and an exp per column, and block-wide reductions per group (instruction counts
+# and timings: docs/kernels.md, "Sampler"). Sampling by the inverse CDF needs per column only a multiply, a max
+# and an exp (the logsumexp itself); one uniform per row picks the part whose cumulative mass crosses u * S, and only that
 # part's columns (one block row of 4096) are read again, to walk its cumulative sum. Same distribution as
 # softmax(z / T) (float32 cumulative sums: each cut point is off by ~1e-6 of the row's mass, far under the
 # bf16 rounding of the logits themselves); a different draw than the Gumbel kernel for the same seed.
