@@ -9,6 +9,9 @@ B starts at zero, so step 0 is the base model exactly. What the rest of the loop
 - Training: the policy is peft's PeftModel; the optimizer gets only the adapters (requires_grad), and
   checkpoints hold only them (checkpoint.py leaves frozen parameters out: they come from `model=`).
   peft keeps the adapters in float32 beside a bf16 base (its autocast_adapter_dtype), which AdamW wants.
+  On a GPU their products then run as float32 GEMMs; `lora.tf32` (on by default) puts them on TF32 tensor
+  cores: 10 mantissa bits, still finer than the bf16 base beside them (7), and without it the plain-float32
+  GEMMs were a quarter of W6's update on an H100 (docs/lora.md).
 - Reference: `AdaptersOff(policy)` runs the same modules inside peft's `disable_adapter()`: every LoRA layer
   then calls its base layer alone, so the reference log-probs are the frozen base's bit for bit, with no
   second copy of the weights.

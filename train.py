@@ -100,6 +100,8 @@ def build_models(cfg: Config, device, dtype, fsdp: bool):
     if cfg.lora.r:   # peft adapters inside the layers set up above; the engine samples with the adapted policy
         policy = engine_model = lora.wrap(policy, cfg.lora, cfg.model)
         print0(lora.describe(policy))
+        if device.type == "cuda" and cfg.lora.tf32:   # speed: peft's float32 adapter GEMMs off the FMA units
+            torch.set_float32_matmul_precision("high")
     else:
         lora.wrap(policy, cfg.lora, cfg.model)   # refuses a model that already carries an adapter
     return policy, tok, engine_model

@@ -214,3 +214,21 @@ def test_streamed_optimizer_step_is_the_whole_step(fused):
                                    for k in ("exp_avg", "exp_avg_sq"))       # the state lives in its homes
     with offload.resident(streamed):
         assert torch.equal(streamed.state_dict()["state"][3]["exp_avg"], plain.state_dict()["state"][3]["exp_avg"])
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_tf32_is_set_for_adapters_on_a_gpu_only(random_model_dir, tf32):
+    """lora.tf32 moves the adapters' float32 GEMMs to TF32 on a GPU; a CPU run keeps full float32 (what the
+    exactness tests here rely on), and tf32=false keeps it everywhere."""
+    import train
+    from config import Config
+    before = torch.get_float32_matmul_precision()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.set_float32_matmul_precision("highest")
+        cfg = Config(model=random_model_dir, lora=LoRAConfig(r=4, tf32=tf32))
+        train.build_models(cfg, device, torch.float32, fsdp=False)
+        want = "high" if tf32 and device.type == "cuda" else "highest"
+        assert torch.get_float32_matmul_precision() == want
+    finally:
+        torch.set_float32_matmul_precision(before)
