@@ -39,6 +39,7 @@ What makes it fast, and why this route:
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -123,13 +124,114 @@ def low_rank(ms: list, prev_a: Tensor | None, prev_b: Tensor | None) -> tuple[Te
     return (prev_a.copy_(a), prev_b.copy_(b)) if prev_a is not None else (a, b)
 
 
+def groups(layer) -> list[list]:
+    """A decoder layer's projections in the four groups that share an input: q/k/v, gate/up, o, down."""
+    a, mlp = layer.self_attn, layer.mlp
+    return [[a.q_proj, a.k_proj, a.v_proj], [mlp.gate_proj, mlp.up_proj], [a.o_proj], [mlp.down_proj]]
+
+
+class Pack(NamedTuple):
+    """One group's frozen weights and its adapters' A in one buffer (decode_weights=in_place, `pack_group`)."""
+    w: Tensor             # (out + R, in): rows [W_1; ...; W_n; A-rows]; each base weight is a view of its rows
+    b: Tensor | None      # (out + R,): the biases likewise (zeros where a projection has none, and for the A-rows)
+    out: int              # sum of the group's output widths
+    slots: list           # (LoRA layer, adapter name, its first output row, its first A-row, its rank)
+
+
+def _laid_out(ts: list, rows: int) -> Tensor | None:
+    """The (rows, ...) tensor over the storage whose first rows are ts, one after the other (a group packed
+    before, e.g. by an earlier decoder), or None when ts are not laid out so (never packed, or moved since)."""
+    storage, at = ts[0].untyped_storage(), 0
+    for t in ts:
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != at or not t.is_contiguous():
+            return None
+        at += t.numel()
+    shape = (rows, *ts[0].shape[1:])
+    if storage.nbytes() != ts[0][:1].numel() * rows * ts[0].element_size():
+        return None
+    return torch.empty(0, dtype=ts[0].dtype, device=ts[0].device).set_(storage, 0, shape)
+
+
+def _pack_rows(ts: list, extra: int, like: Tensor) -> Tensor:
+    """ts (each (n_i, ...), or None for a missing bias of n_i rows given as an int) copied into one new buffer of
+    sum n_i + extra rows, zeros elsewhere; each tensor then becomes a view of its rows (its old storage is freed
+    once nothing else holds it). The one new allocation: a group's weights, never a model's."""
+    rows = [t if isinstance(t, int) else t.shape[0] for t in ts]
+    buf = torch.zeros(sum(rows) + extra, *like.shape[1:], dtype=like.dtype, device=like.device)
+    at = 0
+    for t, n in zip(ts, rows):
+        if not isinstance(t, int):
+            buf[at:at + n].copy_(t)
+            t.data = buf[at:at + n]
+        at += n
+    return buf
+
+
+def pack_group(ms: list) -> Pack | None:
+    """Re-pack the storage of a group of projections ms (sharing an input) so that one GEMM gives their outputs
+    and x A^T of every adapter: [x W^T + b | x A^T] (project). None where packing does not apply, and the group
+    keeps the unpacked route: a weight that trains (full fine-tuning: the optimizer, FSDP, offload and checkpoint
+    loads may swap its storage), weights or biases of different dtypes or devices, an adapter that is DoRA, or a
+    group with nothing to gain (one projection, no adapter)."""
+    ws = [base_weight(m) for m in ms]
+    bs = [bias_of(m) for m in ms]
+    present = [t for t in ws + bs if t is not None]
+    slots, R, row = [], 0, 0
+    for m, w in zip(ms, ws):
+        for name in getattr(m, "lora_A", {}):
+            if m.use_dora.get(name):
+                return None
+            r = m.lora_A[name].weight.shape[0]
+            slots.append((m, name, row, R, r))
+            R += r
+        row += w.shape[0]
+    if (any(t.requires_grad or type(t.data) is not torch.Tensor for t in present) or (len(ms) == 1 and not R)
+            or len({(t.dtype, t.device) for t in present}) > 1 or len({w.shape[1] for w in ws}) > 1):
+        return None
+    with torch.no_grad():
+        w = _laid_out(ws, row + R)
+        w = _pack_rows(ws, R, ws[0]) if w is None else w                 # (out + R, in)
+        have = [t for t in bs if t is not None]
+        b = _laid_out(bs, row + R) if have and len(have) == len(bs) else None
+        if have and b is None:                                           # (out + R,); a missing bias's rows are zeros
+            b = _pack_rows([t if t is not None else v.shape[0] for t, v in zip(bs, ws)], R, have[0])
+    return Pack(w, b, row, slots)
+
+
+def fill(pack: Pack, prev: Tensor | None) -> Tensor | None:
+    """Copy the adapters' current A into the pack's A-rows and return B (out, R): block-diagonal, each adapter's
+    B * alpha / r at (its output rows, its A-rows); zero where an adapter is off (disabled, merged, inactive).
+    prev: the last rollout's B, refilled in place (same storage: captured graphs stay valid). None if R = 0."""
+    R = pack.w.shape[0] - pack.out
+    if not R:
+        return None
+    with torch.no_grad():
+        b = prev if prev is not None else pack.w.new_empty(pack.out, R)             # (out, R)
+        b.zero_()
+        for m, name, first, col, r in pack.slots:
+            if m.disable_adapters or m.merged or name not in m.active_adapters:
+                continue
+            pack.w[pack.out + col:pack.out + col + r].copy_(m.lora_A[name].weight)   # (r, in)
+            B = m.lora_B[name].weight                                                # (out_m, r)
+            b[first:first + B.shape[0], col:col + r].copy_(B * m.scaling[name])
+    return b
+
+
 def project(x: Tensor, p: tuple) -> Tensor:
     """x (B, T, in) -> (B, T, out): the projections of one group (FastDecoder.refresh) applied to their shared
-    input: one GEMM per weight in ws (outputs side by side), the bias, and the low-rank product x A^T B^T."""
-    ws, b, A, B = p
+    input. p = (ws, b, A, B, R): one GEMM per weight in ws (outputs side by side) and the bias; then either
+    R = 0 and the low-rank product x A^T B^T of separate A, B (if any), or R > 0: ws is one packed weight
+    (pack_group) whose GEMM gave [x W^T + b | x A^T], and one addmm adds (x A^T) B^T into its first columns."""
+    ws, b, A, B, R = p
     y = F.linear(x, ws[0], b) if len(ws) == 1 else torch.cat([F.linear(x, w) for w in ws], dim=-1)
     if len(ws) > 1 and b is not None:
         y = y + b
+    if R and LOW_RANK == "mm":   # the add left to the compiler, which may fuse it into the next pointwise kernel
+        return y[..., :-R] + F.linear(y[..., -R:], B)
+    if R:
+        flat = y.view(-1, y.shape[-1])                                       # (B T, out + R)
+        flat[:, :-R].addmm_(flat[:, -R:], B.t())
+        return y[..., :-R]                                                   # (B, T, out): rows out + R apart
     return y if A is None else y + F.linear(F.linear(x, A), B)
 
 
@@ -185,6 +287,11 @@ OFF = Split(torch.device("cpu"))
 # program per sequence and KV head (splits lost at every length), the inverse-CDF sampler (4x faster than Gumbel)
 ATTENTION_SPLITS = int(os.environ.get("FAST_DECODE_SPLITS", "1"))
 SAMPLER = os.environ.get("FAST_DECODE_SAMPLER", "cdf")
+# decode_weights=in_place: re-pack each group's frozen weights with its adapters' A (pack_group; "0": the unpacked
+# route, 15 GEMMs per layer per token with LoRA on every projection, for comparison), and how the packed group adds
+# its low-rank product ("addmm" into the base output, or "mm" and an add the compiler may fuse). docs/lora.md
+PACK = os.environ.get("FAST_DECODE_PACK", "1") == "1"
+LOW_RANK = os.environ.get("FAST_DECODE_LOW_RANK", "addmm")
 
 
 class FastDecoder:
@@ -201,13 +308,23 @@ class FastDecoder:
         self.compile = self.use_graph if compile is None else compile
         self.check_every = check_every
         self.states: dict[tuple[int, int], dict] = {}   # (B, S) -> cache, static buffers, graph
-        self.fused: list[tuple] = []                     # per layer: the (ws, b, A, B) of qkv, gate_up, o, down
+        self.fused: list[tuple] = []                     # per layer: the (ws, b, A, B, R) of qkv, gate_up, o, down
+        self.packs = self._pack() if weights == "in_place" and PACK else None    # per layer, per group: Pack or None
         c = model.config
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self._step = torch.compile(self._forward, dynamic=False, fullgraph=True) if self.compile else self._forward
         self.compact_always = False   # tests: take feed's compaction route every time
         self.captured = False   # once warm, a re-capture needs 1 warm-up step, not 3 (measured: docs/speed.md)
+
+    def _pack(self) -> list[list]:
+        """Re-pack every layer's groups (pack_group), layer by layer: memory grows by one group's buffer at a time
+        (the old storage is freed as each group moves), never by a copy of the model. Done here, once per model,
+        not at LoRA setup: only this decoder reads the layout, and runs that never build it keep peft's."""
+        packs = [[pack_group(ms) for ms in groups(layer)] for layer in self.model.model.layers]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()   # the old weights' segments go back (most large weights had their own)
+        return packs
 
     # --- the model, by hand ---------------------------------------------------------------------
     def _forward(self, ids: Tensor, pos: Tensor, slots: Tensor, key_ok: Tensor, ks: list[Tensor], vs: list[Tensor],
@@ -260,36 +377,43 @@ class FastDecoder:
         return o.transpose(1, 2).reshape(B, T, nh * D)                       # (B, T, nh * D)
 
     def refresh(self):
-        """Per layer, what each of its four GEMM groups (q/k/v, gate/up, o, down) applies, as (ws, b, A, B) for
+        """Per layer, what each of its four GEMM groups (q/k/v, gate/up, o, down) applies, as (ws, b, A, B, R) for
         `project`, re-read before each rollout into the same buffers (captured graphs stay valid).
         weights="fused": q/k/v and gate/up concatenated into one weight each, LoRA adapters merged (lora.dense_weight),
         o_proj and down_proj read in place unless they carry an adapter: ~0.5 GB of copies for a 0.5B model,
         well under a millisecond on a GPU, 3 fewer kernels per layer per token (small decode GEMMs are
         latency-bound, so fewer, larger ones are faster).
-        weights="in_place": no copy of any weight: one GEMM per projection on the weight where it lives, and a
-        LoRA group adds its adapters' low-rank product (a few MB of copies); for models whose copies would not fit."""
+        weights="in_place": no copy of any weight. A group packed at construction (pack_group: its base weights
+        are views of one buffer whose last rows hold the adapters' A) gets its A-rows and block-diagonal B
+        refilled (`fill`): two GEMMs per group. An unpacked group (pack_group says why) reads each weight where it
+        lives and adds its adapters' low-rank product from separate A and B (`low_rank`, a few MB of copies)."""
         new = []
         for i, layer in enumerate(self.model.model.layers):
-            a, mlp = layer.self_attn, layer.mlp
             old = self.fused[i] if self.fused else (None,) * 4
-            groups = ([a.q_proj, a.k_proj, a.v_proj], [mlp.gate_proj, mlp.up_proj], [a.o_proj], [mlp.down_proj])
-            new.append(tuple(self._group(ms, prev) for ms, prev in zip(groups, old)))
+            for j, ms in enumerate(groups(layer) if self.packs else []):   # moved since (a .to()): pack again
+                pk = self.packs[i][j]
+                if pk is not None and _laid_out([base_weight(m) for m in ms], pk.w.shape[0]) is None:
+                    self.packs[i][j] = pack_group(ms)
+            packs = self.packs[i] if self.packs else (None,) * 4
+            new.append(tuple(self._group(ms, prev, pk) for ms, prev, pk in zip(groups(layer), old, packs)))
         self.fused = new
 
-    def _group(self, ms: list, prev: tuple | None) -> tuple:
-        """(ws, b, A, B) of Linears (or peft LoRA layers) ms that read the same input; prev: the last call's
-        buffers, refilled in place."""
-        prev = prev or (None,) * 4
+    def _group(self, ms: list, prev: tuple | None, pack: Pack | None) -> tuple:
+        """(ws, b, A, B, R) of Linears (or peft LoRA layers) ms that read the same input; prev: the last call's
+        buffers, refilled in place; pack: the group's packed storage, if any."""
+        prev = prev or (None,) * 5
+        if pack is not None:
+            return [pack.w], pack.b, None, fill(pack, prev[3]), pack.w.shape[0] - pack.out
         b = bias_of(ms[0]) if len(ms) == 1 else _cat([bias_of(m) for m in ms], prev[1])   # one: read in place
         if self.weights == "in_place":
-            return [base_weight(m) for m in ms], b, *low_rank(ms, prev[2], prev[3])
+            return [base_weight(m) for m in ms], b, *low_rank(ms, prev[2], prev[3]), 0
         if len(ms) == 1 and type(ms[0]) is torch.nn.Linear:
-            return [ms[0].weight], b, None, None                                # read in place
+            return [ms[0].weight], b, None, None, 0                             # read in place
         merged = [dense_weight(m) for m in ms]                                  # new tensors, or W if adapters are off
         if prev[0] is not None:
-            return [_cat(merged, prev[0][0])], b, None, None
+            return [_cat(merged, prev[0][0])], b, None, None, 0
         w = torch.cat(merged) if len(ms) > 1 else merged[0]
-        return [w.clone() if w is base_weight(ms[0]) else w], b, None, None     # ours, so later calls can refill it
+        return [w.clone() if w is base_weight(ms[0]) else w], b, None, None, 0  # ours, so later calls can refill it
 
     def _state(self, B: int, S: int, N: int, graph_sampling: bool, device, dtype, turns: bool = False) -> dict:
         """Cache and static buffers for batch B, S cache slots and N new tokens (a graph reads and writes only

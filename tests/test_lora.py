@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import lora
 from config import LoRAConfig, UserError
@@ -70,44 +72,86 @@ def test_merged_weights_equal_peft_merge_and_load_in_transformers(random_model_d
     assert torch.allclose(a, b, atol=1e-5)
 
 
-@pytest.mark.parametrize("weights,targets", [("fused", "all-linear"), ("in_place", "all-linear"),
-                                             ("in_place", "q_proj,v_proj,down_proj")])
-def test_fast_decoder_samples_with_the_adapted_policy(random_model_dir, weights, targets):
+class Watch(TorchDispatchMode):
+    """Counts GEMMs (2-D matmuls: attention's are batched) and copies of the group weights: an op other than a GEMM
+    that reads a tensor on one of `storages` and allocates an output at least as large (a cat, clone, cast or sum)."""
+    GEMMS = ("mm", "addmm", "addmm_")
+
+    def __init__(self, storages: set):
+        super().__init__()
+        self.storages, self.gemms, self.copies = storages, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.gemms += name in self.GEMMS
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        ptrs = {t.untyped_storage().data_ptr() for t in ins}
+        for t in (t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and name not in self.GEMMS):
+            fresh = t.untyped_storage().data_ptr() not in ptrs
+            if fresh and any(i.untyped_storage().data_ptr() in self.storages and t.numel() >= i.numel() for i in ins):
+                self.copies.append(name)
+        return out
+
+
+def projections(model) -> list:
+    """Per layer, its seven projections in group order (q, k, v, gate, up, o, down)."""
+    from engines.fast_decode import groups
+    return [[m for g in groups(layer) for m in g] for layer in model.get_base_model().model.layers]
+
+
+@pytest.mark.parametrize("weights,targets,pack", [("fused", "all-linear", True), ("in_place", "all-linear", True),
+                                                  ("in_place", "q_proj,v_proj,down_proj", True),
+                                                  ("in_place", "all-linear", False)])
+def test_fast_decoder_samples_with_the_adapted_policy(random_model_dir, weights, targets, pack, monkeypatch):
     """fused: the adapters merged into the fast path's own weights; in_place: no copy of any base weight, the
-    low-rank products beside each projection (targets on some projections of a group test the block layout).
-    Either way its sampling log-probs are the peft model's, also after the adapters change between rollouts."""
+    low-rank products beside each projection (targets on some projections of a group test the block layout),
+    each group's weights and adapters' A re-packed into one buffer (pack=False: the unpacked route). Either way
+    its sampling log-probs are the peft model's, also after the adapters change between rollouts."""
+    from engines import fast_decode
     from engines.base import SamplingParams
     from engines.builtin import BuiltinEngine
-    from engines.fast_decode import FastDecoder, base_weight, supported
+    from engines.fast_decode import FastDecoder, base_weight, bias_of, supported
     from models import completion_logprobs
+    monkeypatch.setattr(fast_decode, "PACK", pack)
     model, tok = lora_model(random_model_dir, targets=targets)
     assert supported(model)
+    params = [[(base_weight(m), base_weight(m).detach().clone()) for m in ms] for ms in projections(model)]
     engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, fast=True)
-    engine.decoder = dec = FastDecoder(model, attention="matmul", use_graph=False, weights=weights)
+    engine.decoder = dec = FastDecoder(model, attention="sdpa", use_graph=False, weights=weights)   # packs here
+    storages = {base_weight(m).untyped_storage().data_ptr() for ms in projections(model) for m in ms}
+    watch, per_step = Watch(storages), []
+    step = dec._step
+    dec._step = lambda *a: (per_step.append(-watch.gemms), step(*a), per_step.append(per_step.pop() + watch.gemms))[1]
     prompts = [tok(p)["input_ids"] for p in ["1+2=", "123+456="]]
     for seed in (0, 1):
         if seed:   # a training step moved the adapters: the next rollout samples with the new ones
             with torch.no_grad():
                 for name, p in model.named_parameters():
-                    if "lora_B" in name:
+                    if "lora_A" in name or "lora_B" in name:
                         p.add_(torch.randn_like(p) * 0.05)
-        r = engine.generate(prompts, 4, SamplingParams(max_new_tokens=10), torch.Generator().manual_seed(seed))
+        with watch:   # the second rollout: what a rollout launches and allocates once the decoder exists
+            r = engine.generate(prompts, 3, SamplingParams(max_new_tokens=10), torch.Generator().manual_seed(seed))
         C = r.completion_mask.shape[1]
         with torch.no_grad():
             logp = completion_logprobs(model, r.input_ids, r.attention_mask, C)[0]
             base = completion_logprobs(lora.AdaptersOff(model), r.input_ids, r.attention_mask, C)[0]
         assert ((logp - r.logprobs).abs() * r.completion_mask).max() <= 1e-4
         assert ((base - r.logprobs).abs() * r.completion_mask).max() > 1e-3       # not the base's
-    if weights == "in_place":   # every weight the step reads is the model's own tensor: no copies
-        layer = model.get_base_model().model.layers[0]
-        dec.refresh()                                                            # (a rollout frees them after)
-        ws = [w for group in dec.fused[0] for w in group[0]]
-        mine = [base_weight(getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj")] + \
-               [base_weight(getattr(layer.mlp, n)) for n in ("gate_proj", "up_proj")] + \
-               [base_weight(layer.self_attn.o_proj), base_weight(layer.mlp.down_proj)]
-        assert len(ws) == 7 and all(a is b for a, b in zip(ws, mine))
-        assert dec.fused[0][3][2].shape == (4, layer.mlp.down_proj.in_features)       # down: one r=4 adapter
-        assert (dec.fused[0][2][2] is None) == (targets != "all-linear")          # o_proj: A only if adapted
+    # the same Parameters, same values, frozen; packed: views of one buffer per group
+    now = [[base_weight(m) for m in ms] for ms in projections(model)]
+    assert all(p is w and torch.equal(w, v) and not w.requires_grad for ps, ws in zip(params, now)
+               for (p, v), w in zip(ps, ws))
+    layer = now[0]
+    shared = lambda ws: len({w.untyped_storage().data_ptr() for w in ws}) == 1
+    packed = weights == "in_place" and pack
+    assert shared(layer[:3]) == shared(layer[3:5]) == packed and not shared([layer[0], layer[3], layer[5]])
+    biases = [bias_of(m) for m in projections(model)[0][:3]]                 # Qwen's q/k/v: a buffer of their own
+    assert shared(biases) == packed and not shared([biases[0], layer[0]])
+    gemms = {("fused", "all-linear"): 4, ("in_place", "all-linear"): 8 if pack else 15,
+             ("in_place", "q_proj,v_proj,down_proj"): 6}[weights, targets]          # per layer per token
+    assert per_step and set(per_step) == {gemms * len(now) + 1}                         # + the head
+    assert (len(watch.copies) > 0) == (weights == "fused")                            # in_place: no weight copied
     engine.load_weights(lora.engine_weights(model))                          # shared weights: nothing to copy
 
 
