@@ -155,6 +155,41 @@ def test_fast_decoder_samples_with_the_adapted_policy(random_model_dir, weights,
     engine.load_weights(lora.engine_weights(model))                          # shared weights: nothing to copy
 
 
+def test_packed_base_trains_saves_and_is_the_reference(random_model_dir, tmp_path):
+    """After decode_weights=in_place re-packs the storage (FastDecoder(weights="in_place")): a training step moves
+    the adapters alone, the reference is still the frozen base bit for bit, checkpoints and final/ hold only the
+    adapters, and final/merged is the same folder as before packing (shared storage saved once per tensor)."""
+    from transformers import AutoModelForCausalLM
+    from checkpoint import StateDictOptions, _trained_state
+    from engines.fast_decode import FastDecoder, base_weight
+    from models import completion_logprobs, load_model
+    model, tok = lora_model(random_model_dir, targets="q_proj,v_proj")   # k, gate, up: plain Linears, packed too
+    lora.save_merged(model, tok, str(tmp_path / "before"))
+    FastDecoder(model, use_graph=False, weights="in_place")
+    q = model.get_base_model().model.layers[0].self_attn.q_proj
+    assert base_weight(q).untyped_storage().nbytes() > base_weight(q).nbytes        # packed: a view
+    lora.save_merged(model, tok, str(tmp_path / "after"))
+    before, after = (load_file(tmp_path / d / "model.safetensors") for d in ("before", "after"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    ids, mask = batch(tok)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "after")
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids, attention_mask=mask).logits,
+                              model(input_ids=ids, attention_mask=mask).logits, atol=1e-5)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    completion_logprobs(model, ids, mask, 4)[0].mean().backward()
+    opt.step()
+    assert all(torch.equal(p, frozen[n]) and p.grad is None for n, p in model.named_parameters() if n in frozen)
+    base, _ = load_model(random_model_dir, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        assert torch.equal(completion_logprobs(lora.AdaptersOff(model), ids, mask, 4)[0],
+                           completion_logprobs(base.eval(), ids, mask, 4)[0])
+    state = _trained_state(model, StateDictOptions(full_state_dict=True))
+    model.save_pretrained(tmp_path / "final")
+    assert state and all("lora_" in k for k in list(state) + list(load_file(tmp_path / "final" / "adapter_model.safetensors")))
+
+
 def test_bad_lora_input_is_one_line(random_model_dir, tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"lora.targets qq_proj match no module; the model's linear layers are: "
                                         r"down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"):
