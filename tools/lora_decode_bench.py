@@ -1,0 +1,155 @@
+"""The LoRA rollout alone, decode_weights=fused against in_place unpacked and packed, one GPU, one command (#22):
+
+    python tools/lora_decode_bench.py --out $OUT/lora_decode          # W6: Qwen2.5-7B shape, r=16 on all linear layers
+    python tools/lora_decode_bench.py --small --out /tmp/ld          # CPU smoke run (toy shape, eager, no graph)
+
+A random Qwen2 at W6's shape (tools/bench.py SHAPES, bf16, built in memory), peft LoRA r=16 alpha 32 on every
+linear layer with B random (peft starts it at zero), 8 x 8 prompts of 64 random tokens, 256 new tokens at
+temperature 1, EOS outside the vocabulary (every row runs to full length). Variants, in this order because
+packing is for good (it changes the model's storage): fused; in_place unpacked (engines.fast_decode.PACK off:
+15 GEMMs per layer per token); in_place packed, the low-rank product by addmm (8 GEMMs), then by mm and an add
+(fast_decode.LOW_RANK="mm"). Per variant: median rollout seconds over --repeats calls after a warm-up call
+(compile, capture), the peak memory allocated during a rollout, the largest |engine - teacher-forced| log-prob
+over 8 rows (the peft model in bf16), and on a GPU a torch.profiler summary of one rollout (kernel names and
+counts: the GEMMs launched) in OUT/profile-<variant>.txt. Also what packing took: seconds and the peak memory
+over the model before it (one group's buffer expected, never a model copy).
+Writes OUT/lora_decode.json and OUT/lora_decode.md.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
+import torch
+
+from bench import SHAPES   # tools/bench.py: the workloads' shapes
+
+GIB = 2**30
+
+
+def build(shape: dict, r: int, device, dtype):
+    """The random model with LoRA adapters whose B is random too (else the adapters would add nothing)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import lora
+    from config import LoRAConfig
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads")
+    cfg = Qwen2Config(**{k: shape[k] for k in keys}, max_position_embeddings=4096,
+                      tie_word_embeddings=shape.get("tied", True), pad_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            base = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    model = lora.wrap(base.eval(), LoRAConfig(r=r, alpha=2 * r), "random")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return model
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rollout_row(model, dec, ids, mask, sampling, eos: int, repeats: int, device) -> dict:
+    """Times `repeats` rollouts after a warm-up, their peak memory, and the log-prob gap to teacher forcing."""
+    from models import completion_logprobs
+    gen = torch.Generator(device=device).manual_seed(0)
+    times, peak = [], 0.0
+    for i in range(repeats + 1):
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        completion, alive, logprobs, _ = dec.sample(ids, mask, sampling, eos, 0, gen)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        if device.type == "cuda":
+            peak = max(peak, torch.cuda.max_memory_allocated(device) / GIB)
+    C = completion.shape[1]
+    with torch.no_grad():   # 8 rows: the (rows, C, V) logits of all 64 would not fit beside a 7B model
+        full = torch.cat([ids[:8], completion[:8]], 1)
+        logp = completion_logprobs(model, full, torch.ones_like(full), C)[0]                # (8, C)
+    gap = float(((logp.float() - logprobs[:8].float()).abs() * alive[:8]).max())
+    return {"first_s": times[0], "times_s": times[1:], "median_s": statistics.median(times[1:]),
+            "peak_alloc_gib": peak, "logprob_gap_max": gap, "new_tokens": int(alive.sum())}
+
+
+def profile_one(dec, ids, mask, sampling, eos: int, device, path: str):
+    """Kernel names, counts and times of one rollout (CUDA graph replays included), top 15 by time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        dec.sample(ids, mask, sampling, eos, 0, torch.Generator(device=device).manual_seed(1))
+        sync(device)
+    events = [e for e in p.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:15]
+    with open(path, "w") as f:
+        f.write(f"GPU kernel time {sum(e.self_device_time_total for e in events) / 1e6:.3f} s\n")
+        f.writelines(f"{e.self_device_time_total / 1e6:8.4f} s  x{e.count:<7d} {e.key[:110]}\n" for e in top)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--small", action="store_true", help="toy shape on CPU (eager, no graph, no compile)")
+    p.add_argument("--r", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    from engines import fast_decode
+    from engines.base import SamplingParams
+    from engines.fast_decode import FastDecoder
+    shape = SHAPES["small" if a.small else "w6"]
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.small else "cpu")
+    gpu = device.type == "cuda"
+    model = build(shape, a.r, device, torch.bfloat16 if gpu else torch.float32)
+    B, P, V = shape["prompts"] * shape["samples"], shape["prompt_len"], shape["vocab_size"]
+    ids = torch.randint(1, V, (B, P), generator=torch.Generator().manual_seed(0)).to(device)    # (B, P)
+    mask = torch.ones_like(ids)
+    sampling = SamplingParams(1.0, 1.0, shape["new"])
+    res = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "shape": "small" if a.small else "w6",
+           "r": a.r, "model_gib": torch.cuda.memory_allocated(device) / GIB if gpu else 0.0, "variants": {}}
+    for name, weights, pack, low_rank in [("fused", "fused", True, "addmm"), ("in_place unpacked", "in_place", False, "addmm"),
+                                          ("in_place packed addmm", "in_place", True, "addmm"),
+                                          ("in_place packed mm", "in_place", True, "mm")]:
+        fast_decode.PACK, fast_decode.LOW_RANK = pack, low_rank
+        if gpu:
+            torch.cuda.reset_peak_memory_stats(device)
+        before, t0 = (torch.cuda.memory_allocated(device) if gpu else 0), time.perf_counter()
+        dec = FastDecoder(model, weights=weights, use_graph=gpu, compile=gpu)     # in_place + PACK: packs here
+        built = {"build_s": time.perf_counter() - t0,
+                 "build_peak_over_model_gib": (torch.cuda.max_memory_allocated(device) - before) / GIB if gpu else 0.0,
+                 "reserved_after_build_gib": torch.cuda.memory_reserved(device) / GIB if gpu else 0.0}
+        row = res["variants"][name] = {**built, **rollout_row(model, dec, ids, mask, sampling, V, a.repeats, device)}
+        if gpu:
+            profile_one(dec, ids, mask, sampling, V, device, os.path.join(a.out, f"profile-{name.replace(' ', '-')}.txt"))
+        print(f"{name}: {json.dumps(row)}", flush=True)
+        dec.release()
+        del dec
+    write(res, a.out)
+
+
+def write(res: dict, out: str):
+    with open(os.path.join(out, "lora_decode.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    lines = [f"LoRA rollout, {res['shape']} shape, r={res['r']}, {res['device']}; model {res['model_gib']:.2f} GiB", "",
+             "| variant | rollout median s | first s | peak alloc GiB | build s | build peak over model GiB | max logprob gap |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {n} | {v['median_s']:.3f} | {v['first_s']:.2f} | {v['peak_alloc_gib']:.2f} | {v['build_s']:.2f} | "
+              f"{v['build_peak_over_model_gib']:.3f} | {v['logprob_gap_max']:.3f} |" for n, v in res["variants"].items()]
+    with open(os.path.join(out, "lora_decode.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
