@@ -27,9 +27,12 @@ What makes it fast, and why this route:
 - LoRA (peft layers over plain Linears, lora.py): `refresh` merges W + B A * alpha / r into those buffers (and
   into buffers of its own for o_proj and down_proj), so a decode step costs what the plain model's does.
   `weights="in_place"` (config decode_weights) is the other route, for models whose copies do not fit (12 GiB
-  at a 7B LoRA): no copy of any weight, one GEMM per projection where its weight lives, and per group of
-  projections sharing an input one pair of GEMMs for all their adapters (x A^T B^T, B block-diagonal): 15 GEMMs
-  per layer per token instead of 4 with LoRA on every projection, 7 without LoRA.
+  at a 7B LoRA): no copy of any weight. The decoder, when built, re-packs each group of frozen projections
+  sharing an input into one buffer, rows [W_1; ...; W_n; the adapters' A] (`pack_group`: the base weights
+  become views of it, layer by layer, so memory grows by one group's buffer at most); per rollout only A's rows
+  and a block-diagonal B are refilled. A group is then two GEMMs: [x W^T + b | x A^T], and an addmm adding
+  (x A^T) B^T: 8 per layer per token with LoRA on every projection (15 unpacked, FAST_DECODE_PACK=0; 4 fused).
+  Groups that cannot be packed (trained weights, mixed dtypes or devices, DoRA) read each weight where it lives.
 - On CUDA the step is also `torch.compile`d (fuses the norms, rotary and softmax into a few kernels) before
   capture. The graph holds the parameters' addresses, and the optimizer updates them in place, so weight sync
   stays free and the graph stays valid across training steps.
