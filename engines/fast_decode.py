@@ -220,6 +220,16 @@ def fill(pack: Pack, prev: Tensor | None) -> Tensor | None:
     return b
 
 
+@torch.library.custom_op("rlhack::low_rank_add", mutates_args=("y",))
+def low_rank_add(y: Tensor, B: Tensor) -> None:
+    """y (..., out + R) = [x W^T + b | x A^T] -> its first out columns += (x A^T) B^T, B (out, R): one addmm in
+    place. An op of its own so that torch.compile keeps it in place: a plain addmm_ on a slice of the GEMM's
+    output compiles to an addmm into a new buffer, which cuBLAS precedes by a copy of the slice (seen in
+    inductor's code on CPU)."""
+    flat, R = y.view(-1, y.shape[-1]), B.shape[1]                            # (M, out + R)
+    flat[:, :-R].addmm_(flat[:, -R:], B.t())
+
+
 def project(x: Tensor, p: tuple) -> Tensor:
     """x (B, T, in) -> (B, T, out): the projections of one group (FastDecoder.refresh) applied to their shared
     input. p = (ws, b, A, B, R): one GEMM per weight in ws (outputs side by side) and the bias; then either
@@ -232,8 +242,7 @@ def project(x: Tensor, p: tuple) -> Tensor:
     if R and LOW_RANK == "mm":   # the add left to the compiler, which may fuse it into the next pointwise kernel
         return y[..., :-R] + F.linear(y[..., -R:], B)
     if R:
-        flat = y.view(-1, y.shape[-1])                                       # (B T, out + R)
-        flat[:, :-R].addmm_(flat[:, -R:], B.t())
+        low_rank_add(y, B)
         return y[..., :-R]                                                   # (B, T, out): rows out + R apart
     return y if A is None else y + F.linear(F.linear(x, A), B)
 

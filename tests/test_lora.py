@@ -75,7 +75,7 @@ def test_merged_weights_equal_peft_merge_and_load_in_transformers(random_model_d
 class Watch(TorchDispatchMode):
     """Counts GEMMs (2-D matmuls: attention's are batched) and copies of the group weights: an op other than a GEMM
     that reads a tensor on one of `storages` and allocates an output at least as large (a cat, clone, cast or sum)."""
-    GEMMS = ("mm", "addmm", "addmm_")
+    GEMMS = ("mm", "addmm", "addmm_", "low_rank_add")   # the last: one addmm_ (engines/fast_decode.py)
 
     def __init__(self, storages: set):
         super().__init__()
