@@ -28,6 +28,9 @@ import torch
 from bench import SHAPES   # tools/bench.py: the workloads' shapes
 
 GIB = 2**30
+VARIANTS = [   # name (its last word is its --variants name), decode weights, fast_decode.PACK, fast_decode.LOW_RANK
+    ("fused", "fused", True, "addmm"), ("in_place unpacked", "in_place", False, "addmm"),
+    ("in_place packed addmm", "in_place", True, "addmm"), ("in_place packed mm", "in_place", True, "mm")]
 
 
 def build(shape: dict, r: int, device, dtype):
@@ -103,6 +106,8 @@ def main():
     p.add_argument("--small", action="store_true", help="toy shape on CPU (eager, no graph, no compile)")
     p.add_argument("--r", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", default="fused,unpacked,addmm,mm", help="a subset of fused,unpacked,addmm,mm "
+                   "(run in this order: packing is for good)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     from engines import fast_decode
@@ -118,9 +123,7 @@ def main():
     sampling = SamplingParams(1.0, 1.0, shape["new"])
     res = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "shape": "small" if a.small else "w6",
            "r": a.r, "model_gib": torch.cuda.memory_allocated(device) / GIB if gpu else 0.0, "variants": {}}
-    for name, weights, pack, low_rank in [("fused", "fused", True, "addmm"), ("in_place unpacked", "in_place", False, "addmm"),
-                                          ("in_place packed addmm", "in_place", True, "addmm"),
-                                          ("in_place packed mm", "in_place", True, "mm")]:
+    for name, weights, pack, low_rank in [v for v in VARIANTS if v[0].split()[-1] in a.variants.split(",")]:
         fast_decode.PACK, fast_decode.LOW_RANK = pack, low_rank
         if gpu:
             torch.cuda.reset_peak_memory_stats(device)
@@ -131,7 +134,8 @@ def main():
                  "reserved_after_build_gib": torch.cuda.memory_reserved(device) / GIB if gpu else 0.0}
         row = res["variants"][name] = {**built, **rollout_row(model, dec, ids, mask, sampling, V, a.repeats, device)}
         if gpu:
-            profile_one(dec, ids, mask, sampling, V, device, os.path.join(a.out, f"profile-{name.replace(' ', '-')}.txt"))
+            path = os.path.join(a.out, f"profile-{name.replace(' ', '-')}.txt")
+            profile_one(dec, ids, mask, sampling, V, device, path)
         print(f"{name}: {json.dumps(row)}", flush=True)
         dec.release()
         del dec
@@ -142,10 +146,12 @@ def write(res: dict, out: str):
     with open(os.path.join(out, "lora_decode.json"), "w") as f:
         json.dump(res, f, indent=1)
     lines = [f"LoRA rollout, {res['shape']} shape, r={res['r']}, {res['device']}; model {res['model_gib']:.2f} GiB", "",
-             "| variant | rollout median s | first s | peak alloc GiB | build s | build peak over model GiB | max logprob gap |",
+             "| variant | rollout median s | first s | peak alloc GiB | build s | build peak over model GiB "
+             "| max logprob gap |",
              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {n} | {v['median_s']:.3f} | {v['first_s']:.2f} | {v['peak_alloc_gib']:.2f} | {v['build_s']:.2f} | "
-              f"{v['build_peak_over_model_gib']:.3f} | {v['logprob_gap_max']:.3f} |" for n, v in res["variants"].items()]
+    lines += [f"| {n} | {v['median_s']:.3f} | {v['first_s']:.2f} | {v['peak_alloc_gib']:.2f} | {v['build_s']:.2f} "
+              f"| {v['build_peak_over_model_gib']:.3f} | {v['logprob_gap_max']:.3f} |"
+              for n, v in res["variants"].items()]
     with open(os.path.join(out, "lora_decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
