@@ -333,9 +333,14 @@ class FastDecoder:
         """Re-pack every layer's groups (pack_group), layer by layer: memory grows by one group's buffer at a time
         (the old storage is freed as each group moves), never by a copy of the model. Done here, once per model,
         not at LoRA setup: only this decoder reads the layout, and runs that never build it keep peft's."""
-        packs = [[pack_group(ms) for ms in groups(layer)] for layer in self.model.model.layers]
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()   # the old weights' segments go back (most large weights had their own)
+        packs = []
+        for layer in self.model.model.layers:
+            packs.append([pack_group(ms) for ms in groups(layer)])
+            # reserved memory too: a group's buffer is larger than any freed weight, so the caching allocator
+            # would take new segments for every layer while keeping the old ones cached (most large weights had
+            # segments of their own, which this hands back)
+            if base_weight(layer.mlp.up_proj).is_cuda:
+                torch.cuda.empty_cache()
         return packs
 
     # --- the model, by hand ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ packing is for good (it changes the model's storage): fused; in_place unpacked (
 (compile, capture), the peak memory allocated during a rollout, the largest |engine - teacher-forced| log-prob
 over 8 rows (the peft model in bf16), and on a GPU a torch.profiler summary of one rollout (kernel names and
 counts: the GEMMs launched) in OUT/profile-<variant>.txt. Also what packing took: seconds and the peak memory
-over the model before it (one group's buffer expected, never a model copy).
+over the model before it (one group's buffer expected, never a model copy), and of reserved memory.
 Writes OUT/lora_decode.json and OUT/lora_decode.md.
 """
 import argparse
@@ -127,11 +127,13 @@ def main():
         fast_decode.PACK, fast_decode.LOW_RANK = pack, low_rank
         if gpu:
             torch.cuda.reset_peak_memory_stats(device)
-        before, t0 = (torch.cuda.memory_allocated(device) if gpu else 0), time.perf_counter()
+        mem = lambda: (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)) if gpu else (0, 0)
+        before, t0 = mem(), time.perf_counter()
         dec = FastDecoder(model, weights=weights, use_graph=gpu, compile=gpu)     # in_place + PACK: packs here
-        built = {"build_s": time.perf_counter() - t0,
-                 "build_peak_over_model_gib": (torch.cuda.max_memory_allocated(device) - before) / GIB if gpu else 0.0,
-                 "reserved_after_build_gib": torch.cuda.memory_reserved(device) / GIB if gpu else 0.0}
+        peaks = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)) if gpu else (0, 0)
+        built = {"build_s": time.perf_counter() - t0, "build_peak_over_model_gib": (peaks[0] - before[0]) / GIB,
+                 "build_reserved_peak_over_before_gib": (peaks[1] - before[1]) / GIB,
+                 "reserved_after_build_gib": mem()[1] / GIB}
         row = res["variants"][name] = {**built, **rollout_row(model, dec, ids, mask, sampling, V, a.repeats, device)}
         if gpu:
             path = os.path.join(a.out, f"profile-{name.replace(' ', '-')}.txt")
