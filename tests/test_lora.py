@@ -165,7 +165,7 @@ def test_packed_base_trains_saves_and_is_the_reference(random_model_dir, tmp_pat
     from models import completion_logprobs, load_model
     model, tok = lora_model(random_model_dir, targets="q_proj,v_proj")   # k, gate, up: plain Linears, packed too
     lora.save_merged(model, tok, str(tmp_path / "before"))
-    FastDecoder(model, use_graph=False, weights="in_place")
+    dec = FastDecoder(model, use_graph=False, weights="in_place")
     q = model.get_base_model().model.layers[0].self_attn.q_proj
     assert base_weight(q).untyped_storage().nbytes() > base_weight(q).nbytes        # packed: a view
     lora.save_merged(model, tok, str(tmp_path / "after"))
@@ -187,6 +187,10 @@ def test_packed_base_trains_saves_and_is_the_reference(random_model_dir, tmp_pat
                            completion_logprobs(base.eval(), ids, mask, 4)[0])
     state = _trained_state(model, StateDictOptions(full_state_dict=True))
     model.save_pretrained(tmp_path / "final")
+    model.double().float()                        # a move (as .to(device)): every weight in storage of its own
+    assert base_weight(q).untyped_storage().nbytes() == base_weight(q).nbytes
+    dec.refresh()                                 # packs again before the next rollout
+    assert base_weight(q).untyped_storage().data_ptr() == dec.fused[0][0][0][0].data_ptr()
     assert state and all("lora_" in k for k in list(state) + list(load_file(tmp_path / "final" / "adapter_model.safetensors")))
 
 
