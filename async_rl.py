@@ -44,6 +44,7 @@ ends naming it; the last periodic checkpoint resumes).
 import io
 import json
 import os
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass, fields
@@ -65,6 +66,10 @@ from scoring import decode, evaluate, record_failures, submit_rewards
 from update import update
 
 INFLIGHT = "inflight.safetensors"
+
+
+class RolloutDied(UserError):
+    """A rollout rank died or hangs, or the run was stopped (SIGTERM): the trainers end with a checkpoint."""
 
 
 @dataclass
@@ -119,6 +124,14 @@ class Link:
         self.data = dist.new_group([0] + rollout, backend="gloo", timeout=timeout)
         self.sends = deque()            # rollout rank: sends in flight (their tensors must stay alive)
         self.names: list[str] = []      # rollout rank: the parameters in the order trainer 0 sends them
+        self.dead: str | None = None    # trainer 0: why the rollout ranks can no longer be reached (RolloutDied)
+        self.stopped: str | None = None   # a trainer: the signal that asked it to stop (on_signal)
+
+    def on_signal(self, signum, frame):
+        """SIGTERM on a trainer: torchrun's agent sends it to every rank when one fails (and to all when it is itself
+        stopped), then SIGKILLs those still alive 30 s later (--shutdown-timeout). Remembered, not obeyed at once:
+        the trainers finish the step they are in, stop together at the next batch and write a checkpoint first."""
+        self.stopped = signal.Signals(signum).name
 
     # --- trainer -> rollout ranks
     def publish(self, t: int, version: int, prompts: dict, weights, names: list | None = None,
@@ -131,15 +144,24 @@ class Link:
         t0 = time.perf_counter()
         msg = [{"t": t, "version": version, "prompts": prompts, "names": names, "states": states,
                 "partials": partials}]
-        self._guard(lambda: dist.broadcast_object_list(msg, src=0, group=self.control), "a weight broadcast")
+        self.attempt(lambda: dist.broadcast_object_list(msg, src=0, group=self.control))
         idle = time.perf_counter() - t0
         cuda = False
-        for _, p in weights:
-            self._guard(lambda: dist.broadcast(p.detach(), src=0, group=self.weights), "a weight broadcast")
+        for _, p in weights:   # every pair, even after a failure: under FSDP each is a gather the other trainers are in
+            self.attempt(lambda: dist.broadcast(p.detach(), src=0, group=self.weights))
             cuda = p.is_cuda
         if cuda:
             torch.cuda.synchronize()   # so that time/sync measures the transfer (NCCL returns at once), not its launch
         return idle
+
+    def attempt(self, fn):
+        """Trainer 0: one broadcast to the rollout ranks, unless they are known to be gone. A failure is remembered
+        (self.dead), not raised: the caller goes on (the FSDP gathers) and every trainer stops at the next batch."""
+        if self.dead is None:
+            try:
+                self._guard(fn, "a weight broadcast")
+            except RolloutDied as e:
+                self.dead = str(e)
 
     def receive_weights(self, params: dict) -> dict:
         """Rollout rank: the control message, then each parameter in place, in the order trainer 0 sends them."""
@@ -178,7 +200,17 @@ class Link:
         self._guard(lambda: wait(data, 2 * step + 1), what, src)
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
-    def share(self, msgs: list | None) -> list:
+    def fetch(self, step: int) -> list | str:
+        """Trainer 0: every rollout rank's message of `step`, in rank order, or why they cannot come (self.dead):
+        that goes to the other trainers in place of the batch (share), so that every trainer stops at this point."""
+        if self.dead is None:
+            try:
+                return [self.receive(step, self.T + j) for j in range(self.K)]
+            except RolloutDied as e:
+                self.dead = str(e)
+        return self.dead
+
+    def share(self, msgs: list | str | None) -> list | str:
         """Trainer rank 0's messages from the rollout ranks, to every trainer rank (one gloo broadcast)."""
         if self.T == 1:
             return msgs
@@ -189,14 +221,20 @@ class Link:
 
     def _guard(self, fn, what: str, src: int | None = None, who: str | None = None):
         """A rank that died or hangs ends the run with its rank named, not a hang (collective timeouts): rollout
-        rank src, any rollout rank (src None), or `who`."""
+        rank src, any rollout rank (src None): RolloutDied, which the trainers answer with a checkpoint; or `who`
+        (a trainer rank): UserError. A stop signal (on_signal) ends trainer 0's exchanges with the rollout ranks
+        after the current one; a failure of that one is named first (it names the rank that died)."""
         try:
-            return fn()
+            out = fn()
         except RuntimeError as e:   # gloo's and NCCL's errors and timeouts
-            who = who or (f"rollout rank {src}" if src is not None else
-                          f"a rollout rank ({self.T}..{self.T + self.K - 1})")
-            raise UserError(f"{who} did not answer {what} (died, or slower than async_timeout_s="
-                            f"{self.cfg.async_timeout_s:g}): {str(e).strip().splitlines()[0][:200]}")
+            name = who or (f"rollout rank {src}" if src is not None else
+                           f"a rollout rank ({self.T}..{self.T + self.K - 1})")
+            raise (UserError if who else RolloutDied)(
+                f"{name} did not answer {what} (died, or slower than async_timeout_s={self.cfg.async_timeout_s:g}): "
+                f"{str(e).strip().splitlines()[0][:200]}")
+        if who is None and self.stopped:
+            raise RolloutDied(f"stopped by {self.stopped} (under torchrun: another rank failed, see its summary)")
+        return out
 
 
 def main(cfg, resume_from: str | None, phases) -> dict:
@@ -346,27 +384,55 @@ class Trainer:
         self.received: dict[int, list[dict]] = {}   # step -> the rollout ranks' messages, not yet trained
         self.states: list = [None] * link.K          # each rollout rank's sampling state after its last batch
         self.partials: list = [{}] * link.K          # ... and its open trajectories then (partial rollouts)
+        self.lost: set[int] = set()                  # steps whose batch died with a rollout rank (lost_steps)
 
     def run(self, resume_from: str | None) -> dict:
         cfg, phases = self.cfg, self.phases
         self.rank = distributed.rank()               # among the trainers
         run = self.r = phases.setup(cfg, resume_from, self.rank)
         self.resume(resume_from)
-        t = run.first_step - 1
-        self.publish(t, resumed=bool(resume_from), start=True)   # the rollout ranks start
-        bar = tqdm(range(run.first_step, cfg.steps + 1), disable=not cfg.progress, dynamic_ncols=True)
-        t_run = self.t_mark = time.perf_counter()
-        for step in bar:
-            row = self.step(step)
-            bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row.get('eval/accuracy', float('nan')):.3f}",
-                            stale=f"{row['staleness/mean']:.1f}")
-            stop = run.learner.bad_updates >= cfg.max_bad_updates
-            if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-                saved = self.save(step)
-            if stop:
-                raise UserError(f"{run.learner.bad_updates} updates in a row had a non-finite loss or gradient "
-                                f"(last at step {step}); stopped with a checkpoint in {saved}")
+        # the last step trained, and the last one whose checkpoint exists (the one resumed from counts)
+        self.done = run.first_step - 1
+        self.saved = self.done if resume_from else None
+        signal.signal(signal.SIGTERM, self.link.on_signal)   # torchrun's teardown: stop with a checkpoint (Link)
+        try:
+            self.publish(self.done, resumed=bool(resume_from), start=True)   # the rollout ranks start
+            bar = tqdm(range(run.first_step, cfg.steps + 1), disable=not cfg.progress, dynamic_ncols=True)
+            t_run = self.t_mark = time.perf_counter()
+            for step in bar:
+                row = self.step(step)
+                self.done = step
+                bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row.get('eval/accuracy', float('nan')):.3f}",
+                                stale=f"{row['staleness/mean']:.1f}")
+                stop = run.learner.bad_updates >= cfg.max_bad_updates
+                if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                    saved, self.saved = self.save(step), step
+                if stop:
+                    raise UserError(f"{run.learner.bad_updates} updates in a row had a non-finite loss or gradient "
+                                    f"(last at step {step}); stopped with a checkpoint in {saved}")
+        except RolloutDied as e:   # every trainer raises it at the same point (receive_until): all can checkpoint
+            raise UserError(self.stop(str(e))) from None
         return phases.finish(run, self.rank, time.perf_counter() - t_run)
+
+    def stop(self, why: str) -> str:
+        """The rollout ranks are gone: a checkpoint of the last step trained (unless it exists: a periodic one, or
+        the one resumed from), with what can be kept. -> the run's last line: why, where, what was lost."""
+        t = self.done
+        path = os.path.join(self.r.run_dir, "checkpoints", f"step_{t:06d}")
+        if self.saved != t:
+            self.save(t, stopped=why)
+        lost = sorted(s for s in self.lost if s in self.pending)
+        return (f"{why}; step {t}'s state is in {path}" +
+                (f" (steps {', '.join(map(str, lost))} lost their batches: resumed, they are made again from step "
+                 f"{t}'s weights, docs/async.md)" if lost else " (nothing in flight was lost: resuming is exact)"))
+
+    def lost_steps(self, t: int) -> set[int]:
+        """After step t, with the rollout ranks gone: the steps a segment of which the clock gave to a rollout
+        iteration on weights older than t's that had not been received (iteration i finishes step i and writes
+        segments of i+1 .. i+D). Those weights no longer exist; a resumed run makes these batches from t's."""
+        clock, D = self.link.clock, self.link.clock.segments - 1
+        gone = [i for i in self.pending if i not in self.received and clock.weights_for(i) < t]
+        return {s for i in gone for s in range(i, i + D + 1) if s in self.pending}
 
     def publish(self, t: int, resumed: bool = False, start: bool = False) -> float:
         """Choose the prompts whose first segment the weights after step t will write (train.next_prompts, in
@@ -376,7 +442,11 @@ class Trainer:
         for s in clock.prompts_after(t):
             if s not in self.pending:   # on resume the checkpoint has them already
                 self.pending[s] = self.phases.next_prompts(self.r, whole=True)   # every trainer: the whole list
-        todo = {s: idx for s, idx in self.pending.items() if s not in self.received and clock.start_weights(s) == t}
+        # their first segment's weights are t's; at start also those of older weights, not written yet: none after a
+        # periodic checkpoint (received or open), the lost steps after a rollout rank died (made from t's: lost_steps)
+        opened = set().union(*self.partials)
+        todo = {s: idx for s, idx in self.pending.items() if s not in self.received and s not in opened
+                and (clock.start_weights(s) <= t if start else clock.start_weights(s) == t)}
         if not start and t + 1 + clock.lag > self.cfg.steps:   # no later iteration needs them
             return 0.0
         # the full weights, whatever the trainer's engine (vLLM keeps none in this process): the policy's own, or
@@ -396,8 +466,10 @@ class Trainer:
         """Every rollout rank's batches up to `step`, in step order (the order they are sent in)."""
         while step not in self.received:
             s = min(s for s in self.pending if s not in self.received)
-            msgs = self.link.share([self.link.receive(s, self.link.T + j) for j in range(self.link.K)]
-                                   if self.rank == 0 else None)
+            msgs = self.link.share(self.link.fetch(s) if self.rank == 0 else None)
+            if isinstance(msgs, str):   # trainer 0's word that the rollout ranks are gone: every trainer stops here
+                raise RolloutDied(msgs)
+            # only now, all K messages of step s in hand: the states stay those after the last whole step received
             self.states = [m.pop("state") for m in msgs]
             self.partials = [m.pop("partial") for m in msgs]
             self.received[s] = msgs
@@ -458,6 +530,8 @@ class Trainer:
         now = time.perf_counter()   # the period between two rows: what throughput is made of (log and eval too)
         row["time/step"], self.t_mark = now - self.t_mark, now
         row["tokens_per_s"] = int(batch.attention_mask.sum()) / row["time/step"]
+        if step in self.lost:   # made after a resume from newer weights than the clock planned (lost_steps)
+            row["staleness/regenerated"] = 1.0
         row = distributed.reduce_metrics(row)            # over the trainers: means (tokens_per_s: the sum)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             # the engine's weights: FSDP's full copy (gathered), vLLM's; the built-in engine over the policy: a no-op
@@ -495,15 +569,20 @@ class Trainer:
         return out
 
     # --- checkpoints: the batches in flight travel with the trainer's state
-    def save(self, step: int) -> str | None:
+    def save(self, step: int, stopped: str | None = None) -> str | None:
+        """The checkpoint of step; `stopped`: the rollout ranks are gone (why), what they had in flight too."""
         run, learner, clock = self.r, self.r.learner, self.link.clock
-        # the batches generated from weights older than this step's: a resumed run could not make them again
-        in_flight = [s for s in self.pending if clock.weights_for(s) < step]
-        if in_flight:
-            self.receive_until(max(in_flight))
+        if stopped is None:
+            # the batches generated from weights older than this step's: a resumed run could not make them again
+            in_flight = [s for s in self.pending if clock.weights_for(s) < step]
+            if in_flight:
+                self.receive_until(max(in_flight))
+        else:   # they cannot come: kept are the whole steps received, with the states and open trajectories after them
+            self.lost |= self.lost_steps(step)
         tensors = {f"gen/{j}": s for j, s in enumerate(self.states)}
         meta = {"pending": {str(s): idx for s, idx in self.pending.items()}, "received": {},
-                "partial": [sorted(p) for p in self.partials]}   # each rollout rank's open steps
+                "partial": [sorted(p) for p in self.partials],   # each rollout rank's open steps
+                "lost": sorted(s for s in self.lost if s in self.pending), "stopped": stopped}
         tensors.update({f"partial/{j}/{s}/{k}": v for j, p in enumerate(self.partials) for s, st in p.items()
                         for k, v in st.items()})
         for s, msgs in self.received.items():
@@ -526,6 +605,7 @@ class Trainer:
             raise UserError(f"checkpoint {ckpt} was written by a mode=sync run: resume it with mode=sync")
         tensors = load_file(os.path.join(ckpt, INFLIGHT))
         self.pending = {int(s): idx for s, idx in meta["pending"].items()}
+        self.lost = set(meta.get("lost", []))
         self.states = [tensors[f"gen/{j}"] for j in range(self.link.K)]
         self.partials = [{s: {k.split("/")[3]: v for k, v in tensors.items() if k.startswith(f"partial/{j}/{s}/")}
                           for s in steps} for j, steps in enumerate(meta.get("partial", [[]] * self.link.K))]

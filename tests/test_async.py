@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import step_rows
 
+import checkpoint
 import registry
 from algos.common import clipped_policy_loss
 from async_rl import Clock, advance, merge, segments
@@ -321,9 +322,15 @@ def test_kill_and_resume_is_exact(tmp_path):
         inflight = json.load(f)["extra"]["async"]
     assert sorted(inflight["received"]) == ["3", "4"] and inflight["partial"] == [[5], [5]]
     ((rk, ok),) = launch([*args, f"out_dir={killed}"], crash_at=["generate:5"])
-    # named, and no hang: by the trainer (async_rl.Link) or, when it stops the trainer first, by torchrun
-    assert rk != 0 and re.search(r"rollout rank [12] |rank\s*: [12] \(local_rank: [12]\)", ok), ok[-3000:]
-    ((rk, ok),) = launch([*args, f"out_dir={killed}"])
+    # named, and no hang, with a checkpoint of step 3 (save(3) needed step 5's batch, made from step 2's weights)
+    death = killed / "checkpoints" / "step_000003"
+    assert rk != 0 and re.search(rf"rollout rank [12] .*step 3's state is in {death} \(steps 5 lost", ok), ok[-3000:]
+    assert checkpoint.damage(str(death)) is None
+    with open(death / "meta.json") as f:
+        inflight = json.load(f)["extra"]["async"]
+    assert sorted(inflight["received"]) == ["4"] and inflight["lost"] == [5] and inflight["partial"] == [[5], [5]]
+    # the periodic checkpoint resumes exactly (the death checkpoint cannot: test_two_fsdp_trainers_resume_exactly)
+    ((rk, ok),) = launch([*args, f"resume={killed / 'checkpoints' / 'step_000002'}"])
     assert rk == 0, ok[-3000:]
     rows = untimed(base)
     assert untimed(killed) == rows and len(rows) == 5
