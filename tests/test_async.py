@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -179,6 +180,48 @@ def test_a_dead_trainer_rank_is_named(monkeypatch):
         link.share([{}])
 
 
+def test_a_dead_rollout_rank_stops_every_trainer_at_one_point(monkeypatch):
+    """Trainer rank 0's broadcast to a dead rollout rank fails: it does not raise there but goes through every
+    (name, tensor) pair (under FSDP each is a gather the other trainers are in), remembers why, and hands that to
+    the other trainers in place of the next batch (fetch, then share), where every trainer raises RolloutDied before
+    any state changes. lost_steps (max_staleness=3, 2 segments, so iteration i runs on step i - 3's weights): after
+    step 3 with step 4 received, iteration 5 (step 2's weights) is gone, and with it step 6's first segments."""
+    import torch.distributed as dist
+
+    from async_rl import Link, RolloutDied, Trainer
+
+    def dead(*a, **k):
+        raise RuntimeError("Connection closed by peer")
+    monkeypatch.setattr(dist, "broadcast_object_list", dead)
+    monkeypatch.setattr(dist, "broadcast", lambda *a, **k: pytest.fail("a broadcast after the failure"))
+    link = Link.__new__(Link)
+    link.cfg, link.T, link.K, link.dead, link.stopped = Config(), 2, 1, None, None
+    link.control = link.weights = None
+    pulled = []
+
+    def pairs():
+        for i in range(3):
+            pulled.append(i)
+            yield f"w{i}", torch.zeros(1)
+    link.publish(3, 3, {}, pairs())
+    assert pulled == [0, 1, 2] and link.dead.startswith("a rollout rank (2..2) did not answer a weight broadcast")
+    assert link.fetch(4) == link.dead                                     # no receive tried: the marker at once
+    t = Trainer.__new__(Trainer)
+    t.link, t.rank, t.states = link, 1, ["state"]
+    t.pending, t.received = {s: [s] for s in (4, 5, 6, 7)}, {4: []}
+    link.share = lambda msgs: link.dead                                   # trainer rank 1 gets trainer 0's word
+    with pytest.raises(RolloutDied, match="did not answer a weight broadcast"):
+        t.receive_until(5)
+    assert t.states == ["state"] and sorted(t.received) == [4]
+    link.clock = Clock(staleness=3, steps=8, segments=2)
+    assert t.lost_steps(3) == {5, 6}
+    t.received[5] = []
+    assert t.lost_steps(3) == set()                                       # what a periodic checkpoint holds
+    link.clock = Clock(staleness=0, steps=8)
+    t.pending, t.received = {4: [4]}, {}
+    assert t.lost_steps(3) == set()                                       # max_staleness=0: nothing is ever lost
+
+
 def test_merge_pads_prompts_left_and_completions_right():
     a = Rollout(torch.tensor([[5, 6, 7]]), torch.tensor([[1, 1, 1]]), torch.tensor([[1.0]]), torch.tensor([[-1.0]]),
                 torch.tensor([True]), torch.tensor([0]))                          # P=2, C=1
@@ -292,19 +335,36 @@ def test_staleness_zero_equals_the_synchronous_run(tmp_path):
 
 def test_two_fsdp_trainers_resume_exactly(tmp_path):
     """One rollout rank, two trainer ranks sharding the policy with FSDP2 over the trainer group, max_staleness=2
-    with partial rollouts: the trainers killed in step 3's update and resumed end where an uninterrupted run does
-    (trainer rank 0 alone talks to the rollout rank; the batches in flight travel in its checkpoint)."""
+    with partial rollouts (2 segments, so iteration s runs on step s - 2's weights): the trainers killed in step 3's
+    update and resumed from checkpoint 2 train step 3 as an uninterrupted run does (trainer rank 0 alone talks to
+    the rollout rank; the batches in flight travel in its checkpoint). That resumed run's rollout rank dies making
+    step 4's batch, which checkpoint 3 needs: both trainers stop at the same point and write a checkpoint of step
+    3 that marks step 4 lost. Resumed twice from it, the runs are identical; step 4's batch was made from step 3's
+    weights instead of step 2's (fresher, flagged), and everything before it is the uninterrupted run's."""
     args = [*torchrun(3), *SMALL, "mode=async", "max_staleness=2", "algo.tis=token", "partial.budget_tokens=4",
             "save_every=1"]
     base, killed = tmp_path / "base", tmp_path / "killed"
     (rb, ob), (rk, ok) = launch([*args, f"out_dir={base}"], [*args, f"out_dir={killed}"], crash_at=[None, "update:3"])
     assert rb == 0, ob[-3000:]
     assert rk != 0 and len(step_rows(killed)) == 2, ok[-3000:]
-    ((rk, ok),) = launch([*args, f"out_dir={killed}"])
-    assert rk == 0, ok[-3000:]
+    ((rk, ok),) = launch([*args, f"out_dir={killed}"], crash_at=["generate:4"])
+    death = killed / "checkpoints" / "step_000003"
+    assert rk != 0 and re.search(rf"rollout rank 2 .*step 3's state is in {death} \(steps 4 lost", ok), ok[-3000:]
+    assert checkpoint.damage(str(death)) is None
     rows = untimed(base)
-    assert untimed(killed) == rows and len(rows) == 4
+    assert untimed(killed) == rows[:3] and len(rows) == 4
+    shutil.copytree(killed, tmp_path / "again")
+    runs = launch([*args, f"out_dir={killed}"], [*args, f"out_dir={tmp_path / 'again'}"])
+    assert all(r == 0 for r, _ in runs), [o[-3000:] for _, o in runs]
+    assert untimed(killed) == untimed(tmp_path / "again")
+    resumed = untimed(killed)
+    assert resumed[:3] == rows[:3] and "staleness/regenerated" not in rows[3]
+    assert [r.get("staleness/regenerated") for r in resumed] == [None, None, None, 1.0]
     assert [r["staleness/max"] for r in rows] == [0, 1, 2, 2] and max(r["partial/frac"] for r in rows) > 0
+    # step 4's second segments: step 3's weights (version 3) instead of step 2's, one version fresher; its first
+    # segments (iteration 3, in checkpoint 3) keep theirs, so the oldest token, staleness/max, is as planned
+    assert resumed[3]["staleness/max"] == 2 and resumed[3]["partial/frac"] > 0
+    assert resumed[3]["staleness/token_mean"] < rows[3]["staleness/token_mean"]
 
 
 def test_kill_and_resume_is_exact(tmp_path):
