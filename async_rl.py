@@ -38,8 +38,11 @@ ranks, so kill -9 + resume continues exactly.
 Partial rollouts (partial.budget_tokens, docs/async.md): a trajectory may span segments(cfg) iterations, at most
 budget tokens in each but its last; rollout iterations then trail by lag = max_staleness - (segments - 1) steps, so
 that no token is older than max_staleness versions. The open trajectories ride with each batch and in checkpoints.
-Simplified: evaluation on the trainers with their own engines; no checkpoint when a rollout rank dies (the run
-ends naming it; the last periodic checkpoint resumes).
+A rollout rank that dies (or SIGTERM, torchrun's teardown): every trainer stops at the next batch and they write a
+checkpoint of the last step trained, marking `lost` the steps its in-flight iterations on older weights were to
+write; resumed, those are made from that step's weights (fresher; the run differs from there on), the rest as
+planned; the error names the rank and the checkpoint (Trainer.stop, docs/async.md "When a rollout rank dies").
+Simplified: evaluation on the trainers with their own engines.
 """
 import io
 import json
@@ -227,6 +230,7 @@ class Link:
         try:
             out = fn()
         except RuntimeError as e:   # gloo's and NCCL's errors and timeouts
+            src = self.T if src is None and self.K == 1 else src   # a broadcast to one rollout rank: that one
             name = who or (f"rollout rank {src}" if src is not None else
                            f"a rollout rank ({self.T}..{self.T + self.K - 1})")
             raise (UserError if who else RolloutDied)(
@@ -419,12 +423,14 @@ class Trainer:
         the one resumed from), with what can be kept. -> the run's last line: why, where, what was lost."""
         t = self.done
         path = os.path.join(self.r.run_dir, "checkpoints", f"step_{t:06d}")
+        if any(s is None for s in self.states):   # a new run that no batch reached: a fresh start is this run
+            return f"{why}; no batch had arrived and no step was trained: nothing to keep, start the run again"
         if self.saved != t:
             self.save(t, stopped=why)
         lost = sorted(s for s in self.lost if s in self.pending)
-        return (f"{why}; step {t}'s state is in {path}" +
-                (f" (steps {', '.join(map(str, lost))} lost their batches: resumed, they are made again from step "
-                 f"{t}'s weights, docs/async.md)" if lost else " (nothing in flight was lost: resuming is exact)"))
+        what = f"step {lost[0]}'s batch" if len(lost) == 1 else f"the batches of steps {', '.join(map(str, lost))}"
+        return (f"{why}; step {t}'s state is in {path}" + (f" ({what} lost: resumed, made again from step {t}'s "
+                f"weights, docs/async.md)" if lost else " (nothing in flight was lost: resuming is exact)"))
 
     def lost_steps(self, t: int) -> set[int]:
         """After step t, with the rollout ranks gone: the steps a segment of which the clock gave to a rollout
