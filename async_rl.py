@@ -389,6 +389,7 @@ class Trainer:
         self.states: list = [None] * link.K          # each rollout rank's sampling state after its last batch
         self.partials: list = [{}] * link.K          # ... and its open trajectories then (partial rollouts)
         self.lost: set[int] = set()                  # steps whose batch died with a rollout rank (lost_steps)
+        self.published: dict[int, int] = {}          # step t -> the policy version after it (check_clock)
 
     def run(self, resume_from: str | None) -> dict:
         cfg, phases = self.cfg, self.phases
@@ -445,6 +446,7 @@ class Trainer:
         step order, as the synchronous loop does), then send both; a resumed run hands the rollout ranks back
         their sampling states and open trajectories."""
         clock = self.link.clock
+        self.published[t] = self.r.learner.version
         for s in clock.prompts_after(t):
             if s not in self.pending:   # on resume the checkpoint has them already
                 self.pending[s] = self.phases.next_prompts(self.r, whole=True)   # every trainer: the whole list
@@ -497,6 +499,7 @@ class Trainer:
         tokens_v = torch.cat([torch.nn.functional.pad(m["token_versions"], (0, C - m["token_versions"].shape[1]))
                               for m in msgs])                                        # (B, C) each token's weights
         segs = torch.cat([m["segments"] for m in msgs])                              # (B,)
+        self.check_clock(step, versions, tokens_v, whole.completion_mask)
         order = [i for j in range(K) for i in idx[j::K]]   # the prompts in the rows' order
         # this trainer's share: whole groups rank, rank + T, ... (distributed.share over the trainers)
         rows = (torch.arange(self.rank, len(order), T)[:, None] * n + torch.arange(n)).view(-1)   # (B / T,)
@@ -547,6 +550,25 @@ class Trainer:
         phases.log(run, row)
         return row
 
+    def check_clock(self, step: int, first: torch.Tensor, versions: torch.Tensor, mask: torch.Tensor):
+        """The clock on the step's whole batch, in policy versions (a skipped update makes none: self.published):
+        each trajectory's first segment (first (B,)) came from the weights after start_weights(step), every
+        completion token (versions, mask (B, C)) from those of an iteration that writes the step (weights_for(i),
+        i = step - D .. step). A lost step's batch, made again after a resume (lost_steps), may be fresher, never
+        staler: that is the only exception. Skipped where the history is not known (older checkpoints)."""
+        clock, v = self.link.clock, self.published
+        iters = [clock.weights_for(i) for i in range(max(1, step - clock.segments + 1), step + 1)]
+        if any(t not in v for t in [clock.start_weights(step), *iters]):
+            return
+        start, tokens = v[clock.start_weights(step)], versions[mask > 0]
+        if step in self.lost:
+            ok = bool((first >= start).all() and (tokens >= start).all())
+        else:
+            ok = bool((first == start).all() and torch.isin(tokens, torch.tensor([v[t] for t in iters])).all())
+        if not ok:   # the clock makes this impossible; a bug must not train silently
+            raise RuntimeError(f"step {step}: samples of versions {sorted(set(first.tolist()))}, tokens of "
+                               f"{sorted(set(tokens.tolist()))}: not the weights the clock assigns")
+
     def check_tokens(self, step: int, versions: torch.Tensor, segs: torch.Tensor, mask: torch.Tensor, batch,
                      rows: torch.Tensor | None = None) -> dict:
         """The staleness bound on every completion token of the step's whole batch (versions (B, C): its weights'
@@ -588,7 +610,9 @@ class Trainer:
         tensors = {f"gen/{j}": s for j, s in enumerate(self.states)}
         meta = {"pending": {str(s): idx for s, idx in self.pending.items()}, "received": {},
                 "partial": [sorted(p) for p in self.partials],   # each rollout rank's open steps
-                "lost": sorted(s for s in self.lost if s in self.pending), "stopped": stopped}
+                "lost": sorted(s for s in self.lost if s in self.pending), "stopped": stopped,
+                # the versions the pending steps' weights had (check_clock): no pending step's are older than these
+                "published": {str(t): v for t, v in self.published.items() if t >= step - self.cfg.max_staleness - 1}}
         tensors.update({f"partial/{j}/{s}/{k}": v for j, p in enumerate(self.partials) for s, st in p.items()
                         for k, v in st.items()})
         for s, msgs in self.received.items():
@@ -612,6 +636,7 @@ class Trainer:
         tensors = load_file(os.path.join(ckpt, INFLIGHT))
         self.pending = {int(s): idx for s, idx in meta["pending"].items()}
         self.lost = set(meta.get("lost", []))
+        self.published = {int(t): v for t, v in meta.get("published", {}).items()}
         self.states = [tensors[f"gen/{j}"] for j in range(self.link.K)]
         self.partials = [{s: {k.split("/")[3]: v for k, v in tensors.items() if k.startswith(f"partial/{j}/{s}/")}
                           for s in steps} for j, steps in enumerate(meta.get("partial", [[]] * self.link.K))]

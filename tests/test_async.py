@@ -161,6 +161,30 @@ def test_old_segments_mask_or_weight_and_the_token_bound():
         t.check_tokens(1, versions, segs, mask, SimpleNamespace(completion_mask=mask.clone()))
 
 
+def test_the_clock_is_checked_in_versions():
+    """max_staleness=3, 2 segments (iteration i runs on step i - 3's weights): step 6's trajectories start on step
+    2's weights and end on step 3's. In versions, not steps: an update skipped at step 1 makes versions 0, 0, 1, 2
+    after steps 0..3. A token of a version no iteration of step 6 had stops the step; a lost step's batch, made
+    again after a rollout rank died, may be fresher, never staler."""
+    from types import SimpleNamespace
+
+    from async_rl import Trainer
+    t = Trainer.__new__(Trainer)
+    t.link = SimpleNamespace(clock=Clock(staleness=3, steps=8, segments=2))
+    t.published, t.lost = {0: 0, 1: 0, 2: 1, 3: 2, 4: 3}, set()
+    first, mask = torch.tensor([1, 1]), torch.tensor([[1, 1, 1], [1, 0, 0]])
+    versions, newer = torch.tensor([[1, 1, 2], [1, 0, 0]]), torch.tensor([[1, 1, 3], [1, 0, 0]])   # (B, C)
+    t.check_clock(6, first, versions, mask)
+    with pytest.raises(RuntimeError, match="tokens of \\[1, 3\\]: not the weights the clock assigns"):
+        t.check_clock(6, first, newer, mask)                  # a token of step 4's weights
+    t.lost = {6}
+    t.check_clock(6, first, newer, mask)                      # remade after the death: fresher
+    with pytest.raises(RuntimeError, match="samples of versions \\[0, 1\\]"):
+        t.check_clock(6, torch.tensor([0, 1]), versions, mask)   # staler: never
+    t.published = {4: 3}                                      # a checkpoint from before the history: not checked
+    t.check_clock(6, torch.tensor([0, 1]), versions, mask)
+
+
 def test_a_dead_trainer_rank_is_named(monkeypatch):
     """Trainer rank 1 waiting for a batch's copy from trainer rank 0, which died: a one-line error naming it
     (the copies' group has the async_timeout_s timeout), as a dead rollout rank's is."""
