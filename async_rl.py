@@ -417,6 +417,7 @@ class Trainer:
                                     f"(last at step {step}); stopped with a checkpoint in {saved}")
         except RolloutDied as e:   # every trainer raises it at the same point (receive_until): all can checkpoint
             raise UserError(self.stop(str(e))) from None
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)   # trained and saved: nothing left to stop for
         return phases.finish(run, self.rank, time.perf_counter() - t_run)
 
     def stop(self, why: str) -> str:
