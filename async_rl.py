@@ -426,7 +426,8 @@ class Trainer:
         t = self.done
         path = os.path.join(self.r.run_dir, "checkpoints", f"step_{t:06d}")
         if any(s is None for s in self.states):   # a new run that no batch reached: a fresh start is this run
-            return f"{why}; no batch had arrived and no step was trained: nothing to keep, start the run again"
+            return (f"{why}; no batch had arrived and no step was trained: nothing to keep (start again in a new "
+                    f"out_dir, or after removing {self.r.run_dir})")
         if self.saved != t:
             self.save(t, stopped=why)
         lost = sorted(s for s in self.lost if s in self.pending)
