@@ -155,6 +155,7 @@ class Link:
             cuda = p.is_cuda
         if cuda:
             torch.cuda.synchronize()   # so that time/sync measures the transfer (NCCL returns at once), not its launch
+        self.halt()
         return idle
 
     def attempt(self, fn):
@@ -208,10 +209,18 @@ class Link:
         that goes to the other trainers in place of the batch (share), so that every trainer stops at this point."""
         if self.dead is None:
             try:
-                return [self.receive(step, self.T + j) for j in range(self.K)]
+                msgs = [self.receive(step, self.T + j) for j in range(self.K)]
+                self.halt()
+                return msgs
             except RolloutDied as e:
                 self.dead = str(e)
         return self.dead
+
+    def halt(self):
+        """After a whole exchange with the rollout ranks: a stop signal (on_signal) ends the next one. Not before:
+        under torchrun the exchange is what names the rank that died (its peers only got the signal)."""
+        if self.stopped and self.dead is None:
+            self.dead = f"stopped by {self.stopped} (under torchrun: another rank failed, see its summary)"
 
     def share(self, msgs: list | str | None) -> list | str:
         """Trainer rank 0's messages from the rollout ranks, to every trainer rank (one gloo broadcast)."""
@@ -225,10 +234,9 @@ class Link:
     def _guard(self, fn, what: str, src: int | None = None, who: str | None = None):
         """A rank that died or hangs ends the run with its rank named, not a hang (collective timeouts): rollout
         rank src, any rollout rank (src None): RolloutDied, which the trainers answer with a checkpoint; or `who`
-        (a trainer rank): UserError. A stop signal (on_signal) ends trainer 0's exchanges with the rollout ranks
-        after the current one; a failure of that one is named first (it names the rank that died)."""
+        (a trainer rank): UserError."""
         try:
-            out = fn()
+            return fn()
         except RuntimeError as e:   # gloo's and NCCL's errors and timeouts
             src = self.T if src is None and self.K == 1 else src   # a broadcast to one rollout rank: that one
             name = who or (f"rollout rank {src}" if src is not None else
@@ -236,9 +244,6 @@ class Link:
             raise (UserError if who else RolloutDied)(
                 f"{name} did not answer {what} (died, or slower than async_timeout_s={self.cfg.async_timeout_s:g}): "
                 f"{str(e).strip().splitlines()[0][:200]}")
-        if who is None and self.stopped:
-            raise RolloutDied(f"stopped by {self.stopped} (under torchrun: another rank failed, see its summary)")
-        return out
 
 
 def main(cfg, resume_from: str | None, phases) -> dict:

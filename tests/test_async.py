@@ -210,7 +210,8 @@ def test_a_dead_rollout_rank_stops_every_trainer_at_one_point(monkeypatch):
     (name, tensor) pair (under FSDP each is a gather the other trainers are in), remembers why, and hands that to
     the other trainers in place of the next batch (fetch, then share), where every trainer raises RolloutDied before
     any state changes. lost_steps (max_staleness=3, 2 segments, so iteration i runs on step i - 3's weights): after
-    step 3 with step 4 received, iteration 5 (step 2's weights) is gone, and with it step 6's first segments."""
+    step 3 with step 4 received, iteration 5 (step 2's weights) is gone, and with it step 6's first segments.
+    SIGTERM ends the exchanges after the whole step being received, not inside it."""
     import torch.distributed as dist
 
     from async_rl import Link, RolloutDied, Trainer
@@ -245,6 +246,9 @@ def test_a_dead_rollout_rank_stops_every_trainer_at_one_point(monkeypatch):
     link.clock = Clock(staleness=0, steps=8)
     t.pending, t.received = {4: [4]}, {}
     assert t.lost_steps(3) == set()                                       # max_staleness=0: nothing is ever lost
+    link.dead, link.stopped = None, "SIGTERM"                             # torchrun's teardown, rollout ranks alive
+    link.receive = lambda step, src: {"step": step}
+    assert link.fetch(4) == [{"step": 4}] and link.fetch(5).startswith("stopped by SIGTERM")   # after a whole step
 
 
 def test_merge_pads_prompts_left_and_completions_right():
