@@ -16,11 +16,11 @@ B starts at zero, so step 0 is the base model exactly. What the rest of the loop
   then calls its base layer alone, so the reference log-probs are the frozen base's bit for bit, with no
   second copy of the weights.
 - Rollout: the built-in engine's fast decoder merges W + B A * alpha / r into its own fused buffers once per
-  rollout (`dense_weight`, engines/fast_decode.py: refresh), so each decode step costs what the plain model's
+  rollout (`dense_weight`, engines/decode_weights.py: refresh), so each decode step costs what the plain model's
   does; the plain loop (CPU) runs the peft model itself. The base weights are never merged in place: in bf16,
   merge-then-unmerge does not give W back, and the reference would drift. decode_weights=in_place copies
   nothing: it re-packs the frozen base weights' storage (each becomes a view of its projection group's buffer,
-  values and Parameters unchanged) and adds the adapters beside each group (engines/fast_decode.py: pack_group).
+  values and Parameters unchanged) and adds the adapters beside each group (engines/decode_weights.py: pack_group).
 - vLLM (and any engine holding its own copy) gets `engine_weights(policy)`: the merged tensors under the
   transformers names, in place.
 - Saving: final/ is peft's adapter folder (adapter_config.json + adapter_model.safetensors; PeftModel or

@@ -85,7 +85,7 @@ def terms(s: Shape, cfg, ref: bool) -> dict:
     adapted = lora_targets(cfg, s) if cfg.lora.r else []
     trained = L * cfg.lora.r * sum(sum(lin[t]) for t in adapted) if cfg.lora.r else n_params   # LoRA: A (r, in), B (out, r)
     tb = 4 if cfg.lora.r else wb                        # peft's adapters are float32; full FT trains in the model dtype
-    # the fast decoder's copies (engines/fast_decode.py refresh): q/k/v and gate/up concatenated, o/down only if adapted
+    # the fast decoder's copies (engines/decode_weights.py: refresh): q/k/v and gate/up joined, o/down if adapted
     groups = [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"], ["o_proj"], ["down_proj"]]
     copied = [g for g in groups if len(g) > 1 or set(g) & set(adapted)]
     copies = 0 if cfg.decode_weights == "in_place" else L * wb * sum(lin[m][0] * lin[m][1] for g in copied for m in g)

@@ -49,7 +49,7 @@ class BuiltinEngine:
         # speed: static KV cache + CUDA graph (engines/fast_decode.py); None = on CUDA for the model types it supports
         self.fast = fast
         self.keep_cache = keep_cache   # a GPU that only generates (mode=async) keeps its cache and graphs between calls
-        self.decode_weights = decode_weights   # fused or in_place (engines/fast_decode.py: FastDecoder.refresh)
+        self.decode_weights = decode_weights   # fused or in_place (engines/decode_weights.py: refresh)
         self.decoder = None
 
     @torch.no_grad()

@@ -22,17 +22,11 @@ What makes it fast, and why this route:
   S slots of every sequence and needs separate rotary and cache-write kernels around it, so it is slower
   (measured: docs/kernels.md, "Decode attention"); `"matmul"` is the hand-written third way. The prefill
   uses sdpa.
-- q/k/v and gate/up are each one GEMM over weights concatenated once per rollout (`refresh`): at batch 128 a
-  decode GEMM is latency-bound, so fewer, larger ones are faster.
-- LoRA (peft layers over plain Linears, lora.py): `refresh` merges W + B A * alpha / r into those buffers (and
-  into buffers of its own for o_proj and down_proj), so a decode step costs what the plain model's does.
-  `weights="in_place"` (config decode_weights) is the other route, for models whose copies do not fit (12 GiB
-  at a 7B LoRA): no copy of any weight. The decoder, when built, re-packs each group of frozen projections
-  sharing an input into one buffer, rows [W_1; ...; W_n; the adapters' A] (`pack_group`: the base weights
-  become views of it, layer by layer, so memory grows by one group's buffer at most); per rollout only A's rows
-  and a block-diagonal B are refilled. A group is then two GEMMs: [x W^T + b | x A^T], and an addmm adding
-  (x A^T) B^T: 8 per layer per token with LoRA on every projection (15 unpacked, FAST_DECODE_PACK=0; 4 fused).
-  Groups that cannot be packed (trained weights, mixed dtypes or devices, DoRA) read each weight where it lives.
+- Each layer's projections run as four GEMM groups that share an input (q/k/v, gate/up, o, down), over weights
+  re-read before each rollout (`refresh`): fused copies (q/k/v and gate/up concatenated, LoRA merged: 4 GEMMs per
+  layer per token) or, `weights="in_place"` (config decode_weights, for models whose copies do not fit), the
+  policy's own storage packed with its adapters' A (8 GEMMs with LoRA on every projection). How, and why:
+  engines/decode_weights.py.
 - On CUDA the step is also `torch.compile`d (fuses the norms, rotary and softmax into a few kernels) before
   capture. The graph holds the parameters' addresses, and the optimizer updates them in place, so weight sync
   stays free and the graph stays valid across training steps.
@@ -42,19 +36,18 @@ What makes it fast, and why this route:
 import os
 import sys
 import time
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import engines.decode_weights as decode_weights   # its PACK switch: read when a decoder is built (tests, tools set it)
 from engines.base import sample_tokens
+from engines.decode_weights import WEIGHTS, pack_layers, project
 from kernels import decode_attention_kernel, sample_token
 from kernels.decode_attention import rotate
-from lora import dense_weight
 
 SUPPORTED = ("qwen2", "llama")   # model_type values whose layers have exactly the shape written below
-WEIGHTS = ("fused", "in_place")  # FastDecoder(weights=): how the step reads the weights (refresh)
 
 
 def base_of(model):
@@ -84,167 +77,6 @@ def supported(model) -> bool:
                                                layer.mlp.down_proj)]
     return (all(map(plain_or_lora, linears)) and type(model.lm_head) is torch.nn.Linear
             and all(type(p.data) is torch.Tensor for p in model.parameters()))
-
-
-def bias_of(m):
-    return getattr(getattr(m, "base_layer", m), "bias", None)
-
-
-def base_weight(m) -> Tensor:
-    """The frozen (or, without LoRA, trained) weight of a Linear or of a peft LoRA layer's base, where it lives."""
-    return getattr(m, "base_layer", m).weight
-
-
-def _cat(ts: list, out: Tensor | None) -> Tensor | None:
-    """ts concatenated along dim 0, into out (the last rollout's buffer: same address) when there is one."""
-    if ts[0] is None:
-        return None
-    return torch.cat(ts, out=out) if out is not None else torch.cat(ts)
-
-
-def low_rank(ms: list, prev_a: Tensor | None, prev_b: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-    """The active LoRA adapters of layers ms (sharing one input) as one pair: A (R, in) stacks every adapter's
-    A, B (sum of outs, R) is block-diagonal with each adapter's B * alpha / r in its layer's rows, so
-    x A^T B^T is every adapter's update of the concatenated output in two GEMMs. (None, None) without adapters."""
-    blocks, row = [], 0                                     # (A, scaled B, first output row)
-    for m in ms:
-        if hasattr(m, "lora_A") and not (m.disable_adapters or m.merged):
-            for name in (n for n in m.active_adapters if n in m.lora_A):
-                if m.use_dora.get(name):
-                    raise ValueError("weights='in_place' does not apply DoRA adapters: use weights='fused'")
-                blocks.append((m.lora_A[name].weight, m.lora_B[name].weight * m.scaling[name], row))
-        row += base_weight(m).shape[0]
-    if not blocks:
-        return None, None
-    dtype = base_weight(ms[0]).dtype
-    with torch.no_grad():
-        a = torch.cat([A for A, _, _ in blocks]).to(dtype)                     # (R, in)
-        b = torch.zeros(row, a.shape[0], dtype=dtype, device=a.device)         # (out, R)
-        col = 0
-        for A, B, first in blocks:
-            b[first:first + B.shape[0], col:col + A.shape[0]] = B
-            col += A.shape[0]
-    return (prev_a.copy_(a), prev_b.copy_(b)) if prev_a is not None else (a, b)
-
-
-def groups(layer) -> list[list]:
-    """A decoder layer's projections in the four groups that share an input: q/k/v, gate/up, o, down."""
-    a, mlp = layer.self_attn, layer.mlp
-    return [[a.q_proj, a.k_proj, a.v_proj], [mlp.gate_proj, mlp.up_proj], [a.o_proj], [mlp.down_proj]]
-
-
-class Pack(NamedTuple):
-    """One group's frozen weights and its adapters' A in one buffer (decode_weights=in_place, `pack_group`)."""
-    w: Tensor             # (out + R, in): rows [W_1; ...; W_n; A-rows]; each base weight is a view of its rows
-    b: Tensor | None      # (out + R,): the biases likewise (zeros where a projection has none, and for the A-rows)
-    out: int              # sum of the group's output widths
-    slots: list           # (LoRA layer, adapter name, its first output row, its first A-row, its rank)
-
-
-def _laid_out(ts: list, rows: int) -> Tensor | None:
-    """The (rows, ...) tensor over the storage whose first rows are ts, one after the other (a group packed
-    before, e.g. by an earlier decoder), or None when ts are not laid out so (never packed, or moved since)."""
-    storage, at = ts[0].untyped_storage(), 0
-    for t in ts:
-        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != at or not t.is_contiguous():
-            return None
-        at += t.numel()
-    shape = (rows, *ts[0].shape[1:])
-    if storage.nbytes() != ts[0][:1].numel() * rows * ts[0].element_size():
-        return None
-    return torch.empty(0, dtype=ts[0].dtype, device=ts[0].device).set_(storage, 0, shape)
-
-
-def _pack_rows(ts: list, extra: int, like: Tensor) -> Tensor:
-    """ts (each (n_i, ...), or None for a missing bias of n_i rows given as an int) copied into one new buffer of
-    sum n_i + extra rows, zeros elsewhere; each tensor then becomes a view of its rows (its old storage is freed
-    once nothing else holds it). The one new allocation: a group's weights, never a model's."""
-    rows = [t if isinstance(t, int) else t.shape[0] for t in ts]
-    buf = torch.zeros(sum(rows) + extra, *like.shape[1:], dtype=like.dtype, device=like.device)
-    at = 0
-    for t, n in zip(ts, rows):
-        if not isinstance(t, int):
-            buf[at:at + n].copy_(t)
-            t.data = buf[at:at + n]
-        at += n
-    return buf
-
-
-def pack_group(ms: list) -> Pack | None:
-    """Re-pack the storage of a group of projections ms (sharing an input) so that one GEMM gives their outputs
-    and x A^T of every adapter: [x W^T + b | x A^T] (project). None where packing does not apply, and the group
-    keeps the unpacked route: a weight that trains (full fine-tuning: the optimizer, FSDP, offload and checkpoint
-    loads may swap its storage), weights or biases of different dtypes or devices, an adapter that is DoRA, or a
-    group with nothing to gain (one projection, no adapter)."""
-    ws = [base_weight(m) for m in ms]
-    bs = [bias_of(m) for m in ms]
-    present = [t for t in ws + bs if t is not None]
-    slots, R, row = [], 0, 0
-    for m, w in zip(ms, ws):
-        for name in getattr(m, "lora_A", {}):
-            if m.use_dora.get(name):
-                return None
-            r = m.lora_A[name].weight.shape[0]
-            slots.append((m, name, row, R, r))
-            R += r
-        row += w.shape[0]
-    if (any(t.requires_grad or type(t.data) is not torch.Tensor for t in present) or (len(ms) == 1 and not R)
-            or len({(t.dtype, t.device) for t in present}) > 1 or len({w.shape[1] for w in ws}) > 1):
-        return None
-    with torch.no_grad():
-        w = _laid_out(ws, row + R)
-        w = _pack_rows(ws, R, ws[0]) if w is None else w                 # (out + R, in)
-        have = [t for t in bs if t is not None]
-        b = _laid_out(bs, row + R) if have and len(have) == len(bs) else None
-        if have and b is None:                                           # (out + R,); a missing bias's rows are zeros
-            b = _pack_rows([t if t is not None else v.shape[0] for t, v in zip(bs, ws)], R, have[0])
-    return Pack(w, b, row, slots)
-
-
-def fill(pack: Pack, prev: Tensor | None) -> Tensor | None:
-    """Copy the adapters' current A into the pack's A-rows and return B (out, R): block-diagonal, each adapter's
-    B * alpha / r at (its output rows, its A-rows); zero where an adapter is off (disabled, merged, inactive).
-    prev: the last rollout's B, refilled in place (same storage: captured graphs stay valid). None if R = 0."""
-    R = pack.w.shape[0] - pack.out
-    if not R:
-        return None
-    with torch.no_grad():
-        b = prev if prev is not None else pack.w.new_empty(pack.out, R)             # (out, R)
-        b.zero_()
-        for m, name, first, col, r in pack.slots:
-            if m.disable_adapters or m.merged or name not in m.active_adapters:
-                continue
-            pack.w[pack.out + col:pack.out + col + r].copy_(m.lora_A[name].weight)   # (r, in)
-            B = m.lora_B[name].weight                                                # (out_m, r)
-            b[first:first + B.shape[0], col:col + r].copy_(B * m.scaling[name])
-    return b
-
-
-@torch.library.custom_op("rlhack::low_rank_add", mutates_args=("y",))
-def low_rank_add(y: Tensor, B: Tensor) -> None:
-    """y (..., out + R) = [x W^T + b | x A^T] -> its first out columns += (x A^T) B^T, B (out, R): one addmm in
-    place. An op of its own so that torch.compile keeps it in place: a plain addmm_ on a slice of the GEMM's
-    output compiles to an addmm into a new buffer, which cuBLAS precedes by a copy of the slice (seen in
-    inductor's code on CPU)."""
-    flat, R = y.view(-1, y.shape[-1]), B.shape[1]                            # (M, out + R)
-    flat[:, :-R].addmm_(flat[:, -R:], B.t())
-
-
-def project(x: Tensor, p: tuple) -> Tensor:
-    """x (B, T, in) -> (B, T, out): the projections of one group (FastDecoder.refresh) applied to their shared
-    input. p = (ws, b, A, B, R): one GEMM per weight in ws (outputs side by side) and the bias; then either
-    R = 0 and the low-rank product x A^T B^T of separate A, B (if any), or R > 0: ws is one packed weight
-    (pack_group) whose GEMM gave [x W^T + b | x A^T], and one addmm adds (x A^T) B^T into its first columns."""
-    ws, b, A, B, R = p
-    y = F.linear(x, ws[0], b) if len(ws) == 1 else torch.cat([F.linear(x, w) for w in ws], dim=-1)
-    if len(ws) > 1 and b is not None:
-        y = y + b
-    if R and LOW_RANK == "mm":   # the add left to the compiler, which may fuse it into the next pointwise kernel
-        return y[..., :-R] + F.linear(y[..., -R:], B)
-    if R:
-        low_rank_add(y, B)
-        return y[..., :-R]                                                   # (B, T, out): rows out + R apart
-    return y if A is None else y + F.linear(F.linear(x, A), B)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -299,11 +131,6 @@ OFF = Split(torch.device("cpu"))
 # program per sequence and KV head (splits lost at every length), the inverse-CDF sampler (4x faster than Gumbel)
 ATTENTION_SPLITS = int(os.environ.get("FAST_DECODE_SPLITS", "1"))
 SAMPLER = os.environ.get("FAST_DECODE_SAMPLER", "cdf")
-# decode_weights=in_place: re-pack each group's frozen weights with its adapters' A (pack_group; "0": the unpacked
-# route, 15 GEMMs per layer per token with LoRA on every projection, for comparison), and how the packed group adds
-# its low-rank product ("addmm" into the base output, or "mm" and an add the compiler may fuse). docs/lora.md
-PACK = os.environ.get("FAST_DECODE_PACK", "1") == "1"
-LOW_RANK = os.environ.get("FAST_DECODE_LOW_RANK", "addmm")
 
 
 class FastDecoder:
@@ -321,27 +148,14 @@ class FastDecoder:
         self.check_every = check_every
         self.states: dict[tuple[int, int], dict] = {}   # (B, S) -> cache, static buffers, graph
         self.fused: list[tuple] = []                     # per layer: the (ws, b, A, B, R) of qkv, gate_up, o, down
-        self.packs = self._pack() if weights == "in_place" and PACK else None    # per layer, per group: Pack or None
+        # per layer, per group: its Pack or None; in_place re-packs the model's storage here, once per decoder
+        self.packs = pack_layers(model.model.layers) if weights == "in_place" and decode_weights.PACK else None
         c = model.config
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self._step = torch.compile(self._forward, dynamic=False, fullgraph=True) if self.compile else self._forward
         self.compact_always = False   # tests: take feed's compaction route every time
         self.captured = False   # once warm, a re-capture needs 1 warm-up step, not 3 (measured: docs/speed.md)
-
-    def _pack(self) -> list[list]:
-        """Re-pack every layer's groups (pack_group), layer by layer: memory grows by one group's buffer at a time
-        (the old storage is freed as each group moves), never by a copy of the model. Done here, once per model,
-        not at LoRA setup: only this decoder reads the layout, and runs that never build it keep peft's."""
-        packs = []
-        for layer in self.model.model.layers:
-            packs.append([pack_group(ms) for ms in groups(layer)])
-            # reserved memory too: a group's buffer is larger than any freed weight, so the caching allocator
-            # would take new segments for every layer while keeping the old ones cached (most large weights had
-            # segments of their own, which this hands back)
-            if base_weight(layer.mlp.up_proj).is_cuda:
-                torch.cuda.empty_cache()
-        return packs
 
     # --- the model, by hand ---------------------------------------------------------------------
     def _forward(self, ids: Tensor, pos: Tensor, slots: Tensor, key_ok: Tensor, ks: list[Tensor], vs: list[Tensor],
@@ -394,43 +208,10 @@ class FastDecoder:
         return o.transpose(1, 2).reshape(B, T, nh * D)                       # (B, T, nh * D)
 
     def refresh(self):
-        """Per layer, what each of its four GEMM groups (q/k/v, gate/up, o, down) applies, as (ws, b, A, B, R) for
-        `project`, re-read before each rollout into the same buffers (captured graphs stay valid).
-        weights="fused": q/k/v and gate/up concatenated into one weight each, LoRA adapters merged (lora.dense_weight),
-        o_proj and down_proj read in place unless they carry an adapter: ~0.5 GB of copies for a 0.5B model,
-        well under a millisecond on a GPU, 3 fewer kernels per layer per token (small decode GEMMs are
-        latency-bound, so fewer, larger ones are faster).
-        weights="in_place": no copy of any weight. A group packed at construction (pack_group: its base weights
-        are views of one buffer whose last rows hold the adapters' A) gets its A-rows and block-diagonal B
-        refilled (`fill`): two GEMMs per group. An unpacked group (pack_group says why) reads each weight where it
-        lives and adds its adapters' low-rank product from separate A and B (`low_rank`, a few MB of copies)."""
-        new = []
-        for i, layer in enumerate(self.model.model.layers):
-            old = self.fused[i] if self.fused else (None,) * 4
-            for j, ms in enumerate(groups(layer) if self.packs else []):   # moved since (a .to()): pack again
-                pk = self.packs[i][j]
-                if pk is not None and _laid_out([base_weight(m) for m in ms], pk.w.shape[0]) is None:
-                    self.packs[i][j] = pack_group(ms)
-            packs = self.packs[i] if self.packs else (None,) * 4
-            new.append(tuple(self._group(ms, prev, pk) for ms, prev, pk in zip(groups(layer), old, packs)))
-        self.fused = new
+        """Re-read the weights the step applies (engines/decode_weights.py: refresh) before each rollout, into the
+        same buffers (captured graphs stay valid): the optimizer moved them since the last call."""
+        self.fused = decode_weights.refresh(self.model.model.layers, self.fused, self.packs, self.weights)
 
-    def _group(self, ms: list, prev: tuple | None, pack: Pack | None) -> tuple:
-        """(ws, b, A, B, R) of Linears (or peft LoRA layers) ms that read the same input; prev: the last call's
-        buffers, refilled in place; pack: the group's packed storage, if any."""
-        prev = prev or (None,) * 5
-        if pack is not None:
-            return [pack.w], pack.b, None, fill(pack, prev[3]), pack.w.shape[0] - pack.out
-        b = bias_of(ms[0]) if len(ms) == 1 else _cat([bias_of(m) for m in ms], prev[1])   # one: read in place
-        if self.weights == "in_place":
-            return [base_weight(m) for m in ms], b, *low_rank(ms, prev[2], prev[3]), 0
-        if len(ms) == 1 and type(ms[0]) is torch.nn.Linear:
-            return [ms[0].weight], b, None, None, 0                             # read in place
-        merged = [dense_weight(m) for m in ms]                                  # new tensors, or W if adapters are off
-        if prev[0] is not None:
-            return [_cat(merged, prev[0][0])], b, None, None, 0
-        w = torch.cat(merged) if len(ms) > 1 else merged[0]
-        return [w.clone() if w is base_weight(ms[0]) else w], b, None, None, 0  # ours, so later calls can refill it
 
     def _state(self, B: int, S: int, N: int, graph_sampling: bool, device, dtype, turns: bool = False) -> dict:
         """Cache and static buffers for batch B, S cache slots and N new tokens (a graph reads and writes only

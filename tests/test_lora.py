@@ -75,7 +75,7 @@ def test_merged_weights_equal_peft_merge_and_load_in_transformers(random_model_d
 class Watch(TorchDispatchMode):
     """Counts GEMMs (2-D matmuls: attention's are batched) and copies of the group weights: an op other than a GEMM
     that reads a tensor on one of `storages` and allocates an output at least as large (a cat, clone, cast or sum)."""
-    GEMMS = ("mm", "addmm", "addmm_", "low_rank_add")   # the last: one addmm_ (engines/fast_decode.py)
+    GEMMS = ("mm", "addmm", "addmm_", "low_rank_add")   # the last: one addmm_ (engines/decode_weights.py)
 
     def __init__(self, storages: set):
         super().__init__()
@@ -96,7 +96,7 @@ class Watch(TorchDispatchMode):
 
 def projections(model) -> list:
     """Per layer, its seven projections in group order (q, k, v, gate, up, o, down)."""
-    from engines.fast_decode import groups
+    from engines.decode_weights import groups
     return [[m for g in groups(layer) for m in g] for layer in model.get_base_model().model.layers]
 
 
@@ -108,12 +108,13 @@ def test_fast_decoder_samples_with_the_adapted_policy(random_model_dir, weights,
     low-rank products beside each projection (targets on some projections of a group test the block layout),
     each group's weights and adapters' A re-packed into one buffer (pack=False: the unpacked route). Either way
     its sampling log-probs are the peft model's, also after the adapters change between rollouts."""
-    from engines import fast_decode
+    from engines import decode_weights
     from engines.base import SamplingParams
     from engines.builtin import BuiltinEngine
-    from engines.fast_decode import FastDecoder, base_weight, bias_of, supported
+    from engines.decode_weights import base_weight, bias_of
+    from engines.fast_decode import FastDecoder, supported
     from models import completion_logprobs
-    monkeypatch.setattr(fast_decode, "PACK", pack)
+    monkeypatch.setattr(decode_weights, "PACK", pack)
     model, tok = lora_model(random_model_dir, targets=targets)
     assert supported(model)
     params = [[(base_weight(m), base_weight(m).detach().clone()) for m in ms] for ms in projections(model)]
@@ -161,7 +162,8 @@ def test_packed_base_trains_saves_and_is_the_reference(random_model_dir, tmp_pat
     adapters, and final/merged is the same folder as before packing (shared storage saved once per tensor)."""
     from transformers import AutoModelForCausalLM
     from checkpoint import StateDictOptions, _trained_state
-    from engines.fast_decode import FastDecoder, base_weight
+    from engines.decode_weights import base_weight
+    from engines.fast_decode import FastDecoder
     from models import completion_logprobs, load_model
     model, tok = lora_model(random_model_dir, targets="q_proj,v_proj")   # k, gate, up: plain Linears, packed too
     lora.save_merged(model, tok, str(tmp_path / "before"))

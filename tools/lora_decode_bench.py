@@ -6,9 +6,9 @@
 A random Qwen2 at W6's shape (tools/bench.py SHAPES, bf16, built in memory), peft LoRA r=16 alpha 32 on every
 linear layer with B random (peft starts it at zero), 8 x 8 prompts of 64 random tokens, 256 new tokens at
 temperature 1, EOS outside the vocabulary (every row runs to full length). Variants, in this order because
-packing is for good (it changes the model's storage): fused; in_place unpacked (engines.fast_decode.PACK off:
+packing is for good (it changes the model's storage): fused; in_place unpacked (engines.decode_weights.PACK off:
 15 GEMMs per layer per token); in_place packed, the low-rank product by addmm (8 GEMMs), then by mm and an add
-(fast_decode.LOW_RANK="mm"). Per variant: median rollout seconds over --repeats calls after a warm-up call
+(decode_weights.LOW_RANK="mm"). Per variant: median rollout seconds over --repeats calls after a warm-up call
 (compile, capture), the peak memory allocated during a rollout, the largest |engine - teacher-forced| log-prob
 over 8 rows (the peft model in bf16), and on a GPU a torch.profiler summary of one rollout (kernel names and
 counts: the GEMMs launched) in OUT/profile-<variant>.txt. Also what packing took: seconds and the peak memory
@@ -28,7 +28,7 @@ import torch
 from bench import SHAPES   # tools/bench.py: the workloads' shapes
 
 GIB = 2**30
-VARIANTS = [   # name (its last word is its --variants name), decode weights, fast_decode.PACK, fast_decode.LOW_RANK
+VARIANTS = [   # name (its last word is its --variants name), decode weights, decode_weights.PACK, .LOW_RANK
     ("fused", "fused", True, "addmm"), ("in_place unpacked", "in_place", False, "addmm"),
     ("in_place packed addmm", "in_place", True, "addmm"), ("in_place packed mm", "in_place", True, "mm")]
 
@@ -110,7 +110,7 @@ def main():
                    "(run in this order: packing is for good)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    from engines import fast_decode
+    from engines import decode_weights
     from engines.base import SamplingParams
     from engines.fast_decode import FastDecoder
     shape = SHAPES["small" if a.small else "w6"]
@@ -124,7 +124,7 @@ def main():
     res = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "shape": "small" if a.small else "w6",
            "r": a.r, "model_gib": torch.cuda.memory_allocated(device) / GIB if gpu else 0.0, "variants": {}}
     for name, weights, pack, low_rank in [v for v in VARIANTS if v[0].split()[-1] in a.variants.split(",")]:
-        fast_decode.PACK, fast_decode.LOW_RANK = pack, low_rank
+        decode_weights.PACK, decode_weights.LOW_RANK = pack, low_rank
         if gpu:
             torch.cuda.reset_peak_memory_stats(device)
         mem = lambda: (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)) if gpu else (0, 0)
