@@ -31,7 +31,8 @@ import profiling
 import registry
 import run_dir
 from buffer import Experience, make_buffer
-from config import Config, UserError, fill_defaults, parse, to_dict, trainer_temperature, validate
+from config import Config, UserError, fill_defaults, parse, to_dict, trainer_temperature
+from config_checks import validate
 from critic import Critic
 from distributed import print0
 from engines.base import SamplingParams

@@ -25,7 +25,8 @@ import algos, engines, rewards, tasks  # noqa: F401,E401  (the plugin packages: 
 import registry
 import run_dir as rundir
 from algos.dpo import pair_loss
-from config import UserError, fill_defaults, parse, validate
+from config import UserError, fill_defaults, parse
+from config_checks import validate
 from distributed import print0
 from engines.base import left_pad
 from models import completion_logprobs, encode_prompts, load_model, setup_device

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import config
+import config_checks
 import registry
 from algos.common import (K3_MAX, KL_LOG_RATIO_MAX, aggregate, clipped_policy_loss, kl_estimate, kl_in_reward,
                           masked_whiten, tis_weights, token_rewards)
@@ -420,7 +421,7 @@ def test_kl_sits_in_the_loss_or_the_reward_never_both():
 def test_bad_algo_choices_are_user_errors():
     for override in ["algo.loss_agg=sum", "algo.kl_estimator=k9", "algo.tis=both", "algo.dpo.loss=hinge"]:
         with pytest.raises(config.UserError, match=override.split("=")[0]):
-            config.validate(config.parse([override]))
+            config_checks.validate(config.parse([override]))
 
 
 # --- every registered algorithm runs end to end and learns a toy reward (in process, random model) ----------

@@ -27,7 +27,8 @@ import registry
 from algos.common import clipped_policy_loss
 from async_rl import Clock, advance, merge, segments
 from buffer import Experience
-from config import Config, UserError, fill_defaults, validate
+from config import Config, UserError, fill_defaults
+from config_checks import validate
 from engines.base import Rollout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,6 +1,6 @@
 """Every bad input is a one-line error that names the option (or file) and what would be valid, raised before any
-work: option ranges and batch splits (config.validate), YAML syntax, model folders, the run directory, damaged
-checkpoints. In process (config.validate, run_dir.check, checkpoint.resolve_resume): no train.py subprocess."""
+work: option ranges and batch splits (config_checks.validate), YAML syntax, model folders, the run directory, damaged
+checkpoints. In process (config_checks.validate, run_dir.check, checkpoint.resolve_resume): no train.py subprocess."""
 import json
 import os
 
@@ -9,6 +9,7 @@ import torch
 
 import checkpoint
 import config
+import config_checks
 import models
 import registry
 import run_dir
@@ -18,7 +19,7 @@ from config import UserError
 
 def check(*overrides, world: int = 1):
     """parse -> fill_defaults -> validate, as train.main does."""
-    config.validate(config.fill_defaults(config.parse(list(overrides))), world)
+    config_checks.validate(config.fill_defaults(config.parse(list(overrides))), world)
 
 
 def one_line_error(fn, *args, **kw) -> str:

@@ -12,7 +12,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tasks  # noqa: E402,F401  (registers the rungs)
-from config import Config, validate  # noqa: E402
+from config import Config  # noqa: E402
+from config_checks import validate  # noqa: E402
 from registry import get  # noqa: E402
 from tasks.add4 import add4_samples  # noqa: E402
 from tasks.arithmetic import arithmetic_reward, is_heldout  # noqa: E402

@@ -8,7 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # lowest first; a module may import modules of its own layer or of a lower one (docs/architecture.md, "Layers")
 LAYERS = [
     ["registry"],
-    ["config"],
+    ["config", "config_checks"],
     ["buffer", "kernels", "algos", "microbatch"],
     ["distributed", "models", "lora", "memory", "offload", "critic", "profiling", "checkpoint"],
     ["engines", "tasks", "rewards", "envs"],

@@ -208,7 +208,8 @@ def test_bad_lora_input_is_one_line(random_model_dir, tmp_path, monkeypatch):
     for r in (0, 4):   # full fine-tuning of it is refused too: save_pretrained would write the adapter alone
         with pytest.raises(UserError, match="already carries a peft adapter"):
             lora.wrap(carrying, LoRAConfig(r=r), "x")
-    from config import Config, validate
+    from config import Config
+    from config_checks import validate
     cfg = Config()
     cfg.lora.r = -1
     with pytest.raises(UserError, match="'lora.r' must be >= 0"):

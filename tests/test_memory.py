@@ -9,7 +9,8 @@ from transformers import Qwen2Config
 
 import memory
 import registry
-from config import Config, UserError, validate
+from config import Config, UserError
+from config_checks import validate
 
 GiB = 2**30
 W1 = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import config
+import config_checks
 import kernels
 from algos.grpo import clipped_policy_loss, grpo_advantages
 from microbatch import micro_batches, trim
@@ -105,7 +106,7 @@ def test_fused_policy_loss_equals_autograd(rollout_batch, monkeypatch, algo_name
     for k, v in overrides.items():
         setattr(cfg.algo, k, v)
     config.fill_defaults(cfg)
-    config.validate(cfg)
+    config_checks.validate(cfg)
     algo = registry.get("algo", algo_name)
     loss_agg = algo.loss_agg or cfg.algo.loss_agg
     batch.advantages = algo.advantages(batch, cfg.algo)

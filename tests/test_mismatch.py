@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import config
+import config_checks
 import registry
 from algos.common import clipped_policy_loss, tis_weights
 from buffer import Experience
@@ -128,7 +129,7 @@ def test_masked_importance_sampling_zeroes_exactly_the_out_of_band_tokens():
 ])
 def test_bad_mismatch_options_are_one_line_errors(args, message):
     with pytest.raises(config.UserError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
-        config.validate(config.fill_defaults(config.parse(args)))
+        config_checks.validate(config.fill_defaults(config.parse(args)))
     assert "\n" not in str(e.value)
 
 
@@ -141,5 +142,5 @@ def test_the_lab_has_one_valid_command_per_experiment(capsys):
     for source in mismatch_lab.SOURCES:   # every source is a one-line change that validates, with every repair
         for repair in mismatch_lab.REPAIRS:
             args = mismatch_lab.command(source, repair, []).split()[2:]
-            config.validate(config.fill_defaults(config.parse(args)))
-            assert config.mismatch_sources(config.parse(args)) or source == "none"
+            config_checks.validate(config.fill_defaults(config.parse(args)))
+            assert config_checks.mismatch_sources(config.parse(args)) or source == "none"

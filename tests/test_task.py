@@ -67,8 +67,9 @@ def test_heldout_fraction_is_about_right():
 @pytest.mark.parametrize("bad", ["arithmetic.digits=0", "arithmetic.heldout_percent=0", "arithmetic.n_eval=0"])
 def test_bad_config_is_a_one_line_error(bad):
     import config
+    import config_checks
     with pytest.raises(config.UserError) as e:
-        config.validate(config.parse([bad]))
+        config_checks.validate(config.parse([bad]))
     assert "\n" not in str(e.value) and bad.split("=")[0] in str(e.value)
 
 

@@ -1,0 +1,217 @@
+"""The checks of a whole config before any work starts: every rule that refuses a bad option value or a bad
+combination of options lives here, each a one-line UserError naming the problem and the valid choices.
+
+    cfg = config.fill_defaults(config.parse(argv))
+    config_checks.validate(cfg, world)      # train.py and train_dpo.py, before loading anything
+
+The options themselves (defaults, help texts, the valid choices, key=value parsing) are in config.py. Checks that
+need files or folders stay with what reads them (run_dir.check, checkpoint.resolve_resume, models.load_model).
+"""
+import math
+import os
+
+import torch
+
+import registry
+from config import (AGG_MODES, DECODE_WEIGHTS, DPO_LOSSES, DTYPES, KL_ESTIMATORS, LOGPROBS_MODES, MODES, PARALLEL_MODES,
+                    PARTIAL_OLD, REPLAY_PRIORITIES, TIS_MODES, Config, UserError)
+
+
+def validate(cfg: Config, world: int = 1):
+    """Every check that spans options, before any work starts: a bad value is a one-line UserError naming the
+    option and its valid choices. Plugin names (algo, engine, task) are checked against the registry, so the
+    entry script imports the plugin packages first; reward names are checked where the reward pool is built."""
+    for key, value, known in [("algo.loss_agg", cfg.algo.loss_agg, AGG_MODES),
+                              ("algo.kl_estimator", cfg.algo.kl_estimator, KL_ESTIMATORS),
+                              ("algo.tis", cfg.algo.tis, TIS_MODES),
+                              ("logprobs_mode", cfg.logprobs_mode, LOGPROBS_MODES),
+                              ("engine_dtype", cfg.engine_dtype, DTYPES),
+                              ("decode_weights", cfg.decode_weights, DECODE_WEIGHTS),
+                              ("algo.dpo.loss", cfg.algo.dpo.loss, DPO_LOSSES),
+                              ("parallel", cfg.parallel, PARALLEL_MODES),
+                              ("mode", cfg.mode, MODES),
+                              ("dtype", cfg.dtype, DTYPES),
+                              ("replay.priority", cfg.replay.priority, REPLAY_PRIORITIES)]:
+        if value not in known:
+            raise UserError(f"config key '{key}' must be one of {', '.join(known)}; got {value!r}")
+    for key, value, ok, valid in ranges(cfg):
+        if not ok:
+            raise UserError(f"config key '{key}' must be {valid}; got {value!r}")
+    algo = registry.get("algo", cfg.algo.name)
+    registry.get("engine", cfg.engine), registry.get("task", cfg.task)
+    if algo.needs_groups and cfg.samples_per_prompt < 2:
+        raise UserError(f"algo '{cfg.algo.name}' compares the samples of one prompt (a group baseline or a pair): "
+                        f"samples_per_prompt must be >= 2; got {cfg.samples_per_prompt}")
+    check_device(cfg.device)
+    if cfg.task == "arithmetic":
+        a = cfg.arithmetic
+        for key, ok, valid in [("digits", 1 <= a.digits <= 9, "1..9"), ("heldout_percent", 0 < a.heldout_percent < 100,
+                                "1..99"), ("n_train", a.n_train >= 1, ">= 1"), ("n_eval", a.n_eval >= 1, ">= 1")]:
+            if not ok:
+                raise UserError(f"config key 'arithmetic.{key}' must be {valid}; got {getattr(a, key)}")
+    r = cfg.replay
+    if r.enabled and (r.capacity < 1 or r.max_uses < 1 or r.max_staleness < 0 or not 0 < r.decay <= 1):
+        raise UserError("config keys 'replay.capacity' and 'replay.max_uses' must be >= 1, "
+                        "'replay.max_staleness' >= 0 and 'replay.decay' in (0, 1]")
+    check_partial(cfg)
+    check_mismatch_sources(cfg, world)
+    if cfg.mode == "async":   # from here on, `world` counts the ranks that train
+        world = validate_async(cfg, world, algo)
+    # distributed: every rank must run the same number of forward/backward passes (FSDP's collectives pair up
+    # across ranks), so the batch must split into equal shares
+    if world > 1 and cfg.prompts_per_step % world:
+        raise UserError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by the world size {world}")
+    if world > 1 and cfg.algo.minibatch_size % world:
+        raise UserError(f"algo.minibatch_size={cfg.algo.minibatch_size} must be divisible by the world size {world}")
+    check_batch_split(cfg, world)
+    if cfg.offload and cfg.parallel == "replicate":
+        raise UserError("offload=true keeps FSDP shards in CPU memory: it needs parallel=fsdp")
+    if cfg.offload and "RANK" not in os.environ:
+        raise UserError("offload=true shards the policy with FSDP: launch with torchrun (--nproc_per_node=1 is fine)")
+    if cfg.eval_k < 0 or (cfg.eval_k and not cfg.eval_k_temperature > 0):
+        raise UserError(f"config keys 'eval_k' must be >= 0 and 'eval_k_temperature' > 0; got {cfg.eval_k} and "
+                        f"{cfg.eval_k_temperature}")
+    lo = cfg.lora
+    if lo.r < 0 or lo.alpha <= 0 or not 0 <= lo.dropout < 1:
+        raise UserError(f"config keys 'lora.r' must be >= 0, 'lora.alpha' > 0 and 'lora.dropout' in [0, 1); got "
+                        f"{lo.r}, {lo.alpha}, {lo.dropout}")
+    if lo.r and (cfg.offload or (world > 1 and cfg.parallel == "fsdp")):
+        raise UserError("lora.r > 0 runs in one process or under torchrun with parallel=replicate (the adapters are "
+                        "small); not with FSDP sharding or offload=true")
+    if cfg.offload_optimizer and cfg.offload:
+        raise UserError("offload=true already keeps AdamW state in CPU memory (it steps there): drop offload_optimizer, "
+                        "or use it alone (shards stay on the GPU, the step too)")
+    if cfg.offload_models and (cfg.offload or (world > 1 and cfg.parallel == "fsdp")):
+        raise UserError("offload_models moves whole models between CPU and GPU; with FSDP use offload=true, which "
+                        "keeps every shard in CPU memory")
+    if cfg.memory_budget_gib and (algo.needs_critic or cfg.engine != "builtin" or cfg.offload or cfg.mode != "sync"
+                                  or (world > 1 and cfg.parallel == "fsdp")):
+        raise UserError("memory_budget_gib predicts one process's (or parallel=replicate's) memory with the built-in "
+                        "engine and no critic: drop it with PPO, engine=vllm, FSDP, offload=true or mode=async")
+    # what the algorithm declares it needs (algos/common.py: Algorithm)
+    if cfg.fused_loss and (algo.needs_critic or not algo.splittable(cfg.algo)):
+        raise UserError(f"fused_loss=true needs a loss that splits over rows and no critic; algo '{cfg.algo.name}' "
+                        "with these settings has not")
+    if (cfg.micro_batch_size or world > 1) and not algo.splittable(cfg.algo):
+        raise UserError(f"algo '{cfg.algo.name}' with these settings has no exact split over micro-batches or ranks: "
+                        "use micro_batch_size=0 and one process (see its Algorithm declaration)")
+
+
+def ranges(cfg: Config) -> list:
+    """(option, value, in range?, the valid range) of every option whose range is bounded; validate checks them
+    first. A comparison with nan is False, so nan fails every check."""
+    c, a = cfg, cfg.algo
+    at_least_1 = [("samples_per_prompt", c.samples_per_prompt), ("prompts_per_step", c.prompts_per_step),
+                  ("max_new_tokens", c.max_new_tokens), ("steps", c.steps), ("eval_every", c.eval_every),
+                  ("reward_workers", c.reward_workers), ("max_bad_updates", c.max_bad_updates),
+                  ("algo.epochs", a.epochs), ("algo.dapo.max_rounds", a.dapo.max_rounds)]
+    # 0 keeps the meaning each help text gives it (torch's default, keep all, one pass, ...)
+    at_least_0 = [("threads", c.threads, "torch's default"), ("keep_checkpoints", c.keep_checkpoints, "keep all"),
+                  ("micro_batch_size", c.micro_batch_size, "the whole mini-batch in one pass"),
+                  ("algo.minibatch_size", a.minibatch_size, "the whole batch"),
+                  ("eval_size", c.eval_size, "every held-out prompt"), ("save_every", c.save_every, "only at the end"),
+                  ("warmup_steps", c.warmup_steps, "none"), ("grad_clip", c.grad_clip, "off"),
+                  ("top_k", c.top_k, "off"), ("engine_lag", c.engine_lag, "the current weights"),
+                  ("eval_temperature", c.eval_temperature, "greedy"), ("memory_budget_gib", c.memory_budget_gib, "off")]
+    return [("lr", c.lr, math.isfinite(c.lr) and c.lr > 0, "a finite number > 0"),
+            ("temperature", c.temperature, c.temperature > 0, "> 0"),
+            ("top_p", c.top_p, 0 < c.top_p <= 1, "in (0, 1]"),
+            ("train_temperature", c.train_temperature, c.train_temperature >= 0, ">= 0 (0 = temperature)"),
+            ("algo.tis_cap", a.tis_cap, a.tis_cap >= 1, ">= 1 (the weight's truncation, or the band [1/cap, cap])"),
+            ("reward_timeout_s", c.reward_timeout_s, c.reward_timeout_s > 0, "> 0 (seconds)"),
+            ("weight_decay", c.weight_decay, c.weight_decay >= 0, ">= 0"),
+            *[(k, v, v >= 1, ">= 1") for k, v in at_least_1],
+            *[(k, v, v >= 0, f">= 0 (0 = {zero})") for k, v, zero in at_least_0]]
+
+
+def mismatch_sources(cfg: Config) -> list[str]:
+    """The rollout/trainer mismatch options set away from their defaults (docs/mismatch.md)."""
+    return [k for k, on in [("top_k", cfg.top_k > 0), ("logprobs_mode", cfg.logprobs_mode != "raw"),
+                            ("engine_dtype", cfg.engine_dtype != "auto"), ("engine_lag", cfg.engine_lag > 0),
+                            ("train_temperature", cfg.train_temperature > 0)] if on]
+
+
+def check_mismatch_sources(cfg: Config, world: int):
+    """The mismatch options live in the built-in engine's single-turn rollout, one process, mode=sync."""
+    on = mismatch_sources(cfg)
+    if on and (cfg.engine != "builtin" or cfg.env.name or cfg.mode != "sync" or world > 1 or cfg.lora.r):
+        raise UserError(f"{', '.join(on)} (the mismatch lab's options) need engine=builtin, single-turn rollouts "
+                        "(no env.name), mode=sync, one process and no LoRA")
+
+
+def check_batch_split(cfg: Config, world: int):
+    """The mini-batch must split the step's batch into equal whole groups, and the micro-batch the mini-batch into
+    equal pieces: a ragged split is exact (microbatch.py weights pieces) but silently changes what is asked for
+    (buffer.minibatches rounds a mini-batch down to whole groups) or runs a small last piece (micro_batch_size=3)."""
+    n, batch = cfg.samples_per_prompt, cfg.prompts_per_step * cfg.samples_per_prompt   # samples per step, all ranks
+    mb, unit = cfg.algo.minibatch_size, cfg.samples_per_prompt * world
+    if mb and (mb % unit or batch % mb):
+        fits = [str(m) for m in range(unit, batch + 1, unit) if batch % m == 0]
+        ranks = f" on each of {world} ranks" if world > 1 else ""
+        raise UserError(f"algo.minibatch_size={mb} must split the batch of {batch} samples (prompts_per_step x "
+                        f"samples_per_prompt) into whole groups of {n}{ranks}: one of {', '.join(fits)}, "
+                        "or 0 (the whole batch)")
+    per_rank = (mb or batch) // world   # one optimizer step's samples on one rank (update.minibatch_size)
+    micro = cfg.micro_batch_size
+    if micro and micro < per_rank and per_rank % micro:
+        fits = [str(d) for d in range(1, per_rank) if per_rank % d == 0]
+        where = " on each rank" if world > 1 else ""
+        raise UserError(f"micro_batch_size={micro} must divide the mini-batch of {per_rank} samples{where}: one of "
+                        f"{', '.join(fits)}, or 0 / >= {per_rank} (one pass)")
+
+
+def check_device(device: str):
+    """device names a device torch knows, and a GPU that is there."""
+    if device in ("auto", "cpu"):
+        return
+    try:
+        d = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"config key 'device' must be auto, cpu, cuda or cuda:N; got {device!r}")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={device} but torch sees no CUDA GPU: use device=auto (a GPU if there is one) or cpu")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise UserError(f"device={device} but torch sees {torch.cuda.device_count()} GPU(s) (cuda:0 .. "
+                        f"cuda:{torch.cuda.device_count() - 1})")
+
+
+def check_partial(cfg: Config):
+    """partial.*: rollout iterations and weight versions exist only in mode=async (async_rl.py)."""
+    p = cfg.partial
+    if p.budget_tokens < 0:
+        raise UserError(f"config key 'partial.budget_tokens' must be >= 0 (0 = off); got {p.budget_tokens}")
+    if p.old_segments not in PARTIAL_OLD:
+        raise UserError(f"config key 'partial.old_segments' must be one of {', '.join(PARTIAL_OLD)}; "
+                        f"got {p.old_segments!r}")
+    if p.budget_tokens and cfg.mode != "async":
+        raise UserError(f"partial.budget_tokens={p.budget_tokens} continues trajectories under newer weights, which "
+                        "only mode=async has: use mode=async (torchrun) or partial.budget_tokens=0")
+
+
+def validate_async(cfg: Config, world: int, algo) -> int:
+    """mode=async: a rollout group and a trainer group out of the torchrun ranks (async_rl.py); -> trainer ranks."""
+    if "RANK" not in os.environ:
+        raise UserError("mode=async puts rollout and training on different ranks: launch with torchrun, e.g. "
+                        "torchrun --nproc_per_node=2 train.py mode=async")
+    if not 1 <= cfg.rollout_ranks < world:
+        raise UserError(f"rollout_ranks={cfg.rollout_ranks} must be in 1..{world - 1}: the world size is {world} "
+                        "and at least one rank must train")
+    if cfg.max_staleness < 0:
+        raise UserError(f"config key 'max_staleness' must be >= 0; got {cfg.max_staleness}")
+    trainers = world - cfg.rollout_ranks
+    unit = math.lcm(cfg.rollout_ranks, trainers)   # every valid prompts_per_step is a multiple of it
+    for what, count in (("rollout_ranks", cfg.rollout_ranks), ("the trainer ranks", trainers)):
+        if cfg.prompts_per_step % count:
+            raise UserError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by {what} ({count}): each "
+                            f"rank takes whole groups, equal shares (world {world}, rollout_ranks={cfg.rollout_ranks})"
+                            f"; valid: a multiple of {unit}, e.g. {', '.join(str(unit * i) for i in (1, 2, 4, 8))}")
+    if cfg.max_staleness > 0 and not algo.behaviour_weight:
+        raise UserError(f"algo '{cfg.algo.name}' cannot weight samples by the behaviour policy's log-probs: "
+                        "with mode=async use max_staleness=0 or another algorithm")
+    if cfg.max_staleness > 0 and cfg.algo.tis == "off":
+        raise UserError("mode=async with max_staleness > 0 trains on older policies' samples: set algo.tis=token "
+                        "(or seq) for the importance weight pi_prox / pi_behav (docs/async.md)")
+    if cfg.offload or cfg.replay.enabled or cfg.env.name or cfg.lora.r:
+        raise UserError("mode=async does not combine with offload=true, replay.enabled=true, env.name (multi-turn) or "
+                        "lora.r > 0 yet")
+    return world - cfg.rollout_ranks
