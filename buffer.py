@@ -146,7 +146,7 @@ _DTYPES = {"input_ids": torch.long, "attention_mask": torch.long, "group_ids": t
 
 def make_buffer(cfg, run_dir: str, resume: bool = False):
     """The loop's buffer: on-policy unless replay.enabled. A fresh run starts a fresh log; a resumed one appends.
-    (config.validate has checked the replay options.)"""
+    (config_checks.validate has checked the replay options.)"""
     rc = cfg.replay
     if not rc.enabled:
         return OnPolicyBuffer()

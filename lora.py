@@ -26,7 +26,7 @@ B starts at zero, so step 0 is the base model exactly. What the rest of the loop
 - Saving: final/ is peft's adapter folder (adapter_config.json + adapter_model.safetensors; PeftModel or
   transformers with peft installed load it over the base); lora.save_merged adds final/merged/, a plain
   transformers folder (vLLM loads it too).
-Simplified: one adapter ("default"); under torchrun only parallel=replicate (config.validate).
+Simplified: one adapter ("default"); under torchrun only parallel=replicate (config_checks.validate).
 """
 import os
 import warnings

@@ -30,7 +30,7 @@ def setup_device(cfg) -> tuple[torch.device, torch.dtype]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]   # config.validate checked it
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]   # config_checks.validate checked it
     return device, dtype
 
 

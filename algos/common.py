@@ -35,13 +35,13 @@ class Algorithm:
     loss_agg: str | None = None
     splittable: Callable = lambda cfg: True   # False: no exact split exists (pairs, mixed reductions)
     # True: the advantage compares samples of one prompt (a group baseline, a pair), so samples_per_prompt=1
-    # gives every sample zero signal; config.validate refuses it
+    # gives every sample zero signal; config_checks.validate refuses it
     needs_groups: bool = False
     # (cfg) -> rollout rounds per step at most: with more than 1 the loop samples fresh prompts until `keep` has
     # left prompts_per_step groups (DAPO's dynamic sampling: train.draw), instead of training on fewer
     max_rounds: Callable = lambda cfg: 1
     # True: the loss weights each token by pi_prox / pi_behav (algo.tis on old_logprobs vs sample_logprobs), so it
-    # can train on samples of an older policy (mode=async, docs/async.md); False: config.validate refuses staleness
+    # can train on samples of an older policy (mode=async, docs/async.md); False: config_checks refuses staleness
     behaviour_weight: bool = True
 
 

@@ -66,7 +66,7 @@ def sample_problems(n: int, digits: int, heldout: bool, heldout_percent: int, rn
 @register("task", "arithmetic")
 def arithmetic_task(cfg: ArithmeticConfig) -> tuple[list[dict], list[dict]]:
     """(train, held_out) lists of {"prompt", "answer"}; the two never share a problem (in either order).
-    config.validate checks the section's ranges."""
+    config_checks.validate checks the section's ranges."""
     # separate streams: the held-out set does not change when n_train changes, and vice versa
     train = sample_problems(cfg.n_train, cfg.digits, False, cfg.heldout_percent, random.Random(f"train-{cfg.seed}"))
     held = sample_problems(cfg.n_eval, cfg.digits, True, cfg.heldout_percent, random.Random(f"eval-{cfg.seed}"))
