@@ -110,7 +110,7 @@ class Clock:
 
 
 class Split(Clock):
-    """Where a multi-turn rollout's time goes, by phase (tools/bench.py's W4 split): lap(name) adds the time since
+    """Where a multi-turn rollout's time goes, by phase (tools/bench_w4.py's W4 split): lap(name) adds the time since
     the last lap to times[name], after a device synchronisation. Off (no syncs, no clock) unless the caller asks."""
     def __init__(self, device, on: bool = False):
         self.on, self.device, self.times = on, device, {}

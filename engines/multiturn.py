@@ -109,11 +109,11 @@ class MultiTurn:
     def __init__(self, model, tok, cfg, fast: bool | None = None, cut_turns: bool = False, engine=None):
         """fast: the GPU fast path (engines/fast_decode.py); None = on CUDA for the models it supports.
         cut_turns: a turn that reaches max_new_tokens without its end-of-turn token ends the turn (the environment
-        answers the text so far) rather than the episode; W4 (tools/bench.py) uses it for fixed work.
+        answers the text so far) rather than the episode; W4 (tools/bench_w4.py) uses it for fixed work.
         engine: train.py's engine; with engine=vllm its turns() writes the turns (engines/vllm.py: VLLMTurns)."""
         self.model, self.tok, self.cfg, self.env = model, tok, cfg, cfg.env
         self.fast, self.cut_turns, self.decoder = fast, cut_turns, None
-        self.split = OFF   # tools/bench.py sets a Split(device, on=True) to time the phases of a rollout
+        self.split = OFF   # tools/bench_w4.py sets a Split(device, on=True) to time the phases of a rollout
         if cfg.engine == "vllm":   # the fast path's loop, with vLLM writing the turns
             if engine is None:
                 raise UserError(f"env.name={cfg.env.name} with engine=vllm needs the vllm engine passed in (engine=)")

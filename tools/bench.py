@@ -22,9 +22,9 @@ Parts, each in its own process (clean peak-memory counters):
   engine  the built-in engine alone on the same batch: fast path (graph + compile) with each attention, with the
           cache kept between calls, and the plain loop;
           sampling log-probs vs teacher-forced ones; a torch.profiler summary of one rollout and one update
-  w4      W4 (not in the default --parts): multi-turn episodes on the fast path against the single-turn rollout of
-          the same length, and the portable multi-turn loop (not with --fast-only); `bash tools/gpu_w4.sh OUT` runs
-          it with the GPU tests of tests/test_multiturn.py
+  w4      W4 (not in the default --parts; tools/bench_w4.py): multi-turn episodes on the fast path against the
+          single-turn rollout of the same length, and the portable multi-turn loop (not with --fast-only);
+          `bash tools/gpu_w4.sh OUT` runs it with the GPU tests of tests/test_multiturn.py
   hf      transformers `generate`, default (dynamic) cache and cache_implementation="static"
   trl     TRL's GRPOTrainer with W1's peer settings (docs/benchmarks.md), when trl is importable; --trl-ckpt also
           runs it with gradient checkpointing
@@ -42,26 +42,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root: tools/ import the project
 import torch
 
+from bench_w4 import part_w4, w4_table
+from bench_workload import SHAPES, W, build_model, cuda_info, load, prompt_texts, sync, timed
 from registry import register
 
-SHAPES = {  # Qwen2.5-0.5B, and a toy version for the CPU smoke run
-    "w1": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-               num_attention_heads=14, num_key_value_heads=2, prompts=16, samples=8, prompt_len=64, new=256),
-    "w6": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-               num_attention_heads=28, num_key_value_heads=4, prompts=8, samples=8, prompt_len=64, new=256, tied=False),
-    "small": dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1, prompts=4, samples=2, prompt_len=8, new=8),
-}
-W = dict(SHAPES["w1"])      # the shape in use; set from --small before anything reads it
 GOALS = {"w1": 0.15, "w6": 0.25}   # ours / TRL step time (docs/benchmarks.md)
-
-
-def prompt_texts(n: int, seed: int = 0) -> list[str]:
-    """n prompts of W['prompt_len'] random digits: one token per digit under the bench tokenizer (transformers
-    loads it as a Qwen2 tokenizer, whose pre-tokenizer splits digits one by one, so its encoding is certain)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 10, (n, W["prompt_len"]), generator=g)        # no '0': see build_model
-    return ["".join(str(i) for i in row.tolist()) for row in ids]
 
 
 def random_prompts(_cfg):
@@ -76,66 +61,9 @@ def cheap_reward(prompt: str, completion: str, **_) -> float:
 
 # Registered by the module 'bench' only (see the bottom): reward workers import a reward by its module's name,
 # and a worker cannot import '__main__' (every reward failed to start while the script registered them itself).
-class BenchEcho:
-    """W4's environment: answers every turn with `obs` digits (one token each under the bench tokenizer) and never
-    ends an episode itself (env.max_turns does), so the work is fixed."""
-
-    def __init__(self, obs: int = 16):
-        self.obs = obs
-
-    def reset(self, fields: dict) -> str:
-        return fields["prompt"]
-
-    def step(self, action: str):
-        return "".join(str(1 + i % 9) for i in range(self.obs)), 0.0, False, {}
-
-
 if __name__ != "__main__":
     register("task", "bench_random")(random_prompts)
     register("reward", "bench_cheap")(cheap_reward)
-    register("env", "bench_echo")(BenchEcho)   # the environment workers import it from the module 'bench' too
-
-
-def build_model(path: str, dtype: torch.dtype):
-    """A random Qwen2 at W's shape + a tokenizer with ids 0-9 = the digits, every other id a word 't<i>' (so any
-    sampled id decodes), and <eos> = vocab_size: outside the model's vocabulary, so it is never sampled."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-    V = W["vocab_size"]
-    vocab = {**{str(i): i for i in range(10)}, **{f"t{i}": i for i in range(10, V)}, "<eos>": V}
-    t = Tokenizer(models.WordLevel(vocab, unk_token="0"))
-    t.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok = PreTrainedTokenizerFast(tokenizer_object=t, pad_token="0", eos_token="<eos>")
-    torch.manual_seed(0)
-    shape = {k: W[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads", "num_key_value_heads")}
-    # pad_token_id=None: with a pad id the embedding row is zero-initialised, and a sequence that starts with
-    # that token keeps an exactly-zero residual stream through every layer; RMSNorm's Jacobian there is
-    # 1/sqrt(eps) = 1000 per layer, so its gradient overflows to inf/nan in a 24-layer random model (seen on
-    # an H100 with TRL and with this project alike).
-    cfg = Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=W.get("tied", True), eos_token_id=V,
-                      pad_token_id=None, bos_token_id=None)
-    # built on the GPU in the target dtype when there is one: a 7B model's float32 init on the CPU takes minutes
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            Qwen2ForCausalLM(cfg).save_pretrained(path)
-    finally:
-        torch.set_default_dtype(default)
-    tok.save_pretrained(path)
-
-
-def cuda_info() -> dict:
-    if not torch.cuda.is_available():
-        return {"device": "cpu"}
-    return {"device": torch.cuda.get_device_name(), "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 # --- parts -------------------------------------------------------------------------------------------
@@ -180,24 +108,6 @@ def part_ours(a) -> dict:
             "split_s": {k: statistics.median(r[k] for r in rows) for k in keys},
             "logprob_mismatch_max": [r["logprob_mismatch/max"] for r in rows], "nproc": int(a.gpus),
             "stage_peaks_gib": stages, **mem}
-
-
-def load(a):
-    from models import load_model
-    return load_model(a.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"),
-                      torch.bfloat16 if torch.cuda.is_available() else torch.float32)
-
-
-def timed(fn, repeats: int) -> tuple[float, list[float], object]:
-    """First call (warm-up: compile, capture) time, then the times of `repeats` more calls; last result."""
-    out, times = None, []
-    for _ in range(repeats + 1):
-        sync()
-        t0 = time.perf_counter()
-        out = fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return times[0], times[1:], out
 
 
 def part_engine(a) -> dict:
@@ -331,106 +241,6 @@ def part_trl(a) -> dict:
                 k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
                                               "num_generations", "beta", "bf16", "max_completion_length",
                                               "gradient_checkpointing", "loss_type")}, **cuda_info()}
-
-
-def part_w4(a) -> dict:
-    """W4: W1's 128 sequences as episodes of 4 turns of W['new'] / 4 tokens with 16-token observations between
-    (engines/multiturn.py, cut_turns: the turns end at max_new_tokens), against W1's single-turn rollout of the
-    same W['new'] tokens, in tokens/s of model-written tokens; the portable loop for reference."""
-    from config import Config
-    from engines.base import SamplingParams
-    from engines.builtin import BuiltinEngine
-    from engines.fast_decode import FastDecoder
-    from engines.multiturn import MultiTurn
-    from models import completion_logprobs, encode_prompts
-    model, tok = load(a)
-    gpu, turns = torch.cuda.is_available(), 4
-    cfg = Config()
-    cfg.max_new_tokens, obs = W["new"] // turns, 2 if a.small else 16
-    cfg.env.name, cfg.env.args, cfg.env.max_turns = "bench_echo", f"obs={obs}", turns
-    cfg.env.max_tokens, cfg.env.workers, cfg.env.memory_mb = W["new"] + turns * obs, 2, 0   # workers import torch
-    texts = prompt_texts(128)[:W["prompts"]]
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
-    variants = [("multi-turn: fast path" + (" (graph + compile)" if gpu else " (eager, CPU)"), True),
-                ("single-turn W1 rollout: fast path" + (" (graph + compile)" if gpu else " (eager, CPU)"), None),
-                ("multi-turn: portable loop", False)]
-    res = {}
-    for name, fast in variants[:2] if a.fast_only else variants:
-        env_s = []
-        if fast is None:
-            engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, fast=True)
-            engine.decoder = FastDecoder(model, use_graph=gpu)
-            fn = lambda: engine.generate(encode_prompts(tok, texts), W["samples"], SamplingParams(1.0, 1.0, W["new"]), gen)
-        else:
-            mt = MultiTurn(model, tok, cfg, fast=fast, cut_turns=True)
-            mt.decoder = FastDecoder(model, use_graph=gpu) if fast else None
-            run = mt.pool.run
-
-            def timed_run(jobs, run=run):   # the environments' share of a rollout
-                t0 = time.perf_counter()
-                out = run(jobs)
-                env_s[-1] += time.perf_counter() - t0
-                return out
-            mt.pool.run = timed_run
-            fn = lambda: env_s.append(0.0) or mt.generate([], [{"prompt": t} for t in texts], W["samples"],
-                                                           SamplingParams(1.0, 1.0, W["new"]), gen)
-        first, times, r = timed(fn, a.repeats if fast is not False else 1)
-        split = w4_split(mt, fn, model) if fast else None   # after the timed calls: its syncs cost a little
-        if fast is not None:
-            mt.close()
-        C, written = r.completion_mask.shape[1], float(r.completion_mask.sum())
-        with torch.no_grad():   # sampling log-probs vs the trainer's teacher-forced ones (bf16 on GPU)
-            logp, _ = completion_logprobs(model, r.input_ids.to(model.device), r.attention_mask.to(model.device), C)
-        diff = (logp.float().cpu() - r.logprobs).abs() * r.completion_mask
-        res[name] = {"first_s": first, "times_s": times, "median_s": statistics.median(times),
-                     "model_tokens": written, "model_tokens_per_s": written / statistics.median(times),
-                     "sequence_len": C, "env_s_per_call": statistics.median(env_s[1:]) if env_s else None,   # after the warm-up
-                     "turns": statistics.mean(r.info["turns"]) if fast is not None else 1, "split_s": split,
-                     "logprob_diff_mean": float(diff.sum() / r.completion_mask.sum()), "logprob_diff_max": float(diff.max())}
-    return {"w4": res, **cuda_info()}
-
-
-def w4_split(mt, fn, model) -> dict:
-    """Per-phase seconds of one more multi-turn rollout (a device sync at each phase's end; medians of 3), and with
-    W4_PROFILE=1 a torch.profiler table of one rollout in $W4_PROFILE_OUT (default ./w4_profile.txt)."""
-    from engines.fast_decode import OFF, Split
-    runs = []
-    for _ in range(3):
-        mt.split = Split(next(model.parameters()).device, on=True)
-        fn()
-        runs.append(mt.split.times)
-    mt.split = OFF
-    if os.environ.get("W4_PROFILE") == "1" and torch.cuda.is_available():
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            fn()
-            sync()
-        with open(os.environ.get("W4_PROFILE_OUT", "w4_profile.txt"), "w") as f:
-            for key in ("self_cuda_time_total", "self_cpu_time_total"):
-                f.write(prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
-    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in sorted({k for r in runs for k in r})}
-
-
-def w4_table(results: dict) -> list[str]:
-    """W4's rows and its ratio (docs/benchmarks.md: goal >= 0.7)."""
-    res = results.get("w4", {}).get("w4", {})
-    if not res:
-        return []
-    lines = ["", f"| W4: {W['prompts'] * W['samples']} sequences, {W['new']} model tokens each | median | first call | "
-                 "model tokens/s | turns | env steps / call | logprob diff mean / max |", "|---|---|---|---|---|---|---|"]
-    for name, r in res.items():
-        env = f"{r['env_s_per_call']:.3f} s" if r["env_s_per_call"] is not None else ""
-        lines.append(f"| {name} | {r['median_s']:.3f} s | {r['first_s']:.1f} s | {r['model_tokens_per_s']:,.0f} | "
-                     f"{r['turns']:.1f} | {env} | {r['logprob_diff_mean']:.4f} / {r['logprob_diff_max']:.3f} |")
-    for name, r in res.items():
-        if r.get("split_s"):
-            lines += ["", f"split of one {name} rollout (s, synchronised per phase, median of 3): " + ", ".join(
-                f"{k} {v:.4f}" for k, v in r["split_s"].items()) + f"; sum {sum(r['split_s'].values()):.3f}"]
-    multi, single = (next((r for k, r in res.items() if k.startswith(p)), None) for p in ("multi-turn: fast", "single"))
-    if multi and single:
-        lines += ["", f"W4 ratio, multi-turn / single-turn model tokens/s: **{multi['model_tokens_per_s'] / single['model_tokens_per_s']:.3f}** "
-                      f"(goal >= 0.7; device {results['w4'].get('device', '?')})"]
-    return lines
 
 
 PARTS = {"ours": part_ours, "w4": part_w4, "engine": part_engine, "hf": part_hf, "trl": part_trl, "trl-ckpt": part_trl}
