@@ -25,7 +25,8 @@ from conftest import step_rows
 import checkpoint
 import registry
 from algos.common import clipped_policy_loss
-from async_rl import Clock, advance, merge, segments
+from async_link import Clock, segments
+from async_rl import advance, merge
 from buffer import Experience
 from config import Config, UserError, fill_defaults
 from config_checks import validate
@@ -191,7 +192,7 @@ def test_a_dead_trainer_rank_is_named(monkeypatch):
     (the copies' group has the async_timeout_s timeout), as a dead rollout rank's is."""
     import torch.distributed as dist
 
-    from async_rl import Link
+    from async_link import Link
     link = Link.__new__(Link)
     link.cfg, link.T, link.K, link.trainer_objs = Config(), 2, 1, None
 
@@ -215,7 +216,8 @@ def test_a_dead_rollout_rank_stops_every_trainer_at_one_point(monkeypatch):
     SIGTERM ends the exchanges after the whole step being received, not inside it."""
     import torch.distributed as dist
 
-    from async_rl import Link, RolloutDied, Trainer
+    from async_link import Link, RolloutDied
+    from async_rl import Trainer
 
     def dead(*a, **k):
         raise RuntimeError("Connection closed by peer")

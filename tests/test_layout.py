@@ -10,7 +10,7 @@ LAYERS = [
     ["registry"],
     ["config", "config_checks"],
     ["buffer", "kernels", "algos", "microbatch"],
-    ["distributed", "models", "lora", "memory", "offload", "critic", "profiling", "checkpoint"],
+    ["distributed", "models", "lora", "memory", "offload", "critic", "profiling", "checkpoint", "async_link"],
     ["engines", "tasks", "rewards", "envs"],
     ["update", "scoring", "run_dir", "async_rl"],
     ["train", "train_dpo", "tools"],
