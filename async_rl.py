@@ -5,7 +5,7 @@
     torchrun --nproc_per_node=2 train.py mode=async max_staleness=0                 # the one-process run, exactly
     torchrun --nproc_per_node=3 train.py mode=async algo.tis=token                  # ranks 0, 1 train (FSDP2), 2 samples
 
-train.py's main hands over to `main` here after config.validate; the trainer runs train.py's own phases (setup,
+train.py's main hands over to `main` here after config_checks.validate; the trainer runs train.py's own phases (setup,
 extra_logprobs, experience, add_to_buffer, update, finish), passed in as `phases` so that this file does not
 import train.py (no import cycle). docs/async.md has the layout, the staleness rule and the correction.
 
@@ -65,7 +65,7 @@ INFLIGHT = "inflight.safetensors"
 
 
 def main(cfg, resume_from: str | None, phases) -> dict:
-    """Split the ranks (config.validate has checked the counts) and run this rank's part."""
+    """Split the ranks (config_checks.validate has checked the counts) and run this rank's part."""
     rank, world = distributed.rank(), distributed.world()
     link = Link(cfg, world)
     if rank < link.T:
