@@ -30,12 +30,10 @@ RECOMPUTE = 22.0      # with recompute: the one layer being re-run and its gradi
 LOGPROB_FWD = 5       # no-grad log-prob forward over the whole batch: ~5 live (B, T, I) tensors (gate, up, act, ...)
 DECODE_WORK = 0.9 * GiB   # rollout: prefill activations, compiled step and graph pools, LoRA merge temporaries
 # the order of settings (not their memory): a pass of few tokens is host-bound, so many small passes without
-# recompute can be slower than a few large ones with it (W1, by this estimate: 32 passes of 4 ~2.1 s, 4 of 32 with
-# recompute ~0.34 s; measured 0.36 s)
-# s per decoder layer per pass to issue its kernels. compiled: W1's 67 ms for 24 layers; eager: not measured alone,
-# W1's 108 ms with transformers' checkpoint wrapper re-running compiled layers from Python stands in for it
-HOST_PER_LAYER = {"compiled": 2.8e-3, "eager": 4.5e-3}
-FLOP_RATE = 350e12        # FLOP/s the update's matmuls reach (W1: 8 N T = 29 TFLOP per pass of 32 x 320 in 84 ms)
+# recompute can be slower than a few large ones with it. Both constants are calibrated on W1 (docs/memory.md's
+# table of constants says from which measurements)
+HOST_PER_LAYER = {"compiled": 2.8e-3, "eager": 4.5e-3}   # s per decoder layer per pass to issue its kernels
+FLOP_RATE = 350e12        # FLOP/s the update's matmuls reach
 
 
 @dataclass
