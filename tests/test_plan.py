@@ -1,4 +1,4 @@
-"""tools/plan.py's placement model on round numbers: R=0.4 (F=0.5), U+L=0.4, A=0.02, W=0.01 (the model: its docstring)."""
+"""tools/plan.py's placement model on round numbers: R=0.4 (F=0.5), U+L=0.4, A=0.02, W=0.01 (model: its docstring)."""
 import os
 import sys
 

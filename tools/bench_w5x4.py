@@ -203,7 +203,7 @@ def main():
     if steps < 1 or timeout <= 0 or budget <= 0:
         sys.exit("error: --steps, --timeout and --budget must be positive")
     os.makedirs(a.out, exist_ok=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))   # run_one then ends the running tree
+    signal.signal(signal.SIGTERM, on_term)   # run_one then ends the running tree
     started = time.perf_counter()
     import torch
     if not a.cpu and torch.cuda.device_count() < max(p.nproc for p in chosen):
@@ -216,44 +216,65 @@ def main():
            "NVSHMEM_DISABLE_NVLS": "1"}
     if a.cpu:
         env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    variant = "32:ckpt" if a.cpu else "32:ckpt:compile"   # inductor on a 2-core CPU would take minutes
-    results = {}
+    results, stopped = {}, None
     with tempfile.TemporaryDirectory() as tmp:   # the runs' folders hold final/ (the full weights): not for OUT
         model = os.path.join(tmp, "model")
         build_model(model, torch.float32 if a.cpu else torch.bfloat16)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         for i, p in enumerate(chosen):
-            left = budget - (time.perf_counter() - started)
             prompts = prompts_for(p, W["prompts"])
             res = results[p.name] = {"placement": p.__dict__, "prompts": prompts,
                                      "samples": prompts * W["samples"], "set": settings(p, prompts, a.cpu)}
-            if left < 30:
-                res["error"] = f"skipped: {budget:.0f} s budget spent"
-                print(f"{p.name}: {res['error']}", flush=True)
-                continue
-            out = os.path.join(a.out, p.name)
-            os.makedirs(out, exist_ok=True)
-            v = variant + (":rep" if p.parallel == "replicate" else "")
-            launcher = [sys.executable] if p.nproc == 1 else \
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.nproc}"]
-            cmd = [*launcher, os.path.join(TOOLS, "bench.py"), "--part", "ours", "--model", model,
-                   "--tmp", os.path.join(tmp, p.name), "--out", out, "--gpus", str(p.nproc), "--steps", str(steps),
-                   "--micro", v.split(":")[0], "--variant", v, "--set", res["set"]] + (["--small"] if a.cpu else [])
-            # after the first run inductor's cache is warm: its compile-worker pool would only slow the first
-            # steps (docs/speed.md)
-            run_env = {**env, "TORCHINDUCTOR_COMPILE_THREADS": "1"} if i and not a.cpu else env
-            t0 = time.perf_counter()
-            err = run_one(cmd, run_env, os.path.join(out, "run.log"), min(timeout, left))
-            res["wall_s"] = time.perf_counter() - t0
-            collect(res, out, os.path.join(tmp, p.name), err)
-            print(f"{p.name}: {res.get('error') or 'done'} ({res['wall_s']:.0f} s)", flush=True)
+            left = budget - (time.perf_counter() - started)
+            if stopped or left < 30:
+                res["error"] = f"skipped: {stopped or f'{budget:.0f} s budget spent'}"
+            else:
+                # after the first run inductor's cache is warm: its compile-worker pool would only slow the
+                # first steps (docs/speed.md)
+                run_env = {**env, "TORCHINDUCTOR_COMPILE_THREADS": "1"} if i and not a.cpu else env
+                try:
+                    run_placement(p, res, a, model, tmp, steps, run_env, min(timeout, left))
+                except Stopped as e:   # the table of what ran still prints
+                    stopped = res["error"] = str(e)
+            took = f" ({res['wall_s']:.0f} s)" if "wall_s" in res else ""
+            print(f"{p.name}: {res.get('error') or 'done'}{took}", flush=True)
     text = report(results, device, steps, a.cpu)
     with open(os.path.join(a.out, "w5x4.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(a.out, "w5x4.md"), "w") as f:
         f.write(text)
     print(text)
+    if stopped:
+        sys.exit(stopped)
+
+
+class Stopped(Exception):
+    """SIGTERM reached this script: the running placement's tree ends (run_one), the rest are skipped."""
+
+
+def on_term(*_):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a second one must not cut the tree's clean-up short
+    raise Stopped("stopped by SIGTERM")
+
+
+def run_placement(p: Placement, res: dict, a, model: str, tmp: str, steps: int, env: dict, timeout: float):
+    """One placement: tools/bench.py's ours part, under torchrun above one process; its log, metrics and
+    result (or error) into OUT/<name>/ and res."""
+    out = os.path.join(a.out, p.name)
+    os.makedirs(out, exist_ok=True)
+    v = ("32:ckpt" if a.cpu else "32:ckpt:compile") + (":rep" if p.parallel == "replicate" else "")   # no inductor
+    launcher = [sys.executable] if p.nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.nproc}"]
+    cmd = [*launcher, os.path.join(TOOLS, "bench.py"), "--part", "ours", "--model", model,
+           "--tmp", os.path.join(tmp, p.name), "--out", out, "--gpus", str(p.nproc), "--steps", str(steps),
+           "--micro", v.split(":")[0], "--variant", v, "--set", res["set"]] + (["--small"] if a.cpu else [])
+    t0 = time.perf_counter()
+    try:
+        err = run_one(cmd, env, os.path.join(out, "run.log"), timeout)
+    finally:
+        res["wall_s"] = time.perf_counter() - t0
+    collect(res, out, os.path.join(tmp, p.name), err)
 
 
 def collect(res: dict, out: str, run_tmp: str, err: str | None):

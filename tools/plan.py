@@ -83,8 +83,8 @@ def main():
         if r["async"] is None:
             print(f"| {N} | {r['sync']:.3f} s | - | - | 1.00x |")
             continue
-        print(f"| {N} | {r['sync']:.3f} s ({s * one / r['sync']:.2f}x) | {r['async']:.3f} s ({r['K']} + {N - r['K']}) | "
-              f"{r['async0']:.3f} s | {s * one / r['async']:.2f}x |")
+        print(f"| {N} | {r['sync']:.3f} s ({s * one / r['sync']:.2f}x) | {r['async']:.3f} s ({r['K']} + "
+              f"{N - r['K']}) | {r['async0']:.3f} s | {s * one / r['async']:.2f}x |")
 
 
 if __name__ == "__main__":
