@@ -1,6 +1,6 @@
 """tools/bench_w5x4.py (W5 on 4 GPUs) without launching a run: the prompts each placement can split, the timeout
 that must leave no process behind, the error line, and the table against hand-computed figures.
-The CPU dry run itself (`python tools/bench_w5x4.py OUT --cpu`) takes ~75 s per 4-process placement on 2 cores,
+The CPU dry run itself (`python tools/bench_w5x4.py OUT --cpu`) takes 75-140 s per 4-process placement on 2 cores,
 too slow for CI: docs/benchmarks.md ("W5 on 4 GPUs") has its command."""
 import os
 import signal
