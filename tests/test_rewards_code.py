@@ -78,9 +78,9 @@ def test_an_honest_program_may_end_with_sys_exit_and_print():
     # SystemExit ends the program's step, not the case: the asserts still run, and its prints stay its own
     prog = "def solve():\n    return 42\nprint('ready')\nimport sys\nsys.exit(0)"
     score, failures = evaluate(prog, asserts=["assert solve() == 42", "assert solve() == 41"], limits=LIM)
-    assert score == 0.5 and "AssertionError" in failures[0][1]
-    r = run("print('out')", limits=LIM, test="print('from the test')")
-    assert r.status == "ok" and r.stdout == "out\nfrom the test\n"       # the token is not the caller's
+    assert score == 0.5 and failures == [("wrong_answer", "case 1: assertion failed: solve() == 41 (42 == 41 is false)")]
+    r = run("print('out')", limits=LIM, exprs=["print('from the test')"])
+    assert r.status == "ok" and r.stdout == "out\nfrom the test\n" and r.values == [("ok", None)]
 
 
 def test_missing_tests_is_a_named_error():
@@ -231,7 +231,7 @@ print('killed')
 def test_an_early_exit_does_not_pass_asserts(exit_call):
     # before the harness, the asserts were appended to the program, which could leave before reaching them
     reason = hostile(exit_call, "", asserts=["assert solve() == 42"])
-    assert "NameError" in reason or "harness token" in reason or "signal 9" in reason
+    assert "NameError" in reason or "no well-formed result" in reason or "signal 9" in reason
 
 
 def test_the_program_cannot_read_its_source_or_the_tests():
@@ -258,7 +258,7 @@ def solve():
     return int(found[0]) if found else -1
 """
     reason = hostile(code, "", asserts=["assert solve() == 7321987"])
-    assert "AssertionError" in reason
+    assert reason.startswith("case 0: assertion failed: solve() == 7321987 (") and "7321987 is false" in reason
 
 
 def test_host_files_are_out_of_sight():
