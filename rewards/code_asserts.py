@@ -6,7 +6,9 @@
 
 Each statement of a case is `assert E` or an expression `E` (imports are allowed and run before the
 expressions, in every sandbox of the case). E is taken apart down to its operands: `and`, `or`, `not`
-and comparison chains (==, !=, <, <=, >, >=, in, not in, is, is not) are applied here; each operand is
+and comparison chains (==, !=, <, <=, >, >=, in, not in, is, is not) are applied here, and so are
+arithmetic, displays ([a, b], {k: v}), indexing and a few pure builtins on plain data (SAFE_CALLS: so in
+`abs(f(x) - 2.5) < 1e-6` the sandbox sees only `f(x)`); what is left is
   * a literal (`3`, `[1, (2, 'a')]`, `-0.5`, `None`): its value is computed here (ast.literal_eval) and
     never enters a sandbox;
   * an expression that names only builtins and the case's imports (`sorted([3, 1])`, `math.pi`): evaluated
@@ -20,6 +22,7 @@ Statements of other kinds (assignments, loops, `def check(candidate)`) are refus
 """
 import ast
 import builtins
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -28,6 +31,33 @@ COMPARE = {ast.Eq: ("==", operator.eq), ast.NotEq: ("!=", operator.ne), ast.Lt: 
            ast.LtE: ("<=", operator.le), ast.Gt: (">", operator.gt), ast.GtE: (">=", operator.ge),
            ast.In: ("in", lambda a, b: a in b), ast.NotIn: ("not in", lambda a, b: a not in b),
            ast.Is: ("is", operator.is_), ast.IsNot: ("is not", operator.is_not)}
+
+BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+          ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+          ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitOr: operator.or_,
+          ast.BitAnd: operator.and_, ast.BitXor: operator.xor}
+UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert}
+# pure functions of plain data, applied here; `math.` ones only where the case imports math
+SAFE_CALLS = {name: getattr(builtins, name) for name in ("abs", "round", "len", "sorted", "set", "frozenset", "list",
+                                                          "tuple", "sum", "min", "max", "float", "int", "str",
+                                                          "bool", "all", "any", "reversed")}
+SAFE_MATH = {name: getattr(math, name) for name in ("isclose", "fabs", "sqrt", "floor", "ceil", "pi", "inf", "e")}
+BIG = 10**6     # a repeat count, shift or exponent past this is refused rather than computed in the worker
+
+
+def _apply(fn, args: list, kwargs: dict):
+    """fn(*args, **kwargs) on plain data, refusing the few operations that could cost the worker minutes."""
+    ints = [a for a in args if isinstance(a, int)]
+    if fn in (operator.mul, operator.lshift, operator.pow) and any(abs(a) > BIG for a in ints) and \
+            (fn is not operator.mul or any(isinstance(a, (str, bytes, list, tuple)) for a in args)):
+        raise Failed(f"{getattr(fn, '__name__', fn)} on an operand past {BIG}: refused")
+    if fn is operator.pow and all(isinstance(a, int) for a in args) and abs(args[1]) > 10000 and abs(args[0]) > 1:
+        raise Failed("an integer power past 10000: refused")
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001  TypeError, ZeroDivisionError, ... on plain data
+        raise Failed(f"{type(e).__name__}: {e}")
+    return list(out) if fn is reversed else out
 
 
 class Failed(Exception):
@@ -67,15 +97,48 @@ class Plan:
         if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.Not):
             return ("not", self._node(e.operand))
         if isinstance(e, ast.Compare) and all(type(op) in COMPARE for op in e.ops):
-            return ("cmp", [self._leaf(x) for x in [e.left, *e.comparators]], [type(op) for op in e.ops])
-        return self._leaf(e)
+            return ("cmp", [self._operand(x) for x in [e.left, *e.comparators]], [type(op) for op in e.ops])
+        return self._operand(e)
 
-    def _leaf(self, e: ast.expr):
+    def _operand(self, e: ast.expr):
+        """Literals and the structure around the calls stay here; the rest becomes a sandbox expression."""
         src = ast.unparse(e)
         try:
             return ("lit", ast.literal_eval(e), src)
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             pass
+        parts = self._parts(e)
+        if parts is not None:
+            fn, args, kwargs = parts
+            return ("apply", fn, [self._operand(a) for a in args], {k: self._operand(v) for k, v in kwargs.items()}, src)
+        return self._leaf(e, src)
+
+    def _parts(self, e: ast.expr):
+        """-> (function, [arg nodes], {keyword: node}) when `e` is computed here from its parts, else None."""
+        if isinstance(e, ast.BinOp) and type(e.op) in BINOPS:
+            return BINOPS[type(e.op)], [e.left, e.right], {}
+        if isinstance(e, ast.UnaryOp) and type(e.op) in UNARY:
+            return UNARY[type(e.op)], [e.operand], {}
+        if isinstance(e, (ast.List, ast.Tuple, ast.Set)) and not any(isinstance(x, ast.Starred) for x in e.elts):
+            make = {ast.List: lambda *xs: list(xs), ast.Tuple: lambda *xs: xs, ast.Set: lambda *xs: set(xs)}[type(e)]
+            return make, e.elts, {}
+        if isinstance(e, ast.Dict) and None not in e.keys:
+            return (lambda *kv: dict(zip(kv[::2], kv[1::2]))), [x for kv in zip(e.keys, e.values) for x in kv], {}
+        if isinstance(e, ast.Subscript) and not isinstance(e.slice, ast.Slice):
+            return operator.getitem, [e.value, e.slice], {}
+        if isinstance(e, ast.Call) and not any(isinstance(a, ast.Starred) for a in e.args) and \
+                all(k.arg for k in e.keywords):
+            fn = None
+            if isinstance(e.func, ast.Name) and e.func.id in SAFE_CALLS:
+                fn = SAFE_CALLS[e.func.id]
+            elif (isinstance(e.func, ast.Attribute) and isinstance(e.func.value, ast.Name)
+                  and e.func.value.id == "math" and "math" in self.imported and e.func.attr in SAFE_MATH):
+                fn = SAFE_MATH[e.func.attr]
+            if fn is not None:
+                return fn, e.args, {k.arg: k.value for k in e.keywords}
+        return None
+
+    def _leaf(self, e: ast.expr, src: str):
         names = {n.id for n in ast.walk(e) if isinstance(n, ast.Name)}
         where = "free" if names <= BUILTIN_NAMES | self.imported else "program"
         exprs = self.free_exprs if where == "free" else self.program_exprs
@@ -92,6 +155,8 @@ class Plan:
             if status != "ok":
                 raise Failed(f"{node[2]} raised {value}")
             return value
+        if kind == "apply":
+            return _apply(node[1], [self._value(a) for a in node[2]], {k: self._value(v) for k, v in node[3].items()})
         return self._truth(node)
 
     def _truth(self, node) -> bool:

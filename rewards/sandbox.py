@@ -220,13 +220,15 @@ def _classify(rc: int, obs: dict, sizes: dict, stderr: str, launcher_err: str, l
     """-> (status, reason) from what the supervisor observed; the program's last stderr line is quoted after."""
     said = printable((stderr.strip().splitlines() or [""])[-1])
     said = f"; its stderr ends: {said}" if said else ""
-    if rc == -1 or obs.get("wall_timeout"):
+    timed_out = rc == -1 or obs.get("wall_timeout")
+    if obs.get("oom_kills"):    # first: a program past its memory may then also hang
+        return "memory", (f"memory limit {lim.memory_mb} MB exceeded: the kernel killed {obs['oom_kills']} of its "
+                          f"processes (peak {obs.get('memory_peak_mb', 0):g} MB)"
+                          + (f", then the wall time limit {lim.wall_s:g}s" if timed_out else ""))
+    if timed_out:
         return "timeout", f"wall time limit {lim.wall_s:g}s exceeded"
     if rc == SETUP_FAILED and "SETUP:" in launcher_err:
         return "setup_failed", "sandbox setup failed: " + printable(launcher_err.split("SETUP:")[-1].strip())
-    if obs.get("oom_kills"):
-        return "memory", (f"memory limit {lim.memory_mb} MB exceeded: the kernel killed {obs['oom_kills']} of its "
-                          f"processes (peak {obs.get('memory_peak_mb', 0):g} MB)")
     full = [n for n, size in sizes.items() if size >= lim.file_mb << 20]
     if full:
         return "output_limit", f"file/output size limit {lim.file_mb} MB reached by its {' and '.join(full)}"

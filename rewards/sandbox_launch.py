@@ -354,8 +354,9 @@ def _exec_program(spec: dict, libc, check, fds: list[int], evaluates: bool, work
     os.closerange(RESULTS_FD + 1, 1 << 16)
     os.chdir(workdir)
     mb = 1 << 20
-    # with a cgroup, memory_mb bounds the whole sandbox; the address space then only stops one mapping far past it
-    per_process = spec["memory_mb"] * (4 if spec["cgroup"] else 1)
+    # with a cgroup, memory_mb bounds the whole sandbox (and the kernel reports the hit); the address space
+    # then only stops a mapping far past it, so that a program over its memory meets the cgroup first
+    per_process = spec["memory_mb"] + (max(2048, 3 * spec["memory_mb"]) if spec["cgroup"] else 0)
     for lim, val in ((resource.RLIMIT_CPU, (spec["cpu_s"], spec["cpu_s"] + 1)),
                      (resource.RLIMIT_AS, (per_process * mb,) * 2),
                      (resource.RLIMIT_FSIZE, (spec["file_mb"] * mb,) * 2),    # files, memfds, stdout, stderr

@@ -100,7 +100,7 @@ def test_scoring_overlaps_a_forward_pass():
 def test_hostile_code_through_the_pool(tmp_path):
     from rewards.code import code_reward
     tests = {"tests": [{"input": "", "output": "1"}]}
-    with RewardPool([(code_reward, 1.0, {"wall_s": 1.0, "memory_mb": 128}), (length, 0.0)], workers=2, timeout_s=20) as pool:
+    with RewardPool([(code_reward, 1.0, {"wall_s": 1.0, "memory_mb": 48}), (length, 0.0)], workers=2, timeout_s=20) as pool:
         programs = ["print(1)", "while True: pass", "import os\nos.kill(os.getppid(), 9)", "print(2)",
                     "a = []\nwhile True:\n    a.append(bytearray(2**26))", "while True:\n    print('x' * 4096)",
                     "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", "print(1/0)"]
