@@ -140,6 +140,12 @@ def run(code: str, stdin: str = "", limits: Limits | None = None, python: str | 
         except subprocess.TimeoutExpired:
             rc = -1
         finally:
+            if p.poll() is None:   # it hangs, or this worker is stopping: SIGTERM lets it remove its cgroup
+                p.terminate()
+                try:
+                    p.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    pass
             _kill_group(p.pid)     # stragglers, where there is no PID namespace to take them down
             p.wait()
         wall = time.monotonic() - t0

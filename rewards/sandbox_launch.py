@@ -229,11 +229,30 @@ def _report(spec: dict, **observed):
     os.write(spec["fds"]["report"], (json.dumps(observed) + "\n").encode())
 
 
+class Stopped(BaseException):
+    """SIGTERM before the program started: unwind, removing what was built."""
+
+
+def _stop(*_):
+    raise Stopped
+
+
 def launch(spec: dict) -> int:
+    # SIGTERM (the reward worker stopping, or dying: PDEATHSIG) ends the run the clean way: before the
+    # program starts it unwinds, after that it kills the namespace's init; either way the cgroup goes
+    signal.signal(signal.SIGTERM, _stop)
     libc, check = _libc()
-    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "prctl")
     if os.getppid() != spec["parent"]:          # the reward worker died before we armed the signal
         return SETUP_FAILED
+    try:
+        return _launch(spec, libc, check)
+    finally:
+        if spec.get("_cgroup_dirs"):
+            sandbox_limits.cgroup_remove(spec["_cgroup_dirs"])
+
+
+def _launch(spec: dict, libc, check) -> int:
     fds, root = spec["fds"], os.geteuid() == 0
     job = _read_fd(fds["job"])
     os.close(fds["job"])
@@ -241,6 +260,7 @@ def launch(spec: dict) -> int:
     cg = None
     if root:
         cg, why = sandbox_limits.cgroup_create(spec["memory_mb"], spec["max_procs"])
+        spec["_cgroup_dirs"] = cg       # removed by launch() however this ends
         if why:
             notes.append(f"no cgroup: {why}; memory_mb and max_procs hold per process only")
     else:
@@ -267,7 +287,9 @@ def launch(spec: dict) -> int:
     if init:
         return _wait_init(spec, init, cg, notes)
     # ---- init of the new PID namespace (or a plain child without namespaces)
+    spec["_cgroup_dirs"] = None     # the launcher's to remove, not ours
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if cg:
             sandbox_limits.cgroup_join(cg)      # first: everything started from here on is counted
         _init(spec, libc, check, job, uid, isolated, seccomp)
@@ -281,20 +303,20 @@ def _wait_init(spec: dict, init: int, cg: dict | None, notes: list[str]) -> int:
     """Enforce wall time here rather than in the caller: killing the namespace's init makes the kernel kill
     everything inside, and wait4 returns only once all of it is gone, so when this launcher exits nothing
     of the program is left running. Then report what the kernel counted and remove the cgroup."""
-    timed_out = []
+    ended = []
 
-    def expire(*_):
+    def end(signum, _):
         os.kill(init, signal.SIGKILL)
-        timed_out.append(True)
-    signal.signal(signal.SIGALRM, expire)
+        ended.append(signum)
+    signal.signal(signal.SIGALRM, end)
+    signal.signal(signal.SIGTERM, end)
     signal.setitimer(signal.ITIMER_REAL, spec["wall_s"])
     _, status, usage = os.wait4(init, 0)
     signal.setitimer(signal.ITIMER_REAL, 0)
     observed = sandbox_limits.cgroup_report(cg) if cg else {}
-    if cg:
-        sandbox_limits.cgroup_remove(cg)
-    _report(spec, wall_timeout=bool(timed_out), cpu_s=round(usage.ru_utime + usage.ru_stime, 3),
-            cgroup=cg["version"] if cg else "", notes=notes, **observed)
+    _report(spec, wall_timeout=signal.SIGALRM in ended, stopped=signal.SIGTERM in ended,
+            cpu_s=round(usage.ru_utime + usage.ru_stime, 3), cgroup=cg["version"] if cg else "", notes=notes,
+            **observed)
     return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
 

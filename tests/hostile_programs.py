@@ -8,7 +8,12 @@ reason the supervisor observed (a comparison made outside, a kernel counter, an 
 the program printed. `fields` are sample fields sent through the reward pool (a dataset row).
 tests/test_rewards_code.py::test_hostile_corpus runs them all in parallel and checks the host afterwards.
 """
+import glob
+import os
+import tempfile
 from collections import namedtuple
+
+UID_BASE = 2_000_000        # rewards.sandbox_launch.UID_BASE: the sandbox's dedicated uids start here
 
 Case = namedtuple("Case", "name cls program cases allowed fields", defaults=({},))
 SECRET = 7321987                      # the expected value: in the tests, never in a program
@@ -345,3 +350,35 @@ for j in range(0, len(block), 4096):
 print('ok')
 """, STDOUT_OK, {"memory"}, {"memory_mb": 4096}),
 ]
+
+
+# ------------------------------------------------------------------------------ what must not remain
+
+def sandbox_processes() -> list[int]:
+    """Host pids running under a sandbox uid."""
+    return [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _uid(pid) >= UID_BASE]
+
+
+def left_on_host() -> dict:
+    """Whatever a sandbox or a reward worker left behind: processes of a sandbox uid whose launcher is gone,
+    cgroups of dead launchers, worker dirs of dead trainers, System V segments of sandbox uids in the host's
+    namespace. Live ones belong to runs still going (other jobs)."""
+    def dead(pid: str) -> bool:
+        return pid.isdigit() and not os.path.exists(f"/proc/{pid}")
+    left = {"processes": [p for p in sandbox_processes() if dead(str(_uid(p) - UID_BASE))]}
+    left["cgroups"] = [d for d in glob.glob("/sys/fs/cgroup/**/sbx-*", recursive=True) if dead(d.rsplit("sbx-", 1)[1])]
+    tmp = tempfile.gettempdir()
+    left["worker_dirs"] = [d for d in glob.glob(os.path.join(tmp, "reward-worker-*"))
+                           if dead(os.path.basename(d).split("-")[2])]
+    with open("/proc/sysvipc/shm") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    left["shm"] = [r for r in rows if len(r) > 7 and int(r[7]) >= UID_BASE]
+    return {k: v for k, v in left.items() if v}
+
+
+def _uid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+    except (OSError, StopIteration):
+        return 0

@@ -339,41 +339,12 @@ def test_capabilities_report_is_honest():
 
 # ------------------------------------------------------------------ the hostile corpus (issue 31)
 
-def left_on_host() -> dict:
-    """Whatever a sandbox or a reward worker left behind: processes of a sandbox uid whose launcher is gone,
-    cgroups of dead launchers, worker dirs of dead trainers, System V segments of sandbox uids in the host's
-    namespace, run dirs of the old file-based sandbox. Live ones belong to runs still going (other jobs)."""
-    import glob
-    import tempfile
-
-    def dead(pid: str) -> bool:
-        return pid.isdigit() and not os.path.exists(f"/proc/{pid}")
-    left = {"processes": [p for p in sandbox_processes() if dead(str(_uid(p) - UID_BASE))]}
-    left["cgroups"] = [d for d in glob.glob("/sys/fs/cgroup/**/sbx-*", recursive=True) if dead(d.rsplit("sbx-", 1)[1])]
-    tmp = tempfile.gettempdir()
-    left["worker_dirs"] = [d for d in glob.glob(os.path.join(tmp, "reward-worker-*"))
-                           if dead(os.path.basename(d).split("-")[2])]
-    left["sbx_dirs"] = glob.glob(os.path.join(tmp, "sbx-*"))
-    with open("/proc/sysvipc/shm") as f:
-        rows = [line.split() for line in f.readlines()[1:]]
-    left["shm"] = [r for r in rows if len(r) > 7 and int(r[7]) >= UID_BASE]
-    return {k: v for k, v in left.items() if v}
-
-
-def _uid(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
-    except (OSError, StopIteration):
-        return UID_BASE
-
-
 def test_hostile_corpus():
     """Every program of tests/hostile_programs.py scores 0, for a reason the supervisor observed (a printable
     one), and leaves nothing on the host. Cases run two at a time; the data-row ones through the pool."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from hostile_programs import HOSTILE
+    from hostile_programs import HOSTILE, left_on_host
     from rewards.pool import RewardPool
     config = {"wall_s": 2.0, "cpu_s": 2, "memory_mb": 64}
     limits = Limits(**config)
