@@ -379,3 +379,46 @@ def test_hostile_corpus():
     assert "disk limit" in by_name["disk_exhaustion"][0][1]
     assert left_on_host() == {}
     print(f"hostile corpus: {len(HOSTILE)} programs, rewarded 0, left on host 0, {took:.1f} s")
+
+
+# ------------------------------------------------------------- an assert case, split (code_asserts)
+
+def test_expected_values_stay_outside_the_sandbox():
+    from rewards.code_asserts import plan
+    p = plan("import math\nassert abs(f(2) - 2.5) < 1e-6 and math.isclose(g(1), 0.1 + 0.2)\n"
+             "assert h(3) == [0] * 3 and k() is None and not f(0)\nassert f(1) == sorted(my_list)")
+    # the sandbox that ran the program sees the calls, none of 2.5, 0.3, [0, 0, 0] or None
+    assert p.program_exprs == ["f(2)", "g(1)", "h(3)", "k()", "f(0)", "f(1)", "my_list"]
+    assert p.free_exprs == [] and p.setup == ["import math"]
+    ok = [("ok", 2.5), ("ok", 0.30000000000000004), ("ok", [0, 0, 0]), ("ok", None), ("ok", 0), ("ok", [1, 2]), ("ok", [2, 1])]
+    assert p.check(ok, []) == (True, "")
+    wrong = list(ok)
+    wrong[4] = ("ok", 5)                                                     # `not f(0)` fails
+    assert p.check(wrong, [])[0] is False
+    wrong = list(ok)
+    wrong[0] = ("error", "ZeroDivisionError: division by zero")
+    assert "f(2) raised ZeroDivisionError" in p.check(wrong, [])[1]
+    # an expected side that is an expression of its own is computed without the program
+    p = plan("assert f(1) == EXPECTED_TABLE[1]")
+    assert p.program_exprs == ["f(1)", "EXPECTED_TABLE"]     # a name the program may define goes with it
+    p = plan("assert f(1) == frozenset(range(3))")
+    assert p.program_exprs == ["f(1)"] and p.free_exprs == ["range(3)"]
+    assert p.check([("ok", {0, 1, 2})], [("error", "TypeError: range is not plain data")])[0] is False
+
+
+def test_an_assert_case_passes_only_by_its_values():
+    prog = "def add(a, b):\n    return a + b\n"
+    cases = ["assert add(1, 2) == 3", "assert add(1, 2) == 3 and 1 == 2", "assert False", "assert add(2, 2) != 4",
+             "add(1, 1) == 2", "assert add(1, 2) in (3, 4) and add(0, 0) is not None",
+             "import math\nassert math.isclose(add(0.1, 0.2), 0.3)", "assert add('a', 'b') == 'ab'"]
+    score, failures = evaluate(prog, asserts=cases, limits=LIM)
+    assert score == 5 / 8
+    assert [f[1].split(":")[0] for f in failures] == ["case 1", "case 2", "case 3"]
+    assert failures[0] == ("wrong_answer", "case 1: assertion failed: add(1, 2) == 3 and 1 == 2 (1 == 2 is false)")
+
+
+def test_an_assert_entry_of_another_kind_is_a_named_error():
+    with pytest.raises(ValueError, match="only `assert EXPR`, expressions and imports, got a FunctionDef"):
+        evaluate("pass", asserts=["def check(candidate):\n    assert candidate(1) == 2"], limits=LIM)
+    with pytest.raises(ValueError, match="does not parse"):
+        evaluate("pass", asserts=["assert f(1) =="], limits=LIM)
