@@ -415,6 +415,8 @@ def test_an_assert_case_passes_only_by_its_values():
     assert score == 5 / 8
     assert [f[1].split(":")[0] for f in failures] == ["case 1", "case 2", "case 3"]
     assert failures[0] == ("wrong_answer", "case 1: assertion failed: add(1, 2) == 3 and 1 == 2 (1 == 2 is false)")
+    score, failures = evaluate("raise ValueError('at import')", asserts=["assert 1 == 1"], limits=LIM)
+    assert score == 0.0 and "ValueError: at import" in failures[0][1]       # the program runs, even for literals
 
 
 def test_an_assert_entry_of_another_kind_is_a_named_error():
