@@ -424,3 +424,15 @@ def test_an_assert_entry_of_another_kind_is_a_named_error():
         evaluate("pass", asserts=["def check(candidate):\n    assert candidate(1) == 2"], limits=LIM)
     with pytest.raises(ValueError, match="does not parse"):
         evaluate("pass", asserts=["assert f(1) =="], limits=LIM)
+
+
+def test_a_machine_without_usable_cgroups_is_named(monkeypatch, tmp_path):
+    """Where the cgroup cannot be had, the launcher says why (and runs on per-process limits)."""
+    from rewards import sandbox_limits as sl
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "cgroup.subtree_control").write_text("cpu io\n")       # a v2 parent that delegates neither
+    monkeypatch.setattr(sl, "_mounts", lambda: [("cgroup2", str(tmp_path), "/", set())])
+    monkeypatch.setattr(sl, "_own", lambda ctrl: "/job" if ctrl is None else None)
+    assert sl.cgroup_create(64, 16) == (None, f"cgroup v2 at {tmp_path}/job does not delegate memory and pids (it has: cpu io)")
+    monkeypatch.setattr(sl, "_mounts", lambda: [])
+    assert sl.cgroup_create(64, 16) == (None, "no cgroup v1 memory+pids hierarchy and no cgroup v2 mount")
