@@ -443,6 +443,8 @@ def _supervise(child: int) -> int:
 if __name__ == "__main__":
     try:
         rc = launch(json.loads(sys.argv[1]))
+    except Stopped:          # told to stop before the program ran; what was built is removed
+        rc = SETUP_FAILED
     except Exception as e:   # the program never ran: report why, distinguishable from its own failures
         print(f"SETUP: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         rc = SETUP_FAILED
