@@ -5,7 +5,9 @@ harness's token; an expected-value thief returns the value it found (7321987 is 
 hog answers "ok" only once it holds more memory than the limit allows. So reward 0 means containment, not a
 crash. `allowed` is the set of failure categories that count as contained for that program, each one a
 reason the supervisor observed (a comparison made outside, a kernel counter, an exit status), never one
-the program printed. `fields` are sample fields sent through the reward pool (a dataset row).
+the program printed. `fields` are sample fields sent through the reward pool (a dataset row). `needs`
+names the guarantees (keys of rewards.sandbox.capabilities()) that contain it: on a machine without
+one, the case is skipped and the runner says so, as the sandbox itself logs the missing guarantee.
 tests/test_rewards_code.py::test_hostile_corpus runs them all in parallel and checks the host afterwards.
 """
 import glob
@@ -15,7 +17,7 @@ from collections import namedtuple
 
 UID_BASE = 2_000_000        # rewards.sandbox_launch.UID_BASE: the sandbox's dedicated uids start here
 
-Case = namedtuple("Case", "name cls program cases allowed fields", defaults=({},))
+Case = namedtuple("Case", "name cls program cases allowed fields needs", defaults=({}, ()))
 SECRET = 7321987                      # the expected value: in the tests, never in a program
 ASSERTS = {"asserts": ["assert False", f"assert solve() == {SECRET}", f"assert solve() == 42 and 1 == 2"]}
 STDOUT_OK = {"tests": [{"input": "", "output": "ok"}]}
@@ -254,7 +256,7 @@ try:
 except OSError as e:
     print('blocked', e)
 print('ok' if held >= {HOG} else 'blocked')
-""", STDOUT_OK, {"memory", "wrong_answer", "output_limit"}),
+""", STDOUT_OK, {"memory", "wrong_answer", "output_limit"}, needs=("cgroup",)),
     Case("forked_children", "fork", f"""
 import os, time
 r, w = os.pipe()
@@ -277,7 +279,7 @@ while len(got) < 8:
         break
     got += chunk
 print('ok' if len(got) == 8 else f'blocked: {{len(got)}} children got their share')
-""", STDOUT_OK, {"memory", "wrong_answer"}),
+""", STDOUT_OK, {"memory", "wrong_answer"}, needs=("cgroup",)),
     Case("nested_userns_tmpfs", "nested user namespace + tmpfs", f"""
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
@@ -296,7 +298,7 @@ else:
             with open(f'/tmp/work/big/f{{i}}', 'wb') as f:
                 f.write(b'x' * (8 << 20))
         print('ok')
-""", STDOUT_OK, {"memory", "wrong_answer", "output_limit"}),
+""", STDOUT_OK, {"memory", "wrong_answer", "output_limit"}, needs=("no_new_user_namespace",)),
     Case("fork_bomb_pids", "process count", """
 import os, time
 n = 0
@@ -348,7 +350,7 @@ block = bytearray({HOG} << 20)
 for j in range(0, len(block), 4096):
     block[j] = 1
 print('ok')
-""", STDOUT_OK, {"memory"}, {"memory_mb": 4096}),
+""", STDOUT_OK, {"memory"}, {"memory_mb": 4096}, ("cgroup",)),
 ]
 
 

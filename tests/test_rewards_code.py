@@ -348,8 +348,12 @@ def test_hostile_corpus():
     from rewards.pool import RewardPool
     config = {"wall_s": 2.0, "cpu_s": 2, "memory_mb": 64}
     limits = Limits(**config)
-    direct = [c for c in HOSTILE if not c.fields]
-    via_pool = [c for c in HOSTILE if c.fields]
+    missing = {c.name: [n for n in c.needs if not CAPS[n]] for c in HOSTILE}
+    missing = {name: needs for name, needs in missing.items() if needs}
+    if missing:      # the sandbox logs the missing guarantee too; here the cases it would have contained
+        print(f"hostile corpus: skipped for want of {missing}: {CAPS['notes']}")
+    direct = [c for c in HOSTILE if not c.fields and c.name not in missing]
+    via_pool = [c for c in HOSTILE if c.fields and c.name not in missing]
     t0 = time.monotonic()
     with ThreadPoolExecutor(2) as ex:
         got = list(ex.map(lambda c: evaluate(c.program, **c.cases, limits=limits), direct))
@@ -369,16 +373,16 @@ def test_hostile_corpus():
     by_name = {c.name: failures for c, (_, failures) in zip(direct + via_pool, got)}
     assert {cat for cat, _ in by_name["data_row_wall_s"]} == {"timeout"}
     assert "wall time limit 2s" in by_name["data_row_wall_s"][0][1]
-    assert "memory limit 64 MB" in by_name["data_row_memory_mb"][0][1]
     assert not any("MemoryError" in r and c == "memory" for c, r in by_name["printed_memory_error"])
     if CAPS["cgroup"]:
+        assert "memory limit 64 MB" in by_name["data_row_memory_mb"][0][1]
         assert {cat for cat, _ in by_name["forked_children"]} == {"memory"}
     if CAPS["no_new_user_namespace"]:
-        assert "blocked: unshare errno 1" in by_name["nested_userns_tmpfs"][0][1] or \
-            by_name["nested_userns_tmpfs"][0][0] == "wrong_answer"
+        assert by_name["nested_userns_tmpfs"][0][0] == "wrong_answer"       # it printed "blocked: unshare ..."
     assert "disk limit" in by_name["disk_exhaustion"][0][1]
     assert left_on_host() == {}
-    print(f"hostile corpus: {len(HOSTILE)} programs, rewarded 0, left on host 0, {took:.1f} s")
+    ran = len(direct) + len(via_pool)
+    print(f"hostile corpus: {ran} of {len(HOSTILE)} programs, rewarded 0, left on host 0, {took:.1f} s")
 
 
 # ------------------------------------------------------------- an assert case, split (code_asserts)
