@@ -55,6 +55,21 @@ from multiprocessing.connection import Connection, wait
 from rewards.score import CATEGORIES, Score  # noqa: F401  (Score re-exported: rewards return it)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER_PREFIX = "reward-worker-"     # reward-worker-<trainer pid>-XXXX under the temp dir
+
+
+def _sweep_worker_dirs():
+    """Remove the worker dirs of trainers that are gone (a kill -9 of the trainer and its workers at once)."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(WORKER_PREFIX):].partition("-")[0]
+        if name.startswith(WORKER_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
 def write_reasons(path: str, step: int, failed: list[dict], limit: int = 20, **extra) -> int:
     """Append up to `limit` of one step's failures (info["failed"]) to the jsonl file `path`, one line each
     as {"step", "reward", "sample", "category", "reason", **extra}; returns how many. Categories take
@@ -90,14 +105,49 @@ def _parse_spec(spec):
         name, fn = target, registry.get("reward", target)
     else:
         name, fn = target.__name__, target
+    check = getattr(fn, "check_args", None)
+    if check is not None:       # a bad option is a one-line error here, before any worker starts
+        check(dict(kwargs))
     return name, float(weight), fn, dict(kwargs)
 
 
-def serve(fd: int):
-    """Worker loop: receive (sys.path, pickled rewards), then score one job at a time until told to stop."""
+class _Stop(BaseException):
+    """SIGTERM (the trainer died): leave, whatever the reward was doing."""
+
+
+def _stop(*_):
+    raise _Stop
+
+
+def serve(fd: int, parent: int = 0):
+    """Worker loop: receive (sys.path, pickled rewards), then score one job at a time until told to stop.
+    However it leaves (told to, its trainer gone, SIGTERM when the trainer dies), it removes its temp dir."""
     # Ctrl-C belongs to the trainer, which closes the pool; a worker dying on it would only add noise
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn = Connection(fd)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        _die_with_parent(signal.SIGTERM, parent)
+        _serve(Connection(fd))
+    except (_Stop, OSError):    # the trainer is gone
+        pass
+    finally:
+        if os.path.basename(tempfile.gettempdir()).startswith(WORKER_PREFIX):
+            shutil.rmtree(tempfile.gettempdir(), ignore_errors=True)
+
+
+def _die_with_parent(sig: int, parent: int):
+    """SIGTERM when the trainer's thread that started this worker ends (the main thread, or the pool's
+    dispatcher for a replacement): a trainer killed with -9 leaves no worker and no temp dir behind."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)      # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):     # not Linux: a gone trainer still shows as end-of-file
+        pass
+    if parent and os.getppid() != parent:     # the trainer died before the line above
+        raise _Stop
+
+
+def _serve(conn: Connection):
     try:
         path, blob = conn.recv()
         sys.path[:] = path
@@ -115,10 +165,14 @@ def serve(fd: int):
             return
         j, prompt, completion, fields = job
         failures = []
+        config_only = getattr(fns[j], "config_only", ())    # e.g. the code sandbox's limits: config, never data
+        fields = {k: v for k, v in fields.items() if k not in config_only}
         try:
             out = fns[j](prompt, completion, **fields, **kwargs[j])
             value, failures = float(out), list(getattr(out, "failures", ()))
             err = None if math.isfinite(value) else f"non-finite value {value}"
+        except _Stop:
+            raise
         except BaseException as e:      # noqa: BLE001  a reward must never take the worker down quietly
             value, err = 0.0, f"{type(e).__name__}: {e}".splitlines()[0][:300]
         conn.send(("done", value if err is None else 0.0, err, failures))
@@ -127,10 +181,11 @@ def serve(fd: int):
 class _Worker:
     def __init__(self, blob: bytes):
         ours, theirs = socket.socketpair()
-        code = f"import sys; sys.path.insert(0, {REPO!r}); from rewards.pool import serve; serve({theirs.fileno()})"
-        # its own temp dir, removed when the worker goes: a worker killed at its deadline cannot clean up
-        # after itself (the code sandbox's sbx-* dir with the program's output would stay behind)
-        self.tmp = tempfile.mkdtemp(prefix="reward-worker-")
+        code = f"import sys; sys.path.insert(0, {REPO!r}); from rewards.pool import serve; serve({theirs.fileno()}, {os.getpid()})"
+        # its own temp dir for what a reward writes: the worker removes it when it leaves, the pool when it
+        # kills the worker, and a later pool the dirs of trainers that died with their workers (kill -9 of all)
+        _sweep_worker_dirs()
+        self.tmp = tempfile.mkdtemp(prefix=f"{WORKER_PREFIX}{os.getpid()}-")
         self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                      env={**os.environ, "TMPDIR": self.tmp})
         theirs.close()

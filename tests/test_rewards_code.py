@@ -78,9 +78,9 @@ def test_an_honest_program_may_end_with_sys_exit_and_print():
     # SystemExit ends the program's step, not the case: the asserts still run, and its prints stay its own
     prog = "def solve():\n    return 42\nprint('ready')\nimport sys\nsys.exit(0)"
     score, failures = evaluate(prog, asserts=["assert solve() == 42", "assert solve() == 41"], limits=LIM)
-    assert score == 0.5 and "AssertionError" in failures[0][1]
-    r = run("print('out')", limits=LIM, test="print('from the test')")
-    assert r.status == "ok" and r.stdout == "out\nfrom the test\n"       # the token is not the caller's
+    assert score == 0.5 and failures == [("wrong_answer", "case 1: assertion failed: solve() == 41 (42 == 41 is false)")]
+    r = run("print('out')", limits=LIM, exprs=["print('from the test')"])
+    assert r.status == "ok" and r.stdout == "out\nfrom the test\n" and r.values == [("ok", None)]
 
 
 def test_missing_tests_is_a_named_error():
@@ -231,7 +231,7 @@ print('killed')
 def test_an_early_exit_does_not_pass_asserts(exit_call):
     # before the harness, the asserts were appended to the program, which could leave before reaching them
     reason = hostile(exit_call, "", asserts=["assert solve() == 42"])
-    assert "NameError" in reason or "harness token" in reason or "signal 9" in reason
+    assert "NameError" in reason or "no well-formed result" in reason or "signal 9" in reason
 
 
 def test_the_program_cannot_read_its_source_or_the_tests():
@@ -258,7 +258,7 @@ def solve():
     return int(found[0]) if found else -1
 """
     reason = hostile(code, "", asserts=["assert solve() == 7321987"])
-    assert "AssertionError" in reason
+    assert reason.startswith("case 0: assertion failed: solve() == 7321987 (") and "7321987 is false" in reason
 
 
 def test_host_files_are_out_of_sight():
@@ -335,3 +335,108 @@ def test_capabilities_report_is_honest():
     if os.geteuid() == 0:
         assert caps["dedicated_uid"], "running as root, the sandbox must drop to its own uid"
         assert caps["minimal_root"] and caps["ipc_namespace"]
+
+
+# ------------------------------------------------------------------ the hostile corpus (issue 31)
+
+def test_hostile_corpus():
+    """Every program of tests/hostile_programs.py scores 0, for a reason the supervisor observed (a printable
+    one), and leaves nothing on the host. Cases run two at a time; the data-row ones through the pool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hostile_programs import HOSTILE, left_on_host
+    from rewards.pool import RewardPool
+    config = {"wall_s": 2.0, "cpu_s": 2, "memory_mb": 64}
+    limits = Limits(**config)
+    missing = {c.name: [n for n in c.needs if not CAPS[n]] for c in HOSTILE}
+    missing = {name: needs for name, needs in missing.items() if needs}
+    if missing:      # the sandbox logs the missing guarantee too; here the cases it would have contained
+        print(f"hostile corpus: skipped for want of {missing}: {CAPS['notes']}")
+    direct = [c for c in HOSTILE if not c.fields and c.name not in missing]
+    via_pool = [c for c in HOSTILE if c.fields and c.name not in missing]
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(2) as ex:
+        got = list(ex.map(lambda c: evaluate(c.program, **c.cases, limits=limits), direct))
+    with RewardPool([(code_reward, 1.0, config)], workers=2, timeout_s=30) as pool:
+        rewards, info = pool.submit([""] * len(via_pool), [c.program for c in via_pool],
+                                    [{**c.cases, **c.fields} for c in via_pool]).result()
+    for i, c in enumerate(via_pool):
+        got.append((rewards[i].item(), [(f["category"], f["reason"]) for f in info["failed"] if f["sample"] == i]))
+    took = time.monotonic() - t0
+    rewarded = [c.name for c, (score, _) in zip(direct + via_pool, got) if score != 0.0]
+    assert rewarded == [], f"rewarded: {rewarded}"
+    for c, (score, failures) in zip(direct + via_pool, got):
+        cats = {cat for cat, _ in failures}
+        assert failures and cats <= c.allowed, f"{c.name}: {failures}"
+        assert all(r.isprintable() for _, r in failures), f"{c.name}: unprintable reason {failures}"
+    # what each limit class must be stopped by, not merely scored 0 for
+    by_name = {c.name: failures for c, (_, failures) in zip(direct + via_pool, got)}
+    assert {cat for cat, _ in by_name["data_row_wall_s"]} == {"timeout"}
+    assert "wall time limit 2s" in by_name["data_row_wall_s"][0][1]
+    assert not any("MemoryError" in r and c == "memory" for c, r in by_name["printed_memory_error"])
+    if CAPS["cgroup"]:
+        assert "memory limit 64 MB" in by_name["data_row_memory_mb"][0][1]
+        assert {cat for cat, _ in by_name["forked_children"]} == {"memory"}
+    if CAPS["no_new_user_namespace"]:
+        assert by_name["nested_userns_tmpfs"][0][0] == "wrong_answer"       # it printed "blocked: unshare ..."
+    assert "disk limit" in by_name["disk_exhaustion"][0][1]
+    assert left_on_host() == {}
+    ran = len(direct) + len(via_pool)
+    print(f"hostile corpus: {ran} of {len(HOSTILE)} programs, rewarded 0, left on host 0, {took:.1f} s")
+
+
+# ------------------------------------------------------------- an assert case, split (code_asserts)
+
+def test_expected_values_stay_outside_the_sandbox():
+    from rewards.code_asserts import plan
+    p = plan("import math\nassert abs(f(2) - 2.5) < 1e-6 and math.isclose(g(1), 0.1 + 0.2)\n"
+             "assert h(3) == [0] * 3 and k() is None and not f(0)\nassert f(1) == sorted(my_list)")
+    # the sandbox that ran the program sees the calls, none of 2.5, 0.3, [0, 0, 0] or None
+    assert p.program_exprs == ["f(2)", "g(1)", "h(3)", "k()", "f(0)", "f(1)", "my_list"]
+    assert p.free_exprs == [] and p.setup == ["import math"]
+    ok = [("ok", 2.5), ("ok", 0.30000000000000004), ("ok", [0, 0, 0]), ("ok", None), ("ok", 0), ("ok", [1, 2]), ("ok", [2, 1])]
+    assert p.check(ok, []) == (True, "")
+    wrong = list(ok)
+    wrong[4] = ("ok", 5)                                                     # `not f(0)` fails
+    assert p.check(wrong, [])[0] is False
+    wrong = list(ok)
+    wrong[0] = ("error", "ZeroDivisionError: division by zero")
+    assert "f(2) raised ZeroDivisionError" in p.check(wrong, [])[1]
+    # an expected side that is an expression of its own is computed without the program
+    p = plan("assert f(1) == EXPECTED_TABLE[1]")
+    assert p.program_exprs == ["f(1)", "EXPECTED_TABLE"]     # a name the program may define goes with it
+    p = plan("assert f(1) == frozenset(range(3))")
+    assert p.program_exprs == ["f(1)"] and p.free_exprs == ["range(3)"]
+    assert p.check([("ok", {0, 1, 2})], [("error", "TypeError: range is not plain data")])[0] is False
+
+
+def test_an_assert_case_passes_only_by_its_values():
+    prog = "def add(a, b):\n    return a + b\n"
+    cases = ["assert add(1, 2) == 3", "assert add(1, 2) == 3 and 1 == 2", "assert False", "assert add(2, 2) != 4",
+             "add(1, 1) == 2", "assert add(1, 2) in (3, 4) and add(0, 0) is not None",
+             "import math\nassert math.isclose(add(0.1, 0.2), 0.3)", "assert add('a', 'b') == 'ab'"]
+    score, failures = evaluate(prog, asserts=cases, limits=LIM)
+    assert score == 5 / 8
+    assert [f[1].split(":")[0] for f in failures] == ["case 1", "case 2", "case 3"]
+    assert failures[0] == ("wrong_answer", "case 1: assertion failed: add(1, 2) == 3 and 1 == 2 (1 == 2 is false)")
+    score, failures = evaluate("raise ValueError('at import')", asserts=["assert 1 == 1"], limits=LIM)
+    assert score == 0.0 and "ValueError: at import" in failures[0][1]       # the program runs, even for literals
+
+
+def test_an_assert_entry_of_another_kind_is_a_named_error():
+    with pytest.raises(ValueError, match="only `assert EXPR`, expressions and imports, got a FunctionDef"):
+        evaluate("pass", asserts=["def check(candidate):\n    assert candidate(1) == 2"], limits=LIM)
+    with pytest.raises(ValueError, match="does not parse"):
+        evaluate("pass", asserts=["assert f(1) =="], limits=LIM)
+
+
+def test_a_machine_without_usable_cgroups_is_named(monkeypatch, tmp_path):
+    """Where the cgroup cannot be had, the launcher says why (and runs on per-process limits)."""
+    from rewards import sandbox_limits as sl
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "cgroup.subtree_control").write_text("cpu io\n")       # a v2 parent that delegates neither
+    monkeypatch.setattr(sl, "_mounts", lambda: [("cgroup2", str(tmp_path), "/", set())])
+    monkeypatch.setattr(sl, "_own", lambda ctrl: "/job" if ctrl is None else None)
+    assert sl.cgroup_create(64, 16) == (None, f"cgroup v2 at {tmp_path}/job does not delegate memory and pids (it has: cpu io)")
+    monkeypatch.setattr(sl, "_mounts", lambda: [])
+    assert sl.cgroup_create(64, 16) == (None, "no cgroup v1 memory+pids hierarchy and no cgroup v2 mount")

@@ -100,7 +100,7 @@ def test_scoring_overlaps_a_forward_pass():
 def test_hostile_code_through_the_pool(tmp_path):
     from rewards.code import code_reward
     tests = {"tests": [{"input": "", "output": "1"}]}
-    with RewardPool([(code_reward, 1.0, {"wall_s": 1.0}), (length, 0.0)], workers=2, timeout_s=20) as pool:
+    with RewardPool([(code_reward, 1.0, {"wall_s": 1.0, "memory_mb": 48}), (length, 0.0)], workers=2, timeout_s=20) as pool:
         programs = ["print(1)", "while True: pass", "import os\nos.kill(os.getppid(), 9)", "print(2)",
                     "a = []\nwhile True:\n    a.append(bytearray(2**26))", "while True:\n    print('x' * 4096)",
                     "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", "print(1/0)"]
@@ -179,34 +179,73 @@ def test_a_broken_batched_reward_and_repeated_names():
 
 
 def test_a_pool_timeout_takes_the_sandbox_down_with_the_worker():
+    from hostile_programs import left_on_host, sandbox_processes
     from rewards.code import code_reward
-    from test_rewards_code import sandbox_processes
     spec = (code_reward, 1.0, {"wall_s": 60.0})             # the sandbox alone would wait a minute
+    before = set(sandbox_processes())                       # other jobs' sandboxes, if any
     with RewardPool([spec], workers=1, timeout_s=2.0) as pool:
         t0 = time.monotonic()
-        rewards, info = pool.submit([""], ["while True:\n    pass"], [{"tests": [{"input": "", "output": "1"}]}]).result()
+        flood = "print('x' * 2**20)\nwhile True:\n    pass"      # 1 MB of stdout held for the worker
+        rewards, info = pool.submit([""], [flood], [{"tests": [{"input": "", "output": "1"}]}]).result()
         took = time.monotonic() - t0
     assert rewards.tolist() == [0.0] and info["reasons"] == ["code_reward[0]: timeout after 2s"] and took < 6
     assert info["failure_counts"]["code_reward"]["timeout"] == 1
-    deadline = time.monotonic() + 5                       # PR_SET_PDEATHSIG: the launcher dies with the worker
-    while sandbox_processes() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 5      # PR_SET_PDEATHSIG: the launcher ends its sandbox when the worker dies
+    while (set(sandbox_processes()) - before or left_on_host()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert sandbox_processes() == []
+    assert set(sandbox_processes()) - before == set() and left_on_host() == {}
 
 
-def sandbox_dirs() -> set[str]:
+TRAINER = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from rewards.code import code_reward
+from rewards.pool import RewardPool
+pool = RewardPool([(code_reward, 1.0, {{"wall_s": 30}})], workers=2, timeout_s=60)
+pool.wait_ready()
+pool.submit(["", ""], ["import time\\ntime.sleep(30)"] * 2, [{{"tests": [{{"input": "", "output": "x"}}]}}] * 2)
+print("running", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("kill", ["trainer", "trainer_and_workers"])
+def test_a_killed_trainer_leaves_nothing_behind(kill):
+    """kill -9 of a trainer mid-step (its workers each in a sandbox): the workers notice, stop their
+    sandboxes, remove their temp dirs and leave; killed together with it, the next pool sweeps their dirs."""
     import glob
+    import signal
+    import subprocess
     import tempfile
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "**", "sbx-*"), recursive=True))
+    from hostile_programs import left_on_host
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER.format(repo=repo)], stdout=subprocess.PIPE,
+                               start_new_session=True, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "running"
+        time.sleep(1.0)                                  # the two sandboxes are up
+        dirs = glob.glob(os.path.join(tempfile.gettempdir(), f"reward-worker-{trainer.pid}-*"))
+        assert len(dirs) == 2
+        if kill == "trainer":
+            os.kill(trainer.pid, signal.SIGKILL)
+        else:
+            os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        if kill != "trainer":       # nobody was left to clean up: the next pool does
+            RewardPool([(length, 1.0)], workers=1).close()
+        deadline = time.monotonic() + 10
+        while (left_on_host() or any(map(os.path.exists, dirs))) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(os.path.exists, dirs)) and left_on_host() == {}
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait()
 
 
-def test_a_pool_timeout_leaves_no_sandbox_dir_behind():
-    # the worker is SIGKILLed mid-run, so the sandbox's own cleanup (a finally block) never runs
+def test_bad_code_reward_args_are_named_before_any_work():
     from rewards.code import code_reward
-    before = sandbox_dirs()
-    with RewardPool([(code_reward, 1.0, {"wall_s": 60.0})], workers=1, timeout_s=1.5) as pool:
-        flood = "import time\nprint('x' * 2**20)\ntime.sleep(60)"      # 1 MB of stdout in the sbx dir
-        rewards, info = pool.submit([""], [flood], [{"tests": [{"input": "", "output": "1"}]}]).result()
-        assert info["reasons"] == ["code_reward[0]: timeout after 1.5s"]
-        assert sandbox_dirs() - before == set(), "the killed worker's sandbox dir is still there"
-    assert sandbox_dirs() - before == set()
+    with pytest.raises(ValueError, match="unknown argument.*wal_s.*valid: wall_s"):
+        RewardPool([(code_reward, 1.0, {"wal_s": 5})])
+    with pytest.raises(ValueError, match="memory_mb must be a positive number, got -1"):
+        RewardPool([(code_reward, 1.0, {"memory_mb": -1})])
