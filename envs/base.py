@@ -20,7 +20,6 @@ An environment is plain Python and its state must pickle (plain attributes): it 
 one episode (a recorded failure with its reason), never the trainer. Tool calls (envs/tools.py, offered with
 env.tools=...) are handled before `step`: the environment sees only the turns that call no tool.
 """
-import json
 import math
 
 
@@ -45,14 +44,35 @@ def check_reset(obs, max_chars: int) -> str:
 
 
 def check_info(info, max_chars: int) -> bool | None:
-    """info -> its "success" as a bool (None when absent). The whole dict is capped like an observation (its JSON,
-    values that are not plain data by their repr), then stays in the worker: only success reaches the trainer."""
+    """info -> its "success" as a bool (None when absent). The whole dict is capped like an observation, then stays
+    in the worker: only success reaches the trainer."""
     if type(info) is not dict:
         raise EnvError(f"step returned info of type {type(info).__name__}, expected dict")
-    size = len(json.dumps(info, default=repr))
-    if size > max_chars:
-        raise EnvError(f"step returned info of {size} chars as JSON (at most max_obs_chars={max_chars})")
+    if _size(info, max_chars) > max_chars:
+        raise EnvError(f"step returned info of more than max_obs_chars={max_chars} chars")
     return None if "success" not in info else bool(info["success"])
+
+
+def _size(obj, budget: int) -> int:
+    """About the length of obj written as JSON, counted only up to past budget: a huge info costs no more to refuse
+    than the cap (text by its length, containers by their items, anything else as 16 characters)."""
+    stack, total = [obj], 0
+    while stack and total <= budget:
+        x = stack.pop()
+        kind = type(x)
+        if issubclass(kind, (str, bytes)):
+            total += (str.__len__(x) if issubclass(kind, str) else bytes.__len__(x)) + 2
+        elif issubclass(kind, dict):
+            total += 2 + 2 * dict.__len__(x)
+            if total <= budget:
+                stack += [*dict.keys(x), *dict.values(x)]
+        elif issubclass(kind, (list, tuple)):
+            total += 2 + (list.__len__(x) if issubclass(kind, list) else tuple.__len__(x))
+            if total <= budget:
+                stack += list(x)
+        else:
+            total += 16
+    return total
 
 
 def _finite(x) -> bool:

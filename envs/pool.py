@@ -245,6 +245,7 @@ class EnvPool:
             pid_namespace()
         self.workers = [self._start() for _ in range(workers)]
         self.broken, self.restarts, self.recycled, self.spares_started = "", 0, 0, 0   # restarts: killed
+        self.peak_busy = 0   # the most jobs that ran at once
 
     def _start(self) -> _Worker:
         return _Worker(self.spec, self.max_reply, self.timeout_s, self.isolation)
@@ -277,6 +278,7 @@ class EnvPool:
                     self._replace(w)
                     continue
                 w.job, w.started, w.deadline = j, time.monotonic(), time.monotonic() + self.timeout_s
+        self.peak_busy = max(self.peak_busy, sum(w.job is not None for w in self.workers))
 
     def _add_spares(self, queue: deque):
         """Every worker is busy and one has been stuck for stall_s: start spares for the jobs still waiting."""
