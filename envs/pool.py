@@ -114,7 +114,7 @@ def _recv_frame(sock) -> bytes:
 
 
 def serve(fd: int):
-    """Worker loop: receive (sys.path, spec), then one (job id, job) at a time; answer each in JSON."""
+    """Worker loop: receive (sys.path, spec), then chunks of (job id, job); answer each job, in order, in JSON."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C belongs to the trainer, which closes the pool
     sock = socket.socket(fileno=fd)
     try:
@@ -139,12 +139,12 @@ def serve(fd: int):
             return
         if msg is None:
             return
-        job_id, job = msg
-        try:
-            data = encode(["result", job_id, _job(spec, job)])
-        except BaseException as e:  # noqa: BLE001  an environment must never take the worker down quietly
-            data = encode(["result", job_id, ["fail", "error", _reason(e)]])
-        sock.sendall(frame(data))
+        for job_id, job in msg:
+            try:
+                data = encode(["result", job_id, _job(spec, job)])
+            except BaseException as e:  # noqa: BLE001  an environment must never take the worker down quietly
+                data = encode(["result", job_id, ["fail", "error", _reason(e)]])
+            sock.sendall(frame(data))
 
 
 # ------------------------------------------------------------------------------------------ the trainer's side
@@ -206,7 +206,8 @@ class _Worker:
         theirs.close()
         ours.settimeout(send_s)   # a worker that stops reading cannot block the trainer's send
         self.sock, self.reader = ours, FrameReader(ours, max_reply)
-        self.ready, self.job, self.fails = False, None, 0
+        self.ready, self.fails = False, 0
+        self.expect, self.live = deque(), set()   # the ids it will answer, in order; those whose answers count
         self.started, self.deadline = time.monotonic(), time.monotonic() + START_S
         self.send((sys.path, spec))
 
@@ -252,13 +253,13 @@ class EnvPool:
 
     def run(self, jobs: list) -> list:
         results, queue = [None] * len(jobs), deque(range(len(jobs)))
+        self.stalled = False   # a step of this run got stuck: from then on, a job at a time, and spares
         try:
-            while queue or any(w.job is not None for w in self.workers):
+            while queue or any(w.live for w in self.workers):
                 if self.broken:   # workers cannot start: every job left fails with the reason
-                    for w in self.workers:
-                        w.job = None
                     return [r or ("fail", "error", self.broken) for r in results]
                 self._dispatch(jobs, queue)
+                self._reclaim(queue)
                 self._add_spares(queue)
                 self._collect(results, queue)
         finally:
@@ -267,59 +268,74 @@ class EnvPool:
         return results
 
     def _dispatch(self, jobs: list, queue: deque):
-        for w in list(self.workers):
-            if w.ready and w.job is None and queue:
-                j = queue.popleft()
-                try:
-                    w.send((j, jobs[j]))
-                except OSError:   # gone, or not reading (a timeout is an OSError): the job never started
-                    queue.appendleft(j)
-                    self.restarts += 1
-                    self._replace(w)
-                    continue
-                w.job, w.started, w.deadline = j, time.monotonic(), time.monotonic() + self.timeout_s
-        self.peak_busy = max(self.peak_busy, sum(w.job is not None for w in self.workers))
+        """Idle workers take the queue in chunks (one message each way per job would cost more than a cheap step)."""
+        idle = [w for w in self.workers if w.ready and not w.expect]
+        size = 1 if self.stalled else max(1, min(64, -(-len(queue) // max(1, len(idle)))))
+        for w in idle:
+            if not queue:
+                break
+            chunk = [queue.popleft() for _ in range(min(size, len(queue)))]
+            try:
+                w.send([(j, jobs[j]) for j in chunk])
+            except OSError:   # gone, or not reading (a timeout is an OSError): none of its jobs started
+                queue.extendleft(reversed(chunk))
+                self.restarts += 1
+                self._replace(w)
+                continue
+            w.expect, w.live = deque(chunk), set(chunk)
+            w.started, w.deadline = time.monotonic(), time.monotonic() + self.timeout_s
+        self.peak_busy = max(self.peak_busy, sum(bool(w.expect) for w in self.workers))
+
+    def _reclaim(self, queue: deque):
+        """A worker stuck on a step for stall_s gives back the jobs of its chunk it has not started: other workers
+        (spares if need be) run them now. Should it get to them later, their answers are read and dropped (a step is
+        a function of its state and action, so running it twice changes nothing the trainer keeps)."""
+        now = time.monotonic()
+        for w in self.workers:
+            if w.expect and now - w.started > self.stall_s:
+                self.stalled = True
+                back = [j for j in list(w.expect)[1:] if j in w.live]
+                w.live.difference_update(back)
+                queue.extendleft(reversed(back))
 
     def _add_spares(self, queue: deque):
-        """Every worker is busy and one has been stuck for stall_s: start spares for the jobs still waiting."""
-        room = self.n + SPARES - len(self.workers)
-        if not queue or room <= 0 or any(w.job is None for w in self.workers):   # idle or starting: wait for it
-            return
-        if max(time.monotonic() - w.started for w in self.workers) > self.stall_s:
-            for _ in range(min(room, len(queue))):
-                self.workers.append(self._start())
-                self.spares_started += 1
+        """Once a step got stuck: a spare for each waiting job that no idle or starting worker is there to take."""
+        free = sum(not w.expect for w in self.workers)
+        for _ in range(min(self.n + SPARES - len(self.workers), len(queue) - free) if self.stalled else 0):
+            self.workers.append(self._start())
+            self.spares_started += 1
 
     def _collect(self, results: list, queue: deque):
         now = time.monotonic()
         wake = min(w.deadline for w in self.workers)
-        if queue and all(w.job is not None for w in self.workers):   # wake up to start spares when a job stalls
-            wake = min(wake, min(w.started for w in self.workers) + self.stall_s + 0.01)
+        stuck = [w.started + self.stall_s for w in self.workers
+                 if w.expect and (not self.stalled or any(j in w.live for j in list(w.expect)[1:]))]
+        wake = min([wake, *stuck]) + 0.01   # wake up to reclaim or start spares when a step stalls
         ready = set(wait([w.sock for w in self.workers], timeout=max(0.0, min(wake - now, self.timeout_s))))
         for w in list(self.workers):
             if w.sock in ready:
-                self._read(w, results)
-            elif (w.job is not None or not w.ready) and time.monotonic() > w.deadline:
+                self._read(w, results, queue)
+            elif (w.expect or not w.ready) and time.monotonic() > w.deadline:
                 why = f"timeout after {self.timeout_s:g}s" if w.ready else "worker did not start"
-                self._lose(w, results, why, "timeout")
+                self._lose(w, results, queue, why, "timeout")
 
-    def _read(self, w: _Worker, results: list):
+    def _read(self, w: _Worker, results: list, queue: deque):
         try:
             for data in w.reader.read():
                 if w not in self.workers:   # replaced by what an earlier frame said: the rest is not read
                     return
-                self._handle(w, decode_reply(data), results)
+                self._handle(w, decode_reply(data), results, queue)
         except WireError as e:
-            self._lose(w, results, f"environment worker sent {e}", "error")
+            self._lose(w, results, queue, f"environment worker sent {e}", "error")
         except (EOFError, OSError):   # it died, or closed its end: give it a moment to be reaped, then kill
             try:
                 rc = w.proc.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 rc = None
             why = "environment worker closed its channel" if rc is None else f"environment worker died (exit code {rc})"
-            self._lose(w, results, why, "signal" if rc is not None and rc < 0 else "error")
+            self._lose(w, results, queue, why, "signal" if rc is not None and rc < 0 else "error")
 
-    def _handle(self, w: _Worker, msg: list, results: list):
+    def _handle(self, w: _Worker, msg: list, results: list, queue: deque):
         if msg[0] == "ready":
             if w.ready:
                 raise WireError("a second ready")
@@ -330,20 +346,36 @@ class EnvPool:
             self.broken = "environment workers cannot start: " + (msg[1].strip().splitlines() or ["?"])[-1][:300]
             print(f"environment pool: a worker failed to start:\n{msg[1][-4000:]}", file=sys.stderr)
         else:
-            if w.job is None:
+            if not w.expect:
                 raise WireError("a result while no job was running")
-            results[w.job] = res = check_result(msg, w.job)
-            w.job, w.deadline = None, math.inf
+            res = check_result(msg, w.expect[0])
+            j = w.expect.popleft()
+            if j in w.live:
+                results[j] = res
+                w.live.discard(j)
+            now = time.monotonic()
+            w.started, w.deadline = now, now + self.timeout_s if w.expect else math.inf
             w.fails = w.fails + 1 if res[0] == "fail" else 0
             if w.fails >= FAILS_IN_A_ROW:
                 self.recycled += 1
+                self._give_back(w, queue)
                 self._replace(w)
 
-    def _lose(self, w: _Worker, results: list, why: str, category: str):
-        """Worker w broke: the job it was running fails with the reason; the worker is replaced."""
-        if w.job is not None:
-            results[w.job] = ("fail", category, why)
-            w.job = None
+    def _give_back(self, w: _Worker, queue: deque):
+        """w is about to be killed: the live jobs it was still to answer go back to the front of the queue."""
+        back = [j for j in w.expect if j in w.live]
+        queue.extendleft(reversed(back))
+        w.live.difference_update(back)
+        w.expect.clear()
+
+    def _lose(self, w: _Worker, results: list, queue: deque, why: str, category: str):
+        """Worker w broke: the job it was running fails with the reason, the ones it had not started go back to the
+        queue; the worker is replaced."""
+        head = w.expect.popleft() if w.expect else None
+        if head in w.live:
+            results[head] = ("fail", category, why)
+            w.live.discard(head)
+        self._give_back(w, queue)
         if not w.ready:   # it broke before it could import the environments
             self.broken = self.broken or f"environment workers cannot start ({why})"
         self.restarts += 1

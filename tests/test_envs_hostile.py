@@ -160,7 +160,7 @@ def test_blocking_steps_wait_side_by_side(model_tok):
     ro, failed, seconds, _, _, pool = run_episodes(model, tok, ["block"] * 12)
     assert all(f is not None and f[0] == "timeout" for f in ro.info["failed"])
     # the spares' starts spread on a loaded machine: not all 12 need to overlap, 2 at a time would be serial
-    assert pool.spares_started == 10 and pool.peak_busy >= 6 and seconds < 30, (pool.peak_busy, seconds)
+    assert pool.spares_started >= 10 and pool.peak_busy >= 6 and seconds < 30, (pool.peak_busy, seconds)
 
 
 def test_environment_text_is_text_under_a_chat_template(random_model_dir):
