@@ -116,6 +116,7 @@ def _recv_frame(sock) -> bytes:
 def serve(fd: int):
     """Worker loop: receive (sys.path, spec), then chunks of (job id, job); answer each job, in order, in JSON."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C belongs to the trainer, which closes the pool
+    os.set_inheritable(fd, False)   # what the environment starts does not get the channel
     sock = socket.socket(fileno=fd)
     try:
         path, spec = pickle.loads(_recv_frame(sock))   # from the trainer: trusted
@@ -163,6 +164,19 @@ def pid_namespace() -> tuple:
     return ()
 
 
+@functools.lru_cache(maxsize=None)
+def parent_death() -> tuple:
+    """The command prefix that SIGKILLs a worker when the trainer dies, even killed (util-linux setpriv), or ()."""
+    exe = shutil.which("setpriv")
+    try:
+        if exe and subprocess.run([exe, "--pdeathsig", "KILL", "true"], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10).returncode == 0:
+            return exe, "--pdeathsig", "KILL"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return ()
+
+
 def sweep(tag: str) -> int:
     """SIGKILL every process whose environment holds TAG_VAR=tag, until none is left; -> how many were found."""
     needle, found_total = f"{TAG_VAR}={tag}".encode(), 0
@@ -200,8 +214,8 @@ class _Worker:
         ours, theirs = socket.socketpair()
         self.tag, self.isolated = f"{os.getpid()}-{next(_count)}-{secrets.token_hex(4)}", bool(isolation)
         code = f"import sys; sys.path.insert(0, {REPO!r}); from envs.pool import serve; serve({theirs.fileno()})"
-        self.proc = subprocess.Popen([*isolation, sys.executable, "-c", code], pass_fds=[theirs.fileno()],
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
+        self.proc = subprocess.Popen([*parent_death(), *isolation, sys.executable, "-c", code],
+                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
                                      env={**os.environ, TAG_VAR: self.tag})
         theirs.close()
         ours.settimeout(send_s)   # a worker that stops reading cannot block the trainer's send

@@ -106,25 +106,29 @@ def _send_raw(payload: bytes, announced: int | None = None):
     ch.sendall((len(payload) if announced is None else announced).to_bytes(4, "big") + payload)
 
 
-def _spawn_escapees(marker: str):
-    """Processes that leave the worker's process group and session: a setsid child and a double-forked daemon."""
+def _spawn_escapees(marker: str, log: str):
+    """Processes that leave the worker's process group and session: a setsid child and a double-forked daemon.
+    The marker (digits) rides in their command lines as a sleep of 0.<marker> more seconds."""
     import subprocess
-    subprocess.Popen(["sleep", "600", marker], start_new_session=True, stdin=subprocess.DEVNULL,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    subprocess.Popen(["setsid", "sh", "-c", f"sleep 600 {marker} & sleep 600 {marker}"], stdin=subprocess.DEVNULL,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    quiet = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    a = subprocess.Popen(["sleep", "600", f"0.{marker}"], start_new_session=True, **quiet)
+    b = subprocess.Popen(["setsid", "sh", "-c", f"sleep 600 0.{marker} & sleep 600 0.{marker}"], **quiet)
     time.sleep(0.2)   # let them leave before the step returns
+    if log:           # the test's proof that they were up
+        with open(log, "a") as f:
+            f.write(f"{a.pid} {b.pid}\n")
 
 
 @register("env", "adversary")
 class Adversary:
-    """step() misbehaves as the row's `mode` says (MODES); `marker` names the processes it leaves around."""
+    """step() misbehaves as the row's `mode` says (MODES); `marker` names the processes it leaves around, `log` is
+    a file where it notes that it started them."""
 
     def __init__(self):
-        self.mode, self.marker, self.junk, self.n = "fine", "", "", 0
+        self.mode, self.marker, self.log, self.junk, self.n = "fine", "", "", "", 0
 
     def reset(self, fields):
-        self.mode, self.marker = fields["mode"], fields.get("marker", "")
+        self.mode, self.marker, self.log = fields["mode"], fields.get("marker", ""), fields.get("log", "")
         if self.mode == "reset_sneaky":
             return Sneaky("?")
         if self.mode == "reset_impostor":
@@ -236,11 +240,11 @@ class Adversary:
         time.sleep(600)
 
     def _setsid(self):           # escapees, then a normal end
-        _spawn_escapees(self.marker)
+        _spawn_escapees(self.marker, self.log)
         return None, 1.0, True, {"success": True}
 
     def _setsid_block(self):     # escapees, then a hang: the worker is killed at its deadline
-        _spawn_escapees(self.marker)
+        _spawn_escapees(self.marker, self.log)
         time.sleep(600)
 
     def _poison(self):

@@ -3,6 +3,7 @@ train.py builds it (engines/multiturn.py: MultiTurn over envs/pool.py): the trai
 its memory stays bounded, no process an environment started is left on the host, and each attack is a recorded
 failure of its own episode (or, for text that is merely odd, a normal episode with that text as characters)."""
 import os
+import tempfile
 import time
 import tracemalloc
 import uuid
@@ -67,9 +68,9 @@ def multiturn(model, tok, **env) -> MultiTurn:
     return MultiTurn(model, tok, cfg)
 
 
-def left_on_host(marker: str) -> list[int]:
-    """Processes whose command line holds the marker, after a moment for the kernel to finish its kills."""
-    for _ in range(50):
+def left_on_host(marker: str, settle: bool = True) -> list[int]:
+    """Processes whose command line holds the marker (settle: after up to 5 s for the kernel to finish its kills)."""
+    for _ in range(100 if settle else 1):
         pids = []
         for pid in (p for p in os.listdir("/proc") if p.isdigit()):
             try:
@@ -89,13 +90,15 @@ def left_on_host(marker: str) -> list[int]:
 
 def run_episodes(model, tok, modes: list[str], **env):
     """The modes' episodes, one each, through MultiTurn -> (rollout, failures by mode, seconds, peak traced bytes of
-    the trainer, the marker, the closed pool), with the pool's workers checked gone."""
-    marker = uuid.uuid4().hex
+    the trainer, (the marker, the pids of the escapees that were started), the closed pool); its workers checked
+    gone."""
+    marker = str(uuid.uuid4().int)   # digits: it rides as a sleep's argument
+    log = os.path.join(tempfile.mkdtemp(), "escapees")
     mt = multiturn(model, tok, **env)
     tracemalloc.start()
     start = time.monotonic()
     try:
-        ro = mt.generate([], [{"prompt": "?", "mode": m, "marker": marker} for m in modes], 1,
+        ro = mt.generate([], [{"prompt": "?", "mode": m, "marker": marker, "log": log} for m in modes], 1,
                          SamplingParams(1.0, 1.0, 4), torch.Generator().manual_seed(0))
         seconds = time.monotonic() - start
         peak = tracemalloc.get_traced_memory()[1]
@@ -106,14 +109,15 @@ def run_episodes(model, tok, modes: list[str], **env):
     assert not [p for p in pids if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
     _, info = mt.score(None, ro).result()
     failed = {modes[f["sample"]]: (f["category"], f["reason"]) for f in info["failed"]}
-    return ro, failed, seconds, peak, marker, mt.pool
+    started = open(log).read().split() if os.path.exists(log) else []
+    return ro, failed, seconds, peak, (marker, started), mt.pool
 
 
 def test_every_attack_costs_its_episode_and_nothing_else(model_tok):
     model, tok = model_tok
     modes = [m for m in MODES if m != "poison"]   # poison fails its neighbours by design: its own test below
     assert set(modes) | {"poison"} == set(EXPECTED), "a mode without an expectation, or one without a mode"
-    ro, failed, seconds, peak, marker, _ = run_episodes(model, tok, modes)
+    ro, failed, seconds, peak, marker, _ = run_episodes(model, tok, modes)   # marker: (its digits, its processes)
     for b, mode in enumerate(modes):
         want = EXPECTED[mode]
         if want is None:
@@ -133,7 +137,7 @@ def test_every_attack_costs_its_episode_and_nothing_else(model_tok):
         assert eos not in ids, mode
     assert seconds < 20, seconds                      # 4 one-second deadlines ran side by side, not one per worker
     assert peak < 16 << 20, peak                      # the 20 MB info and the oversize frame never reached it
-    assert left_on_host(marker) == []                 # setsid children and daemons died with their workers
+    assert len(marker[1]) == 4 and left_on_host(marker[0]) == []   # setsid children and daemons: up, then gone
 
 
 def test_without_a_pid_namespace_the_sweep_finds_setsid_children(model_tok, monkeypatch):
@@ -142,7 +146,7 @@ def test_without_a_pid_namespace_the_sweep_finds_setsid_children(model_tok, monk
     model, tok = model_tok
     ro, failed, _, _, marker, _ = run_episodes(model, tok, ["setsid", "setsid_block", "fine"])
     assert list(failed) == ["setsid_block"] and failed["setsid_block"][0] == "timeout"
-    assert left_on_host(marker) == []
+    assert len(marker[1]) == 4 and left_on_host(marker[0]) == []
 
 
 def test_a_worker_that_keeps_failing_is_replaced(model_tok):
@@ -192,3 +196,30 @@ def test_replies_are_checked_field_by_field(raw, why):
     with pytest.raises(WireError, match=why):
         check_result(decode_reply(raw), 0)
     assert check_result(decode_reply(b'["result",0,["ok","",null,1,true,true,"user",0,0]]'), 0)[5] == {"success": True}
+
+
+def test_a_killed_trainer_leaves_nothing_behind(tmp_path):
+    """A trainer killed (SIGKILL) while a step blocks with setsid children: its workers and their children go too.
+    (The marker goes in reversed: the trainer's own command line must not hold it.)"""
+    import signal
+    import subprocess
+    import sys
+    marker = str(uuid.uuid4().int)   # digits: it rides as a sleep's argument
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]\n"
+            "import hostile_envs\nfrom envs.pool import EnvPool\n"
+            "spec = {'name': 'adversary', 'args': {}, 'tools': [], 'parser': 'tag', 'max_obs_chars': 100,"
+            " 'memory_mb': 1024, 'modules': ['hostile_envs']}\n"
+            "pool = EnvPool(spec, workers=1, timeout_s=60)\n"
+            f"r = pool.run([('reset', {{'prompt': '?', 'mode': 'setsid_block', 'marker': {marker[::-1]!r}[::-1]}})])[0]\n"
+            "pool.run([('step', r[1], '')])\n")
+    trainer = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        end = time.monotonic() + 60
+        while not left_on_host(marker, settle=False) and time.monotonic() < end:   # the children are up
+            time.sleep(0.1)
+        assert left_on_host(marker, settle=False), "the blocking step never started its children"
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    assert left_on_host(marker) == []
