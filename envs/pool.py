@@ -15,8 +15,8 @@ Environment code is treated as hostile; what it can do and what that costs:
     run past timeout_s, die, send bytes not a reply       that episode fails, the worker is killed and replaced
     fail FAILS_IN_A_ROW jobs in a row (a corrupted module,   the worker is replaced: the next episodes get a
     a leak that ends in MemoryError)                        fresh one
-    block                                                 spare workers start (up to SPARES) so that the other
-                                                          episodes' steps run meanwhile: deadlines run in parallel
+    block                                                 the jobs queued behind it go to other workers, spares
+                                                          start (up to SPARES): deadlines run side by side
     start processes, setsid() included                    killing the worker kills them (isolation below)
 
 Replies are JSON, read without blocking and capped in size before they are read (envs/wire.py): the trainer never
@@ -25,6 +25,10 @@ unpickles what a worker sends. Isolation: each worker is the init of its own PID
 process in the namespace, setsid() or not. Where no namespace can be made (no `unshare`, user namespaces off),
 the worker's process group is killed and then every process that still carries the worker's tag in its
 environment (TAG_VAR) is swept; a process that rewrote its environment escapes that sweep.
+`setpriv --pdeathsig KILL` (where it exists) kills the workers when the trainer dies, even by SIGKILL.
+Jobs go out in chunks (one message per chunk, one per result; the deadline restarts at each result). A worker
+stuck on one step for STALL_S gives back the jobs behind it, and for the rest of that run jobs go out one at a
+time, to spare workers where none is free; spares stop at the end of the run.
 Why not the reward pool (rewards/pool.py): environments are stateful and a rollout waits for every step of a
 turn before it goes on, so this pool is synchronous (no dispatcher thread) and moves state with each job.
 Workers are fresh `python -c` processes (no torch: a start costs ~0.1 s) under an address-space limit.
