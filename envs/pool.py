@@ -227,7 +227,10 @@ class _Worker:
         self.ready, self.fails = False, 0
         self.expect, self.live = deque(), set()   # the ids it will answer, in order; those whose answers count
         self.started, self.deadline = time.monotonic(), time.monotonic() + START_S
-        self.send((sys.path, spec))
+        try:
+            self.send((sys.path, spec))
+        except OSError:   # it is gone already: its channel's end says so, and the pool calls it not started
+            pass
 
     def send(self, message):
         self.sock.sendall(frame(pickle.dumps(message)))

@@ -183,19 +183,25 @@ def test_environment_text_is_text_under_a_chat_template(random_model_dir):
     assert r.prompt("1")[:1] == [start] and r.observation("1", "tool").count(start) == 2
 
 
+def ok(*fields) -> bytes:
+    """A result for job 0 whose fields after "ok" are the given JSON texts."""
+    return ('["result",0,["ok",' + ",".join(fields) + "]]").encode()
+
+
+GOOD = ['""', "null", "1", "true", "null", '"user"', "0", "0"]   # state, observation, reward, done, success, ...
+
+
 @pytest.mark.parametrize("raw,why", [
-    (b"[" * 100_000 + b"]" * 100_000, "not JSON"), (b'["result",0,["ok","",null,NaN,true,null,"user",0,0]]', "not JSON"),
-    (b'{"a": 1}', "unknown kind"), (b'["result",0,["ok","",null,1e999,true,null,"user",0,0]]', "finite"),
-    (b'["result",true,["fail","error","x"]]', "while job"), (b'["result",0,["ok",1,null,1,true,null,"user",0,0]]', "text"),
-    (b'["result",0,["ok","",null,1,true,1,"user",0,0]]', "success"), (b'["result",0,["ok","",null,1,1,null,"user",0,0]]',
-                                                                        "done"),
-    (b'["result",0,["ok","",null,1,true,null,"system",0,0]]', "role"), (b'["result",0,["fail","oops","x"]]', "neither"),
-    (b'["result",0,["ok","",null,1,true,null,"user",-1,0]]', "tool counts"), (b"\xff\xfe", "not JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "not JSON"), (b'{"a": 1}', "unknown kind"), (b"\xff\xfe", "not JSON"),
+    (b'["result",true,["fail","error","x"]]', "while job"), (b'["result",0,["fail","oops","x"]]', "neither"),
+    (ok(*GOOD[:2], "NaN", *GOOD[3:]), "not JSON"), (ok(*GOOD[:2], "1e999", *GOOD[3:]), "finite"),
+    (ok("1", *GOOD[1:]), "text"), (ok(*GOOD[:4], "1", *GOOD[5:]), "success"), (ok(*GOOD[:3], "1", *GOOD[4:]), "done"),
+    (ok(*GOOD[:5], '"system"', *GOOD[6:]), "role"), (ok(*GOOD[:6], "-1", "0"), "tool counts"),
 ])
 def test_replies_are_checked_field_by_field(raw, why):
     with pytest.raises(WireError, match=why):
         check_result(decode_reply(raw), 0)
-    assert check_result(decode_reply(b'["result",0,["ok","",null,1,true,true,"user",0,0]]'), 0)[5] == {"success": True}
+    assert check_result(decode_reply(ok(*GOOD[:4], "true", *GOOD[5:])), 0)[5] == {"success": True}
 
 
 def test_a_killed_trainer_leaves_nothing_behind(tmp_path):
@@ -211,7 +217,8 @@ def test_a_killed_trainer_leaves_nothing_behind(tmp_path):
             "spec = {'name': 'adversary', 'args': {}, 'tools': [], 'parser': 'tag', 'max_obs_chars': 100,"
             " 'memory_mb': 1024, 'modules': ['hostile_envs']}\n"
             "pool = EnvPool(spec, workers=1, timeout_s=60)\n"
-            f"r = pool.run([('reset', {{'prompt': '?', 'mode': 'setsid_block', 'marker': {marker[::-1]!r}[::-1]}})])[0]\n"
+            f"row = {{'prompt': '?', 'mode': 'setsid_block', 'marker': {marker[::-1]!r}[::-1]}}\n"
+            "r = pool.run([('reset', row)])[0]\n"
             "pool.run([('step', r[1], '')])\n")
     trainer = subprocess.Popen([sys.executable, "-c", code])
     try:
