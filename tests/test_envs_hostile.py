@@ -230,3 +230,30 @@ def test_a_killed_trainer_leaves_nothing_behind(tmp_path):
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
     assert left_on_host(marker) == []
+
+
+def test_a_training_run_over_the_corpus_goes_on(tmp_path):
+    """train.py itself, a step over every attack (task=files rows naming their mode): the run ends normally, each
+    step records its failed episodes, and nothing is left on the host."""
+    import json
+    import train
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    marker, log, data = str(uuid.uuid4().int), str(tmp_path / "escapees"), tmp_path / "rows.jsonl"
+    modes = [m for m in MODES if m != "poison"] + ["fine"]   # the last row is held out
+    data.write_text("".join(json.dumps({"question": "?" + str(i), "answer": "", "mode": m, "marker": marker,
+                                        "log": log}) + "\n" for i, m in enumerate(modes)))
+    threads, start = torch.get_num_threads(), time.monotonic()
+    try:
+        train.main(["--config", os.path.join(root, "configs/multiturn.yaml"), f"model={root}/assets/hilo-model",
+                    "task=files", f"files.train_path={data}", "files.eval_size=1", "files.dedupe=false",
+                    "files.fields=mode:mode,marker:marker,log:log", "env.name=adversary", "env.args=",
+                    "env.timeout_s=1", "env.workers=2", f"prompts_per_step={len(modes) - 1}", "samples_per_prompt=2",
+                    "steps=1", "eval_every=1", "progress=false", f"out_dir={tmp_path / 'run'}"])
+    finally:
+        torch.set_num_threads(threads)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("step", 0) > 0]
+    failing = sum(EXPECTED[m] is not None for m in modes[:-1])
+    # 2 episodes per attack; the model may end one by its budget before the environment's step comes
+    assert len(steps) == 1 and failing < steps[0]["env_fail"] <= 2 * failing, steps
+    assert time.monotonic() - start < 300 and os.path.exists(log) and left_on_host(marker) == []
