@@ -57,7 +57,10 @@ class Episodes(Rollout):
 
 class Renderer:
     """Text -> token ids for prompts and observations: through the chat template when the tokenizer has one
-    (the observation as a user or tool message, plus the template's text around it), else the plain text."""
+    (the observation as a user or tool message, plus the template's text around it), else the plain text.
+    What an environment wrote is tokenised as text, never as special tokens (split_special_tokens): an
+    observation "<eos><pad>" (or a fetched web page) cannot end a turn or inject control tokens; only the
+    template's own text around it is read with its special tokens."""
 
     def __init__(self, tok, eos_id: int, tool_schemas: list):
         self.tok, self.eos_id, self.schemas = tok, eos_id, tool_schemas or None
@@ -66,13 +69,21 @@ class Renderer:
         self.seen = {}     # (text, role) -> ids
 
     def _ids(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        """The template's text: its special tokens are meant."""
+        return self.tok(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def _text_ids(self, text: str) -> list[int]:
+        """An environment's text: special-token strings in it are plain characters."""
+        return self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
 
     def prompt(self, text: str) -> list[int]:
-        if self.chat:
-            text = self.tok.apply_chat_template([{"role": "user", "content": text}], tools=self.schemas,
-                                                add_generation_prompt=True, tokenize=False)
-        return self._ids(text)
+        if not self.chat:
+            return self._text_ids(text)
+        marker = "\x00PROMPT\x00"
+        framed = self.tok.apply_chat_template([{"role": "user", "content": marker}], tools=self.schemas,
+                                              add_generation_prompt=True, tokenize=False)
+        head, _, rest = framed.partition(marker)
+        return self._ids(head) + self._text_ids(text) + self._ids(rest)
 
     def observation(self, text: str, role: str) -> list[int]:
         """The ids of an observation; environments repeat theirs ("higher", "lower"): those are tokenized once."""
@@ -85,7 +96,7 @@ class Renderer:
 
     def _observation(self, text: str, role: str) -> list[int]:
         if not self.chat:
-            return self._ids(text)
+            return self._text_ids(text)
         if role not in self.frames:   # render a dummy exchange with and without the message; keep the difference
             apply = lambda msgs, gen: self.tok.apply_chat_template(msgs, tools=self.schemas, tokenize=False,
                                                                    add_generation_prompt=gen)
@@ -100,7 +111,7 @@ class Renderer:
             head, _, rest = after[len(before):].partition(marker)
             self.frames[role] = (tail + head, rest)
         head, rest = self.frames[role]
-        return self._ids(head + text + rest)
+        return self._ids(head) + self._text_ids(text) + self._ids(rest)
 
 
 class MultiTurn:
@@ -164,12 +175,14 @@ class MultiTurn:
         split.lap("env")
         prompts = []
         for b, res in enumerate(resets):
-            if res[0] == "ok":
+            ids = self._tokenise(ep, b, res[2], "user", "reset") if res[0] == "ok" else None
+            if ids is not None:
                 ep.state[b] = res[1]
-                prompts.append(self.render.prompt(res[2]))
-            else:   # the episode is over before it began; its row still needs a prompt
+                prompts.append(ids)
+                continue
+            if res[0] != "ok":   # the episode is over before it began; its row still needs a prompt
                 ep.fail(b, res[1], f"reset: {res[2]}")
-                prompts.append(self.render.prompt(str(rows[b].get("prompt", ""))))
+            prompts.append(self.render.prompt(str(rows[b].get("prompt", ""))))
         ids, mask = left_pad(prompts, self.pad_id)                                     # (B, P)
         context = context_length(self.model)
         room = [min(cfg.max_tokens, context - len(p)) for p in prompts]              # completion tokens allowed
@@ -268,12 +281,26 @@ class MultiTurn:
             if done:
                 ep.stop(b, success=bool(info.get("success", ep.returns[b] > 0)))
                 continue
-            obs_ids = [] if last_turn else self.render.observation(obs, role)
+            obs_ids = [] if last_turn else self._tokenise(ep, b, obs, role, "step")
+            if obs_ids is None:
+                continue
             if last_turn or len(ep.tokens[b]) + len(obs_ids) >= room[b]:   # no room for another turn: cut
                 ep.stop(b, truncated=True)
                 continue
             ep.extend(b, obs_ids, [0.0] * len(obs_ids), model=False)
             pending[b] = pending[b] + obs_ids
+
+    def _tokenise(self, ep, b: int, text: str, role: str, what: str) -> list[int] | None:
+        """An environment's text -> ids (the prompt after reset, else an observation); None, with episode b
+        failed, where the tokenizer refuses it: what an environment says must never end the run."""
+        if type(text) is not str:   # envs/wire.py lets only str through: this guards a change there
+            ep.fail(b, "error", f"{what}: an observation of type {type(text).__name__}")
+            return None
+        try:
+            return self.render.prompt(text) if what == "reset" else self.render.observation(text, role)
+        except Exception as e:  # noqa: BLE001  a tokenizer's error on environment text costs that episode
+            ep.fail(b, "error", f"{what}: the observation could not be tokenised ({type(e).__name__}: {e})"[:300])
+            return None
 
     # ------------------------------------------------------------------------------ scoring and evaluation
     def score(self, samples: list[dict], rollout: Episodes):

@@ -3,7 +3,8 @@
     file        registered names
     base.py     (the contract: reset / step, and the checks every result goes through)
     tools.py    tool calculator, tool python (runs in rewards/sandbox.py); parsers tag and hermes
-    pool.py     (killable worker processes that run the steps)
+    pool.py     (killable worker processes that run the steps, each in its own PID namespace)
+    wire.py     (what the workers send back: capped JSON, checked field by field)
     hilo.py     env hilo and task hilo: find a secret code from higher/lower feedback (the embedded example)
 
 How to write one: docs/environments.md. Nothing here imports torch: the workers start in a fraction of a second.
