@@ -99,31 +99,31 @@ def packed_completion(model, micro, packed: Packed, temperature: float, loss_fn=
     no attention mask, so transformers reads the samples' bounds off the position restarts (flash-attn's varlen
     kernel, or a block-diagonal causal mask for sdpa / flex / eager), and the head runs on the kept tokens only
     (logits_to_keep = their predecessors). Tokens out of the loss (observations, padding) get log-prob 0.
+    Run it inside packed_attention(model), backward included (gradient checkpointing recomputes in backward).
     -> (logp, entropy), each (b, C); with loss_fn (loss, logp, entropy) as models.completion_loss returns them."""
     keep, C = packed.keep, micro.completion_mask.shape[1]
     targets = torch.where(keep, micro.input_ids[:, -C:], -1)                       # (b, C); < 0: the kernels skip it
     inputs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, logits_to_keep=packed.src,
                   use_cache=False)
-    with packed_attention(model):
-        if not plain_head(model):   # a head with a bias or scaling: logits of the M kept tokens, then log-probs
-            lp, ent = token_logprobs(model(**inputs).logits[0], targets[keep], temperature)   # (M, V) -> (M,) x 2
-            logp, entropy = (lp.new_zeros(keep.shape).index_put((keep,), x) for x in (lp, ent))   # (b, C) x 2
-            if loss_fn is None:
-                return logp, entropy
-            return loss_fn(slice(0, len(keep)), logp, entropy), logp.detach(), entropy.detach()
-        head, into_grad = model.get_output_embeddings(), not distributed.is_sharded(model)
+    if not plain_head(model):   # a head with a bias or scaling: logits of the M kept tokens, then log-probs
+        lp, ent = token_logprobs(model(**inputs).logits[0], targets[keep], temperature)   # (M, V) -> (M,) x 2
+        logp, entropy = (lp.new_zeros(keep.shape).index_put((keep,), x) for x in (lp, ent))   # (b, C) x 2
+        if loss_fn is None:
+            return logp, entropy
+        return loss_fn(slice(0, len(keep)), logp, entropy), logp.detach(), entropy.detach()
+    head, into_grad = model.get_output_embeddings(), not distributed.is_sharded(model)
 
-        def kept_rows(hidden):   # (1, M, H) -> the log-prob kernels' outputs on the (b, C) layout, 0 off keep
-            h = hidden.new_zeros(*keep.shape, hidden.shape[-1]).index_put((keep,), hidden[0])   # (b, C, H)
-            if loss_fn is None:
-                return linear_logprobs(h, head.weight, targets, temperature, into_grad)
-            return linear_logprob_loss_kernel(h, head.weight, targets, temperature, loss_fn, into_grad=into_grad)
-        # as models._in_head: inside the model's forward (FSDP2 gathers the head there); clones for its hooks
-        head.forward = lambda hidden: tuple(t.clone() for t in kept_rows(hidden))
-        try:
-            return tuple(model(**inputs).logits)
-        finally:
-            del head.forward
+    def kept_rows(hidden):   # (1, M, H) -> the log-prob kernels' outputs on the (b, C) layout, 0 off keep
+        h = hidden.new_zeros(*keep.shape, hidden.shape[-1]).index_put((keep,), hidden[0])   # (b, C, H)
+        if loss_fn is None:
+            return linear_logprobs(h, head.weight, targets, temperature, into_grad)
+        return linear_logprob_loss_kernel(h, head.weight, targets, temperature, loss_fn, into_grad=into_grad)
+    # as models._in_head: inside the model's forward (FSDP2 gathers the head there); clones for its hooks
+    head.forward = lambda hidden: tuple(t.clone() for t in kept_rows(hidden))
+    try:
+        return tuple(model(**inputs).logits)
+    finally:
+        del head.forward
 
 
 def flash_attention() -> str | None:
@@ -136,16 +136,27 @@ def flash_attention() -> str | None:
     return None
 
 
+def packed_attention_name(model) -> str:
+    """The attention for a packed forward. On a GPU: flash-attn's varlen kernel where it is installed (16-bit
+    weights only), else FlexAttention, whose block mask skips the blocks between samples; sdpa and eager take the
+    packed mask whole ((N, N) for N tokens: fine at the CPU's sizes, quadratic work at a GPU's). Elsewhere the
+    model's own."""
+    own = model.config._attn_implementation
+    if model.device.type != "cuda":
+        return own
+    fa = flash_attention() if model.dtype in (torch.bfloat16, torch.float16) else None
+    return fa or "flex_attention"
+
+
 @contextlib.contextmanager
 def packed_attention(model):
-    """Within: flash-attn's varlen kernel for the packed forward where it is installed and the model runs on a GPU in
-    16 bits (what flash-attn takes); the model's own attention elsewhere. Generation keeps its implementation."""
-    own = model.config._attn_implementation
-    fa = flash_attention() if model.device.type == "cuda" and model.dtype in (torch.bfloat16, torch.float16) else None
-    if fa is None or own == fa:
+    """Within: packed_attention_name's implementation; the model's own again after (generation keeps its own).
+    The critic, a model of its own, keeps its attention and the padded layout."""
+    own, want = model.config._attn_implementation, packed_attention_name(model)
+    if want == own:
         yield
         return
-    model.set_attn_implementation(fa)
+    model.set_attn_implementation(want)
     try:
         yield
     finally:
@@ -167,16 +178,18 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
     scale = distributed.loss_scale(mb.completion_mask, learner.loss_agg)   # this rank's share of the global batch
     split = packed_micro_batches if cfg.pack else micro_batches
     pieces = split(mb, cfg.micro_batch_size, learner.loss_agg, cfg.algo.norm_len)   # size 0 = one pass
-    for micro, weight in distributed.accumulate(learner.trained, pieces, cfg.offload):   # one reduce-scatter
-        packed = pack(micro).to(learner.device) if cfg.pack else None   # index math on the host: no device sync
-        micro = micro.to(learner.device)
-        loss, logp, metrics = micro_loss(learner, micro, packed)
-        (loss * (weight * scale)).backward()
-        if measure_mismatch:
-            add_mismatch(m, micro, logp, learner.version)
-        # x scale as for the loss, so that the plain mean over ranks (distributed.reduce_metrics) is the global one
-        for k, v in {**metrics, "loss": loss.detach()}.items():
-            m[k] = m.get(k, 0.0) + weight * scale * v
+    # the packed forward's attention for forward and backward alike: a recompute must see what the forward saw
+    with packed_attention(learner.policy) if cfg.pack else contextlib.nullcontext():
+        for micro, weight in distributed.accumulate(learner.trained, pieces, cfg.offload):   # one reduce-scatter
+            packed = pack(micro).to(learner.device) if cfg.pack else None   # index math on the host: no device sync
+            micro = micro.to(learner.device)
+            loss, logp, metrics = micro_loss(learner, micro, packed)
+            (loss * (weight * scale)).backward()
+            if measure_mismatch:
+                add_mismatch(m, micro, logp, learner.version)
+            # x scale as for the loss, so that the plain mean over ranks (distributed.reduce_metrics) is the global one
+            for k, v in {**metrics, "loss": loss.detach()}.items():
+                m[k] = m.get(k, 0.0) + weight * scale * v
     return m
 
 

@@ -96,6 +96,23 @@ def test_packed_update_equals_padded_without_a_plain_head(model, algo_name, micr
     assert torch.allclose(grad, grad0, rtol=1e-5, atol=1e-5), (grad - grad0).abs().max()
 
 
+def test_packed_attention_holds_through_a_checkpointed_backward(model, monkeypatch):
+    """On a GPU the packed forward switches attention (flash-attn or flex); gradient checkpointing recomputes in
+    backward, which must see the same attention. Here the switch goes to eager, on a copy with checkpointing."""
+    import copy
+    m = copy.deepcopy(model)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m.train()
+    batch = multiturn_batch(model.config.vocab_size, seed=4)
+    loss0, _, grad0 = update_pass(m, "grpo", "token-mean", 0, batch)
+    seen = []
+    monkeypatch.setattr(update, "packed_attention_name", lambda model: seen.append(1) or "eager")
+    loss, _, grad = update_pass(m, "grpo", "token-mean", 0, batch, pack=True, micro_batch_size=2)
+    assert seen and m.config._attn_implementation == "sdpa"       # switched for the update, then back
+    assert loss == pytest.approx(loss0, rel=1e-5, abs=1e-6)
+    assert torch.allclose(grad, grad0, rtol=1e-5, atol=1e-5), (grad - grad0).abs().max()
+
+
 def test_pack_layout():
     batch = multiturn_batch(14)
     p = pack(batch)
@@ -133,3 +150,21 @@ def test_train_runs_packed(tmp_path, random_model_dir):
     assert r.returncode == 0, r.stderr
     rows = step_rows(out)
     assert len(rows) == 2 and all(row["logprob_mismatch/max"] < 1e-4 for row in rows)
+
+
+def test_w7_bench_tiny(tmp_path):
+    """tools/bench_w7.py --tiny: both variants run on the same forced lengths and the report counts their tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "tools/bench_w7.py", "--tiny", "--micro", "4", "--repeats", "1", "--threads",
+                        "1", "--out", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "w7.json").read_text())
+    t, v = res["tokens"], res["variants"]
+    assert t["packed"] == t["real"] < t["bucketed"]            # padding: only the bucketed forwards run it
+    assert set(v) == {"bucketed", "packed, auto"} and all(r["median_s"] > 0 for r in v.values())
+    assert v["packed, auto"]["loss"] == pytest.approx(v["bucketed"]["loss"], rel=1e-4, abs=1e-6)
+    assert "| packed, auto |" in (tmp_path / "w7.md").read_text()
