@@ -1,8 +1,8 @@
 """W7 (docs/benchmarks.md): the update on long-tailed completion lengths, packed (pack=true) against today's
 length-bucketed micro-batches, timed in one command.
 
-    python tools/bench_w7.py --out w7-out                     # GPU: W1's model, 128 samples, bf16
-    python tools/bench_w7.py --out w7-out --packed-attn auto,flex_attention,sdpa   # packed with each attention
+    python tools/bench_w7.py --out w7-out                     # GPU: bucketed, packed (pack=true's attention), packed sdpa
+    python tools/bench_w7.py --out w7-out --packed-attn auto,flex_attention,flash_attention_2   # other packed rows
     python tools/bench_w7.py --tiny --out /tmp/w7             # CPU smoke run of the same code at toy shapes
 
 Workload: W1's model (tools/bench_workload.py: a random Qwen2 at Qwen2.5-0.5B shape) and 16 prompts x 8 samples,
@@ -53,11 +53,14 @@ def w7_batch(n: int, group: int, prompt_len: int, median: float, sigma: float, m
 
 def forward_tokens(batch: Experience, cfg) -> dict:
     """Tokens the policy's forwards run per update: real ones, and what each layout adds as padding."""
-    bucketed = sum(p.input_ids.numel() for p, _ in micro_batches(batch, cfg.micro_batch_size, "token-mean"))
-    pieces = list(packed_micro_batches(batch, cfg.micro_batch_size, "token-mean"))
-    return {"real": int(batch.attention_mask.sum()), "bucketed": bucketed,
-            "packed": sum(int(p.attention_mask.sum()) for p, _ in pieces),
-            "packed_max_piece": max(int(p.attention_mask.sum()) for p, _ in pieces)}
+    buckets = [p for p, _ in micro_batches(batch, cfg.micro_batch_size, "token-mean")]
+    pieces = [p for p, _ in packed_micro_batches(batch, cfg.micro_batch_size, "token-mean")]
+    return {"real": int(batch.attention_mask.sum()), "bucketed": sum(p.input_ids.numel() for p in buckets),
+            "packed": sum(int(p.attention_mask.sum()) for p in pieces),
+            "packed_max_piece": max(int(p.attention_mask.sum()) for p in pieces),
+            # the lm_head's rows: every completion column of a bucket; only the loss tokens when packed
+            "head_bucketed": sum(p.completion_mask.numel() for p in buckets),
+            "head_packed": int(batch.completion_mask.sum())}
 
 
 def run(a) -> dict:
@@ -96,10 +99,13 @@ def run(a) -> dict:
                         "longest": int(batch.completion_mask.sum(-1).max()), "micro_batch_size": a.micro,
                         "grad_checkpointing": a.ckpt, "compile": a.compile, "fused_loss": a.fused},
            "tokens": tokens, "variants": {}}
-    for attn in [None] + a.packed_attn.split(","):
-        name = "bucketed" if attn is None else f"packed, {attn}"
+    rows = [("bucketed", None, policy.config._attn_implementation)]
+    for attn in a.packed_attn.split(","):   # one row per distinct attention (on a CPU, auto is the model's own)
+        chosen = auto(policy) if attn == "auto" else attn
+        if chosen not in [c for name, _, c in rows if name != "bucketed"]:
+            rows.append((f"packed, {attn}", attn, chosen))
+    for name, attn, chosen in rows:
         cfg.pack = attn is not None
-        chosen = auto(policy) if attn in (None, "auto") else attn
         update.packed_attention_name = lambda model, chosen=chosen: chosen
 
         def one():
@@ -132,10 +138,11 @@ def table(res: dict) -> str:
              f"sigma {w['sigma']}, cut at {w['max_len']}): mean {w['mean_completion']:.0f}, longest {w['longest']}; "
              f"micro_batch_size={w['micro_batch_size']} grad_checkpointing={w['grad_checkpointing']} "
              f"compile={w['compile']} fused_loss={w['fused_loss']}; device {v['bucketed'].get('device')}",
-             "", "| update | median | / bucketed | runs | forward tokens (real {:,}) | attention | peak allocated |"
+             "", "| update | median | / bucketed | runs | tokens: body (real {:,}) / head | attention | peak allocated |"
              .format(t["real"]), "|---|---|---|---|---|---|---|"]
     for name, r in v.items():
-        toks = f"{t['packed' if name != 'bucketed' else 'bucketed']:,}"
+        kind = "bucketed" if name == "bucketed" else "packed"
+        toks = f"{t[kind]:,} / {t['head_' + kind]:,}"
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error'][:120]} | | | {toks} | {r['attention']} | |")
             continue
@@ -155,7 +162,7 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="compile=true (per-layer torch.compile)")
     p.add_argument("--fused", action="store_true", help="fused_loss=true")
     p.add_argument("--attn", default="", help="the model's attn_implementation (sdpa, eager, flex_attention, ...)")
-    p.add_argument("--packed-attn", default="auto",
+    p.add_argument("--packed-attn", default="auto,sdpa",
                    help="comma list: one packed row per attention (auto = what pack=true picks: flash-attn, else "
                         "flex_attention on a GPU, the model's own on a CPU; or sdpa, eager, flex_attention, ...)")
     p.add_argument("--median", type=float, default=200.0, help="median completion length")
