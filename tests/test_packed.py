@@ -1,6 +1,7 @@
 """pack=true (microbatch.pack, update.packed_completion): one sequence of real tokens per micro-batch, positions
 restarting per sample, gives the padded path's losses and gradients, for every loss_agg, multi-turn observations
-included, through the log-prob and the fused-loss kernels and a head that is not plain."""
+included, through the log-prob and the fused-loss kernels and a head that is not plain. (A whole `train.py
+pack=true` run: tests/test_view.py, test_a_packed_training_run_leaves_a_viewable_log.)"""
 import pytest
 import torch
 
@@ -139,17 +140,6 @@ def test_packed_pieces_are_balanced_and_cover_every_row():
     assert max(loads) - min(loads) <= int(batch.attention_mask.sum(-1).max())   # greedy bound: one row at most
     with pytest.raises(ValueError, match="loss_agg"):
         list(packed_micro_batches(batch, 2, "nonsense"))
-
-
-def test_train_runs_packed(tmp_path, random_model_dir):
-    from conftest import step_rows
-    from test_train import run_train
-    out = tmp_path / "run"
-    r = run_train(f"model={random_model_dir}", "steps=2", "eval_size=8", "prompts_per_step=4", f"out_dir={out}",
-                  "micro_batch_size=8", "pack=true")
-    assert r.returncode == 0, r.stderr
-    rows = step_rows(out)
-    assert len(rows) == 2 and all(row["logprob_mismatch/max"] < 1e-4 for row in rows)
 
 
 def test_w7_bench_tiny(tmp_path):

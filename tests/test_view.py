@@ -127,11 +127,16 @@ def test_chromium_renders_rows_and_no_injected_markup(tmp_path):
     assert r.returncode == 0 and shot.stat().st_size > 10_000, r.stderr[-2000:]
 
 
-def test_a_training_run_leaves_a_viewable_log(tmp_path, random_model_dir):
+def test_a_packed_training_run_leaves_a_viewable_log(tmp_path, random_model_dir):
+    """One train.py run for two checks (a process start is most of a CPU test's time): pack=true trains, and the
+    loop's trajectories.jsonl makes a page that renders."""
+    from conftest import step_rows
     from test_train import run_train
     out = tmp_path / "run"
-    r = run_train(f"model={random_model_dir}", "steps=2", "eval_size=8", "prompts_per_step=4", f"out_dir={out}")
+    r = run_train(f"model={random_model_dir}", "steps=2", "eval_size=8", "prompts_per_step=4", f"out_dir={out}",
+                  "micro_batch_size=8", "pack=true")
     assert r.returncode == 0, r.stderr
+    assert all(row["logprob_mismatch/max"] < 1e-4 for row in step_rows(out))   # packed trainer = engine log-probs
     recs = [json.loads(x) for x in open(out / "trajectories.jsonl")]
     assert [r["step"] for r in recs] == [1] * 4 + [2] * 4
     assert all(len(r["pieces"]) == len(r["logprobs"]) == len(r["mask"]) > 0 for r in recs)
