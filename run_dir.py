@@ -145,8 +145,8 @@ def log_trajectories(run_dir: str, step: int, batch, tok, info: dict, task: str,
                "logprobs": r4(batch.sample_logprobs), "cut_tokens": int(batch.attention_mask[i, -C:].sum()) - n,
                "reward": float(batch.rewards[i]), "truncated": bool(batch.truncated[i]),
                "rewards": {name: float(v[i]) for name, v in info.get("per_reward", {}).items()},
-               "failures": [{"reward": f["reward"], "category": f["category"], "reason": str(f["reason"])[:2000]}
-                            for f in fails if f.get("sample") == i],
+               "failures": [{"reward": str(f.get("reward")), "category": str(f.get("category")),
+                             "reason": str(f.get("reason"))[:2000]} for f in fails if f.get("sample") == i],
                "advantage": float((batch.advantages[i] * model).sum() / model.sum().clamp(min=1))}
         if batch.old_logprobs is not None:
             rec["trainer_logprobs"] = r4(batch.old_logprobs)

@@ -214,11 +214,14 @@ def step_summaries(run: str) -> dict:
 
 
 def best_reward(run: str):
-    """The reward a fully correct sample gets (the sum of the reward weights), from config.yaml; None if unknown."""
+    """The reward a fully correct sample gets (the sum of the reward weights), from config.yaml; None if unknown or
+    a multi-turn run's."""
     try:
         import yaml
         with open(os.path.join(run, "config.yaml")) as f:
             cfg = yaml.safe_load(f)
+        if (cfg.get("env") or {}).get("name"):   # an environment's episode return has no fixed best
+            return None
         return float(sum(float(s.rsplit(":", 1)[1]) if ":" in s else 1.0 for s in cfg["rewards"].split(",")))
     except Exception:   # any config without a rewards list of name[:weight]: chips are not coloured good/bad
         return None
