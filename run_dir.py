@@ -127,9 +127,11 @@ def log_trajectories(run_dir: str, step: int, batch, tok, info: dict, task: str,
                      max_tokens: int = 2048, max_bytes: int = 64 << 20):
     """k samples of the step's batch, spread from its lowest reward to its highest (no RNG: resume stays exact):
     prompt, per-token completion text with engine (and trainer, where the loop computed them) log-probs and the
-    loss mask (observations are 0), rewards by name, failure reasons, advantage. The file stops at max_bytes."""
+    loss mask (observations are 0), rewards by name, failure reasons, advantage. As the file fills, fewer steps
+    are logged (every 2nd from 1/8 of max_bytes, every 4th from 2/8, ...), so a long run is covered to its end."""
     path = os.path.join(run_dir, "trajectories.jsonl")
-    if os.path.exists(path) and os.path.getsize(path) > max_bytes:
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    if size >= max_bytes or step % (1 << (8 * size // max_bytes)):
         return
     order = batch.rewards.argsort().tolist()
     picks = sorted({order[round(j * (len(order) - 1) / max(k - 1, 1))] for j in range(min(k, len(order)))})

@@ -64,9 +64,15 @@ def test_log_is_a_bounded_spread_of_each_step(tmp_path):
     odd = next(r for r in first if r["sample"] == 5)
     assert odd["mask"] == [1, 1, 0, 0, 1, 1] and len(odd["pieces"]) == 6    # padding dropped, observations kept
     assert odd["failures"][0]["reason"].startswith("</script>") and "trainer_logprobs" in odd
-    size = os.path.getsize(os.path.join(run, "trajectories.jsonl"))
-    run_dir.log_trajectories(run, 4, episode_batch(), Tok(), {}, "t", max_bytes=size - 1)   # over the cap: no more
-    assert os.path.getsize(os.path.join(run, "trajectories.jsonl")) == size
+    path = os.path.join(run, "trajectories.jsonl")
+    size = os.path.getsize(path)
+    run_dir.log_trajectories(run, 4, episode_batch(), Tok(), {}, "t", max_bytes=size)   # full: no more
+    assert os.path.getsize(path) == size
+    for step in (5, 6):   # 3/8 full: every 8th step only
+        run_dir.log_trajectories(run, step, episode_batch(), Tok(), {}, "t", max_bytes=size * 8 // 3)
+    assert os.path.getsize(path) == size
+    run_dir.log_trajectories(run, 8, episode_batch(), Tok(), {}, "t", max_bytes=size * 8 // 3)
+    assert os.path.getsize(path) > size
 
 
 def view(run, *extra) -> subprocess.CompletedProcess:
