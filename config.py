@@ -251,6 +251,8 @@ class Config:
                                         "docs/memory.md; a value of theirs set away from its default is kept); 0 = off")
     fused_loss: bool = opt(False, "take the policy loss's gradient inside the log-prob kernel (kernels/"
                                   "logprob_loss.py): one lm_head matmul fewer per update; not with a critic")
+    pack: bool = opt(False, "padding-free update: each micro-batch's real tokens as one sequence, positions restarting "
+                            "per sample (flash-attn where installed, else FlexAttention on a GPU; docs/packing.md)")
     compile: bool = opt(False, "torch.compile each decoder layer for training (fewer kernel launches and saved "
                                "activations; the first step pays the compile; under torchrun the layers "
                                "inside FSDP2's units are compiled, its gather hooks run eagerly)")

@@ -18,8 +18,17 @@ The weights make the accumulation exact for the loss aggregations of algos/commo
     seq-mean-token-sum-norm  also x (piece's width / mini-batch's width) when it divides by the width, i.e.
                              when no constant normaliser is set (norm_len=0; the loop sets algo.norm_len)
 size 0 means no split: the mini-batch itself with weight 1, untouched.
+
+pack=true (docs/packing.md) splits differently and lays each piece out without padding:
+    packed_micro_batches   as many pieces as micro_batches makes, rows dealt longest first to the piece with the
+                           fewest real tokens so far, so that the pieces cost about the same (the same weights)
+    pack                   a piece's real tokens as one (1, N) sequence whose positions restart at 0 per sample;
+                           update.packed_completion runs the policy over it
 """
+from dataclasses import dataclass
+
 import torch
+from torch import Tensor
 
 from buffer import Experience
 
@@ -49,14 +58,18 @@ def micro_batches(batch: Experience, size: int, loss_agg: str, norm_len: int = 0
     if size <= 0 or size >= len(batch):
         yield batch, 1.0
         return
-    if loss_agg not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        raise ValueError(f"micro-batching does not know how to weight loss_agg {loss_agg!r}")
+    check_agg(loss_agg)
     lengths = batch.completion_mask.sum(-1)                                        # (B,)
     order = torch.argsort(lengths, descending=True, stable=True)                   # bucket by length
     for start in range(0, len(batch), size):
         rows = order[start:start + size]
         piece = trim(batch.select(rows))
         yield piece, float(split_weight(piece, batch, loss_agg, norm_len))
+
+
+def check_agg(loss_agg: str):
+    if loss_agg not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        raise ValueError(f"micro-batching does not know how to weight loss_agg {loss_agg!r}")
 
 
 def split_weight(piece: Experience, whole: Experience, loss_agg: str, norm_len: int = 0):
@@ -67,3 +80,54 @@ def split_weight(piece: Experience, whole: Experience, loss_agg: str, norm_len: 
     if loss_agg == "seq-mean-token-sum-norm" and not norm_len:      # it divides by the (trimmed) width
         weight *= piece.completion_mask.shape[1] / whole.completion_mask.shape[1]
     return weight
+
+
+# ------------------------------------------------------------------------------------------ packed layout
+def packed_micro_batches(batch: Experience, size: int, loss_agg: str, norm_len: int = 0):
+    """Yield (piece, weight) pairs for pack=true: ceil(B / size) pieces of balanced real-token counts (greedy,
+    longest row first into the lightest piece). Padding costs a packed forward nothing, so rows of any lengths
+    can share a piece; balancing keeps the peak memory (the heaviest piece) near the mean."""
+    if size <= 0 or size >= len(batch):
+        yield batch, 1.0
+        return
+    check_agg(loss_agg)
+    n = -(-len(batch) // size)
+    tokens = batch.attention_mask.sum(-1).tolist()                                 # (B,) real tokens per row
+    rows, load = [[] for _ in range(n)], [0] * n
+    for r in sorted(range(len(batch)), key=lambda r: -tokens[r]):                  # stable: ties keep row order
+        i = min(range(n), key=load.__getitem__)
+        rows[i].append(r)
+        load[i] += tokens[r]
+    for r in rows:
+        piece = trim(batch.select(torch.tensor(sorted(r), device=batch.input_ids.device)))
+        yield piece, float(split_weight(piece, batch, loss_agg, norm_len))
+
+
+@dataclass
+class Packed:
+    """A piece's real tokens as one sequence (what update.packed_completion feeds the policy)."""
+    input_ids: Tensor      # (1, N) every real token (prompt, completion, observations), row after row
+    position_ids: Tensor   # (1, N) 0, 1, ... within each row: transformers reads the restarts as sample boundaries
+    keep: Tensor           # (B, C) bool: the completion tokens in the loss (completion_mask 1)
+    src: Tensor            # (M,) index into N of the token that predicts each kept one, in keep's row-major order
+
+    def to(self, device) -> "Packed":
+        return Packed(*(t.to(device, non_blocking=True) for t in vars(self).values()))
+
+
+def pack(batch: Experience) -> Packed:
+    """The padding-free layout of batch. Real tokens are attention_mask 1; a row's real tokens keep their order, so
+    the positions (the count of real tokens before each) are those of the padded layout (models.position_ids)."""
+    P = batch.prompt_len
+    if P < 1:
+        raise ValueError("pack needs a prompt column: the first completion token is predicted by the one before it")
+    real = batch.attention_mask.bool()                                             # (B, T)
+    where = torch.full(real.shape, -1, dtype=torch.long, device=real.device)       # (B, T) packed index, -1 = padding
+    where[real] = torch.arange(int(real.sum()), device=real.device)
+    keep = batch.completion_mask.bool()                                            # (B, C)
+    src = where[:, P - 1:-1][keep]                                                 # (M,) each kept token's predecessor
+    if bool((src < 0).any()):
+        raise ValueError("a completion token in the loss follows a padding column (attention_mask 0): no real "
+                         "token predicts it")
+    pos = real.long().cumsum(-1) - 1                                               # (B, T)
+    return Packed(batch.input_ids[real][None], pos[real][None], keep, src)

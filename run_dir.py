@@ -120,3 +120,40 @@ def save_plot(run_dir: str, rows: list[dict]):
     fig.savefig(os.path.join(run_dir, "curve.png.tmp"), format="png")
     os.replace(os.path.join(run_dir, "curve.png.tmp"), os.path.join(run_dir, "curve.png"))
     plt.close(fig)
+
+
+# trajectories.jsonl: a few samples per step for tools/view.py, one JSON line each, bounded in size
+def log_trajectories(run_dir: str, step: int, batch, tok, info: dict, task: str, k: int = 4,
+                     max_tokens: int = 2048, max_bytes: int = 64 << 20):
+    """k samples of the step's batch, spread from its lowest reward to its highest (no RNG: resume stays exact):
+    prompt, per-token completion text with engine (and trainer, where the loop computed them) log-probs and the
+    loss mask (observations are 0), rewards by name, failure reasons, advantage. As the file fills, fewer steps
+    are logged (every 2nd from 1/8 of max_bytes, every 4th from 2/8, ...), so a long run is covered to its end."""
+    path = os.path.join(run_dir, "trajectories.jsonl")
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    if size >= max_bytes or step % (1 << (8 * size // max_bytes)):
+        return
+    order = batch.rewards.argsort().tolist()
+    picks = sorted({order[round(j * (len(order) - 1) / max(k - 1, 1))] for j in range(min(k, len(order)))})
+    C, fails = batch.completion_mask.shape[1], info.get("failed", [])
+    lines = []
+    for i in picks:
+        comp = batch.input_ids[i, -C:][batch.attention_mask[i, -C:].bool()][:max_tokens].tolist()   # real tokens
+        n, model = len(comp), batch.completion_mask[i]
+        r4 = lambda t: [round(x, 4) for x in t[i, :n].tolist()]                  # completion columns run left-aligned
+        rec = {"step": step, "sample": i, "group": int(batch.group_ids[i]), "task": task,
+               "prompt": tok.decode(batch.input_ids[i, :-C][batch.attention_mask[i, :-C].bool()].tolist()),
+               "pieces": tok.batch_decode([[t] for t in comp]), "mask": [int(m) for m in model[:n].tolist()],
+               "logprobs": r4(batch.sample_logprobs), "cut_tokens": int(batch.attention_mask[i, -C:].sum()) - n,
+               "reward": float(batch.rewards[i]), "truncated": bool(batch.truncated[i]),
+               "rewards": {name: float(v[i]) for name, v in info.get("per_reward", {}).items()},
+               "failures": [{"reward": str(f.get("reward")), "category": str(f.get("category")),
+                             "reason": str(f.get("reason"))[:2000]} for f in fails if f.get("sample") == i],
+               "advantage": float((batch.advantages[i] * model).sum() / model.sum().clamp(min=1))}
+        if batch.old_logprobs is not None:
+            rec["trainer_logprobs"] = r4(batch.old_logprobs)
+        if batch.turn_rewards is not None:
+            rec["turn_rewards"] = r4(batch.turn_rewards)
+        lines.append(json.dumps(rec))
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")

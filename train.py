@@ -321,6 +321,8 @@ def train_step(run: Run, step: int) -> dict:
     batch, reward_info, n_samples, rounds = draw(run, step, times)   # 1-3. rollout, scoring, log-probs
     rewards = batch.rewards
     batch.advantages = learner.algo.advantages(batch, cfg.algo, sum_over=distributed.all_sum)
+    if run.logger:                                    # a few samples per step for tools/view.py
+        run_dir.log_trajectories(run.run_dir, step, batch, run.tok, reward_info, cfg.env.name or cfg.task)
     with profiling.phase(times, "update"):            # 4. optimizer steps over the buffer's mini-batches
         run.stages.for_update()                       # engine_sleep (offload_optimizer streams: offload.py)
         kept = add_to_buffer(run, batch)

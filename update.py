@@ -15,7 +15,10 @@ The first mini-batch also measures `logprob_mismatch`: |engine log-prob - traine
 before any update has moved the policy, so any gap is numerics or a broken weight sync, never learning.
 Metrics stay on the device until one transfer per optimizer step: an `.item()` per micro-batch would stall the
 GPU until the host caught up.
+pack=true (docs/packing.md): each micro-batch's real tokens run through the policy as one sequence, positions
+restarting per sample (microbatch.pack; packed_completion below), with the same losses and gradients.
 """
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -24,8 +27,9 @@ import torch
 import checkpoint
 import distributed
 from config import trainer_temperature
-from microbatch import micro_batches, split_weight
-from models import completion_logprobs, completion_loss
+from kernels import linear_logprob_loss_kernel, linear_logprobs, token_logprobs
+from microbatch import Packed, micro_batches, pack, packed_micro_batches, split_weight
+from models import completion_logprobs, completion_loss, plain_head
 
 
 @dataclass
@@ -50,7 +54,7 @@ class Learner:
         return [self.policy] + ([self.critic.model] if self.critic is not None else [])
 
 
-def fused_policy_loss(learner: Learner, micro):
+def fused_policy_loss(learner: Learner, micro, packed: Packed | None = None):
     """algo.loss of the micro-batch through models.completion_loss: the kernel hands it rows at a time, and each
     piece's loss is weighted as micro-batching weights pieces, so the sum is the micro-batch's loss."""
     cfg, metrics = learner.cfg, {}
@@ -62,25 +66,101 @@ def fused_policy_loss(learner: Learner, micro):
         for k, v in m.items():
             metrics[k] = metrics.get(k, 0.0) + w * v
         return loss * w
+    if packed is not None:
+        loss, logp, _ = packed_completion(learner.policy, micro, packed, trainer_temperature(cfg), loss_fn)
+        return loss, logp, metrics
     C = micro.completion_mask.shape[1]
     loss, logp, _ = completion_loss(learner.policy, micro.input_ids, micro.attention_mask, C, trainer_temperature(cfg),
                                     loss_fn)
     return loss, logp, metrics
 
 
-def micro_loss(learner: Learner, micro):
-    """-> (loss, trainer log-probs (b, c), the algorithm's metrics) of one micro-batch."""
+def micro_loss(learner: Learner, micro, packed: Packed | None = None):
+    """-> (loss, trainer log-probs (b, c), the algorithm's metrics) of one micro-batch (packed: its padding-free
+    layout, when pack=true)."""
     cfg = learner.cfg
     if cfg.fused_loss:   # speed: the loss's gradient is taken in the kernel, rows at a time
-        return fused_policy_loss(learner, micro)
+        return fused_policy_loss(learner, micro, packed)
     C = micro.completion_mask.shape[1]
-    logp, entropy = completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
-                                        trainer_temperature(cfg))
+    if packed is not None:
+        logp, entropy = packed_completion(learner.policy, micro, packed, trainer_temperature(cfg))
+    else:
+        logp, entropy = completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
+                                            trainer_temperature(cfg))
     new = {"logprobs": logp, "entropy": entropy}
     if learner.critic is not None:   # PPO: the value loss trains the critic in the same backward
         new["values"] = learner.critic.values(micro.input_ids, micro.attention_mask, micro.completion_mask, grad=True)
     loss, metrics = learner.algo.loss(new, micro, cfg.algo)
     return loss, logp, metrics
+
+
+def packed_completion(model, micro, packed: Packed, temperature: float, loss_fn=None):
+    """completion_logprobs (loss_fn None) or completion_loss of micro, from one forward over its packed tokens:
+    no attention mask, so transformers reads the samples' bounds off the position restarts (flash-attn's varlen
+    kernel, or a block-diagonal causal mask for sdpa / flex / eager), and the head runs on the kept tokens only
+    (logits_to_keep = their predecessors). Tokens out of the loss (observations, padding) get log-prob 0.
+    Run it inside packed_attention(model), backward included (gradient checkpointing recomputes in backward).
+    -> (logp, entropy), each (b, C); with loss_fn (loss, logp, entropy) as models.completion_loss returns them."""
+    keep, C = packed.keep, micro.completion_mask.shape[1]
+    targets = torch.where(keep, micro.input_ids[:, -C:], -1)                       # (b, C); < 0: the kernels skip it
+    inputs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, logits_to_keep=packed.src,
+                  use_cache=False)
+    if not plain_head(model):   # a head with a bias or scaling: logits of the M kept tokens, then log-probs
+        lp, ent = token_logprobs(model(**inputs).logits[0], targets[keep], temperature)   # (M, V) -> (M,) x 2
+        logp, entropy = (lp.new_zeros(keep.shape).index_put((keep,), x) for x in (lp, ent))   # (b, C) x 2
+        if loss_fn is None:
+            return logp, entropy
+        return loss_fn(slice(0, len(keep)), logp, entropy), logp.detach(), entropy.detach()
+    head, into_grad = model.get_output_embeddings(), not distributed.is_sharded(model)
+
+    def kept_rows(hidden):   # (1, M, H) -> the log-prob kernels' outputs on the (b, C) layout, 0 off keep
+        h = hidden.new_zeros(*keep.shape, hidden.shape[-1]).index_put((keep,), hidden[0])   # (b, C, H)
+        if loss_fn is None:
+            return linear_logprobs(h, head.weight, targets, temperature, into_grad)
+        return linear_logprob_loss_kernel(h, head.weight, targets, temperature, loss_fn, into_grad=into_grad)
+    # as models._in_head: inside the model's forward (FSDP2 gathers the head there); clones for its hooks
+    head.forward = lambda hidden: tuple(t.clone() for t in kept_rows(hidden))
+    try:
+        return tuple(model(**inputs).logits)
+    finally:
+        del head.forward
+
+
+def flash_attention() -> str | None:
+    """The flash-attn implementation transformers can use here, newest first; None without the package."""
+    from transformers.utils import import_utils
+    for name, check in (("flash_attention_4", "is_flash_attn_4_available"),
+                        ("flash_attention_2", "is_flash_attn_2_available")):
+        if getattr(import_utils, check, lambda: False)():
+            return name
+    return None
+
+
+def packed_attention_name(model) -> str:
+    """The attention for a packed forward. On a GPU: flash-attn's varlen kernel where it is installed (16-bit
+    weights only), else FlexAttention, whose block mask skips the blocks between samples; sdpa and eager take the
+    packed mask whole ((N, N) for N tokens: fine at the CPU's sizes, quadratic work at a GPU's). Elsewhere the
+    model's own."""
+    own = model.config._attn_implementation
+    if model.device.type != "cuda":
+        return own
+    fa = flash_attention() if model.dtype in (torch.bfloat16, torch.float16) else None
+    return fa or "flex_attention"
+
+
+@contextlib.contextmanager
+def packed_attention(model):
+    """Within: packed_attention_name's implementation; the model's own again after (generation keeps its own).
+    The critic, a model of its own, keeps its attention and the padded layout."""
+    own, want = model.config._attn_implementation, packed_attention_name(model)
+    if want == own:
+        yield
+        return
+    model.set_attn_implementation(want)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)
 
 
 def add_mismatch(m: dict, micro, logp, version: int):
@@ -96,16 +176,20 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
     """Forward + backward of every micro-batch of the mini-batch mb; -> its metrics as device tensors."""
     cfg, m = learner.cfg, {}
     scale = distributed.loss_scale(mb.completion_mask, learner.loss_agg)   # this rank's share of the global batch
-    pieces = micro_batches(mb, cfg.micro_batch_size, learner.loss_agg, cfg.algo.norm_len)   # size 0 = one pass
-    for micro, weight in distributed.accumulate(learner.trained, pieces, cfg.offload):   # one reduce-scatter
-        micro = micro.to(learner.device)
-        loss, logp, metrics = micro_loss(learner, micro)
-        (loss * (weight * scale)).backward()
-        if measure_mismatch:
-            add_mismatch(m, micro, logp, learner.version)
-        # x scale as for the loss, so that the plain mean over ranks (distributed.reduce_metrics) is the global one
-        for k, v in {**metrics, "loss": loss.detach()}.items():
-            m[k] = m.get(k, 0.0) + weight * scale * v
+    split = packed_micro_batches if cfg.pack else micro_batches
+    pieces = split(mb, cfg.micro_batch_size, learner.loss_agg, cfg.algo.norm_len)   # size 0 = one pass
+    # the packed forward's attention for forward and backward alike: a recompute must see what the forward saw
+    with packed_attention(learner.policy) if cfg.pack else contextlib.nullcontext():
+        for micro, weight in distributed.accumulate(learner.trained, pieces, cfg.offload):   # one reduce-scatter
+            packed = pack(micro).to(learner.device) if cfg.pack else None   # index math on the host: no device sync
+            micro = micro.to(learner.device)
+            loss, logp, metrics = micro_loss(learner, micro, packed)
+            (loss * (weight * scale)).backward()
+            if measure_mismatch:
+                add_mismatch(m, micro, logp, learner.version)
+            # x scale as for the loss, so that the plain mean over ranks (distributed.reduce_metrics) is the global one
+            for k, v in {**metrics, "loss": loss.detach()}.items():
+                m[k] = m.get(k, 0.0) + weight * scale * v
     return m
 
 
