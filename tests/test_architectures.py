@@ -1,0 +1,129 @@
+"""Every decoder family on the CPU, on tiny random models built from each family's config class: the fast step
+(engines/fast_decode.py over engines/families.py, eager) samples the portable loop's tokens exactly and its
+log-probs equal teacher forcing; the generic path (engines/generic_decode.py) likewise for any causal LM; the
+grouped experts (engines/moe.py) equal transformers' loop over experts."""
+import pytest
+import torch
+
+from engines.base import SamplingParams
+
+EOS, PAD, VOCAB = 1, 0, 48
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=128, eos_token_id=EOS, pad_token_id=PAD,
+              bos_token_id=2, initializer_range=0.3)   # peaked distributions: a near-tie would make
+# "the same tokens" depend on float noise (which tokens top_p drops)
+# what each family's tiny model sets beyond COMMON: small windows (4, 5) so that the prompts and completions cross
+# them; gemma3's layers alternate sliding and global; smollm3's second layer has no rotary; qwen3_moe has one
+# layer of experts and one dense
+FAMILY_CONFIG = {
+    "qwen2": dict(tie_word_embeddings=True),
+    "llama": dict(mlp_bias=True, attention_bias=True),
+    "qwen3": dict(),
+    "mistral": dict(sliding_window=4),
+    "phi3": dict(sliding_window=5, pad_token_id=PAD),
+    "olmo2": dict(),
+    "gemma3_text": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                        final_logit_softcapping=30.0, query_pre_attn_scalar=24),
+    "smollm3": dict(no_rope_layers=[1, 0]),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                      decoder_sparse_step=1, norm_topk_prob=True),
+    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                    logits_scaling=4.0),
+}
+FAST = [f for f in FAMILY_CONFIG if f != "granite"]
+
+
+def tiny_model(family: str, seed: int = 0, dtype=torch.float32):
+    """A 2-layer random model of this family (transformers' config class), in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(family, **{**COMMON, **FAMILY_CONFIG[family]})
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    with torch.no_grad():                       # random norms and biases, so that a misplaced one shows
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 7, 5)]   # left padding
+
+
+def rollout(model, decoder, n: int = 3, top_p: float = 0.95, temperature: float = 1.0, new: int = 10, seed: int = 0):
+    """A rollout through the builtin engine: decoder None = the portable loop. top_p < 1: both sample eagerly with
+    torch.multinomial from one generator, so equal distributions draw equal tokens."""
+    from engines.builtin import BuiltinEngine
+    engine = BuiltinEngine(model, EOS, PAD, fast=decoder is not None)
+    engine.decoder = decoder
+    sp = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=new)
+    return engine.generate(prompts(), n, sp, torch.Generator().manual_seed(seed))
+
+
+def check_against_loop_and_teacher(model, decoder, temperature: float = 1.0):
+    from models import completion_logprobs
+    fast = rollout(model, decoder, temperature=temperature)
+    plain = rollout(model, None, temperature=temperature)
+    assert torch.equal(fast.input_ids, plain.input_ids)                       # the same tokens, EOS and padding
+    assert torch.equal(fast.completion_mask, plain.completion_mask)
+    C = fast.completion_mask.shape[1]
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, fast.input_ids, fast.attention_mask, C, temperature)
+    diff = ((logp - fast.logprobs).abs() * fast.completion_mask).max().item()
+    assert diff <= 1e-4, diff
+    assert (fast.logprobs * fast.completion_mask).sum() < 0                    # the log-probs were written
+    assert C > 6                                                               # past the tiny windows
+
+
+@pytest.mark.parametrize("family", FAST)
+def test_fast_step_matches_loop_and_teacher_forcing(family):
+    from engines.fast_decode import FastDecoder, why_not
+    model = tiny_model(family)
+    assert why_not(model) is None
+    check_against_loop_and_teacher(model, FastDecoder(model, use_graph=False, compile=False))
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
+def test_fast_step_attention_variants(family, attention):
+    """The layer-by-layer attention routes (the kernel's twin runs above) with windows, q/k norms and experts."""
+    from engines.fast_decode import FastDecoder
+    model = tiny_model(family, seed=2)
+    check_against_loop_and_teacher(model, FastDecoder(model, use_graph=False, compile=False, attention=attention),
+                                   temperature=0.8)
+
+
+def test_family_specs_read_off_the_config():
+    """What families.arch_of reads: windows per layer, rotary tables per kind of layer, norm roles, experts."""
+    from engines.families import arch_of
+    gemma, _ = arch_of(tiny_model("gemma3_text"))
+    assert [s.window for s in gemma.layers] == [4, None]
+    assert gemma.rope_kinds == ["sliding_attention", "full_attention"] and gemma.final_softcap == 30.0
+    assert gemma.embed_scale is not None and all(n is not None for n in gemma.layers[0].norms)
+    smol, _ = arch_of(tiny_model("smollm3"))
+    assert smol.rope_kinds == ["default", None] and [s.rope for s in smol.layers] == [0, 1]
+    olmo, _ = arch_of(tiny_model("olmo2"))
+    assert olmo.layers[0].qk_norm == "full" and olmo.layers[0].norms[0] is None
+    assert arch_of(tiny_model("qwen3"))[0].layers[0].qk_norm == "head"
+    assert [s.moe for s in arch_of(tiny_model("qwen3_moe"))[0].layers] == [True, False]
+    assert [s.window for s in arch_of(tiny_model("qwen2"))[0].layers] == [None, None]
+    none, why = arch_of(tiny_model("granite"))
+    assert none is None and "granite" in why
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_grouped_experts_equal_transformers_loop(grouped):
+    from engines.moe import grouped_ok, moe_block, routed_experts
+    if grouped and not grouped_ok(torch.device("cpu"), torch.float32):
+        pytest.skip("torch._grouped_mm does not run on this CPU build")
+    model = tiny_model("qwen3_moe", seed=3)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 9, 64)
+    with torch.no_grad():
+        ref = mlp(x)
+        e, c = mlp.experts, mlp.gate
+        ours = routed_experts(x.view(-1, 64), c.weight, c.top_k, c.norm_topk_prob, e.gate_up_proj, e.down_proj,
+                              e.act_fn, grouped=grouped).view_as(x)
+        assert torch.allclose(moe_block(mlp, x), ref, atol=1e-5)
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
