@@ -127,3 +127,17 @@ def test_grouped_experts_equal_transformers_loop(grouped):
                               e.act_fn, grouped=grouped).view_as(x)
         assert torch.allclose(moe_block(mlp, x), ref, atol=1e-5)
     assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+
+
+def test_granite_logits_scaling_takes_the_plain_head_route():
+    """granite divides its logits by logits_scaling after the head: the fused head kernel (models._in_head) would
+    hand that division a tuple. Its log-probs must come from the model's own logits."""
+    from models import completion_logprobs, plain_head
+    model = tiny_model("granite")
+    assert not plain_head(model)
+    ids = torch.randint(3, VOCAB, (2, 8))
+    mask = torch.ones_like(ids)
+    logp, _ = completion_logprobs(model, ids, mask, 4)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(input_ids=ids).logits[:, -5:-1].float(), -1)
+    assert torch.allclose(logp, ref.gather(-1, ids[:, -4:, None])[..., 0], atol=1e-5)
