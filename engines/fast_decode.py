@@ -158,7 +158,6 @@ class FastDecoder(Step):
         same buffers (captured graphs stay valid): the optimizer moved them since the last call."""
         self.fused = decode_weights.refresh(self.model.model.layers, self.fused, self.packs, self.weights)
 
-
     def _state(self, B: int, S: int, N: int, graph_sampling: bool, device, dtype, turns: bool = False) -> dict:
         """Cache and static buffers for batch B, S cache slots and N new tokens (a graph reads and writes only
         these, so each replay sees the current token, position and sampling step); turns: the multi-turn step's."""
@@ -167,11 +166,8 @@ class FastDecoder(Step):
             if len(self.states) >= 2:             # bound memory: e.g. one training and one evaluation shape
                 self.states.pop(next(iter(self.states)))
             zeros = lambda *shape, dtype=dtype: torch.zeros(*shape, device=device, dtype=dtype)
-            cos, sin = rotary_tables(self.model, self.arch.rope_kinds, S, self.head_dim, device, dtype)  # (R, S, D)
             self.states[key] = {
-                "k": [zeros(B, self.n_kv, S, self.head_dim) for _ in self.model.model.layers],
-                "v": [zeros(B, self.n_kv, S, self.head_dim) for _ in self.model.model.layers],
-                "cos": cos, "sin": sin,
+                **self._cache(B, S, device, dtype),
                 "kpos": zeros(B, S, dtype=torch.long),         # each slot's position (sliding windows)
                 "tok": zeros(B, 1, dtype=torch.long),          # decode input, fed per token
                 "pos": zeros(B, 1, dtype=torch.long),          # its position (real tokens before it)
@@ -186,6 +182,13 @@ class FastDecoder(Step):
                 "gen": zeros(B, dtype=torch.bool), "left": zeros(B, dtype=torch.long), "turns": turns,
                 "graph_sampling": graph_sampling, "graph": None, "logits": None}
         return self.states[key]
+
+    def _cache(self, B: int, S: int, device, dtype) -> dict:
+        """The KV cache (k, v: per layer (B, nkv, S, D)) and the rotary tables (cos, sin: (R, S, D)) of a state."""
+        zeros = lambda: torch.zeros(B, self.n_kv, S, self.head_dim, device=device, dtype=dtype)
+        cos, sin = rotary_tables(self.model, self.arch.rope_kinds, S, self.head_dim, device, dtype)
+        return {"k": [zeros() for _ in self.model.model.layers], "v": [zeros() for _ in self.model.model.layers],
+                "cos": cos, "sin": sin}
 
     def release(self):
         """Free the KV caches, fused weights and graphs (~1 GB for a 0.5B model at 128 x 320): the update

@@ -141,3 +141,21 @@ def test_granite_logits_scaling_takes_the_plain_head_route():
     with torch.no_grad():
         ref = torch.log_softmax(model(input_ids=ids).logits[:, -5:-1].float(), -1)
     assert torch.allclose(logp, ref.gather(-1, ids[:, -4:, None])[..., 0], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["granite", "gemma3_text", "qwen3", "mistral", "qwen3_moe"])
+def test_generic_path_matches_loop_and_teacher_forcing(family):
+    """The model's own forward over a StaticCache with the decoder's masks (windows included), eagerly."""
+    from engines.generic_decode import GenericDecoder
+    model = tiny_model(family, seed=4)
+    check_against_loop_and_teacher(model, GenericDecoder(model, use_graph=False))
+
+
+def test_engine_picks_the_generic_path_for_uncovered_models():
+    from engines.builtin import BuiltinEngine
+    from engines.generic_decode import GenericDecoder
+    from engines.fast_decode import FastDecoder
+    for family, cls in (("granite", GenericDecoder), ("qwen3", FastDecoder)):
+        engine = BuiltinEngine(tiny_model(family), EOS, PAD, fast=True)
+        engine.generate(prompts(), 1, SamplingParams(max_new_tokens=3), torch.Generator().manual_seed(0))
+        assert type(engine.decoder) is cls
