@@ -13,6 +13,7 @@ evaluation samples with the policy itself. The copy always runs the portable loo
 """
 import copy
 import inspect
+import sys
 from collections import deque
 
 import torch
@@ -68,8 +69,19 @@ class BuiltinEngine:
         plain = model is not self.model or sampling.top_k > 0 or sampling.logprobs_mode != "raw"   # the lab's options
         if not plain and (self.fast or (self.fast is None and device.type == "cuda")):
             self.decoder = self.decoder or self._decoder(model)
-            completion, alive, logprobs, done = self.decoder.sample(ids, mask, sampling, self.eos_id, self.pad_id,
-                                                                    generator)
+            try:
+                # the generic decoder runs the model's own layers: compiled for training, they would recompile
+                with torch.compiler.set_stance("force_eager" if type(self.decoder) is GenericDecoder else "default"):
+                    completion, alive, logprobs, done = self.decoder.sample(ids, mask, sampling, self.eos_id,
+                                                                            self.pad_id, generator)
+            except Exception as e:
+                if type(self.decoder) is not GenericDecoder or self.fast:
+                    raise
+                # a model whose forward does not take a StaticCache: the portable loop, from now on
+                print(f"builtin engine: the generic decoder failed ({type(e).__name__}: {str(e)[:200]}); "
+                      "using the portable loop", file=sys.stderr)
+                self.fast, self.decoder = False, None
+                return self.generate(prompts, n, sampling, generator)
             model.train(was_training)
             return make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
         # layers compiled for training (compile=true) would recompile at every new cache length: run them eagerly

@@ -159,3 +159,50 @@ def test_engine_picks_the_generic_path_for_uncovered_models():
         engine = BuiltinEngine(tiny_model(family), EOS, PAD, fast=True)
         engine.generate(prompts(), 1, SamplingParams(max_new_tokens=3), torch.Generator().manual_seed(0))
         assert type(engine.decoder) is cls
+
+
+def _gpu_check(model, decoder, tol: float = 2e-3):
+    """On a GPU: the in-graph sampler (top_p = 1) draws other tokens than the loop; the log-probs it wrote must
+    still be teacher forcing's (float32; TF32 matmuls on either side leave ~1e-3)."""
+    from models import completion_logprobs
+    r = rollout(model, decoder, top_p=1.0, new=24)
+    C = r.completion_mask.shape[1]
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, r.input_ids.cuda(), r.attention_mask.cuda(), C)
+    diff = ((logp.cpu() - r.logprobs).abs() * r.completion_mask).max().item()
+    assert diff <= tol, diff
+    assert (r.logprobs * r.completion_mask).sum() < 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAST)
+def test_gpu_fast_step_graphed_and_compiled(family):
+    from engines.fast_decode import FastDecoder
+    model = tiny_model(family).cuda()
+    dec = FastDecoder(model)                                   # on CUDA: compiled, captured, the decode kernel
+    _gpu_check(model, dec)
+    assert dec.use_graph and dec.captured
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["granite", "gemma3_text", "qwen3_moe"])
+def test_gpu_generic_path_graphed(family):
+    from engines.generic_decode import GenericDecoder
+    model = tiny_model(family).cuda()
+    dec = GenericDecoder(model)
+    _gpu_check(model, dec)
+    assert dec.use_graph, "the capture failed: see stderr"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_grouped_experts_bf16():
+    """torch._grouped_mm on the GPU (bf16) against the dense form, routing from the same router."""
+    from engines.moe import grouped_ok, routed_experts
+    if not grouped_ok(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("no grouped GEMM on this GPU")
+    model = tiny_model("qwen3_moe", dtype=torch.bfloat16).cuda()
+    e, c = model.model.layers[0].mlp.experts, model.model.layers[0].mlp.gate
+    x = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
+    args = (x, c.weight, c.top_k, c.norm_topk_prob, e.gate_up_proj, e.down_proj, e.act_fn)
+    a, b = routed_experts(*args, grouped=True), routed_experts(*args, grouped=False)
+    assert (a.float() - b.float()).abs().max() <= 0.05 * b.float().abs().max()
