@@ -34,7 +34,7 @@ def _norm(m, x: Tensor) -> Tensor:
 
 class Step:
     """Mixed into FastDecoder: needs self.model, self.arch, self.fused, self.attention, self.n_heads, self.n_kv,
-    self.head_dim and self.splits."""
+    self.head_dim, self.splits and self.moe_grouped (engines/moe.py: grouped GEMMs or the dense form)."""
 
     def _forward(self, ids: Tensor, pos: Tensor, slots: Tensor, key_ok: Tensor, ks: list[Tensor], vs: list[Tensor],
                  cos: Tensor, sin: Tensor, kpos: Tensor | None = None) -> Tensor:
@@ -67,7 +67,7 @@ class Step:
                                                           sin[spec.rope], layer.self_attn.scaling), p_o))
             h = _norm(pre_m, x)
             if spec.moe:
-                y = moe_block(layer.mlp, h)
+                y = moe_block(layer.mlp, h, self.moe_grouped)
             else:
                 gate, up = project(h, p_gu).chunk(2, dim=-1)                 # (B, T, I) each
                 act = getattr(layer.mlp, "act_fn", None) or layer.mlp.activation_fn

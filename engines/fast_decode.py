@@ -46,6 +46,7 @@ from engines.base import sample_tokens
 from engines.decode_step import Step, attend  # noqa: F401  (attend: the "matmul" attention, imported from here before)
 from engines.decode_weights import WEIGHTS, groups, pack_layers
 from engines.families import FAMILIES as SUPPORTED, arch_of, rotary_tables
+from engines.moe import use_grouped
 from kernels import sample_token
 
 
@@ -142,6 +143,9 @@ class FastDecoder(Step):
         self.arch, why = arch_of(model)
         if self.arch is None:
             raise ValueError(f"the fast decoder does not cover this model: {why}")
+        moe = [layer.mlp for layer, s in zip(model.model.layers, self.arch.layers) if s.moe]
+        x = torch.empty(1, model.config.hidden_size, device=device, dtype=next(model.parameters()).dtype)
+        self.moe_grouped = bool(moe) and use_grouped(x, moe[0].experts.gate_up_proj, moe[0].experts.down_proj)
         c = model.config
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads

@@ -34,6 +34,11 @@ def _aligned(*ts: Tensor) -> bool:
     return all(t.shape[-1] * t.element_size() % 16 == 0 for t in ts)
 
 
+def use_grouped(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
+    """Grouped GEMMs for these shapes: where torch runs them, with rows of 16-byte multiples."""
+    return grouped_ok(x.device, x.dtype) and _aligned(x, gate_up.transpose(1, 2), down)
+
+
 def _dense_mm(x: Tensor, w: Tensor, expert: Tensor) -> Tensor:
     """x (M, in), w (E, out, in), expert (M,) -> (M, out): row m times w[expert[m]]^T, through every expert."""
     E, out, _ = w.shape
@@ -63,9 +68,10 @@ def routed_experts(x: Tensor, router: Tensor, top_k: int, norm_topk: bool, gate_
     order = flat.argsort(stable=True)                                        # pairs grouped by expert
     expert = flat[order]                                                     # (N k,) sorted
     token = order // top_k                                                   # (N k,) the token of each pair
-    offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)      # (E,) end of each expert's block
+    # (E,) end of each expert's block; searchsorted, not bincount: its output size would need the host
+    offs = torch.searchsorted(expert, torch.arange(E, device=x.device), right=True).to(torch.int32)
     if grouped is None:
-        grouped = grouped_ok(x.device, x.dtype) and _aligned(x, down)
+        grouped = use_grouped(x, gate_up, down)
     h = _expert_mm(x[token], gate_up, expert, offs, grouped)                # (N k, 2I)
     g, u = h.chunk(2, dim=-1)
     h = _expert_mm((act(g) * u).contiguous(), down, expert, offs, grouped)  # (N k, H)
@@ -73,10 +79,12 @@ def routed_experts(x: Tensor, router: Tensor, top_k: int, norm_topk: bool, gate_
     return torch.zeros_like(x).index_add_(0, token, h)                       # (N, H)
 
 
-def moe_block(mlp, x: Tensor) -> Tensor:
-    """A transformers sparse-MoE block (qwen3_moe: .gate router, .experts with 3-D weights) on x (B, T, H)."""
+def moe_block(mlp, x: Tensor, grouped: bool | None = None) -> Tensor:
+    """A transformers sparse-MoE block (qwen3_moe: .gate router, .experts with 3-D weights) on x (B, T, H).
+    grouped: as routed_experts'; a compiled step decides it before tracing (no probe inside the graph)."""
     e, c = mlp.experts, mlp.gate
     top_k = getattr(c, "top_k", None) or mlp.top_k
     norm = getattr(c, "norm_topk_prob", getattr(mlp, "norm_topk_prob", True))
-    y = routed_experts(x.reshape(-1, x.shape[-1]), c.weight, top_k, norm, e.gate_up_proj, e.down_proj, e.act_fn)
+    y = routed_experts(x.reshape(-1, x.shape[-1]), c.weight, top_k, norm, e.gate_up_proj, e.down_proj, e.act_fn,
+                       grouped)
     return y.view_as(x)
