@@ -35,8 +35,9 @@ def _aligned(*ts: Tensor) -> bool:
 
 
 def use_grouped(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
-    """Grouped GEMMs for these shapes: where torch runs them, with rows of 16-byte multiples."""
-    return grouped_ok(x.device, x.dtype) and _aligned(x, gate_up.transpose(1, 2), down)
+    """Grouped GEMMs for these shapes: bf16 (torch.compile's shape rule for _grouped_mm takes no other dtype, though
+    the CPU kernel does), where torch runs them, with rows of 16-byte multiples."""
+    return x.dtype == torch.bfloat16 and grouped_ok(x.device, x.dtype) and _aligned(x, gate_up.transpose(1, 2), down)
 
 
 def _dense_mm(x: Tensor, w: Tensor, expert: Tensor) -> Tensor:
