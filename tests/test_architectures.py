@@ -206,3 +206,52 @@ def test_gpu_grouped_experts_bf16():
     args = (x, c.weight, c.top_k, c.norm_topk_prob, e.gate_up_proj, e.down_proj, e.act_fn)
     a, b = routed_experts(*args, grouped=True), routed_experts(*args, grouped=False)
     assert (a.float() - b.float()).abs().max() <= 0.05 * b.float().abs().max()
+
+
+@pytest.mark.parametrize("family", FAST)
+def test_lora_fused_and_packed_in_place_per_family(family):
+    """LoRA on every linear layer (lora.wrap, as train.py does) with non-zero B: the fast step merges the adapters
+    (weights="fused") or packs them beside the frozen base (weights="in_place": phi3's fused projections and the
+    experts' layers included) and samples what the peft model's loop samples, at teacher forcing's log-probs."""
+    from types import SimpleNamespace
+    import lora
+    from engines.fast_decode import FastDecoder, why_not
+    model = lora.wrap(tiny_model(family, seed=5), SimpleNamespace(r=4, alpha=8, dropout=0.0, targets="all-linear"),
+                      family)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    model.eval()
+    if family == "qwen3_moe":    # peft wraps the experts' 3-D weights too: the generic path applies its adapters
+        from engines.generic_decode import GenericDecoder
+        assert "experts" in why_not(model)
+        check_against_loop_and_teacher(model, GenericDecoder(model, use_graph=False))
+        return
+    assert why_not(model) is None
+    for weights in ("fused", "in_place"):
+        check_against_loop_and_teacher(model, FastDecoder(model, use_graph=False, compile=False, weights=weights))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAST + ["granite"])
+def test_gpu_compiled_layers_with_recompute_match_eager(family):
+    """train.py's compile=true with grad_checkpointing (each layer compiled, the recompute inside its backward:
+    activation_memory_budget 0): the log-probs' gradients equal the eager model's."""
+    from models import completion_logprobs
+    ids = torch.randint(3, VOCAB, (4, 24), device="cuda")
+    mask = torch.ones_like(ids)
+    grads, budget = [], torch._functorch.config.activation_memory_budget
+    for compiled in (False, True):
+        model = tiny_model(family).cuda().train()
+        if compiled:
+            torch._functorch.config.activation_memory_budget = 0.0
+            for layer in model.model.layers:
+                layer.compile()
+        try:
+            logp, _ = completion_logprobs(model, ids, mask, 12)
+            logp.sum().backward()
+        finally:
+            torch._functorch.config.activation_memory_budget = budget
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-3, rtol=1e-3), (grads[0] - grads[1]).abs().max()
