@@ -12,8 +12,8 @@ from torch import Tensor
 
 from engines.decode_weights import project
 from engines.moe import moe_block
-from kernels import decode_attention_kernel
-from kernels.decode_attention import rotate
+from kernels import decode_attention_kernel, use_triton
+from kernels.decode_attention import decode_attention, rotate
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -48,8 +48,8 @@ class Step:
         # the embedding by its weight, not its module: training hooks on it (transformers' gradient checkpointing
         # adds one that calls requires_grad_) would stop torch.compile here
         x = F.embedding(ids, m.embed_tokens.weight)                          # (B, T, H)
-        if arch.embed_scale is not None:
-            x = x * arch.embed_scale.to(x.dtype)
+        if arch.embed_scale:                                                 # gemma3: read live (a .to() moves it)
+            x = x * m.embed_tokens.embed_scale.to(x.dtype)
         windowed = {}                                                        # window -> (B, 1, T, S) mask
         if any(s.window for s in arch.layers):
             if slots.dim() == 1:
@@ -96,8 +96,12 @@ class Step:
         """qkv (B, T, (nh + 2 nkv) D) -> (B, T, nh D): rotary (tables cos, sin (S, D)), the cache write and attention."""
         B, T, _ = qkv.shape
         if self.attention == "kernel" and T == 1 and slots.dim() == 1:      # decode: one kernel does all three
-            return decode_attention_kernel(qkv.reshape(B, -1), cos, sin, pos.view(B), k_cache, v_cache,
-                                           key_ok[:, 0, 0], slots, scale, splits=self.splits).view(B, T, -1)
+            args = (qkv.reshape(B, -1), cos, sin, pos.view(B), k_cache, v_cache, key_ok[:, 0, 0], slots, scale)
+            if self.head_dim > 128 and use_triton(qkv):
+                # gemma3's 256-wide heads: 128-slot tiles of K and V, double-buffered, would pass the shared
+                # memory of an H100 (228 KB); 32-slot tiles fit
+                return decode_attention(*args, block=32, splits=self.splits).view(B, T, -1)
+            return decode_attention_kernel(*args, splits=self.splits).view(B, T, -1)
         return self._attend(qkv, (cos[pos][:, None], sin[pos][:, None]), k_cache, v_cache, slots, key_ok, scale)
 
     def _attend(self, qkv: Tensor, rot: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, slots: Tensor,

@@ -43,7 +43,7 @@ class LayerSpec:
 class Arch:
     layers: list          # LayerSpec per layer
     rope_kinds: list      # per table row: "default", a gemma3 layer type, or None (no rotary: cos 1, sin 0)
-    embed_scale: Tensor | None   # gemma3: the embedding times sqrt(H), in the weights' dtype
+    embed_scale: bool            # gemma3: the embedding times its module's embed_scale (sqrt(H)), in the weights' dtype
     final_softcap: float | None  # logits = cap * tanh(logits / cap)
 
 
@@ -113,7 +113,7 @@ def arch_of(model) -> tuple[Arch | None, str | None]:
         specs.append(LayerSpec(norms=tuple(getattr(layer, r) if r else None for r in roles), qk_norm=qk,
                                window=_window(model, a, i), rope=kinds.index(kind),
                                moe=hasattr(layer.mlp, "experts")))
-    scale = getattr(m.embed_tokens, "embed_scale", None)
+    scale = isinstance(getattr(m.embed_tokens, "embed_scale", None), Tensor)
     return Arch(specs, kinds, scale, getattr(c, "final_logit_softcapping", None)), None
 
 

@@ -100,7 +100,7 @@ def test_family_specs_read_off_the_config():
     gemma, _ = arch_of(tiny_model("gemma3_text"))
     assert [s.window for s in gemma.layers] == [4, None]
     assert gemma.rope_kinds == ["sliding_attention", "full_attention"] and gemma.final_softcap == 30.0
-    assert gemma.embed_scale is not None and all(n is not None for n in gemma.layers[0].norms)
+    assert gemma.embed_scale and all(n is not None for n in gemma.layers[0].norms)
     smol, _ = arch_of(tiny_model("smollm3"))
     assert smol.rope_kinds == ["default", None] and [s.rope for s in smol.layers] == [0, 1]
     olmo, _ = arch_of(tiny_model("olmo2"))
