@@ -255,3 +255,29 @@ def test_gpu_compiled_layers_with_recompute_match_eager(family):
             torch._functorch.config.activation_memory_budget = budget
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert torch.allclose(grads[0], grads[1], atol=1e-3, rtol=1e-3), (grads[0] - grads[1]).abs().max()
+
+
+@pytest.mark.parametrize("family,window,compact", [("gemma3_text", 64, False), ("gemma3_text", 4, False),
+                                                   ("gemma3_text", 4, True), ("qwen3_moe", None, False)])
+def test_multi_turn_fast_path_per_family(tmp_path, family, window, compact):
+    """Multi-turn episodes (engines/multiturn.py) on the fast step, chunks fed at shared slots or after compaction:
+    teacher forcing's log-probs, sliding windows following each slot's position (kpos). Where no window is
+    shorter than an episode, also the portable loop's episodes token for token. (With a short window the
+    portable loop differs from teacher forcing itself: its dynamic cache counts the columns where a row waited.)"""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from conftest import make_random_model
+    from models import load_model
+    from test_multiturn import CHARS, assert_teacher_forced, both_paths, eos_happy
+    _, tok = load_model(make_random_model(str(tmp_path), vocab_chars=CHARS), torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    fields = {**COMMON, **FAMILY_CONFIG[family], "vocab_size": len(tok), "eos_token_id": tok.eos_token_id,
+              "pad_token_id": tok.pad_token_id, "initializer_range": 0.05}   # flatter: episodes of several turns
+    if window:
+        fields["sliding_window"] = window
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields)).eval()
+    model = eos_happy(model, tok.eos_token_id)
+    slow, fast = both_paths(model, tok, SamplingParams(1.0, 0.95, 6), compact=compact)
+    assert_teacher_forced(model, fast)
+    assert fast.completion_mask.shape[1] > 8                                   # several turns: past a window of 4
+    if window != 4:
+        assert torch.equal(slow.input_ids, fast.input_ids) and torch.equal(slow.completion_mask, fast.completion_mask)
