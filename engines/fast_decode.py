@@ -1,8 +1,10 @@
 """Fast path of the built-in engine: a static KV cache and a CUDA-graphed decode step.
 
-engines/builtin.py's BuiltinEngine calls `FastDecoder(model).sample(...)` on CUDA for Llama-shaped decoders (qwen2, llama);
-elsewhere it keeps its plain loop. Tests run this same code on CPU (no graph, no compile) and check that its
-sampling log-probs equal teacher-forced ones.
+engines/builtin.py's BuiltinEngine calls `FastDecoder(model).sample(...)` on CUDA for the decoder families
+engines/families.py describes (qwen2, llama, qwen3, mistral, phi3, olmo2, gemma3_text, smollm3, qwen3_moe; the
+step itself: engines/decode_step.py); other causal LMs take engines/generic_decode.py. Tests run this same code
+on CPU (no graph, no compile) and check that it samples the portable loop's tokens and that its sampling
+log-probs equal teacher-forced ones (tests/test_fast_decode.py, tests/test_architectures.py).
 
     dec = FastDecoder(model)                              # the policy itself: reads its parameters in place
                                                           # (q/k/v and gate/up are re-fused per call, see refresh)
@@ -139,10 +141,10 @@ class FastDecoder(Step):
         self.states: dict[tuple[int, int], dict] = {}   # (B, S) -> cache, static buffers, graph
         self.fused: list[tuple] = []                     # per layer: the (ws, b, A, B, R) of qkv, gate_up, o, down
         # per layer, per group: its Pack or None; in_place re-packs the model's storage here, once per decoder
-        self.packs = pack_layers(model.model.layers) if weights == "in_place" and decode_weights.PACK else None
-        self.arch, why = arch_of(model)
+        self.arch, why = arch_of(model)           # what each layer needs (engines/families.py)
         if self.arch is None:
             raise ValueError(f"the fast decoder does not cover this model: {why}")
+        self.packs = pack_layers(model.model.layers) if weights == "in_place" and decode_weights.PACK else None
         moe = [layer.mlp for layer, s in zip(model.model.layers, self.arch.layers) if s.moe]
         x = torch.empty(1, model.config.hidden_size, device=device, dtype=next(model.parameters()).dtype)
         self.moe_grouped = bool(moe) and use_grouped(x, moe[0].experts.gate_up_proj, moe[0].experts.down_proj)
