@@ -25,10 +25,12 @@ import os
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
+# inductor's pool of compile workers slows the first steps on a GPU host (docs/speed.md); one thread avoids it
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import torch
 
-# name -> (model_type, config fields, path): the shapes of issue 32's table; "generic" is granite at qwen2's shape,
-# a family the hand-written step does not cover
+# name -> (model_type, config fields, path): the shapes of issue 32's table; granite at qwen2's shape stands for
+# the generic path (a family the hand-written step does not cover)
 MODELS = {
     "qwen2": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                             num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True), "fast"),
@@ -45,11 +47,10 @@ MODELS = {
                                     num_attention_heads=16, num_key_value_heads=8, head_dim=128, num_experts=32,
                                     num_experts_per_tok=4, moe_intermediate_size=768, tie_word_embeddings=True),
                   "fast"),
-    "generic (granite)": ("granite", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                                          tie_word_embeddings=True, embedding_multiplier=12.0,
-                                          residual_multiplier=0.22, attention_multiplier=0.0078125,
-                                          logits_scaling=8.0), "generic"),
+    "granite": ("granite", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                                embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                                logits_scaling=8.0), "generic"),
 }
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, sliding_window=4, num_experts=4, num_experts_per_tok=2,
