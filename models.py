@@ -78,8 +78,10 @@ def plain_head(model) -> bool:
     """Are the logits exactly hidden @ lm_head.weight.T (no bias, soft-capping or scale)? Then the fused kernel
     can take the hidden states instead."""
     head, c = model.get_output_embeddings(), model.config
+    # what transformers' causal-LM heads apply after the matmul: gemma's soft-capping, cohere's logit_scale,
+    # granite's logits_scaling (a divisor: with it, the kernel's output would be divided instead of logits)
     return (type(head) is torch.nn.Linear and head.bias is None and not getattr(c, "final_logit_softcapping", None)
-            and getattr(c, "logit_scale", None) is None)
+            and getattr(c, "logit_scale", None) is None and getattr(c, "logits_scaling", 1.0) in (None, 1.0))
 
 
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int,

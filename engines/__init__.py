@@ -3,7 +3,9 @@
     file           registered name
     builtin.py     builtin     plain torch + transformers; on CUDA it decodes through engines/fast_decode.py
     vllm.py        vllm        vLLM in the trainer's process (optional: requirements-vllm.txt)
-    fast_decode.py (not an engine: builtin.py's CUDA decode step; decode_weights.py: how it reads the weights)
+    fast_decode.py (not an engine: builtin.py's CUDA decode step; decode_weights.py: how it reads the weights;
+                   decode_step.py: the model step, families.py: what differs by family, moe.py: routed experts)
+    generic_decode.py (not an engine: builtin.py's CUDA decode for other causal LMs, over transformers' StaticCache)
     multiturn.py   (not an engine: the multi-turn sampler train.py uses when env.name is set; docs/environments.md)
 """
 from engines import builtin, vllm  # noqa: F401  (each file registers its engine; vllm.py imports vLLM lazily)

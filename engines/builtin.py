@@ -1,8 +1,10 @@
 """The built-in engine: plain torch + transformers with a KV cache, on CPU and GPU (engines/base.py: the interface).
 
-On one device it samples with the policy's own parameters, so weight sync costs nothing. On CUDA, for
-Llama-shaped models, it hands the decode to engines/fast_decode.py (static KV cache, CUDA graph); elsewhere it
-runs the portable loop below, a token at a time through transformers' own cache.
+On one device it samples with the policy's own parameters, so weight sync costs nothing. On CUDA it hands the
+decode to engines/fast_decode.py (static KV cache, CUDA graph, a hand-written step for the families in
+engines/families.py) or, for any other causal LM, to engines/generic_decode.py (the model's own forward over a
+StaticCache, graphed); on the CPU it runs the portable loop below, a token at a time through transformers' own
+cache (fast=True takes the fast paths there too, eagerly).
 
 Two deliberate mismatches for the mismatch lab (docs/mismatch.md), both off by default: `sample_dtype` (a copy of
 the policy in another dtype, e.g. a bf16 engine beside an fp32 trainer) and `lag` (the copy gets each synced set
@@ -11,12 +13,14 @@ evaluation samples with the policy itself. The copy always runs the portable loo
 """
 import copy
 import inspect
+import sys
 from collections import deque
 
 import torch
 
 from engines.base import Rollout, SamplingParams, left_pad, make_rollout, sample_tokens
 from engines.fast_decode import FastDecoder, supported
+from engines.generic_decode import GenericDecoder
 from models import position_ids
 from registry import register
 
@@ -46,7 +50,7 @@ class BuiltinEngine:
             self.rollout_model = copy.deepcopy(model).to(dtype).requires_grad_(False)
         self.lag, self.waiting = lag, deque()   # synced weights not yet in the copy, oldest first
         self.eos_id, self.pad_id = eos_id, pad_id
-        # speed: static KV cache + CUDA graph (engines/fast_decode.py); None = on CUDA for the model types it supports
+        # speed: static KV cache + CUDA graph (engines/fast_decode.py, generic_decode.py); None = on CUDA
         self.fast = fast
         self.keep_cache = keep_cache   # a GPU that only generates (mode=async) keeps its cache and graphs between calls
         self.decode_weights = decode_weights   # fused or in_place (engines/decode_weights.py: refresh)
@@ -63,15 +67,32 @@ class BuiltinEngine:
         ids, mask = ids.to(device), mask.to(device)
         B = ids.shape[0]
         plain = model is not self.model or sampling.top_k > 0 or sampling.logprobs_mode != "raw"   # the lab's options
-        if not plain and (self.fast or (self.fast is None and device.type == "cuda" and supported(model))):
-            self.decoder = self.decoder or FastDecoder(model, keep_cache=self.keep_cache, weights=self.decode_weights)
-            completion, alive, logprobs, done = self.decoder.sample(ids, mask, sampling, self.eos_id, self.pad_id,
-                                                                    generator)
+        if not plain and (self.fast or (self.fast is None and device.type == "cuda")):
+            self.decoder = self.decoder or self._decoder(model)
+            try:
+                # the generic decoder runs the model's own layers: compiled for training, they would recompile
+                with torch.compiler.set_stance("force_eager" if type(self.decoder) is GenericDecoder else "default"):
+                    completion, alive, logprobs, done = self.decoder.sample(ids, mask, sampling, self.eos_id,
+                                                                            self.pad_id, generator)
+            except Exception as e:
+                if type(self.decoder) is not GenericDecoder or self.fast:
+                    raise
+                # a model whose forward does not take a StaticCache: the portable loop, from now on
+                print(f"builtin engine: the generic decoder failed ({type(e).__name__}: {str(e)[:200]}); "
+                      "using the portable loop", file=sys.stderr)
+                self.fast, self.decoder = False, None
+                return self.generate(prompts, n, sampling, generator)
             model.train(was_training)
             return make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
         # layers compiled for training (compile=true) would recompile at every new cache length: run them eagerly
         with torch.compiler.set_stance("force_eager"):
             return self._plain_loop(model, ids, mask, B, device, sampling, generator, len(prompts), n, was_training)
+
+    def _decoder(self, model):
+        """The hand-written step where engines/families.py covers the model, else the generic graphed one."""
+        if supported(model):
+            return FastDecoder(model, keep_cache=self.keep_cache, weights=self.decode_weights)
+        return GenericDecoder(model, keep_cache=self.keep_cache)
 
     def _plain_loop(self, model, ids, mask, B, device, sampling, generator, n_prompts, n, was_training) -> Rollout:
         """The portable loop (CPU, or models engines/fast_decode.py does not cover): transformers' KV cache, a token a step."""

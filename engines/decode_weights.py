@@ -79,9 +79,15 @@ def low_rank(ms: list, prev_a: Tensor | None, prev_b: Tensor | None) -> tuple[Te
 
 
 def groups(layer) -> list[list]:
-    """A decoder layer's projections in the four groups that share an input: q/k/v, gate/up, o, down."""
+    """A decoder layer's projections in the four groups that share an input: q/k/v, gate/up, o, down. A family
+    that fuses them already (phi3: qkv_proj, gate_up_proj) has one projection in the group; a layer of routed
+    experts (engines/moe.py reads their weights in place) has none in the MLP's two."""
     a, mlp = layer.self_attn, layer.mlp
-    return [[a.q_proj, a.k_proj, a.v_proj], [mlp.gate_proj, mlp.up_proj], [a.o_proj], [mlp.down_proj]]
+    qkv = [a.qkv_proj] if hasattr(a, "qkv_proj") else [a.q_proj, a.k_proj, a.v_proj]
+    if hasattr(mlp, "experts"):
+        return [qkv, [], [a.o_proj], []]
+    gate_up = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+    return [qkv, gate_up, [a.o_proj], [mlp.down_proj]]
 
 
 class Pack(NamedTuple):
@@ -127,6 +133,8 @@ def pack_group(ms: list) -> Pack | None:
     keeps the unpacked route: a weight that trains (full fine-tuning: the optimizer, FSDP, offload and checkpoint
     loads may swap its storage), weights or biases of different dtypes or devices, an adapter that is DoRA, or a
     group with nothing to gain (one projection, no adapter)."""
+    if not ms:
+        return None
     ws = [base_weight(m) for m in ms]
     bs = [bias_of(m) for m in ms]
     present = [t for t in ws + bs if t is not None]
@@ -209,7 +217,7 @@ def pack_layers(layers) -> list[list]:
         # reserved memory too: a group's buffer is larger than any freed weight, so the caching allocator
         # would take new segments for every layer while keeping the old ones cached (most large weights had
         # segments of their own, which this hands back)
-        if base_weight(layer.mlp.up_proj).is_cuda:
+        if base_weight(layer.self_attn.o_proj).is_cuda:
             torch.cuda.empty_cache()
     return packs
 
@@ -232,7 +240,7 @@ def refresh(layers, fused: list[tuple], packs: list[list] | None, weights: str) 
         old = fused[i] if fused else (None,) * 4
         for j, ms in enumerate(groups(layer) if packs else []):   # moved since (a .to()): pack again
             pk = packs[i][j]
-            if pk is not None and _laid_out([base_weight(m) for m in ms], pk.w.shape[0]) is None:
+            if pk is not None and ms and _laid_out([base_weight(m) for m in ms], pk.w.shape[0]) is None:
                 packs[i][j] = pack_group(ms)
         layer_packs = packs[i] if packs else (None,) * 4
         new.append(tuple(_group(ms, prev, pk, weights) for ms, prev, pk in zip(groups(layer), old, layer_packs)))
@@ -242,6 +250,8 @@ def refresh(layers, fused: list[tuple], packs: list[list] | None, weights: str) 
 def _group(ms: list, prev: tuple | None, pack: Pack | None, weights: str) -> tuple:
     """(ws, b, A, B, R) of Linears (or peft LoRA layers) ms that read the same input; prev: the last call's
     buffers, refilled in place; pack: the group's packed storage, if any."""
+    if not ms:                                                              # routed experts: no group
+        return None
     prev = prev or (None,) * 5
     if pack is not None:
         return [pack.w], pack.b, None, fill(pack, prev[3]), pack.w.shape[0] - pack.out

@@ -1,8 +1,10 @@
 """Fast path of the built-in engine: a static KV cache and a CUDA-graphed decode step.
 
-engines/builtin.py's BuiltinEngine calls `FastDecoder(model).sample(...)` on CUDA for Llama-shaped decoders (qwen2, llama);
-elsewhere it keeps its plain loop. Tests run this same code on CPU (no graph, no compile) and check that its
-sampling log-probs equal teacher-forced ones.
+engines/builtin.py's BuiltinEngine calls `FastDecoder(model).sample(...)` on CUDA for the decoder families
+engines/families.py describes (qwen2, llama, qwen3, mistral, phi3, olmo2, gemma3_text, smollm3, qwen3_moe; the
+step itself: engines/decode_step.py); other causal LMs take engines/generic_decode.py. Tests run this same code
+on CPU (no graph, no compile) and check that it samples the portable loop's tokens and that its sampling
+log-probs equal teacher-forced ones (tests/test_fast_decode.py, tests/test_architectures.py).
 
     dec = FastDecoder(model)                              # the policy itself: reads its parameters in place
                                                           # (q/k/v and gate/up are re-fused per call, see refresh)
@@ -43,11 +45,11 @@ from torch import Tensor
 
 import engines.decode_weights as decode_weights   # its PACK switch: read when a decoder is built (tests, tools set it)
 from engines.base import sample_tokens
-from engines.decode_weights import WEIGHTS, pack_layers, project
-from kernels import decode_attention_kernel, sample_token
-from kernels.decode_attention import rotate
-
-SUPPORTED = ("qwen2", "llama")   # model_type values whose layers have exactly the shape written below
+from engines.decode_step import Step, attend  # noqa: F401  (attend: the "matmul" attention, imported from here before)
+from engines.decode_weights import WEIGHTS, groups, pack_layers
+from engines.families import FAMILIES as SUPPORTED, arch_of, rotary_tables
+from engines.moe import use_grouped
+from kernels import sample_token
 
 
 def base_of(model):
@@ -61,34 +63,24 @@ def plain_or_lora(m) -> bool:
                                           and hasattr(m, "get_delta_weight"))
 
 
-def supported(model) -> bool:
-    """Llama-shaped decoder whose projections are plain nn.Linear (or LoRA over them) holding plain tensors: other
-    adapters or sharded parameters (FSDP's DTensors) would be bypassed by the hand-written step, so they keep the
-    plain loop."""
+def why_not(model) -> str | None:
+    """Why the hand-written step cannot decode this model (then the engine takes engines/generic_decode.py), or None.
+    Beyond its family (engines/families.py: arch_of), every projection must be a plain nn.Linear (or LoRA over
+    one) holding plain tensors: other adapters or sharded parameters (FSDP's DTensors) would be bypassed."""
     model = base_of(model)
-    c = model.config
-    if getattr(c, "model_type", None) not in SUPPORTED or getattr(c, "use_sliding_window", False):
-        return False
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        return False
-    linears = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                                               layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
-                                               layer.mlp.down_proj)]
-    return (all(map(plain_or_lora, linears)) and type(model.lm_head) is torch.nn.Linear
-            and all(type(p.data) is torch.Tensor for p in model.parameters()))
+    arch, why = arch_of(model)
+    if arch is None:
+        return why
+    if not all(plain_or_lora(m) for layer in model.model.layers for group in groups(layer) for m in group):
+        return "a projection that is neither nn.Linear nor LoRA over one"
+    if not all(type(p.data) is torch.Tensor for p in model.parameters()):
+        return "parameters that are not plain tensors (sharded?)"
+    return None
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """q (B, nh, T, D), k and v (B, nkv, S, D), mask (B, 1, T, S) bool -> (B, T, nh * D).
-    The g = nh / nkv query heads of a group share one K/V head (GQA) without copying K/V."""
-    B, nh, T, D = q.shape
-    nkv = k.shape[1]
-    g = nh // nkv
-    s = (q.reshape(B, nkv, g * T, D) @ k.transpose(-1, -2)) * scale            # (B, nkv, g*T, S)
-    s = s.view(B, nkv, g, T, -1).masked_fill(~mask[:, :, None], float("-inf"))
-    p = s.float().softmax(-1).to(q.dtype).view(B, nkv, g * T, -1)            # softmax in fp32, like HF's eager
-    return (p @ v).view(B, nh, T, D).transpose(1, 2).reshape(B, T, nh * D)
+def supported(model) -> bool:
+    """Does the hand-written step cover this model (why_not says why not)?"""
+    return why_not(model) is None
 
 
 class Clock:
@@ -133,7 +125,7 @@ ATTENTION_SPLITS = int(os.environ.get("FAST_DECODE_SPLITS", "1"))
 SAMPLER = os.environ.get("FAST_DECODE_SAMPLER", "cdf")
 
 
-class FastDecoder:
+class FastDecoder(Step):
     def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
                  attention: str = "kernel", keep_cache: bool = False, weights: str = "fused"):
         if attention not in ("matmul", "sdpa", "kernel"):
@@ -149,7 +141,13 @@ class FastDecoder:
         self.states: dict[tuple[int, int], dict] = {}   # (B, S) -> cache, static buffers, graph
         self.fused: list[tuple] = []                     # per layer: the (ws, b, A, B, R) of qkv, gate_up, o, down
         # per layer, per group: its Pack or None; in_place re-packs the model's storage here, once per decoder
+        self.arch, why = arch_of(model)           # what each layer needs (engines/families.py)
+        if self.arch is None:
+            raise ValueError(f"the fast decoder does not cover this model: {why}")
         self.packs = pack_layers(model.model.layers) if weights == "in_place" and decode_weights.PACK else None
+        moe = [layer.mlp for layer, s in zip(model.model.layers, self.arch.layers) if s.moe]
+        x = torch.empty(1, model.config.hidden_size, device=device, dtype=next(model.parameters()).dtype)
+        self.moe_grouped = bool(moe) and use_grouped(x, moe[0].experts.gate_up_proj, moe[0].experts.down_proj)
         c = model.config
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -157,61 +155,14 @@ class FastDecoder:
         self.compact_always = False   # tests: take feed's compaction route every time
         self.captured = False   # once warm, a re-capture needs 1 warm-up step, not 3 (measured: docs/speed.md)
 
-    # --- the model, by hand ---------------------------------------------------------------------
-    def _forward(self, ids: Tensor, pos: Tensor, slots: Tensor, key_ok: Tensor, ks: list[Tensor], vs: list[Tensor],
-                 cos: Tensor, sin: Tensor) -> Tensor:
-        """ids, pos (B, T); writes these T tokens' K/V at cache slots (T,), or (B, T) per row, of ks, vs (per layer
-        (B, nkv, S, D));
-        key_ok (B, 1, T, S) says which slots each query may see; cos, sin (S, D) rotary tables.
-        Returns the last token's logits (B, V)."""
-        m = self.model.model
-        B, T = ids.shape
-        nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
-        # the embedding by its weight, not its module: training hooks on it (transformers' gradient checkpointing
-        # adds one that calls requires_grad_) would stop torch.compile here
-        x = F.embedding(ids, m.embed_tokens.weight)                          # (B, T, H)
-        rot = cos[pos][:, None], sin[pos][:, None]                           # (B, 1, T, D) each
-        for i, layer in enumerate(m.layers):
-            a, mlp, (p_qkv, p_gu, p_o, p_down) = layer.self_attn, layer.mlp, self.fused[i]
-            qkv = project(layer.input_layernorm(x), p_qkv)                   # (B, T, (nh + 2 nkv) D)
-            if self.attention == "kernel" and T == 1 and slots.dim() == 1:   # decode: rotary, cache write, attention
-                o = decode_attention_kernel(qkv.view(B, -1), cos, sin, pos.view(B), ks[i], vs[i], key_ok[:, 0, 0], slots,
-                               a.scaling, splits=ATTENTION_SPLITS).view(B, T, nh * D)
-            else:
-                o = self._attend(qkv, rot, ks[i], vs[i], slots, key_ok, a.scaling)
-            x = x + project(o, p_o)
-            gate, up = project(layer.post_attention_layernorm(x), p_gu).chunk(2, dim=-1)  # (B, T, I) each
-            x = x + project(mlp.act_fn(gate) * up, p_down)
-        return self.model.lm_head(m.norm(x[:, -1]))                          # (B, V)
-
-    def _attend(self, qkv: Tensor, rot: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, slots: Tensor,
-                key_ok: Tensor, scale: float) -> Tensor:
-        """Layer by layer: qkv (B, T, (nh + 2 nkv) D) -> rotary, cache write at slots (T,) (or per row (B, T): a
-        multi-turn chunk), attention (B, T, nh D). The prefill's route, and the decode's with attention="sdpa" or "matmul"."""
-        B, T, _ = qkv.shape
-        nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
-        q, k, v = qkv.split([nh * D, nkv * D, nkv * D], dim=-1)
-        q = q.view(B, T, nh, D).transpose(1, 2)                              # (B, nh, T, D)
-        k = k.view(B, T, nkv, D).transpose(1, 2)                             # (B, nkv, T, D)
-        v = v.view(B, T, nkv, D).transpose(1, 2)
-        q, k = rotate(q, *rot), rotate(k, *rot)
-        if slots.dim() == 1:
-            k_cache.index_copy_(2, slots, k)
-            v_cache.index_copy_(2, slots, v)
-        else:   # each row's chunk at its own slots (B, T)
-            at = slots[:, None, :, None].expand(B, nkv, T, D)
-            k_cache.scatter_(2, at, k.to(k_cache.dtype))
-            v_cache.scatter_(2, at, v.to(v_cache.dtype))
-        if self.attention == "matmul":
-            return attend(q, k_cache, v_cache, key_ok, scale)
-        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=key_ok, scale=scale, enable_gqa=True)
-        return o.transpose(1, 2).reshape(B, T, nh * D)                       # (B, T, nh * D)
+    @property
+    def splits(self) -> int:       # read at each step: tools set ATTENTION_SPLITS between rollouts
+        return ATTENTION_SPLITS
 
     def refresh(self):
         """Re-read the weights the step applies (engines/decode_weights.py: refresh) before each rollout, into the
         same buffers (captured graphs stay valid): the optimizer moved them since the last call."""
         self.fused = decode_weights.refresh(self.model.model.layers, self.fused, self.packs, self.weights)
-
 
     def _state(self, B: int, S: int, N: int, graph_sampling: bool, device, dtype, turns: bool = False) -> dict:
         """Cache and static buffers for batch B, S cache slots and N new tokens (a graph reads and writes only
@@ -221,12 +172,9 @@ class FastDecoder:
             if len(self.states) >= 2:             # bound memory: e.g. one training and one evaluation shape
                 self.states.pop(next(iter(self.states)))
             zeros = lambda *shape, dtype=dtype: torch.zeros(*shape, device=device, dtype=dtype)
-            at = torch.arange(S, device=device)[None]                        # (1, S)
-            cos, sin = self.model.model.rotary_emb(zeros(1, 1, self.head_dim), at)  # (1, S, D) each
             self.states[key] = {
-                "k": [zeros(B, self.n_kv, S, self.head_dim) for _ in self.model.model.layers],
-                "v": [zeros(B, self.n_kv, S, self.head_dim) for _ in self.model.model.layers],
-                "cos": cos[0], "sin": sin[0],
+                **self._cache(B, S, device, dtype),
+                "kpos": zeros(B, S, dtype=torch.long),         # each slot's position (sliding windows)
                 "tok": zeros(B, 1, dtype=torch.long),          # decode input, fed per token
                 "pos": zeros(B, 1, dtype=torch.long),          # its position (real tokens before it)
                 "slot": zeros(1, dtype=torch.long),            # its cache slot
@@ -241,6 +189,13 @@ class FastDecoder:
                 "graph_sampling": graph_sampling, "graph": None, "logits": None}
         return self.states[key]
 
+    def _cache(self, B: int, S: int, device, dtype) -> dict:
+        """The KV cache (k, v: per layer (B, nkv, S, D)) and the rotary tables (cos, sin: (R, S, D)) of a state."""
+        zeros = lambda: torch.zeros(B, self.n_kv, S, self.head_dim, device=device, dtype=dtype)
+        cos, sin = rotary_tables(self.model, self.arch.rope_kinds, S, self.head_dim, device, dtype)
+        return {"k": [zeros() for _ in self.model.model.layers], "v": [zeros() for _ in self.model.model.layers],
+                "cos": cos, "sin": sin}
+
     def release(self):
         """Free the KV caches, fused weights and graphs (~1 GB for a 0.5B model at 128 x 320): the update
         that follows a rollout gets that memory. The next call re-allocates and re-captures (tens of ms)."""
@@ -251,7 +206,8 @@ class FastDecoder:
         """One decode step from the static buffers: forward the last sampled token, then (graph_sampling)
         sample the next one. Everything it touches is a buffer in st, so a graph of it replays correctly."""
         st["key_ok"].index_fill_(3, st["slot"], True)                       # the new token's slot is visible
-        logits = self._step(st["tok"], st["pos"], st["slot"], st["key_ok"], st["k"], st["v"], st["cos"], st["sin"])
+        logits = self._step(st["tok"], st["pos"], st["slot"], st["key_ok"], st["k"], st["v"], st["cos"], st["sin"],
+                            st["kpos"])
         st["pos"] += 1
         st["slot"] += 1
         if st["graph_sampling"]:
@@ -334,15 +290,15 @@ class FastDecoder:
         # eager: compiling it (dynamic shapes) costs far more on the first call than it saves per rollout
         # (measured: docs/speed.md, "Third session")
         logits = self._forward(ids, (mask.cumsum(-1) - 1).clamp(min=0), slots[:P], key_ok[:, None], st["k"], st["v"],
-                               st["cos"], st["sin"])
+                               st["cos"], st["sin"], st["kpos"])
         st["key_ok"].copy_(real[:, None, None])
         st["pos"].copy_(mask.sum(-1, keepdim=True))
         st["slot"].fill_(P)
         st["t"].zero_()
         st["inv_t"].fill_(1.0 / sampling.temperature)
-        # the kernel's noise comes from this seed: drawn from the caller's generator, so runs repeat exactly
-        where = generator.device if generator is not None else "cpu"
-        st["seed"].fill_(int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=where)))
+        if graph_sampling:   # the kernel's noise comes from this seed: drawn from the caller's generator, so runs
+            where = generator.device if generator is not None else "cpu"   # repeat exactly; eager sampling draws
+            st["seed"].fill_(int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=where)))  # as the loop
         st["completion"].fill_(pad_id)
         st["alive"].zero_()
         st["logprobs"].zero_()
@@ -401,6 +357,7 @@ class FastDecoder:
         for cache in st["k"] + st["v"]:                                             # (B, nkv, S, D) each
             cache.copy_(cache.gather(2, at.expand_as(cache)))
         ok.copy_(ok.gather(1, order))
+        st["kpos"].copy_(st["kpos"].gather(1, order))
 
     @torch.no_grad()
     def feed(self, chunks: list[list[int]], split: Split = OFF):
@@ -428,7 +385,8 @@ class FastDecoder:
         first = self.slot + W - n                                                   # (B, 1) first new real slot
         chunk = (at >= first[:, :, None]) & (at <= slots[:, :, None]) & real[:, :, None]   # (B, W, S) causal
         key_ok = st["key_ok"][:, 0] | chunk | (at == slots[:, :, None])           # (B, W, S)
-        self.logits = self._forward(ids, pos, slots, key_ok[:, None], st["k"], st["v"], st["cos"], st["sin"])
+        self.logits = self._forward(ids, pos, slots, key_ok[:, None], st["k"], st["v"], st["cos"], st["sin"],
+                                    st["kpos"])
         st["key_ok"][:, 0, 0] |= (at >= first) & (at < self.slot + W)
         st["pos"] += n
         self.slot += W
@@ -439,7 +397,8 @@ class FastDecoder:
         that stays invisible and do not advance their position. Then (graph_sampling) sample the next token."""
         gen = st["gen"]
         st["key_ok"].index_copy_(3, st["slot"], gen.view(-1, 1, 1, 1))
-        logits = self._step(st["tok"], st["pos"], st["slot"], st["key_ok"], st["k"], st["v"], st["cos"], st["sin"])
+        logits = self._step(st["tok"], st["pos"], st["slot"], st["key_ok"], st["k"], st["v"], st["cos"], st["sin"],
+                            st["kpos"])
         st["pos"] += gen[:, None]
         st["slot"] += 1
         if st["graph_sampling"]:

@@ -1,0 +1,290 @@
+"""Every decoder family on the CPU, on tiny random models built from each family's config class: the fast step
+(engines/fast_decode.py over engines/families.py, eager) samples the portable loop's tokens exactly and its
+log-probs equal teacher forcing; the generic path (engines/generic_decode.py) likewise for any causal LM; the
+grouped experts (engines/moe.py) equal transformers' loop over experts."""
+import pytest
+import torch
+
+from engines.base import SamplingParams
+
+EOS, PAD, VOCAB = 1, 0, 48
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=128, eos_token_id=EOS, pad_token_id=PAD,
+              bos_token_id=2, initializer_range=0.3)   # peaked distributions: a near-tie would make
+# "the same tokens" depend on float noise (which tokens top_p drops)
+# what each family's tiny model sets beyond COMMON: small windows (4, 5) so that the prompts and completions cross
+# them; gemma3's layers alternate sliding and global; smollm3's second layer has no rotary; qwen3_moe has one
+# layer of experts and one dense
+FAMILY_CONFIG = {
+    "qwen2": dict(tie_word_embeddings=True),
+    "llama": dict(mlp_bias=True, attention_bias=True),
+    "qwen3": dict(),
+    "mistral": dict(sliding_window=4),
+    "phi3": dict(sliding_window=5, pad_token_id=PAD),
+    "olmo2": dict(),
+    "gemma3_text": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                        final_logit_softcapping=30.0, query_pre_attn_scalar=24),
+    "smollm3": dict(no_rope_layers=[1, 0]),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                      decoder_sparse_step=1, norm_topk_prob=True),
+    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                    logits_scaling=4.0),
+}
+FAST = [f for f in FAMILY_CONFIG if f != "granite"]
+
+
+def tiny_model(family: str, seed: int = 0, dtype=torch.float32):
+    """A 2-layer random model of this family (transformers' config class), in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(family, **{**COMMON, **FAMILY_CONFIG[family]})
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    with torch.no_grad():                       # random norms and biases, so that a misplaced one shows
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 7, 5)]   # left padding
+
+
+def rollout(model, decoder, n: int = 3, top_p: float = 0.95, temperature: float = 1.0, new: int = 10, seed: int = 0):
+    """A rollout through the builtin engine: decoder None = the portable loop. top_p < 1: both sample eagerly with
+    torch.multinomial from one generator, so equal distributions draw equal tokens."""
+    from engines.builtin import BuiltinEngine
+    engine = BuiltinEngine(model, EOS, PAD, fast=decoder is not None)
+    engine.decoder = decoder
+    sp = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=new)
+    return engine.generate(prompts(), n, sp, torch.Generator().manual_seed(seed))
+
+
+def check_against_loop_and_teacher(model, decoder, temperature: float = 1.0):
+    from models import completion_logprobs
+    fast = rollout(model, decoder, temperature=temperature)
+    plain = rollout(model, None, temperature=temperature)
+    assert torch.equal(fast.input_ids, plain.input_ids)                       # the same tokens, EOS and padding
+    assert torch.equal(fast.completion_mask, plain.completion_mask)
+    C = fast.completion_mask.shape[1]
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, fast.input_ids, fast.attention_mask, C, temperature)
+    diff = ((logp - fast.logprobs).abs() * fast.completion_mask).max().item()
+    assert diff <= 1e-4, diff
+    assert (fast.logprobs * fast.completion_mask).sum() < 0                    # the log-probs were written
+    assert C > 6                                                               # past the tiny windows
+
+
+@pytest.mark.parametrize("family", FAST)
+def test_fast_step_matches_loop_and_teacher_forcing(family):
+    from engines.fast_decode import FastDecoder, why_not
+    model = tiny_model(family)
+    assert why_not(model) is None
+    check_against_loop_and_teacher(model, FastDecoder(model, use_graph=False, compile=False))
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
+def test_fast_step_attention_variants(family, attention):
+    """The layer-by-layer attention routes (the kernel's twin runs above) with windows, q/k norms and experts."""
+    from engines.fast_decode import FastDecoder
+    model = tiny_model(family, seed=2)
+    check_against_loop_and_teacher(model, FastDecoder(model, use_graph=False, compile=False, attention=attention),
+                                   temperature=0.8)
+
+
+def test_family_specs_read_off_the_config():
+    """What families.arch_of reads: windows per layer, rotary tables per kind of layer, norm roles, experts."""
+    from engines.families import arch_of
+    gemma, _ = arch_of(tiny_model("gemma3_text"))
+    assert [s.window for s in gemma.layers] == [4, None]
+    assert gemma.rope_kinds == ["sliding_attention", "full_attention"] and gemma.final_softcap == 30.0
+    assert gemma.embed_scale and all(n is not None for n in gemma.layers[0].norms)
+    smol, _ = arch_of(tiny_model("smollm3"))
+    assert smol.rope_kinds == ["default", None] and [s.rope for s in smol.layers] == [0, 1]
+    olmo, _ = arch_of(tiny_model("olmo2"))
+    assert olmo.layers[0].qk_norm == "full" and olmo.layers[0].norms[0] is None
+    assert arch_of(tiny_model("qwen3"))[0].layers[0].qk_norm == "head"
+    assert [s.moe for s in arch_of(tiny_model("qwen3_moe"))[0].layers] == [True, False]
+    assert [s.window for s in arch_of(tiny_model("qwen2"))[0].layers] == [None, None]
+    none, why = arch_of(tiny_model("granite"))
+    assert none is None and "granite" in why
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_grouped_experts_equal_transformers_loop(grouped):
+    from engines.moe import grouped_ok, moe_block, routed_experts
+    if grouped and not grouped_ok(torch.device("cpu"), torch.float32):
+        pytest.skip("torch._grouped_mm does not run on this CPU build")
+    model = tiny_model("qwen3_moe", seed=3)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 9, 64)
+    with torch.no_grad():
+        ref = mlp(x)
+        e, c = mlp.experts, mlp.gate
+        ours = routed_experts(x.view(-1, 64), c.weight, c.top_k, c.norm_topk_prob, e.gate_up_proj, e.down_proj,
+                              e.act_fn, grouped=grouped).view_as(x)
+        assert torch.allclose(moe_block(mlp, x), ref, atol=1e-5)
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+
+
+def test_granite_logits_scaling_takes_the_plain_head_route():
+    """granite divides its logits by logits_scaling after the head: the fused head kernel (models._in_head) would
+    hand that division a tuple. Its log-probs must come from the model's own logits."""
+    from models import completion_logprobs, plain_head
+    model = tiny_model("granite")
+    assert not plain_head(model)
+    ids = torch.randint(3, VOCAB, (2, 8))
+    mask = torch.ones_like(ids)
+    logp, _ = completion_logprobs(model, ids, mask, 4)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(input_ids=ids).logits[:, -5:-1].float(), -1)
+    assert torch.allclose(logp, ref.gather(-1, ids[:, -4:, None])[..., 0], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["granite", "gemma3_text", "qwen3", "mistral", "qwen3_moe"])
+def test_generic_path_matches_loop_and_teacher_forcing(family):
+    """The model's own forward over a StaticCache with the decoder's masks (windows included), eagerly."""
+    from engines.generic_decode import GenericDecoder
+    model = tiny_model(family, seed=4)
+    check_against_loop_and_teacher(model, GenericDecoder(model, use_graph=False))
+
+
+def test_engine_picks_the_generic_path_for_uncovered_models():
+    from engines.builtin import BuiltinEngine
+    from engines.generic_decode import GenericDecoder
+    from engines.fast_decode import FastDecoder
+    for family, cls in (("granite", GenericDecoder), ("qwen3", FastDecoder)):
+        engine = BuiltinEngine(tiny_model(family), EOS, PAD, fast=True)
+        engine.generate(prompts(), 1, SamplingParams(max_new_tokens=3), torch.Generator().manual_seed(0))
+        assert type(engine.decoder) is cls
+
+
+def _gpu_check(model, decoder, tol: float = 2e-3):
+    """On a GPU: the in-graph sampler (top_p = 1) draws other tokens than the loop; the log-probs it wrote must
+    still be teacher forcing's (float32; TF32 matmuls on either side leave ~1e-3). The Gumbel sampler: the
+    inverse-CDF one faulted on tiny vocabularies on an H200 (seen 2026-11-27), which these tests are not
+    about (tests/test_fast_decode.py and the kernel tests cover the samplers)."""
+    import engines.fast_decode as fast_decode
+    from models import completion_logprobs
+    sampler, fast_decode.SAMPLER = fast_decode.SAMPLER, "gumbel"
+    try:
+        r = rollout(model, decoder, top_p=1.0, new=24)
+    finally:
+        fast_decode.SAMPLER = sampler
+    C = r.completion_mask.shape[1]
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, r.input_ids.cuda(), r.attention_mask.cuda(), C)
+    diff = ((logp.cpu() - r.logprobs).abs() * r.completion_mask).max().item()
+    assert diff <= tol, diff
+    assert (r.logprobs * r.completion_mask).sum() < 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAST)
+def test_gpu_fast_step_graphed_and_compiled(family):
+    from engines.fast_decode import FastDecoder
+    model = tiny_model(family).cuda()
+    dec = FastDecoder(model)                                   # on CUDA: compiled, captured, the decode kernel
+    _gpu_check(model, dec)
+    assert dec.use_graph and dec.captured
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["granite", "gemma3_text", "qwen3_moe"])
+def test_gpu_generic_path_graphed(family):
+    from engines.generic_decode import GenericDecoder
+    model = tiny_model(family).cuda()
+    dec = GenericDecoder(model)
+    _gpu_check(model, dec)
+    assert dec.use_graph, "the capture failed: see stderr"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_grouped_experts_bf16():
+    """torch._grouped_mm on the GPU (bf16) against the dense form, routing from the same router."""
+    from engines.moe import grouped_ok, routed_experts
+    if not grouped_ok(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("no grouped GEMM on this GPU")
+    model = tiny_model("qwen3_moe", dtype=torch.bfloat16).cuda()
+    e, c = model.model.layers[0].mlp.experts, model.model.layers[0].mlp.gate
+    x = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
+    args = (x, c.weight, c.top_k, c.norm_topk_prob, e.gate_up_proj, e.down_proj, e.act_fn)
+    a, b = routed_experts(*args, grouped=True), routed_experts(*args, grouped=False)
+    assert (a.float() - b.float()).abs().max() <= 0.05 * b.float().abs().max()
+
+
+@pytest.mark.parametrize("family", FAST)
+def test_lora_fused_and_packed_in_place_per_family(family):
+    """LoRA on every linear layer (lora.wrap, as train.py does) with non-zero B: the fast step merges the adapters
+    (weights="fused") or packs them beside the frozen base (weights="in_place": phi3's fused projections and the
+    experts' layers included) and samples what the peft model's loop samples, at teacher forcing's log-probs."""
+    from types import SimpleNamespace
+    import lora
+    from engines.fast_decode import FastDecoder, why_not
+    model = lora.wrap(tiny_model(family, seed=5), SimpleNamespace(r=4, alpha=8, dropout=0.0, targets="all-linear"),
+                      family)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    model.eval()
+    if family == "qwen3_moe":    # peft wraps the experts' 3-D weights too: the generic path applies its adapters
+        from engines.generic_decode import GenericDecoder
+        assert "experts" in why_not(model)
+        check_against_loop_and_teacher(model, GenericDecoder(model, use_graph=False))
+        return
+    assert why_not(model) is None
+    for weights in ("fused", "in_place"):
+        check_against_loop_and_teacher(model, FastDecoder(model, use_graph=False, compile=False, weights=weights))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAST + ["granite"])
+def test_gpu_compiled_layers_with_recompute_match_eager(family):
+    """train.py's compile=true with grad_checkpointing (each layer compiled, the recompute inside its backward:
+    activation_memory_budget 0): the log-probs' gradients equal the eager model's."""
+    from models import completion_logprobs
+    ids = torch.randint(3, VOCAB, (4, 24), device="cuda")
+    mask = torch.ones_like(ids)
+    grads, budget = [], torch._functorch.config.activation_memory_budget
+    for compiled in (False, True):
+        model = tiny_model(family).cuda().train()
+        if compiled:
+            torch._functorch.config.activation_memory_budget = 0.0
+            for layer in model.model.layers:
+                layer.compile()
+        try:
+            logp, _ = completion_logprobs(model, ids, mask, 12)
+            logp.sum().backward()
+        finally:
+            torch._functorch.config.activation_memory_budget = budget
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-3, rtol=1e-3), (grads[0] - grads[1]).abs().max()
+
+
+@pytest.mark.parametrize("family,window,compact", [("gemma3_text", 64, False), ("gemma3_text", 4, False),
+                                                   ("gemma3_text", 4, True), ("qwen3_moe", None, False)])
+def test_multi_turn_fast_path_per_family(tmp_path, family, window, compact):
+    """Multi-turn episodes (engines/multiturn.py) on the fast step, chunks fed at shared slots or after compaction:
+    teacher forcing's log-probs, sliding windows following each slot's position (kpos). Where no window is
+    shorter than an episode, also the portable loop's episodes token for token. (With a short window the
+    portable loop differs from teacher forcing itself: its dynamic cache counts the columns where a row waited.)"""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from conftest import make_random_model
+    from models import load_model
+    from test_multiturn import CHARS, assert_teacher_forced, both_paths, eos_happy
+    _, tok = load_model(make_random_model(str(tmp_path), vocab_chars=CHARS), torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    fields = {**COMMON, **FAMILY_CONFIG[family], "vocab_size": len(tok), "eos_token_id": tok.eos_token_id,
+              "pad_token_id": tok.pad_token_id, "initializer_range": 0.05}   # flatter: episodes of several turns
+    if window:
+        fields["sliding_window"] = window
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields)).eval()
+    model = eos_happy(model, tok.eos_token_id)
+    slow, fast = both_paths(model, tok, SamplingParams(1.0, 0.95, 6), compact=compact)
+    assert_teacher_forced(model, fast)
+    assert fast.completion_mask.shape[1] > 8                                   # several turns: past a window of 4
+    if window != 4:
+        assert torch.equal(slow.input_ids, fast.input_ids) and torch.equal(slow.completion_mask, fast.completion_mask)

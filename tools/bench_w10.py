@@ -1,0 +1,199 @@
+"""W10 (docs/benchmarks.md): W1's rollout by model family, the built-in engine against transformers' static-cache
+`generate`, normalised by the bytes of weights each token reads.
+
+    python tools/bench_w10.py                     # GPU: every model below, bf16, ~5 minutes at most (--budget)
+    python tools/bench_w10.py --tiny              # CPU smoke run: the same code on 2-layer toy shapes, seconds
+    python tools/bench_w10.py --only qwen3,gemma3 --no-hf --json out.json
+
+Workload: 16 prompts x 8 samples, 64 random tokens each, 256 new tokens, temperature 1, top_p 1, random bf16
+weights built here from each family's config class (no hub), EOS outside the vocabulary, so every row runs to
+full length. Per model: the engine's rollout (BuiltinEngine.generate: the hand-written step for the families
+in engines/families.py, the generic graphed path otherwise; the first call compiles and captures and is not
+timed), then transformers' generate with cache_implementation="static". Each model runs in a try/except that
+prints its failure; models left when --budget seconds have passed are skipped, and the table says so.
+
+Normalised: seconds per (parameter read per token), relative to qwen2's fast path in the same run. A token reads
+every weight except the embedding rows it does not look up (the head reads the whole vocabulary matrix); an MoE
+token reads its top_k experts of E. Goals (issue 32): every listed family within 1.3x of qwen2; the generic path
+within 2x and at most 0.5x of transformers' static-cache generate.
+"""
+import argparse
+import json
+import statistics
+import sys
+import os
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
+# inductor's pool of compile workers slows the first steps on a GPU host (docs/speed.md); one thread avoids it
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+import torch
+
+# name -> (model_type, config fields, path): the shapes of issue 32's table; granite at qwen2's shape stands for
+# the generic path (a family the hand-written step does not cover)
+MODELS = {
+    "qwen2": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                            num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True), "fast"),
+    "qwen3": ("qwen3", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+              "fast"),
+    "llama": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+              "fast"),
+    "gemma3": ("gemma3_text", dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                                   num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                                   query_pre_attn_scalar=256), "fast"),
+    "qwen3_moe": ("qwen3_moe", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                                    num_attention_heads=16, num_key_value_heads=8, head_dim=128, num_experts=32,
+                                    num_experts_per_tok=4, moe_intermediate_size=768, tie_word_embeddings=True),
+                  "fast"),
+    "granite": ("granite", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                                embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                                logits_scaling=8.0), "generic"),
+}
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, sliding_window=4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32)
+WORK = dict(prompts=16, samples=8, prompt_len=64, new=256)
+WORK_TINY = dict(prompts=2, samples=2, prompt_len=8, new=8)
+
+
+def build(model_type: str, fields: dict, tiny: bool, device, dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if tiny:
+        fields = {k: TINY.get(k, v) for k, v in fields.items()}
+        fields.update({k: v for k, v in TINY.items() if k in ("head_dim",)})
+    V = fields["vocab_size"]
+    cfg = AutoConfig.for_model(model_type, **fields, max_position_embeddings=4096, eos_token_id=V, pad_token_id=None,
+                               bos_token_id=None)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def params_read(model) -> int:
+    """Parameters one decode token reads: all but the embedding rows it does not look up (the head reads the whole
+    matrix, tied or not); of routed experts, top_k of E."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    n = sum(p.numel() for p in model.parameters()) - emb.numel() + (head.numel() if head is emb else 0)
+    c = model.config
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            n -= p.numel() * (1 - c.num_experts_per_tok / c.num_experts)
+    return int(n)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeats: int) -> tuple[float, float]:
+    """(first call's seconds: compile and capture, median of `repeats` more)."""
+    times = []
+    for _ in range(repeats + 1):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times[0], statistics.median(times[1:])
+
+
+def run_model(name: str, a, work: dict, device, dtype) -> dict:
+    from engines.base import SamplingParams
+    from engines.builtin import BuiltinEngine
+    model_type, fields, path = MODELS[name]
+    model = build(model_type, fields, a.tiny, device, dtype)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, min(V, 1000), (work["prompts"], work["prompt_len"]), generator=g).tolist()
+    row = {"model": name, "model_type": model_type, "params_read": params_read(model)}
+    engine = BuiltinEngine(model, eos_id=V, pad_id=0, fast=True)
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=work["new"])
+    gen = torch.Generator(device=device).manual_seed(0)
+    first, row["engine_s"] = timed(lambda: engine.generate(prompts, work["samples"], sampling, gen), a.repeats)
+    row["engine_first_s"] = first
+    row["path"] = type(engine.decoder).__name__ if engine.decoder is not None else "portable loop"
+    if getattr(engine.decoder, "use_graph", False) is False and device.type == "cuda":
+        row["path"] += " (no graph)"
+    if not a.no_hf:
+        ids = torch.tensor(prompts, device=device).repeat_interleave(work["samples"], 0)
+        fn = lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                    temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=work["new"],
+                                    min_new_tokens=work["new"], pad_token_id=0, eos_token_id=V,
+                                    cache_implementation="static")
+        row["hf_static_first_s"], row["hf_static_s"] = timed(fn, 1)
+    del engine, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def table(rows: list[dict], device: str) -> str:
+    base = next((r for r in rows if r["model"] == "qwen2" and "engine_s" in r), None)
+    per = lambda r, k: r[k] / r["params_read"]
+    lines = [f"W10 on {device}: rollout of {{prompts}} x {{samples}} x {{new}} new tokens; x qwen2 = seconds per "
+             "parameter read, over qwen2's fast path", "",
+             "| model | path | params read / token | engine s | x qwen2 | hf static s | engine / hf |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | |")
+            continue
+        rel = f"{per(r, 'engine_s') / per(base, 'engine_s'):.2f}" if base else ""
+        hf = r.get("hf_static_s")
+        hf_s, ratio = ("", "") if hf is None else (f"{hf:.3f}", f"{r['engine_s'] / hf:.2f}")
+        lines.append(f"| {r['model']} | {r['path']} | {r['params_read'] / 1e6:.1f}M | {r['engine_s']:.3f} | {rel} | "
+                     f"{hf_s} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="2-layer toy shapes, float32, for a CPU smoke run")
+    p.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(MODELS)}")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    p.add_argument("--repeats", type=int, default=3, help="timed rollouts after the warm-up one (median)")
+    p.add_argument("--budget", type=float, default=300.0, help="seconds; models not started by then are skipped")
+    p.add_argument("--json", default="", help="also write the rows here")
+    a = p.parse_args()
+    names = [n.strip() for n in a.only.split(",") if n.strip()] or list(MODELS)
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        sys.exit(f"bench_w10: unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    if "qwen2" not in names:
+        names = ["qwen2"] + names                                   # the yardstick
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" and not a.tiny else torch.float32
+    work = WORK_TINY if a.tiny else WORK
+    if a.tiny:
+        a.repeats = min(a.repeats, 1)
+    start, rows = time.perf_counter(), []
+    for name in names:
+        if time.perf_counter() - start > a.budget:
+            rows.append({"model": name, "error": f"skipped: the {a.budget:.0f} s budget was spent"})
+            continue
+        try:
+            rows.append(run_model(name, a, work, device, dtype))
+        except Exception as e:   # one family's failure is a row of the table, not the end of the run
+            rows.append({"model": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(json.dumps(rows[-1]), flush=True)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(table(rows, name).format(**work))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": name, "work": work, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
