@@ -1,10 +1,16 @@
 """FastDecoder._capture (engines/fast_decode.py): a compiled step that fails to capture falls back to the uncompiled
 step once; if that fails too, the error raised names the compiled step's error (on CPU: the recording is forced to
 fail, so no GPU is needed to check the fallback's logic)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from engines.fast_decode import FastDecoder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def decoder(random_model_dir, compile_step: bool) -> FastDecoder:
@@ -53,3 +59,15 @@ def test_a_fallback_that_captures_keeps_the_uncompiled_step(random_model_dir, mo
     monkeypatch.setattr(dec, "_record", record)
     dec._capture({})
     assert len(seen) == 2 and dec._step == dec._forward
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_random_model_captures_the_compiled_step_on_a_gpu(random_model_dir, tmp_path):
+    """The reproduction of the illegal memory access: the random model in float32, top_p 1 (sampling inside the
+    graph, by the inverse-CDF sampler by default), whose graph warm-up ran the sampler at temperature 0. It must
+    capture the compiled step itself, with no fallback."""
+    r = subprocess.run([sys.executable, "train.py", f"model={random_model_dir}", "steps=1", "eval_every=1",
+                        "eval_size=8", "prompts_per_step=4", "samples_per_prompt=2", "dtype=float32", "progress=false",
+                        f"out_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"})
+    assert r.returncode == 0 and "torch.compile failed" not in r.stderr, r.stdout[-2000:] + r.stderr[-4000:]
