@@ -33,7 +33,7 @@ g1=$((ngpu > 1 ? 1 : 0))
     nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
     python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
                 'transformers', transformers.__version__)"
-    git rev-parse HEAD 2>/dev/null
+    echo "budgets (s): tests $T_TESTS, dist $T_DIST, sweep $T_SWEEP, sanitizer $T_SAN; started $(date -u +%FT%TZ)"
 } >"$out/env.txt" 2>&1
 cat "$out/env.txt"
 san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n1)
