@@ -3,6 +3,8 @@
 #
 #     bash tools/gpu_tests.sh OUT        # OUT/: one log per stage, junit XML per pytest run; prints a table by
 #                                        # file and `N passed, N failed`; exits 1 on any failure
+#     bash tools/gpu_tests.sh /tmp/gt; rc=$?; tar czf $OUT/gpu_tests.tgz -C /tmp gt; exit $rc
+#                                        # where only a few files of OUT come back (the device tool): one archive
 #
 # Stages, all started at once (each has its own time budget, seconds, overridable by the variable named; the whole
 # run takes about the longest budget, under 6 minutes on 2 GPUs):

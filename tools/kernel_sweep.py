@@ -315,8 +315,9 @@ def check_decoder(device, B, P, N, dtype, sampler, compile) -> float:
         fast_decode.SAMPLER = saved
     C = r.completion_mask.shape[1]
     assert 1 <= C <= N and ((r.input_ids >= 0) & (r.input_ids < 16)).all(), "a token outside the vocabulary"
-    with torch.no_grad():
-        want, _ = completion_logprobs(model, r.input_ids, r.attention_mask, C, 1.0)
+    with torch.no_grad():   # the rollout comes back on the CPU
+        want, _ = completion_logprobs(model, r.input_ids.to(device), r.attention_mask.to(device), C, 1.0)
+    want = want.cpu()
     m = r.completion_mask.bool()
     assert torch.isfinite(r.logprobs[m]).all() and (r.logprobs[m] <= 0).all(), "log-probs not finite or above 0"
     err = (r.logprobs.float() - want.float())[m].abs().max().item()
