@@ -182,7 +182,8 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
     if any(t.stride(-1) != 1 for t in (qkv, cos, sin, k, v, key_ok)) or sin.stride(0) != cos.stride(0):
         raise ValueError("qkv, cos, sin, k, v and key_ok must be contiguous in their last dimension")
     if B == 0 or S == 0 or k.dtype != v.dtype or not k.is_floating_point():
-        raise ValueError(f"k, v must be float caches of one dtype with B, S >= 1, got {k.dtype} {v.dtype} {tuple(k.shape)}")
+        raise ValueError(f"k, v must be float caches of one dtype with B, S >= 1, got {k.dtype} {v.dtype} "
+                         f"{tuple(k.shape)}")
     if len({t.device for t in (qkv, cos, sin, pos, k, v, key_ok, last)}) > 1:
         raise ValueError("qkv, cos, sin, pos, k, v, key_ok and last must be on one device")
 

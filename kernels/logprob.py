@@ -267,7 +267,8 @@ def check_linear_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, min_dim
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one of them")
     if not hidden.is_floating_point() or 0 in weight.shape:
-        raise ValueError(f"hidden and weight must be float with V, H >= 1, got {hidden.dtype} weight {tuple(weight.shape)}")
+        raise ValueError(f"hidden and weight must be float with V, H >= 1, got {hidden.dtype} weight "
+                         f"{tuple(weight.shape)}")
     if len({hidden.device, weight.device, targets.device}) > 1:
         raise ValueError(f"hidden, weight and targets must be on one device, got {hidden.device}, {weight.device}, "
                          f"{targets.device}")

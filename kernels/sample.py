@@ -101,7 +101,8 @@ def check_sample_args(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor,
     """One-line errors for what the kernels cannot take, before any launch (pure shape checks: no host sync, so
     they run inside a CUDA graph capture too). blocks: name -> a column count that must be a power of two."""
     if logits.dim() != 2 or 0 in logits.shape or not logits.is_floating_point():
-        raise ValueError(f"logits must be a float (B, V) tensor with B, V >= 1, got {logits.dtype} {tuple(logits.shape)}")
+        raise ValueError(f"logits must be a float (B, V) tensor with B, V >= 1, got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
     for name, t, dtype in (("inv_t", inv_t, torch.float32), ("seed", seed, torch.long), ("step", step, torch.long)):
         if t.shape != (1,) or t.dtype != dtype or t.device != logits.device:
             raise ValueError(f"{name} must be a (1,) {dtype} tensor on {logits.device}, got {t.dtype} "

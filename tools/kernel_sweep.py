@@ -133,9 +133,9 @@ def check_decode(device, B, nh, nkv, D, S, last, dtype, splits) -> float:
 
 def decode_cases(size):
     if size == "cpu":   # float32 only: the interpreter's bf16 tl.dot is wrong (FACTS.md)
-        for B, nh, nkv, D, S, last, splits in ((1, 2, 1, 32, 64, 0, 1), (3, 2, 1, 32, 64, 7, 1), (3, 14, 2, 64, 64, 63, 1),
-                                               (1, 4, 4, 128, 64, 0, 4), (3, 2, 1, 32, 320, 201, 4),
-                                               (1, 14, 2, 64, 320, 201, 1)):
+        for B, nh, nkv, D, S, last, splits in ((1, 2, 1, 32, 64, 0, 1), (3, 2, 1, 32, 64, 7, 1),
+                                               (3, 14, 2, 64, 64, 63, 1), (1, 4, 4, 128, 64, 0, 4),
+                                               (3, 2, 1, 32, 320, 201, 4), (1, 14, 2, 64, 320, 201, 1)):
             yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=F32, splits=splits)
         return
     heads = ((2, 1), (14, 2), (4, 4))                   # the random test model's, Qwen2.5-0.5B's, MHA
@@ -357,7 +357,8 @@ def sweep(families, size: str, device: str, out=sys.stdout) -> tuple[int, int]:
                 err = check(device, **case)
                 line, passed = f"ok   {name:8s} {describe(case)}  err={err:.2e}", passed + 1
             except Exception as e:   # a wrong number or a refused launch: this case fails, the sweep goes on
-                line, failed = f"FAIL {name:8s} {describe(case)}  {type(e).__name__}: {str(e).splitlines()[0][:300]}", failed + 1
+                why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+                line, failed = f"FAIL {name:8s} {describe(case)}  {why}", failed + 1
             print(f"{line}  ({time.perf_counter() - t:.2f} s)", file=out, flush=True)
             if device == "cuda":
                 torch.cuda.synchronize()   # an asynchronous fault is reported at this case, not a later one
