@@ -28,6 +28,7 @@ B starts at zero, so step 0 is the base model exactly. What the rest of the loop
   transformers folder (vLLM loads it too).
 Simplified: one adapter ("default"); under torchrun only parallel=replicate (config_checks.validate).
 """
+import contextlib
 import os
 import warnings
 
@@ -35,6 +36,18 @@ import torch
 from torch import Tensor
 
 from config import UserError
+
+
+@contextlib.contextmanager
+def run_scoped_precision():
+    """torch's float32 matmul precision as it was before, once the block (or the decorated function) ends, however
+    it ends: lora.tf32 sets it for its own run only (train.py: build_models), not for what the process runs next
+    (tests run many trainings in one process)."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def is_peft(model) -> bool:

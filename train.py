@@ -391,6 +391,7 @@ def finish(run: Run, rank: int, wall: float) -> dict:
 
 # ------------------------------------------------------------------------------------------------- main
 
+@lora.run_scoped_precision()   # lora.tf32's precision setting ends with the run
 def main(argv: list[str]) -> dict:
     # memory: the CUDA allocator grows segments in place instead of caching fixed-size blocks, so less sits reserved
     # (docs/speed.md). It applies only if set before CUDA's first allocation; a PYTORCH_CUDA_ALLOC_CONF of your own wins

@@ -236,29 +236,39 @@ class FastDecoder(Step):
             st[name].zero_()
 
     def _capture(self, st: dict):
+        """Record st's decode step as a CUDA graph; if the compiled step fails, once more with the uncompiled one
+        (a compiler that fails on this machine costs speed, never the run). A failure of that one too is raised
+        naming both errors: the compiled step's is usually the cause, and the retry's may only echo it."""
+        named = lambda e: f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        try:
+            self._record(st)
+        except Exception as e:
+            if self._step == self._forward:   # already uncompiled (bound methods are equal, never identical)
+                raise
+            print(f"fast_decode: torch.compile failed ({named(e)}); capturing the uncompiled step", file=sys.stderr)
+            self._step = self._forward
+            try:
+                self._record(st)
+            except Exception as again:
+                raise RuntimeError(f"fast_decode: capturing the decode step failed compiled ({named(e)}) and "
+                                   f"uncompiled ({named(again)})") from e
+
+    def _record(self, st: dict):
         # warm up on a side stream (compiles, creates cuBLAS handles), then record one step; replays re-run it.
         # The warm-up steps write garbage into the buffers; sample() resets them all before the real decode.
         decode = self._decode_turn if st["turns"] else self._decode
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(1 if self.captured else 3):
-                    self._rewind(st)
-                    decode(st)
-            torch.cuda.current_stream().wait_stream(s)
-            self._rewind(st)
-            st["graph"] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(st["graph"]):
-                st["logits"] = decode(st)
-            self.captured = True
-        except Exception as e:    # a compiler that fails on this machine costs speed, never the run
-            if self._step is self._forward:
-                raise
-            print(f"fast_decode: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                  "capturing the uncompiled step", file=sys.stderr)
-            self._step = self._forward
-            self._capture(st)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(1 if self.captured else 3):
+                self._rewind(st)
+                decode(st)
+        torch.cuda.current_stream().wait_stream(s)
+        self._rewind(st)
+        st["graph"] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(st["graph"]):
+            st["logits"] = decode(st)
+        self.captured = True
 
     # --- sampling -------------------------------------------------------------------------------
     @torch.no_grad()

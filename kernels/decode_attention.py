@@ -181,6 +181,11 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
         raise ValueError(f"last must be a (1,) int64 tensor, got {last.dtype} {tuple(last.shape)}")
     if any(t.stride(-1) != 1 for t in (qkv, cos, sin, k, v, key_ok)) or sin.stride(0) != cos.stride(0):
         raise ValueError("qkv, cos, sin, k, v and key_ok must be contiguous in their last dimension")
+    if B == 0 or S == 0 or k.dtype != v.dtype or not k.is_floating_point():
+        raise ValueError(f"k, v must be float caches of one dtype with B, S >= 1, got {k.dtype} {v.dtype} "
+                         f"{tuple(k.shape)}")
+    if len({t.device for t in (qkv, cos, sin, pos, k, v, key_ok, last)}) > 1:
+        raise ValueError("qkv, cos, sin, pos, k, v, key_ok and last must be on one device")
 
 
 def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor,
@@ -196,6 +201,8 @@ def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tens
     block = block or (128 if splits == 1 else 32)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two >= 1, got {splits}")
+    if block < 16 or block & (block - 1):   # tl.dot takes no dimension under 16
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
     _check(qkv, cos, sin, pos, k, v, key_ok, last)
     return _decode_attention_op(qkv, cos, sin, pos, k, v, key_ok, last, float(scale), block, warps, stages, splits)
 

@@ -255,7 +255,7 @@ def linear_logprob_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, temp
     check_inputs(targets, weight.shape[0], temperature, hidden.shape[0])
     use_triton = use_triton and HAS_TRITON
     keep = (targets >= 0).nonzero().squeeze(1)                     # (M,) padded tokens cost no matmul
-    if keep.numel() == targets.numel():
+    if keep.numel() == targets.numel() and keep.numel():           # (no tokens at all: the empty results below)
         logp, ent = _LinearLogprobEntropy.apply(hidden.contiguous(), weight.contiguous(), targets.contiguous(),
                                                 float(temperature), use_triton, chunk_bytes, fuse_matmul, into_grad)
         return logp.view(shape), ent.view(shape)

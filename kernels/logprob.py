@@ -266,6 +266,12 @@ def check_linear_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, min_dim
         raise ValueError(f"hidden (..., H) and weight (V, H) do not match: {tuple(hidden.shape)} vs {tuple(weight.shape)}")
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one of them")
+    if not hidden.is_floating_point() or 0 in weight.shape:
+        raise ValueError(f"hidden and weight must be float with V, H >= 1, got {hidden.dtype} weight "
+                         f"{tuple(weight.shape)}")
+    if len({hidden.device, weight.device, targets.device}) > 1:
+        raise ValueError(f"hidden, weight and targets must be on one device, got {hidden.device}, {weight.device}, "
+                         f"{targets.device}")
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"targets {tuple(targets.shape)} do not match hidden {tuple(hidden.shape)} without H")
 
@@ -275,8 +281,10 @@ def check_inputs(targets: Tensor, vocab: int, temperature: float, n_rows: int):
         raise ValueError(f"targets have shape {tuple(targets.shape)}, expected ({n_rows},)")
     if targets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"targets must be int32 or int64, got {targets.dtype}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < temperature < float("inf"):   # inf would scale the kernels' masked -inf columns to nan
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
+    if vocab < 1:
+        raise ValueError(f"the vocabulary must have at least one column, got {vocab}")
     if targets.numel() and int(targets.max()) >= vocab:   # one host sync; a bad id would read out of bounds
         raise ValueError(f"target id {int(targets.max())} is out of range for a vocabulary of {vocab}")
 
@@ -286,6 +294,9 @@ def logprob_entropy(logits: Tensor, targets: Tensor, temperature: float = 1.0,
     """Fused version of logprob_entropy_reference; logits (N, V) any float dtype, targets (N,)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be (N, V), got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point() or logits.device != targets.device:
+        raise ValueError(f"logits must be float and on targets' device, got {logits.dtype} on {logits.device}, "
+                         f"targets on {targets.device}")
     check_inputs(targets, logits.shape[1], temperature, logits.shape[0])
     if logits.stride(-1) != 1:
         logits = logits.contiguous()

@@ -38,7 +38,8 @@ if HAS_TRITON:
         # (the same sample for the same u), and exp(z - m) is already there for the logsumexp. Columns c + q.
         cols = c + q
         ok = cols < V
-        z = tl.load(z_ptr + row_off + cols, mask=ok, other=-float("inf")).to(tl.float32) * inv_t
+        # masked columns become -inf after the scaling: -inf * inv_t is nan at inv_t = 0 (infinite temperature)
+        z = tl.where(ok, tl.load(z_ptr + row_off + cols, mask=ok, other=0.0).to(tl.float32) * inv_t, -float("inf"))
         m_new = tl.maximum(m, tl.max(z, 0))
         shift = tl.where(m_new == -float("inf"), 0.0, m_new)           # all -inf so far: exp(-inf - -inf) is nan
         e = tl.where(ok, tl.exp(z - shift), 0.0)                       # (group,) <= 1
@@ -79,7 +80,7 @@ if HAS_TRITON:
         tl.store(pi_ptr + out, best_i.to(tl.int64))
 
     @triton.jit
-    def _gumbel_combine(z_ptr, pm_ptr, ps_ptr, pb_ptr, pi_ptr, tok_ptr, logp_ptr, inv_t_ptr, stride, parts,
+    def _gumbel_combine(z_ptr, pm_ptr, ps_ptr, pb_ptr, pi_ptr, tok_ptr, logp_ptr, inv_t_ptr, V, stride, parts,
                         SPLIT: tl.constexpr):
         row = tl.program_id(0)
         j = tl.arange(0, SPLIT)
@@ -90,9 +91,27 @@ if HAS_TRITON:
         m = tl.max(pm, 0)
         s = tl.sum(tl.where(ps > 0, ps * tl.exp(pm - m), 0.0), 0)
         tok = tl.load(pi_ptr + row * SPLIT + tl.argmax(pb, 0))
+        tok = tl.minimum(tl.maximum(tok, 0), V - 1)                    # a row without a finite logit: still in bounds
         z_tok = tl.load(z_ptr + row.to(tl.int64) * stride + tok).to(tl.float32) * tl.load(inv_t_ptr)
         tl.store(tok_ptr + row, tok)
         tl.store(logp_ptr + row, z_tok - m - tl.log(s))
+
+
+def check_sample_args(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor, split: int, **blocks: int):
+    """One-line errors for what the kernels cannot take, before any launch (pure shape checks: no host sync, so
+    they run inside a CUDA graph capture too). blocks: name -> a column count that must be a power of two."""
+    if logits.dim() != 2 or 0 in logits.shape or not logits.is_floating_point():
+        raise ValueError(f"logits must be a float (B, V) tensor with B, V >= 1, got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    for name, t, dtype in (("inv_t", inv_t, torch.float32), ("seed", seed, torch.long), ("step", step, torch.long)):
+        if t.shape != (1,) or t.dtype != dtype or t.device != logits.device:
+            raise ValueError(f"{name} must be a (1,) {dtype} tensor on {logits.device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    if split < 1:
+        raise ValueError(f"split must be >= 1, got {split}")
+    for name, (n, least) in blocks.items():
+        if n < least or n & (n - 1):
+            raise ValueError(f"{name} must be a power of two >= {least}, got {n}")
 
 
 def gumbel_sample(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor, split: int = SPLIT,
@@ -100,6 +119,7 @@ def gumbel_sample(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor, spl
     """logits (B, V) any float dtype, inv_t (1,) float32, seed and step (1,) int64 -> tok (B,) long, logp (B,).
     split, block, warps: programs per row at most, columns per block, warps per program (tests use small
     split and block to cover every path)."""
+    check_sample_args(logits, inv_t, seed, step, split, block=(block, 4))   # 4 groups of block / 4 columns
     B, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -112,7 +132,7 @@ def gumbel_sample(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor, spl
                                 SPLIT=P2, BLOCK=block, num_warps=warps)
     tok = torch.empty(B, dtype=torch.long, device=logits.device)
     logp = torch.empty(B, dtype=torch.float32, device=logits.device)
-    _gumbel_combine[(B,)](logits, pm, ps, pb, pi, tok, logp, inv_t, logits.stride(0), parts, SPLIT=P2,
+    _gumbel_combine[(B,)](logits, pm, ps, pb, pi, tok, logp, inv_t, V, logits.stride(0), parts, SPLIT=P2,
                           num_warps=1)
     return tok, logp
 
@@ -147,7 +167,8 @@ if HAS_TRITON:
         q = tl.arange(0, BLOCK)
         for c0 in range(part * span, tl.minimum((part + 1) * span, V), BLOCK):
             cols = c0 + q
-            z = tl.load(z_ptr + row_off + cols, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_t
+            ok = cols < V                                              # -inf after scaling (see _race)
+            z = tl.where(ok, tl.load(z_ptr + row_off + cols, mask=ok, other=0.0).to(tl.float32) * inv_t, -float("inf"))
             m_new = tl.maximum(m, tl.max(z, 0))
             shift = tl.where(m_new == -float("inf"), 0.0, m_new)       # all -inf so far: exp(-inf - -inf) is nan
             s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), 0)
@@ -175,6 +196,8 @@ if HAS_TRITON:
         u = tl.rand(tl.load(seed_ptr) + tl.load(step_ptr) * 1000003, row)   # one uniform per row and step
         x = u * total
         part = _first_above(tl.cumsum(w, 0), x, j, w > 0, SPLIT)
+        # no part with mass (every logit -inf or nan) gives -1: part 0 then, never columns before the row
+        part = tl.minimum(tl.maximum(part, 0), parts - 1)
         x = x - tl.sum(tl.where(j < part, w, 0.0), 0)                  # mass left to cross inside the part
         row_off = row.to(tl.int64) * stride
         q = tl.arange(0, CB)
@@ -183,7 +206,8 @@ if HAS_TRITON:
         last_live = 0
         for c0 in range(part * span, tl.minimum((part + 1) * span, V), CB):
             cols = c0 + q
-            z = tl.load(z_ptr + row_off + cols, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_t
+            ok = cols < V
+            z = tl.where(ok, tl.load(z_ptr + row_off + cols, mask=ok, other=0.0).to(tl.float32) * inv_t, -float("inf"))
             e = tl.exp(z - m)                                          # (CB,) 0 where z is -inf
             c = tl.cumsum(e, 0) + run
             hit = tl.min(tl.where(c > x, cols, V), 0)
@@ -191,6 +215,7 @@ if HAS_TRITON:
             last_live = tl.maximum(last_live, tl.max(tl.where(e > 0, cols, -1), 0))
             run = run + tl.sum(e, 0)
         tok = tl.where(tok < 0, last_live, tok)                        # rounding left x just above the part's sum
+        tok = tl.minimum(tl.maximum(tok, 0), V - 1)
         z_tok = tl.load(z_ptr + row_off + tok).to(tl.float32) * inv_t
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(logp_ptr + row, z_tok - m - tl.log(total))
@@ -201,6 +226,7 @@ def cdf_sample(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor, split:
     """gumbel_sample's contract by the inverse CDF (see above): logits (B, V), inv_t / seed / step (1,) device
     tensors -> tok (B,) long, logp (B,) float32. split, block, warps: the logsumexp pass's programs per row at
     most, columns per step, warps; pick_block: columns per step of the pick's walk."""
+    check_sample_args(logits, inv_t, seed, step, split, block=(block, 1), pick_block=(pick_block, 1))
     B, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()

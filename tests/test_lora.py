@@ -318,3 +318,46 @@ def test_tf32_is_set_for_adapters_on_a_gpu_only(random_model_dir, tf32):
         assert torch.get_float32_matmul_precision() == want
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def run_with_lora_tf32(model_dir, out) -> dict:
+    import train
+    return train.main([f"model={model_dir}", f"out_dir={out}", "steps=1", "eval_every=1", "eval_size=4",
+                       "prompts_per_step=2", "samples_per_prompt=2", "lora.r=4", "lora.tf32=true", "threads=1",
+                       "progress=false"])
+
+
+def test_tf32_precision_ends_with_the_run(random_model_dir, tmp_path, monkeypatch):
+    """lora.tf32 changes the float32 matmul precision for its own run only: after train.main it is what it was
+    (it leaked into the next test of the process once). On CPU the option sets nothing, so the GPU branch is
+    played by build_models here; the GPU twin below runs the real one."""
+    import train
+    seen = []
+
+    def build_models(cfg, device, *args):
+        out = build(cfg, device, *args)
+        if cfg.lora.tf32:
+            torch.set_float32_matmul_precision("high")                # as on a GPU
+        seen.append(torch.get_float32_matmul_precision())
+        return out
+
+    build = train.build_models
+    monkeypatch.setattr(train, "build_models", build_models)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        run_with_lora_tf32(random_model_dir, tmp_path / "run")
+        assert seen == ["high"] and torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tf32_precision_ends_with_the_run_on_a_gpu(random_model_dir, tmp_path):
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        run_with_lora_tf32(random_model_dir, tmp_path / "run")
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# Every test that uses a GPU, then every Triton kernel under compute-sanitizer's memcheck, in one command:
+#
+#     bash tools/gpu_tests.sh OUT        # OUT/: one log per stage, junit XML per pytest run; prints a table by
+#                                        # file and `N passed, N failed`; exits 1 on any failure
+#     bash tools/gpu_tests.sh /tmp/gt; rc=$?; tar czf $OUT/gpu_tests.tgz -C /tmp gt; exit $rc
+#                                        # where only a few files of OUT come back (the device tool): one archive
+#
+# Stages, all started at once (each has its own time budget, seconds, overridable by the variable named; the whole
+# run takes about the longest budget, under 6 minutes on 2 GPUs):
+#   tests      GPU tests of tests/test_lora.py then tests/test_multiturn.py, in one process, in that order: lora.tf32's
+#              precision once leaked into the multi-turn graph test  (T_TESTS=300)
+#   kernels    every other test with a CUDA/GPU skip marker (tools/gpu_only.py finds them)  (T_TESTS)
+#   dist       with 2+ GPUs: tests/test_distributed.py, in 6 groups side by side  (T_DIST=300)
+#   sweep      tools/kernel_sweep.py --size gpu: each kernel against its torch twin at edge shapes  (T_SWEEP=270)
+#   sanitizer  the sweep's smaller size under `compute-sanitizer --tool memcheck`, 4 processes  (T_SAN=330)
+# A stage that runs out of time counts as one failure. GPU 0 takes the tests, the sweep and half of the sanitizer
+# runs; GPU 1 (when there is one) the kernel tests and the other half.
+# Under the sanitizer: expandable segments off (torch's allocator then fails with "cuMemCreate: operation not
+# permitted"), and for the kernel families no caching allocator either, so that each tensor is its own allocation
+# and a read just outside it is reported instead of landing in a neighbour (the decoder family keeps the cache:
+# its CUDA graph capture cannot call cudaMalloc).
+set -u
+out=${1:?usage: bash tools/gpu_tests.sh OUT}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+T_TESTS=${T_TESTS:-300} T_DIST=${T_DIST:-300} T_SWEEP=${T_SWEEP:-270} T_SAN=${T_SAN:-330}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+t0=$(date +%s)
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$ngpu" -lt 1 ]; then echo "error: no GPU visible (torch.cuda.device_count() = 0)"; exit 2; fi
+g1=$((ngpu > 1 ? 1 : 0))
+{
+    nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+    python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+                'transformers', transformers.__version__)"
+    echo "budgets (s): tests $T_TESTS, dist $T_DIST, sweep $T_SWEEP, sanitizer $T_SAN; started $(date -u +%FT%TZ)"
+} >"$out/env.txt" 2>&1
+cat "$out/env.txt"
+san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n1)
+tmp=$(mktemp -d)
+
+pytest_stage() {   # name gpu budget args...: one pytest process, junit XML and log under OUT
+    local name=$1 gpu=$2 budget=$3; shift 3
+    CUDA_VISIBLE_DEVICES=$gpu timeout -k 15 "$budget" python3 -m pytest -q -p no:cacheprovider -p tools.gpu_only \
+        --basetemp="$tmp/$name" --junitxml="$out/junit-$name.xml" "$@" >"$out/$name.log" 2>&1
+    echo $? >"$out/$name.rc"
+}
+
+sanitize() {   # name gpu uncached families: the sweep's sanitizer size under memcheck
+    local name=$1 gpu=$2 uncached=$3 fams=$4
+    if [ -z "$san" ]; then echo "compute-sanitizer not found" >"$out/$name.log"; echo 127 >"$out/$name.rc"; return; fi
+    local env=(CUDA_VISIBLE_DEVICES="$gpu" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False)
+    [ "$uncached" = 1 ] && env+=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+    env "${env[@]}" timeout -k 15 "$T_SAN" "$san" --tool memcheck --report-api-errors no --print-limit 50 \
+        --error-exitcode 99 python3 tools/kernel_sweep.py --size sanitizer --only "$fams" >"$out/$name.log" 2>&1
+    echo $? >"$out/$name.rc"
+}
+
+dist_stage() {   # name -k expression: part of tests/test_distributed.py on GPUs 0 and 1
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 15 "$T_DIST" python3 -m pytest -q -p no:cacheprovider \
+        tests/test_distributed.py -k "$2" --basetemp="$tmp/$1" --junitxml="$out/junit-$1.xml" >"$out/$1.log" 2>&1
+    echo $? >"$out/$1.rc"
+}
+
+pytest_stage tests 0 "$T_TESTS" tests/test_lora.py tests/test_multiturn.py &
+pytest_stage kernels "$g1" "$T_TESTS" tests --ignore=tests/test_lora.py --ignore=tests/test_multiturn.py \
+    --ignore=tests/test_distributed.py &
+if [ "$ngpu" -ge 2 ]; then   # as tools/gpu_dist.sh: they mostly wait on imports and compiles, so side by side
+    groups=(fsdp_update train_under_torchrun train_on_two_gpus ppo_critic reinforce_pp)
+    for k in "${groups[@]}"; do dist_stage "dist-$k" "$k" & done
+    dist_stage dist-rest "not ($(printf '%s or ' "${groups[@]}" | sed 's/ or $//'))" &
+fi
+(CUDA_VISIBLE_DEVICES=0 timeout -k 15 "$T_SWEEP" python3 tools/kernel_sweep.py --size gpu >"$out/sweep.log" 2>&1
+ echo $? >"$out/sweep.rc") &
+sanitize sanitizer-sample 0 1 sample &
+sanitize sanitizer-logprob 0 1 logprob,linear,loss &
+sanitize sanitizer-decode "$g1" 1 decode &
+sanitize sanitizer-decoder "$g1" 0 decoder &
+wait
+rm -rf "$tmp"
+echo "wall: $(($(date +%s) - t0)) s on $ngpu GPU(s)"
+python3 - "$out" <<'EOF'
+import glob, os, re, sys
+import xml.etree.ElementTree as ET
+
+out = sys.argv[1]
+rows = []   # (stage, file or family, passed, failed, skipped, note)
+
+
+def rc(name):
+    try:
+        return int(open(os.path.join(out, name + ".rc")).read())
+    except (OSError, ValueError):
+        return -1
+
+
+for path in sorted(glob.glob(os.path.join(out, "junit-*.xml"))):
+    stage = os.path.basename(path)[6:-4]
+    by_file = {}
+    try:
+        cases = ET.parse(path).getroot().iter("testcase")
+    except ET.ParseError:
+        cases = []
+    for c in cases:
+        f = c.get("classname", "?").replace(".", "/") + ".py"
+        n = by_file.setdefault(f, [0, 0, 0])
+        kinds = {x.tag for x in c}
+        n[2 if "skipped" in kinds else 1 if kinds & {"failure", "error"} else 0] += 1
+    for f, (p, fl, s) in sorted(by_file.items()):
+        rows.append((stage, f, p, fl, s, ""))
+    code = rc(stage)
+    if code in (124, 137):
+        rows.append((stage, "(time budget)", 0, 1, 0, "timed out: see " + stage + ".log"))
+    elif code not in (0, 5) and not any(r[3] for r in rows if r[0] == stage):
+        rows.append((stage, "(pytest)", 0, 1, 0, f"exit {code}: see {stage}.log"))
+pytest_stages = ["tests", "kernels"] + [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(out, "dist-*.rc"))]
+for stage in [s for s in pytest_stages if not os.path.exists(os.path.join(out, f"junit-{s}.xml"))]:
+    rows.append((stage, "(pytest)", 0, 1, 0, f"no junit XML (exit {rc(stage)}): see {stage}.log"))
+
+for log in ["sweep"] + sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(out, "sanitizer-*.log"))):
+    text = open(os.path.join(out, log + ".log"), errors="replace").read()
+    fams = {}
+    for m in re.finditer(r"^(ok|FAIL) +(\w+) ", text, re.M):
+        n = fams.setdefault(m.group(2), [0, 0])
+        n[m.group(1) == "FAIL"] += 1
+    for fam, (p, fl) in sorted(fams.items()):
+        rows.append((log, f"tools/kernel_sweep.py {fam}", p, fl, 0, ""))
+    code, note = rc(log), ""
+    errors = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+    if log != "sweep" and (not errors or int(errors[-1])):
+        note = f"memcheck: {errors[-1]} errors" if errors else "no memcheck summary"
+    if code in (124, 137):
+        note = (note + "; " if note else "") + "timed out"
+    elif not re.search(r"^\d+ passed, \d+ failed$", text, re.M):
+        note = note or f"no summary line (exit {code})"
+    elif code not in (0, 1) and not note:
+        note = f"exit {code}"
+    if note:
+        rows.append((log, "(process)", 0, 1, 0, f"{note}: see {log}.log"))
+
+w = max(len(r[1]) for r in rows) if rows else 10
+print(f"\n{'stage':20s} {'file / family':{w}s} {'passed':>6s} {'failed':>6s} {'skipped':>7s}")
+for stage, f, p, fl, s, note in rows:
+    print(f"{stage:20s} {f:{w}s} {p:6d} {fl:6d} {s:7d}  {note}".rstrip())
+passed, failed = sum(r[2] for r in rows), sum(r[3] for r in rows)
+print(f"{passed} passed, {failed} failed")
+sys.exit(1 if failed or not passed else 0)
+EOF
