@@ -194,11 +194,15 @@ def test_gpu_fast_step_graphed_and_compiled(family):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["granite", "gemma3_text", "qwen3_moe"])
 def test_gpu_generic_path_graphed(family):
+    """The generic path on a GPU: right log-probs always; graphed where the model's own forward can be captured.
+    transformers' routed experts pick the experts that got tokens with a host-synchronising lookup, which a CUDA
+    graph cannot hold: qwen3_moe then decodes eagerly on this path (its own fast path, engines/moe.py, is graphed)."""
     from engines.generic_decode import GenericDecoder
     model = tiny_model(family).cuda()
     dec = GenericDecoder(model)
     _gpu_check(model, dec)
-    assert dec.use_graph, "the capture failed: see stderr"
+    if family != "qwen3_moe":
+        assert dec.use_graph, "the capture failed: see stderr"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

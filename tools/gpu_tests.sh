@@ -11,11 +11,13 @@
 #   tests      GPU tests of tests/test_lora.py then tests/test_multiturn.py, in one process, in that order: lora.tf32's
 #              precision once leaked into the multi-turn graph test  (T_TESTS=300)
 #   kernels    every other test with a CUDA/GPU skip marker (tools/gpu_only.py finds them)  (T_TESTS)
+#   arch-*     tests/test_architectures.py's GPU tests (every family graphed and compiled), in two processes  (T_TESTS)
 #   dist       with 2+ GPUs: tests/test_distributed.py, in 6 groups side by side  (T_DIST=300)
 #   sweep      tools/kernel_sweep.py --size gpu: each kernel against its torch twin at edge shapes  (T_SWEEP=270)
 #   sanitizer  the sweep's smaller size under `compute-sanitizer --tool memcheck`, 4 processes  (T_SAN=330)
 # A stage that runs out of time counts as one failure. GPU 0 takes the tests, the sweep and half of the sanitizer
-# runs; GPU 1 (when there is one) the kernel tests and the other half.
+# runs; GPU 1 (when there is one) the kernel tests and the other half; the family tests go to GPUs 2 and 3 where
+# there are 4, else share GPUs 0 and 1.
 # Under the sanitizer: expandable segments off (torch's allocator then fails with "cuMemCreate: operation not
 # permitted"), and for the kernel families no caching allocator either, so that each tensor is its own allocation
 # and a read just outside it is reported instead of landing in a neighbour (the decoder family keeps the cache:
@@ -31,6 +33,7 @@ t0=$(date +%s)
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "$ngpu" -lt 1 ]; then echo "error: no GPU visible (torch.cuda.device_count() = 0)"; exit 2; fi
 g1=$((ngpu > 1 ? 1 : 0))
+g2=$((ngpu > 2 ? 2 : 0)) g3=$((ngpu > 3 ? 3 : g1))   # with 4 GPUs the family tests get their own
 {
     nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
     python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
@@ -66,7 +69,10 @@ dist_stage() {   # name -k expression: part of tests/test_distributed.py on GPUs
 
 pytest_stage tests 0 "$T_TESTS" tests/test_lora.py tests/test_multiturn.py &
 pytest_stage kernels "$g1" "$T_TESTS" tests --ignore=tests/test_lora.py --ignore=tests/test_multiturn.py \
-    --ignore=tests/test_distributed.py &
+    --ignore=tests/test_distributed.py --ignore=tests/test_architectures.py &
+# every model family graphed and compiled: mostly compile time, so in two processes of their own
+pytest_stage arch-decode "$g2" "$T_TESTS" tests/test_architectures.py -k "not compiled_layers" &
+pytest_stage arch-train "$g3" "$T_TESTS" tests/test_architectures.py -k "compiled_layers" &
 if [ "$ngpu" -ge 2 ]; then   # as tools/gpu_dist.sh: they mostly wait on imports and compiles, so side by side
     groups=(fsdp_update train_under_torchrun train_on_two_gpus ppo_critic reinforce_pp)
     for k in "${groups[@]}"; do dist_stage "dist-$k" "$k" & done
@@ -115,7 +121,7 @@ for path in sorted(glob.glob(os.path.join(out, "junit-*.xml"))):
         rows.append((stage, "(time budget)", 0, 1, 0, "timed out: see " + stage + ".log"))
     elif code not in (0, 5) and not any(r[3] for r in rows if r[0] == stage):
         rows.append((stage, "(pytest)", 0, 1, 0, f"exit {code}: see {stage}.log"))
-pytest_stages = ["tests", "kernels"] + [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(out, "dist-*.rc"))]
+pytest_stages = ["tests", "kernels", "arch-decode", "arch-train"] + [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(out, "dist-*.rc"))]
 for stage in [s for s in pytest_stages if not os.path.exists(os.path.join(out, f"junit-{s}.xml"))]:
     rows.append((stage, "(pytest)", 0, 1, 0, f"no junit XML (exit {rc(stage)}): see {stage}.log"))
 
