@@ -257,3 +257,14 @@ def load_full_state(model, optimizer, model_state: dict, optim_state: dict | Non
     else:
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                        options=options)
+
+
+def fail(message: str, code: int = 2):
+    """End this process for bad input: the one line on stderr from rank 0 only (every rank finds the same fault),
+    exit code `code`. Works before the process group exists (RANK comes from torchrun's environment)."""
+    import sys
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+    # torchrun reports any non-zero exit with its own ChildFailedError traceback and summary, whatever the rank
+    # does (an error file only adds lines to it): the line above is the first thing on stderr
+    sys.exit(code)

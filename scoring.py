@@ -49,6 +49,17 @@ def record_failures(run_dir: str, step: int, info: dict) -> str | None:
     return f"step {step}: reward failures ({counts}), e.g. {broken[0]['reason'][:120]}"
 
 
+def broken(info: dict, n: int) -> tuple[float, str | None]:
+    """-> (the share of the n samples whose scoring broke, one reason). Broken: a reward raised, timed out or lost its
+    worker, or an episode's environment failed; what a reward reports about the completion it judged (a wrong
+    answer, a program that timed out: Score failures) is the policy's doing and does not count. The share is the
+    worst reward's (or the environment's)."""
+    counts = [*info.get("failures", {}).values(), info.get("metrics", {}).get("env_fail", 0.0)]
+    reason = next((f"{f['reward']}: {f['reason']}" for f in info.get("failed", ()) if f["category"] != "wrong_answer"),
+                  None)
+    return max(counts) / max(n, 1), reason
+
+
 def pass_at(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021), the
     chance that k samples drawn without replacement from the n hold at least one correct one."""
