@@ -48,16 +48,7 @@ def validate(cfg: Config, world: int = 1):
         raise UserError(f"algo '{cfg.algo.name}' compares the samples of one prompt (a group baseline or a pair): "
                         f"samples_per_prompt must be >= 2; got {cfg.samples_per_prompt}")
     check_device(cfg.device)
-    check_model(cfg.model)
     check_task(cfg)
-    check_env(cfg)
-    check_unused(cfg, algo)
-    if cfg.task == "arithmetic":
-        a = cfg.arithmetic
-        for key, ok, valid in [("digits", 1 <= a.digits <= 9, "1..9"), ("heldout_percent", 0 < a.heldout_percent < 100,
-                                "1..99"), ("n_train", a.n_train >= 1, ">= 1"), ("n_eval", a.n_eval >= 1, ">= 1")]:
-            if not ok:
-                raise UserError(f"config key 'arithmetic.{key}' must be {valid}; got {getattr(a, key)}")
     r = cfg.replay
     if r.enabled and (r.capacity < 1 or r.max_uses < 1 or r.max_staleness < 0 or not 0 < r.decay <= 1):
         raise UserError("config keys 'replay.capacity' and 'replay.max_uses' must be >= 1, "
@@ -104,6 +95,9 @@ def validate(cfg: Config, world: int = 1):
     if (cfg.micro_batch_size or world > 1) and not algo.splittable(cfg.algo):
         raise UserError(f"algo '{cfg.algo.name}' with these settings has no exact split over micro-batches or ranks: "
                         "use micro_batch_size=0 and one process (see its Algorithm declaration)")
+    check_env(cfg)
+    check_unused(cfg, algo)
+    check_model(cfg.model)
 
 
 def ranges(cfg: Config) -> list:
@@ -205,6 +199,12 @@ def check_model(model: str):
 
 def check_task(cfg: Config):
     """The embedded tasks' settings, and files.*'s template and regex, before a file is read."""
+    if cfg.task == "arithmetic":
+        a = cfg.arithmetic
+        for key, ok, valid in [("digits", 1 <= a.digits <= 9, "1..9"), ("heldout_percent", 0 < a.heldout_percent < 100,
+                                "1..99"), ("n_train", a.n_train >= 1, ">= 1"), ("n_eval", a.n_eval >= 1, ">= 1")]:
+            if not ok:
+                raise UserError(f"config key 'arithmetic.{key}' must be {valid}; got {getattr(a, key)}")
     if cfg.task == "hilo":
         h = cfg.hilo
         for key, ok, valid in [("digits", 1 <= h.digits <= 6, "1..6 (10**digits codes are listed)"),
