@@ -260,10 +260,11 @@ def load_full_state(model, optimizer, model_state: dict, optim_state: dict | Non
 
 
 def fail(message: str, code: int = 2):
-    """End this process for bad input: the one line on stderr from rank 0 only (every rank finds the same fault),
-    exit code `code`. Works before the process group exists (RANK comes from torchrun's environment)."""
+    """End this process for bad input with one line on stderr and exit code `code`. Before the process group exists
+    every rank has run the same checks on the same command line, so rank 0 alone prints (RANK is torchrun's);
+    after that a fault may be one rank's own, so each rank that meets one prints it."""
     import sys
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0 or dist.is_initialized():
         print(message, file=sys.stderr, flush=True)
     # torchrun reports any non-zero exit with its own ChildFailedError traceback and summary, whatever the rank
     # does (an error file only adds lines to it): the line above is the first thing on stderr

@@ -42,7 +42,7 @@ from engines.multiturn import MultiTurn
 from models import completion_logprobs, context_length, encode_prompts, load_model, setup_device
 from rewards import parse_reward_args, parse_spec
 from rewards.pool import RewardPool
-from scoring import SingleTurn, broken, record_failures
+from scoring import SingleTurn, broken, check_broken, eval_line, record_failures
 from update import Learner, minibatch_size, update
 
 
@@ -351,23 +351,6 @@ def train_step(run: Run, step: int) -> dict:
     return row
 
 
-MAX_BROKEN_STEPS = 3   # a run whose every reward (or episode) fails this many steps in a row stops
-
-
-def check_broken(run: Run, step: int):
-    """Stop a run that would train on zeros: every sample of MAX_BROKEN_STEPS steps in a row (on every rank) had its
-    reward or episode break, which is a bad setting or data (reward_args, a field, the environment), not learning."""
-    share = min(s for s, _ in run.broken)
-    all_broken = distributed.all_sum([float(share >= 1.0)])[0] >= distributed.world()
-    run.broken_steps = run.broken_steps + 1 if all_broken else 0
-    if run.broken_steps >= MAX_BROKEN_STEPS:
-        reason = next((r for _, r in run.broken if r), "no reason given")
-        raise UserError(f"every sample's reward or episode failed for {run.broken_steps} steps in a row (step {step}: "
-                        f"{' '.join(reason.split())[:200]}); stopped rather than train on zeros. Failures: "
-                        f"{os.path.join(run.run_dir, 'reward_failures.jsonl')}; fix the setting, then start again in a "
-                        f"new out_dir (or after rm -r {run.run_dir})")
-
-
 def log(run: Run, row: dict):
     run.rows.append(row)
     if run.logger is not None:
@@ -448,13 +431,6 @@ def stopped(run: Run, step: int, why: str, saved: str | None) -> dict:
     return {"stopped": why, "step": step, "run_dir": run.run_dir, "checkpoint": ckpt}
 
 
-def show_eval(row: dict):
-    """The held-out numbers of an evaluation step on the console (pass@k too with eval_k)."""
-    ks = sorted((k for k in row if k.startswith("eval/pass@")), key=lambda k: int(k.split("@")[1]))
-    tqdm.write(f"step {row['step']}: held-out accuracy {row['eval/accuracy']:.3f}"
-               + "".join(f", {k[5:]} {row[k]:.3f}" for k in ks))
-
-
 def prepare(argv: list[str]) -> tuple[Config, str | None]:
     """Every check of the command line before any work: -> (config, checkpoint to resume or None). Bad input is a
     one-line UserError (or RegistryError) from here; nothing is loaded or written."""
@@ -487,7 +463,7 @@ def main(argv: list[str]) -> dict:
             if "eval/accuracy" in row:   # the bar shows the latest evaluation between evaluations
                 acc = row["eval/accuracy"]
                 if rank == 0:
-                    show_eval(row)
+                    tqdm.write(eval_line(row))
             bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{acc:.3f}")
             bad = run.learner.bad_updates >= cfg.max_bad_updates
             saved = None

@@ -74,7 +74,7 @@ def test_help_lists_options():
     (["rewards=nope"], "unknown reward 'nope'; known: "),
     (["stepz=3"], "unknown config key 'stepz'"),
     (["steps=many"], "config key 'steps' expects int"),
-    (["model=./no/such/model"], "model path './no/such/model' does not exist"),
+    (["model=./no/such/model"], "model './no/such/model' is not a folder here or in the repository"),
     (["arithmetic.n_train=0"], "config key 'arithmetic.n_train' must be >= 1; got 0"),
     (["arithmetic.digits=1", "arithmetic.n_train=1000"], "task 'arithmetic': asked for 1000 distinct train problems"),
     (["max_new_tokens=60"], "exceeds the model's context of 64 tokens"),
