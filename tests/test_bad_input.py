@@ -282,6 +282,7 @@ CORPUS = [
      "config key 'files.answer_regex' needs a group"),
     ("env_workers_0", ["env.workers=0"], "config key 'env.workers' must be >= 1; got 0"),
     ("env_timeout_0", ["env.timeout_s=0"], "config key 'env.timeout_s' must be > 0; got 0.0"),
+    ("proc_out_dir", ["out_dir=/proc/nope"], "out_dir '/proc/nope' "),   # root: cannot be made; others: not writable
     ("meta_empty", [], "is damaged (meta.json lacks step, version, cursor"),
     ("meta_no_checksums_file_missing", [], "is damaged (rank_state.safetensors is missing)"),
     ("torchrun_rollout_ranks", [*ASYNC, "rollout_ranks=2"], "rollout_ranks=2 must be in 1..1: the world size is 2"),
