@@ -244,9 +244,12 @@ def parse_kwargs(spec: str, key: str) -> dict:
     return out
 
 
-def check_keywords(fn, kwargs: dict, what: str):
-    """Every keyword is a parameter fn names (a **rest parameter catches misspellings: it does not count)."""
+def check_keywords(fn, kwargs: dict, what: str, rest_takes_any: bool = False):
+    """Every keyword is a parameter fn names. A **rest parameter takes any keyword only with rest_takes_any (an
+    environment's `**args`); a reward's **fields is for the sample's fields and would swallow a misspelling."""
     params = inspect.signature(fn).parameters
+    if rest_takes_any and any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
     named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     for k in kwargs:
         if k not in named:
@@ -259,7 +262,8 @@ def check_env(cfg: Config):
     if not cfg.env.name:
         return
     env = registry.get("env", cfg.env.name)
-    check_keywords(env, parse_kwargs(cfg.env.args, "env.args"), f"env.args: environment '{cfg.env.name}'")
+    check_keywords(env, parse_kwargs(cfg.env.args, "env.args"), f"env.args: environment '{cfg.env.name}'",
+                   rest_takes_any=True)
     if cfg.env.name in registry.names("task") and cfg.task != cfg.env.name:
         raise UserError(f"env.name={cfg.env.name} plays the rows of task={cfg.env.name}; task={cfg.task} has "
                         f"other fields: use task={cfg.env.name}")
