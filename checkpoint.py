@@ -6,6 +6,9 @@
     python train.py out_dir=runs/a                               # a run directory with a checkpoint resumes by itself
     python train.py resume=runs/a steps=200                      # command-line keys override the saved config
 
+Ctrl-C (SIGINT) or SIGTERM during the steps finishes the step, saves its checkpoint and prints the resume command
+(train.Stop); a second one abandons the step. A finished run (final/ written, steps reached) is refused, untouched.
+
 One checkpoint is one directory; every file is readable without this code:
     model.safetensors      the policy's full (unsharded) state dict; tied tensors stored once (meta "aliases");
                            frozen parameters (LoRA's base) are left out: they come from `model=` again
