@@ -107,6 +107,7 @@ def test_train_dpo_refuses_a_used_out_dir(tmp_path):
     r = subprocess.run([sys.executable, "train_dpo.py", f"out_dir={tmp_path}"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"error: out_dir '{tmp_path}' is not empty and holds no checkpoint to resume: choose a new out_dir, or remove "
-        "this one first (a run directory with a checkpoint resumes by itself)"], r.stderr
+        f"error: out_dir '{tmp_path}' is not empty and holds no checkpoint to resume (a run stopped before its first "
+        f"save leaves one like it): to start that run again, remove it first (rm -r {tmp_path}), or choose a new "
+        "out_dir"], r.stderr
     assert (tmp_path / "metrics.jsonl").read_text() == "{}\n"
