@@ -6,6 +6,9 @@
     python train.py out_dir=runs/a                               # a run directory with a checkpoint resumes by itself
     python train.py resume=runs/a steps=200                      # command-line keys override the saved config
 
+Ctrl-C (SIGINT) or SIGTERM during the steps finishes the step, saves its checkpoint and prints the resume command
+(train.Stop); a second one abandons the step. A finished run (final/ written, steps reached) is refused, untouched.
+
 One checkpoint is one directory; every file is readable without this code:
     model.safetensors      the policy's full (unsharded) state dict; tied tensors stored once (meta "aliases");
                            frozen parameters (LoRA's base) are left out: they come from `model=` again
@@ -56,6 +59,9 @@ import offload
 from config import UserError, parse, to_dict
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+# what load() reads from meta.json
+META_KEYS = ("step", "version", "cursor", "world_size", "trained", "schedule", "python_rng", "numpy_rng",
+             "metrics_bytes", "buffer", "extra")
 
 
 def crash_point(point: str, step: int):
@@ -64,11 +70,16 @@ def crash_point(point: str, step: int):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def complete(run_dir: str) -> list[str]:
-    """A run's complete checkpoint directories (meta.json written), newest first."""
+def complete(run_dir: str, warn: bool = False) -> list[str]:
+    """A run's complete checkpoint directories (meta.json written), newest first. warn: name each step folder
+    without meta.json on stdout (a write in progress is a step_N.tmp folder, so this one lost its meta.json)."""
     root = os.path.join(run_dir, "checkpoints")
     steps = sorted(int(m.group(1)) for m in map(STEP_DIR.match, os.listdir(root) if os.path.isdir(root) else []) if m)
     done = [s for s in steps if os.path.exists(os.path.join(root, f"step_{s:06d}", "meta.json"))]
+    if warn and int(os.environ.get("RANK", "0")) == 0:
+        for s in sorted(set(steps) - set(done), reverse=True):
+            print(f"warning: checkpoint {os.path.join(root, f'step_{s:06d}')} has no meta.json (deleted?): skipped",
+                  flush=True)
     return [os.path.join(root, f"step_{s:06d}") for s in reversed(done)]
 
 
@@ -101,6 +112,16 @@ def damage(ckpt: str) -> str | None:
         return f"meta.json unreadable: {str(e).splitlines()[0]}"
     if not isinstance(meta, dict) or ("sha256" in meta and meta.get("checksum") != meta_checksum(meta)):
         return "meta.json does not match its checksum"
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        return f"meta.json lacks {', '.join(missing)}"
+    if "sha256" not in meta:   # no checksums to compare: at least every file that load() reads is there
+        if not isinstance(meta["trained"], dict):
+            return "meta.json's 'trained' is not a mapping"
+        needed = [f for name in meta["trained"] for f in (f"{name}.safetensors", f"{name}_optimizer.safetensors")]
+        for name in needed + ["rank_state.safetensors", "config.yaml"]:
+            if not os.path.exists(os.path.join(ckpt, name)):
+                return f"{name} is missing"
     for name, digest in meta.get("sha256", {}).items():
         path = os.path.join(ckpt, name)
         if not os.path.exists(path):
@@ -114,7 +135,7 @@ def newest_intact(run_dir: str) -> str | None:
     """The newest checkpoint of a run that passes damage(), with a warning naming each damaged newer one.
     None when the run has none; a UserError when every one is damaged."""
     bad = []
-    for ckpt in complete(run_dir):
+    for ckpt in complete(run_dir, warn=True):
         reason = damage(ckpt)
         if reason is None:
             if int(os.environ.get("RANK", "0")) == 0:   # called before torch.distributed starts
@@ -142,6 +163,9 @@ def resolve_resume(cfg, argv: list[str]):
             ckpt = path
         else:
             ckpt = newest_intact(path)
+        if ckpt is None and os.path.isdir(path) and os.listdir(path):
+            raise UserError(f"resume='{cfg.resume}' holds no checkpoint (the run stopped before its first save): "
+                            f"start it again with another out_dir, or remove it first (rm -r {path})")
         if ckpt is None:
             raise UserError(f"resume='{cfg.resume}' is neither a checkpoint nor a run directory holding one")
     else:
@@ -158,13 +182,15 @@ def resolve_resume(cfg, argv: list[str]):
     new.out_dir, new.resume = run_dir, ckpt
     changed = {k: (v, to_dict(new)[k]) for k, v in to_dict(saved).items()
                if k not in ("out_dir", "resume") and to_dict(new)[k] != v}
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        step = json.load(f)["step"]
+    finished = os.path.exists(os.path.join(run_dir, "final"))
+    if step > new.steps or (step == new.steps and finished):   # nothing to train: refuse before anything is written
+        raise UserError(f"the run in {run_dir} has trained {step} steps{' and is finished' if finished else ''}; "
+                        f"steps={new.steps} leaves nothing to train (nothing was changed). To train on: "
+                        f"python train.py resume={run_dir} steps=<more than {step}>; for a new run, another out_dir")
     if int(os.environ.get("RANK", "0")) == 0:   # called before torch.distributed starts
         print(f"resuming from {ckpt}" + "".join(f"; {k}: {a} -> {b}" for k, (a, b) in changed.items()), flush=True)
-        with open(os.path.join(ckpt, "meta.json")) as f:
-            step = json.load(f)["step"]
-        if step >= new.steps:   # the run keeps the checkpoint's steps unless the command line says more
-            print(f"the checkpoint is at step {step} and the run ends at steps={new.steps}: nothing to train; "
-                  f"to train on, resume={run_dir} steps=<more than {step}>", flush=True)
     return new, ckpt
 
 

@@ -8,6 +8,7 @@ or a value of the wrong type is a one-line error that names the key. The checks 
 combinations, the world size) are in config_checks.py: `config_checks.validate(cfg, world)` after parsing.
 """
 import dataclasses
+import os
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +31,38 @@ PARTIAL_OLD = ("weight", "mask")
 
 class UserError(Exception):
     """Bad input from the user: train.py prints it as one line and exits non-zero."""
+
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+INT_LIMIT = 2 ** 62   # far past any real count; larger ints break len() and tensor sizes far from the option
+
+
+def repo_path(path: str) -> str:
+    """A relative path that is not there from the working directory but is in the repository (the embedded
+    assets and configs: assets/tiny-model, configs/x.yaml) -> its absolute path there; any other path as given."""
+    if path and not os.path.isabs(path) and not os.path.exists(path) and os.path.exists(os.path.join(REPO, path)):
+        return os.path.join(REPO, path)
+    return path
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable):
+                continue   # PyYAML's own construct_mapping refuses it with its message
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text):
+    """yaml.safe_load, but a key twice in one mapping is an error (text: str or bytes, read as UTF-8/16)."""
+    return yaml.load(text, Loader=_UniqueKeys)
 
 
 def opt(default, help: str):
@@ -273,7 +306,8 @@ class Config:
     seed: int = opt(0, "seed for data order, sampling and init")
     device: str = opt("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = opt("auto", "model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16")
-    threads: int = opt(0, "torch CPU threads (0 = torch's default)")
+    threads: int = opt(0, "torch CPU threads (0 = chosen from the model: 1 for a model under 100M parameters on the "
+                          "CPU, where more threads mostly wait on each other on a busy machine; else torch's default)")
     parallel: str = opt("fsdp", "under torchrun, how ranks hold the policy: fsdp (sharded with FSDP2: memory "
                                 "first) or replicate (each rank the whole model, gradients averaged by one "
                                 "all-reduce per optimizer step: speed first, for models that fit one GPU)")
@@ -318,6 +352,8 @@ def _convert(key: str, value, t):
     elif t is int and not isinstance(value, bool):
         try:
             if isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
+                if abs(int(value)) >= INT_LIMIT:
+                    raise UserError(f"config key '{key}' must be below 2**62 in size; got {value!r}")
                 return int(value)
         except ValueError:
             pass
@@ -362,9 +398,9 @@ def _merge(a: dict, b: dict) -> dict:
     return a
 
 
-def help_text(cfg=None, prefix: str = "") -> str:
+def help_text(cfg=None, prefix: str = "", script: str = "train.py") -> str:
     cfg = cfg or Config()
-    lines = [] if prefix else ["usage: python train.py [--config FILE.yaml] [key=value ...]", "", "options:"]
+    lines = [] if prefix else [f"usage: python {script} [--config FILE.yaml] [key=value ...]", "", "options:"]
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
@@ -378,6 +414,8 @@ def help_text(cfg=None, prefix: str = "") -> str:
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
     """PyYAML's message in one line: what is wrong, and where (1-based line and column)."""
+    if isinstance(e, yaml.reader.ReaderError):   # bytes that are no text, or control characters
+        return f"not {e.encoding or 'Unicode'} text ({e.reason} at character {e.position + 1})"
     mark = getattr(e, "problem_mark", None)
     where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
     return f"{getattr(e, 'problem', None) or str(e).splitlines()[0]}{where}"
@@ -401,7 +439,7 @@ def _cli_value(key: str, text: str):
     if not text:
         return ""
     try:
-        value = yaml.safe_load(text)
+        value = load_yaml(text)
     except yaml.YAMLError as e:
         if _field_type(key) is str:
             return text
@@ -409,21 +447,21 @@ def _cli_value(key: str, text: str):
     return text if _field_type(key) is str and not isinstance(value, str) else value
 
 
-def parse(argv: list[str]) -> Config:
+def parse(argv: list[str], script: str = "train.py") -> Config:
     """argv -> Config. Order: defaults < YAML file < key=value overrides. Call config_checks.validate() before
-    using it."""
+    using it. `script` names the entry script in --help."""
     updates: dict = {}
     args = list(argv)
     while args:
         a = args.pop(0)
         if a in ("-h", "--help"):
-            print(help_text())
+            print(help_text(script=script))
             sys.exit(0)
         if a == "--config" or a.startswith("--config="):
-            path = a.split("=", 1)[1] if "=" in a else (args.pop(0) if args else "")
+            path = repo_path(a.split("=", 1)[1] if "=" in a else (args.pop(0) if args else ""))
             try:
-                with open(path) as f:
-                    loaded = yaml.safe_load(f) or {}
+                with open(path, "rb") as f:   # bytes: PyYAML reports a bad encoding as a YAMLError with its place
+                    loaded = load_yaml(f) or {}
             except OSError as e:
                 raise UserError(f"cannot read config file '{path}': {e.strerror}")
             except yaml.YAMLError as e:
@@ -447,6 +485,7 @@ def fill_defaults(cfg: Config) -> Config:
     """The defaults that depend on other options, filled once after parsing."""
     cfg.algo.norm_len = cfg.algo.norm_len or cfg.max_new_tokens   # Dr. GRPO's constant: the length limit
     cfg.algo.max_new_tokens = cfg.max_new_tokens                  # the limit itself (DAPO's overlong penalty)
+    cfg.model, cfg.algo.dpo.data = repo_path(cfg.model), repo_path(cfg.algo.dpo.data)   # from any directory
     return cfg
 
 

@@ -7,14 +7,19 @@ combination of options lives here, each a one-line UserError naming the problem 
 The options themselves (defaults, help texts, the valid choices, key=value parsing) are in config.py. Checks that
 need files or folders stay with what reads them (run_dir.check, checkpoint.resolve_resume, models.load_model).
 """
+import inspect
 import math
 import os
+import re
 
 import torch
 
 import registry
 from config import (AGG_MODES, DECODE_WEIGHTS, DPO_LOSSES, DTYPES, KL_ESTIMATORS, LOGPROBS_MODES, MODES, PARALLEL_MODES,
-                    PARTIAL_OLD, REPLAY_PRIORITIES, TIS_MODES, Config, UserError)
+                    PARTIAL_OLD, REPLAY_PRIORITIES, REPO, TIS_MODES, Config, UserError)
+
+MAX_EVAL_K = 1024   # eval_k samples of one prompt go through the engine together
+MIN_WORKER_MB = 64  # an environment worker (Python + envs/) starts within about half of it
 
 
 def validate(cfg: Config, world: int = 1):
@@ -43,12 +48,7 @@ def validate(cfg: Config, world: int = 1):
         raise UserError(f"algo '{cfg.algo.name}' compares the samples of one prompt (a group baseline or a pair): "
                         f"samples_per_prompt must be >= 2; got {cfg.samples_per_prompt}")
     check_device(cfg.device)
-    if cfg.task == "arithmetic":
-        a = cfg.arithmetic
-        for key, ok, valid in [("digits", 1 <= a.digits <= 9, "1..9"), ("heldout_percent", 0 < a.heldout_percent < 100,
-                                "1..99"), ("n_train", a.n_train >= 1, ">= 1"), ("n_eval", a.n_eval >= 1, ">= 1")]:
-            if not ok:
-                raise UserError(f"config key 'arithmetic.{key}' must be {valid}; got {getattr(a, key)}")
+    check_task(cfg)
     r = cfg.replay
     if r.enabled and (r.capacity < 1 or r.max_uses < 1 or r.max_staleness < 0 or not 0 < r.decay <= 1):
         raise UserError("config keys 'replay.capacity' and 'replay.max_uses' must be >= 1, "
@@ -68,9 +68,9 @@ def validate(cfg: Config, world: int = 1):
         raise UserError("offload=true keeps FSDP shards in CPU memory: it needs parallel=fsdp")
     if cfg.offload and "RANK" not in os.environ:
         raise UserError("offload=true shards the policy with FSDP: launch with torchrun (--nproc_per_node=1 is fine)")
-    if cfg.eval_k < 0 or (cfg.eval_k and not cfg.eval_k_temperature > 0):
-        raise UserError(f"config keys 'eval_k' must be >= 0 and 'eval_k_temperature' > 0; got {cfg.eval_k} and "
-                        f"{cfg.eval_k_temperature}")
+    if not 0 <= cfg.eval_k <= MAX_EVAL_K or (cfg.eval_k and not cfg.eval_k_temperature > 0):
+        raise UserError(f"config keys 'eval_k' must be in 0..{MAX_EVAL_K} and 'eval_k_temperature' > 0; got "
+                        f"{cfg.eval_k} and {cfg.eval_k_temperature}")
     lo = cfg.lora
     if lo.r < 0 or lo.alpha <= 0 or not 0 <= lo.dropout < 1:
         raise UserError(f"config keys 'lora.r' must be >= 0, 'lora.alpha' > 0 and 'lora.dropout' in [0, 1); got "
@@ -95,6 +95,9 @@ def validate(cfg: Config, world: int = 1):
     if (cfg.micro_batch_size or world > 1) and not algo.splittable(cfg.algo):
         raise UserError(f"algo '{cfg.algo.name}' with these settings has no exact split over micro-batches or ranks: "
                         "use micro_batch_size=0 and one process (see its Algorithm declaration)")
+    check_env(cfg)
+    check_unused(cfg, algo)
+    check_model(cfg.model)
 
 
 def ranges(cfg: Config) -> list:
@@ -113,7 +116,29 @@ def ranges(cfg: Config) -> list:
                   ("warmup_steps", c.warmup_steps, "none"), ("grad_clip", c.grad_clip, "off"),
                   ("top_k", c.top_k, "off"), ("engine_lag", c.engine_lag, "the current weights"),
                   ("eval_temperature", c.eval_temperature, "greedy"), ("memory_budget_gib", c.memory_budget_gib, "off")]
+    at_least_0 += [("algo.kl_coef", a.kl_coef, "no reference model"),
+                   ("algo.norm_len", a.norm_len, "max_new_tokens"), ("seed", c.seed, "seed 0")]
+    env = c.env
+    at_least_1 += [("env.workers", env.workers), ("env.max_turns", env.max_turns), ("env.max_tokens", env.max_tokens),
+                   ("env.max_obs_chars", env.max_obs_chars)]
+    unit = lambda k, v: (k, v, 0 <= v <= 1, "in [0, 1]")
+    positive = lambda k, v: (k, v, v > 0, "> 0")
     return [("lr", c.lr, math.isfinite(c.lr) and c.lr > 0, "a finite number > 0"),
+            ("algo.clip_eps", a.clip_eps, 0 < a.clip_eps <= 1, "in (0, 1] (the ratio's lower bound is 1 - clip_eps)"),
+            positive("algo.clip_eps_high", a.clip_eps_high), positive("algo.dpo.beta", a.dpo.beta),
+            positive("algo.gspo.clip_eps", a.gspo.clip_eps), positive("algo.gspo.clip_eps_high", a.gspo.clip_eps_high),
+            unit("algo.ppo.gamma", a.ppo.gamma), unit("algo.ppo.gae_lambda", a.ppo.gae_lambda),
+            ("algo.ppo.vf_coef", a.ppo.vf_coef, a.ppo.vf_coef >= 0, ">= 0"),
+            ("algo.ppo.value_clip", a.ppo.value_clip, a.ppo.value_clip >= 0, ">= 0 (0 = off)"),
+            ("algo.ppo.critic_lr", a.ppo.critic_lr, math.isfinite(a.ppo.critic_lr) and a.ppo.critic_lr > 0,
+             "a finite number > 0"),
+            ("algo.dapo.clip_eps_high", a.dapo.clip_eps_high, a.dapo.clip_eps_high >= 0, ">= 0"),
+            ("algo.dapo.overlong_buffer", a.dapo.overlong_buffer, a.dapo.overlong_buffer >= 0, ">= 0 (0 = off)"),
+            ("algo.dapo.overlong_penalty", a.dapo.overlong_penalty, a.dapo.overlong_penalty >= 0, ">= 0"),
+            ("replay.alpha", c.replay.alpha, c.replay.alpha >= 0, ">= 0 (0 = uniform)"),
+            positive("env.timeout_s", env.timeout_s),
+            ("env.memory_mb", env.memory_mb, env.memory_mb >= MIN_WORKER_MB,
+             f">= {MIN_WORKER_MB} (a worker's Python needs about that much address space to start)"),
             ("temperature", c.temperature, c.temperature > 0, "> 0"),
             ("top_p", c.top_p, 0 < c.top_p <= 1, "in (0, 1]"),
             ("train_temperature", c.train_temperature, c.train_temperature >= 0, ">= 0 (0 = temperature)"),
@@ -158,6 +183,127 @@ def check_batch_split(cfg: Config, world: int):
         where = " on each rank" if world > 1 else ""
         raise UserError(f"micro_batch_size={micro} must divide the mini-batch of {per_rank} samples{where}: one of "
                         f"{', '.join(fits)}, or 0 / >= {per_rank} (one pass)")
+
+
+def check_model(model: str):
+    """A model that names a path must be there (config.fill_defaults has looked in the repository too); 'org/name'
+    is left to the hub. A name whose first folder exists here is a path as well: assets/tiny-modle is a typo,
+    not a hub id, and the hub would be retried for a minute before a long error."""
+    path = os.path.expanduser(model)
+    if os.path.exists(path):
+        return
+    first = path.split("/")[0]
+    if path.startswith((".", "/")) or path.count("/") != 1 or os.path.isdir(first) or os.path.isdir(os.path.join(REPO, first)):
+        raise UserError(f"model '{model}' is not a folder here or in the repository (a hub id looks like org/name)")
+
+
+def check_task(cfg: Config):
+    """The embedded tasks' settings, and files.*'s template and regex, before a file is read."""
+    if cfg.task == "arithmetic":
+        a = cfg.arithmetic
+        for key, ok, valid in [("digits", 1 <= a.digits <= 9, "1..9"), ("heldout_percent", 0 < a.heldout_percent < 100,
+                                "1..99"), ("n_train", a.n_train >= 1, ">= 1"), ("n_eval", a.n_eval >= 1, ">= 1")]:
+            if not ok:
+                raise UserError(f"config key 'arithmetic.{key}' must be {valid}; got {getattr(a, key)}")
+    if cfg.task == "hilo":
+        h = cfg.hilo
+        for key, ok, valid in [("digits", 1 <= h.digits <= 6, "1..6 (10**digits codes are listed)"),
+                               ("heldout_percent", 0 < h.heldout_percent < 100, "1..99"), ("n_eval", h.n_eval >= 1, ">= 1")]:
+            if not ok:
+                raise UserError(f"config key 'hilo.{key}' must be {valid}; got {getattr(h, key)}")
+    if cfg.task != "files":
+        return
+    f = cfg.files
+    try:
+        f.prompt_template.format(prompt="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise UserError(f"config key 'files.prompt_template' must be a format string whose only field is {{prompt}} "
+                        f"(write {{{{ and }}}} for braces); {f.prompt_template!r} fails: {type(e).__name__} {e}")
+    if f.answer_regex:
+        try:
+            groups = re.compile(f.answer_regex).groups
+        except re.error as e:
+            raise UserError(f"config key 'files.answer_regex' is not a regular expression: {e}; got {f.answer_regex!r}")
+        if not groups:
+            raise UserError(f"config key 'files.answer_regex' needs a group, (...), around the answer; got "
+                            f"{f.answer_regex!r}")
+
+
+def parse_kwargs(spec: str, key: str) -> dict:
+    """'a=1,b=x' -> {'a': 1, 'b': 'x'} (values read as YAML), or a UserError naming the option."""
+    import yaml
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, eq, value = part.partition("=")
+        if not eq or not name.strip():
+            raise UserError(f"config key '{key}': entry {part!r} must look like name=value")
+        try:
+            out[name.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            out[name.strip()] = value
+    return out
+
+
+def check_keywords(fn, kwargs: dict, what: str, rest_takes_any: bool = False):
+    """Every keyword is a parameter fn names. A **rest parameter takes any keyword only with rest_takes_any (an
+    environment's `**args`); a reward's **fields is for the sample's fields and would swallow a misspelling."""
+    params = inspect.signature(fn).parameters
+    if rest_takes_any and any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for k in kwargs:
+        if k not in named:
+            raise UserError(f"{what} takes no argument '{k}'; it takes: {', '.join(named) or 'none'}")
+
+
+def check_env(cfg: Config):
+    """env.name: registered, its env.args are parameters of its constructor, and an environment that comes with
+    its own task (same name) runs with that task, whose rows hold what its reset reads."""
+    if not cfg.env.name:
+        return
+    env = registry.get("env", cfg.env.name)
+    check_keywords(env, parse_kwargs(cfg.env.args, "env.args"), f"env.args: environment '{cfg.env.name}'",
+                   rest_takes_any=True)
+    if cfg.env.name in registry.names("task") and cfg.task != cfg.env.name:
+        raise UserError(f"env.name={cfg.env.name} plays the rows of task={cfg.env.name}; task={cfg.task} has "
+                        f"other fields: use task={cfg.env.name}")
+
+
+def check_reward_args(reward_args: dict[str, dict]):
+    """reward_args (rewards.parse_reward_args' dict): each argument is a parameter its reward names."""
+    for name, kwargs in reward_args.items():
+        check_keywords(registry.get("reward", name), kwargs, f"reward_args: reward '{name}'")
+
+
+def check_unused(cfg: Config, algo):
+    """An option set away from its default that does nothing in this run is an error saying why: it was meant
+    to change something."""
+    default = Config()
+    if cfg.mode == "sync":
+        for key in ("rollout_ranks", "max_staleness", "async_timeout_s"):
+            if getattr(cfg, key) != getattr(default, key):
+                raise UserError(f"{key}={getattr(cfg, key)} applies to mode=async only (this run is mode=sync): "
+                                f"drop it, or use mode=async under torchrun")
+    if cfg.profile_step > cfg.steps:
+        raise UserError(f"profile_step={cfg.profile_step} is past the last step (steps={cfg.steps}): nothing would be "
+                        "profiled; use a step in 1..steps, or 0")
+    if cfg.profile_step < 0:
+        raise UserError(f"config key 'profile_step' must be >= 0 (0 = none); got {cfg.profile_step}")
+    ref_model = algo.needs_ref(cfg.algo) and not cfg.lora.r   # with LoRA the reference is the base, adapters off
+    if cfg.offload_models and not (ref_model or algo.needs_critic):
+        raise UserError(f"offload_models=true moves the reference model and the critic, and this run has neither "
+                        f"(algo '{cfg.algo.name}', algo.kl_coef={cfg.algo.kl_coef}, lora.r={cfg.lora.r}): drop it")
+
+
+def default_threads(cfg: Config) -> int:
+    """threads=0: one thread for a model under 100M parameters (400 MB of weight files) on the CPU, where more
+    threads wait on each other (and on a busy machine's other jobs) longer than they compute; else 0, torch's
+    own choice. Read from the model folder's file sizes, before anything loads."""
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    if not on_cpu or not os.path.isdir(cfg.model):
+        return 0
+    weights = [os.path.join(cfg.model, f) for f in os.listdir(cfg.model) if f.endswith((".safetensors", ".bin"))]
+    return 1 if weights and sum(map(os.path.getsize, weights)) < 400e6 else 0
 
 
 def check_device(device: str):

@@ -257,3 +257,15 @@ def load_full_state(model, optimizer, model_state: dict, optim_state: dict | Non
     else:
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                        options=options)
+
+
+def fail(message: str, code: int = 2):
+    """End this process for bad input with one line on stderr and exit code `code`. Before the process group exists
+    every rank has run the same checks on the same command line, so rank 0 alone prints (RANK is torchrun's);
+    after that a fault may be one rank's own, so each rank that meets one prints it."""
+    import sys
+    if int(os.environ.get("RANK", "0")) == 0 or dist.is_initialized():
+        print(message, file=sys.stderr, flush=True)
+    # torchrun reports any non-zero exit with its own ChildFailedError traceback and summary, whatever the rank
+    # does (an error file only adds lines to it): the line above is the first thing on stderr
+    sys.exit(code)

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 
 import yaml
@@ -58,9 +59,14 @@ def check(run_dir: str, resuming: bool):
         raise UserError(f"out_dir '{run_dir}' cannot be made: '{existing}' is a file")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"out_dir '{run_dir}' is not writable (no write permission on '{existing}')")
+    try:   # permissions are not all: /proc, a read-only mount or a full disk refuse even root
+        os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=existing))
+    except OSError as e:
+        raise UserError(f"out_dir '{run_dir}' cannot be made in '{existing}': {e.strerror}")
     if not resuming and existing == path and os.listdir(path):
-        raise UserError(f"out_dir '{run_dir}' is not empty and holds no checkpoint to resume: choose a new out_dir, "
-                        "or remove this one first (a run directory with a checkpoint resumes by itself)")
+        raise UserError(f"out_dir '{run_dir}' is not empty and holds no checkpoint to resume (a run stopped before "
+                        f"its first save leaves one like it): to start that run again, remove it first (rm -r "
+                        f"{run_dir}), or choose a new out_dir")
 
 
 def create(cfg, rank: int) -> str:

@@ -3,6 +3,7 @@
     handle = submit_rewards(pool, samples, decode(tok, rollout))   # returns at once: the workers score
     rewards, info = handle.result()                                 # (B,) weighted sums, failures with reasons
     record_failures(run_dir, step, info)                            # a sample to reward_failures.jsonl
+    check_broken(run, step)                                         # every reward broken 3 steps in a row: stop
     metrics = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, generator)   # eval/accuracy, eval/reward,
                                                                                      # eval/pass@k with eval_k
     sampler = SingleTurn(engine, pool, tok)         # what train.py calls: generate, score, evaluate (multi-turn:
@@ -14,6 +15,7 @@ import os
 import torch
 
 import distributed
+from config import UserError
 from engines.base import SamplingParams
 from rewards.pool import write_reasons
 
@@ -47,6 +49,42 @@ def record_failures(run_dir: str, step: int, info: dict) -> str | None:
     counts = ", ".join(f"{name} {cat} {n}" for name, cats in info.get("failure_counts", {}).items()
                        for cat, n in cats.items() if n and cat != "wrong_answer")
     return f"step {step}: reward failures ({counts}), e.g. {broken[0]['reason'][:120]}"
+
+
+def broken(info: dict, n: int) -> tuple[float, str | None]:
+    """-> (the share of the n samples whose scoring broke, one reason). Broken: a reward raised, timed out or lost its
+    worker, or an episode's environment failed; what a reward reports about the completion it judged (a wrong
+    answer, a program that timed out: Score failures) is the policy's doing and does not count. The share is the
+    worst reward's (or the environment's)."""
+    counts = [*info.get("failures", {}).values(), info.get("metrics", {}).get("env_fail", 0.0)]
+    reason = next((f"{f['reward']}: {f['reason']}" for f in info.get("failed", ()) if f["category"] != "wrong_answer"),
+                  None)
+    return max(counts) / max(n, 1), reason
+
+
+MAX_BROKEN_STEPS = 3   # a run whose every reward (or episode) fails this many steps in a row stops
+
+
+def check_broken(run, step: int):
+    """Stop a run that would train on zeros: every sample of MAX_BROKEN_STEPS steps in a row (on every rank) had its
+    reward or episode break, which is a bad setting or data (reward_args, a field, the environment), not learning.
+    run: train.Run (broken: this step's (share, reason) per round, broken_steps: the count so far, run_dir)."""
+    share = min(s for s, _ in run.broken)
+    all_broken = distributed.all_sum([float(share >= 1.0)])[0] >= distributed.world()
+    run.broken_steps = run.broken_steps + 1 if all_broken else 0
+    if run.broken_steps >= MAX_BROKEN_STEPS:
+        reason = next((r for _, r in run.broken if r), "no reason given")
+        raise UserError(f"every sample's reward or episode failed for {run.broken_steps} steps in a row (step {step}: "
+                        f"{' '.join(reason.split())[:200]}); stopped rather than train on zeros. Failures: "
+                        f"{os.path.join(run.run_dir, 'reward_failures.jsonl')}; fix the setting, then start again in a "
+                        f"new out_dir (or after rm -r {run.run_dir})")
+
+
+def eval_line(row: dict) -> str:
+    """The held-out numbers of an evaluation step for the console (pass@k too with eval_k)."""
+    ks = sorted((k for k in row if k.startswith("eval/pass@")), key=lambda k: int(k.split("@")[1]))
+    return f"step {row['step']}: held-out accuracy {row['eval/accuracy']:.3f}" + \
+        "".join(f", {k[5:]} {row[k]:.3f}" for k in ks)
 
 
 def pass_at(n: int, c: int, k: int) -> float:

@@ -11,7 +11,9 @@ docs/architecture.md. Each run writes one directory (run_dir.py): config.yaml, m
 evaluation before training), tensorboard events, curve.png, checkpoints/ and the final policy in final/.
 """
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -32,7 +34,7 @@ import registry
 import run_dir
 from buffer import Experience, make_buffer
 from config import Config, UserError, fill_defaults, parse, to_dict, trainer_temperature
-from config_checks import validate
+from config_checks import check_reward_args, default_threads, validate
 from critic import Critic
 from distributed import print0
 from engines.base import SamplingParams
@@ -40,7 +42,7 @@ from engines.multiturn import MultiTurn
 from models import completion_logprobs, context_length, encode_prompts, load_model, setup_device
 from rewards import parse_reward_args, parse_spec
 from rewards.pool import RewardPool
-from scoring import SingleTurn, record_failures
+from scoring import SingleTurn, broken, check_broken, eval_line, record_failures
 from update import Learner, minibatch_size, update
 
 
@@ -71,6 +73,8 @@ class Run:
     rows: list = None                # metrics rows so far (step 0 first)
     logger: run_dir.Logger | None = None   # rank 0 only
     stages: offload.Stages = None    # per-stage memory moves (offload_* options, engine_sleep)
+    broken: list = None              # this step's rounds: (share of samples whose scoring broke, a reason)
+    broken_steps: int = 0            # steps in a row on which every sample's scoring broke
 
     def eval_gen(self) -> torch.Generator:   # evaluation samples from its own stream: training's never shifts
         return torch.Generator(device=self.device).manual_seed(self.cfg.seed + 2)
@@ -275,6 +279,7 @@ def collect(run: Run, step: int, times: dict):
     with profiling.phase(times, "reward"):            # only the part of scoring not hidden behind step 3
         rewards, reward_info = handle.result()
     failures = record_failures(run.run_dir, step, reward_info)   # a sample to reward_failures.jsonl
+    run.broken.append(broken(reward_info, len(rewards)))
     if failures and distributed.rank() == 0:
         tqdm.write(failures)
     return experience(rollout, rewards, run.learner.version, extra), reward_info
@@ -318,7 +323,9 @@ def draw(run: Run, step: int, times: dict):
 def train_step(run: Run, step: int) -> dict:
     """One RL step; -> its metrics row (means over ranks)."""
     cfg, learner, times = run.cfg, run.learner, {}
+    run.broken = []
     batch, reward_info, n_samples, rounds = draw(run, step, times)   # 1-3. rollout, scoring, log-probs
+    check_broken(run, step)
     rewards = batch.rewards
     batch.advantages = learner.algo.advantages(batch, cfg.algo, sum_over=distributed.all_sum)
     if run.logger:                                    # a few samples per step for tools/view.py
@@ -391,44 +398,103 @@ def finish(run: Run, rank: int, wall: float) -> dict:
 
 # ------------------------------------------------------------------------------------------------- main
 
+class Stop:
+    """SIGINT / SIGTERM during the step loop: the first finishes the step, saves a checkpoint and ends the run
+    with the command that resumes it; a second abandons the step at once (KeyboardInterrupt)."""
+
+    def __init__(self):
+        self.signal, self.old = None, {}
+        if threading.current_thread() is threading.main_thread():   # Python runs signal handlers there only
+            self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum, frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+        if distributed.rank() == 0:
+            tqdm.write(f"{self.signal}: finishing this step, then saving a checkpoint (again to stop at once)")
+
+    def requested(self) -> bool:   # every rank stops after the same step
+        return distributed.all_sum([float(self.signal is not None)])[0] > 0
+
+    def restore(self):
+        for s, handler in self.old.items():
+            signal.signal(s, handler)
+
+
+def stopped(run: Run, step: int, why: str, saved: str | None) -> dict:
+    """After a signal: the step's checkpoint (if not saved yet), workers closed, one line with the resume command."""
+    ckpt = saved or save(run, step)
+    run.pool.close(), run.sampler.close(), run.engine.close()
+    if run.logger is not None:
+        run.logger.close()
+    launcher = "torchrun <as before> train.py" if distributed.world() > 1 else "python train.py"
+    print0(f"stopped by {why} after step {step}; checkpoint {ckpt}. To continue: {launcher} resume={run.run_dir}")
+    return {"stopped": why, "step": step, "run_dir": run.run_dir, "checkpoint": ckpt}
+
+
+def prepare(argv: list[str]) -> tuple[Config, str | None]:
+    """Every check of the command line before any work: -> (config, checkpoint to resume or None). Bad input is a
+    one-line UserError (or RegistryError) from here; nothing is loaded or written."""
+    cfg, resume_from = checkpoint.resolve_resume(parse(argv), argv)   # resume=<dir>, or out_dir holds a checkpoint
+    cfg = fill_defaults(cfg)
+    cfg.out_dir = run_dir.name(cfg)                    # checked before torchrun's ranks meet, so before any makes it
+    run_dir.check(cfg.out_dir, resuming=resume_from is not None)
+    # every cross-option check before the ranks meet: a bad value ends each rank alone, with no collective hanging
+    validate(cfg, int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
+    check_reward_args(parse_reward_args(cfg.reward_args, parse_spec(cfg.rewards)))
+    cfg.threads = cfg.threads or default_threads(cfg)   # threads=0: chosen from the model's size
+    return cfg, resume_from
+
+
 @lora.run_scoped_precision()   # lora.tf32's precision setting ends with the run
 def main(argv: list[str]) -> dict:
     # memory: the CUDA allocator grows segments in place instead of caching fixed-size blocks, so less sits reserved
     # (docs/speed.md). It applies only if set before CUDA's first allocation; a PYTORCH_CUDA_ALLOC_CONF of your own wins
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    cfg, resume_from = checkpoint.resolve_resume(parse(argv), argv)   # resume=<dir>, or out_dir holds a checkpoint
-    cfg = fill_defaults(cfg)
-    cfg.out_dir = run_dir.name(cfg)                    # checked before torchrun's ranks meet, so before any makes it
-    run_dir.check(cfg.out_dir, resuming=resume_from is not None)
+    cfg, resume_from = prepare(argv)
     rank, world = distributed.init(cfg.offload)        # (0, 1) unless launched by torchrun; see distributed.py
-    validate(cfg, world)                               # every cross-option check, before any work
     if cfg.mode == "async":   # rollout ranks and trainer ranks apart (async_rl.py); it calls this file's phases
         return async_rl.main(cfg, resume_from, sys.modules[__name__])
     run = setup(cfg, resume_from, rank)
     bar = tqdm(range(run.first_step, cfg.steps + 1), disable=not cfg.progress or rank != 0, dynamic_ncols=True)
-    t_run = time.perf_counter()
-    for step in bar:
-        prof = profiling.start() if step == cfg.profile_step else None   # profile_step: where the time goes
-        row = train_step(run, step)
-        bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row.get('eval/accuracy', float('nan')):.3f}")
-        stop = run.learner.bad_updates >= cfg.max_bad_updates
-        if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            saved = save(run, step)
-        if prof is not None:
-            profiling.mark("log")   # logging, evaluation, checkpoint
-            print0(f"profile of step {step}: {profiling.finish(prof, run.run_dir, rank, step)}")
-        if stop:
-            raise UserError(f"{run.learner.bad_updates} updates in a row had a non-finite loss or gradient (last at "
-                            f"step {step}); stopped with a checkpoint in {saved}")
+    t_run, acc, stop = time.perf_counter(), run.start["eval/accuracy"], Stop()
+    try:
+        for step in bar:
+            prof = profiling.start() if step == cfg.profile_step else None   # profile_step: where the time goes
+            row = train_step(run, step)
+            if "eval/accuracy" in row:   # the bar shows the latest evaluation between evaluations
+                acc = row["eval/accuracy"]
+                if rank == 0:
+                    tqdm.write(eval_line(row))
+            bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{acc:.3f}")
+            bad = run.learner.bad_updates >= cfg.max_bad_updates
+            saved = None
+            if bad or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                saved = save(run, step)
+            if prof is not None:
+                profiling.mark("log")   # logging, evaluation, checkpoint
+                print0(f"profile of step {step}: {profiling.finish(prof, run.run_dir, rank, step)}")
+            if bad:
+                raise UserError(f"{run.learner.bad_updates} updates in a row had a non-finite loss or gradient (last "
+                                f"at step {step}); stopped with a checkpoint in {saved}")
+            if step < cfg.steps and stop.requested():
+                bar.close()
+                return stopped(run, step, stop.signal or "a signal to another rank", saved)
+    finally:
+        stop.restore()
     return finish(run, rank, time.perf_counter() - t_run)
 
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1:])
+        out = main(sys.argv[1:])
+        sys.exit(130 if isinstance(out, dict) and out.get("stopped") else 0)
     except (UserError, registry.RegistryError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        distributed.fail(f"error: {e}")
+    except KeyboardInterrupt:   # before the step loop (loading, the step-0 evaluation), or a second Ctrl-C
+        print("interrupted: nothing saved since the last checkpoint", file=sys.stderr)
+        sys.exit(130)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

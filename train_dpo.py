@@ -1,13 +1,15 @@
 """Offline preference training (DPO, IPO, SimPO) from a jsonl file of {prompt, chosen, rejected}.
 
-    python train_dpo.py lr=1e-5                            # DPO on assets/arithmetic_prefs.jsonl, tiny model (0.195 -> 0.455 held-out)
-    python train_dpo.py algo.dpo.loss=ipo algo.dpo.beta=0.5 steps=100
+    python train_dpo.py lr=5e-6 algo.dpo.loss=ipo          # IPO on assets/arithmetic_prefs.jsonl, tiny model (0.195 -> 0.51 held-out)
+    python train_dpo.py lr=5e-6                            # DPO (the sigmoid loss): 0.195 -> 0.50
     python train_dpo.py algo.dpo.loss=simpo algo.dpo.data=my_prefs.jsonl model=/path/to/model task=...
 
 It takes the same options as train.py (config.py): `prompts_per_step` is the number of pairs per optimizer
 step, `steps`, `lr`, `eval_every` and `out_dir` mean what they mean there, and the held-out accuracy comes
 from the same task and verifier. Its own options are the `algo.dpo.*` section. The run directory has the
-same format (config.yaml, metrics.jsonl, curve.png, final/).
+same format (config.yaml, metrics.jsonl, curve.png, final/). Trained past its best, offline DPO overfits the pairs
+and the held-out accuracy falls back (docs/recipes.md, "Offline DPO"): final/ holds the policy of the best
+held-out evaluation, and the closing line names its step.
 
 Why a separate script and not a task inside train.py: offline DPO has no rollout, no reward and no weight
 sync, which are most of the loop; putting it there would make the loop branch on "has rollouts". This file
@@ -26,7 +28,7 @@ import registry
 import run_dir as rundir
 from algos.dpo import pair_loss
 from config import UserError, fill_defaults, parse
-from config_checks import validate
+from config_checks import check_reward_args, default_threads, validate
 from distributed import print0
 from engines.base import left_pad
 from models import completion_logprobs, encode_prompts, load_model, setup_device
@@ -71,14 +73,16 @@ def pack(tok, pairs: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def main(argv: list[str]) -> dict:
-    cfg = fill_defaults(parse(argv))
+    cfg = fill_defaults(parse(argv, script="train_dpo.py"))
     validate(cfg)
+    specs = parse_spec(cfg.rewards)
+    check_reward_args(parse_reward_args(cfg.reward_args, specs))
     cfg.out_dir = cfg.out_dir or os.path.join("runs", f"dpo-{cfg.algo.dpo.loss}-{time.strftime('%Y%m%d-%H%M%S')}")
     rundir.check(cfg.out_dir, resuming=False)   # a used or unwritable out_dir is refused before any work
+    cfg.threads = cfg.threads or default_threads(cfg)
     torch.manual_seed(cfg.seed)
     device, dtype = setup_device(cfg)
     pairs = read_pairs(cfg.algo.dpo.data)
-    specs = parse_spec(cfg.rewards)
     pool = RewardPool([(name, weight, parse_reward_args(cfg.reward_args, specs).get(name, {})) for name, weight in specs],
                       workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)   # scores the held-out evaluation
     _, eval_set = registry.get("task", cfg.task)(getattr(cfg, cfg.task, None))
@@ -100,6 +104,9 @@ def main(argv: list[str]) -> dict:
     logger.log({"step": 0, **start})
     print0(f"step 0: held-out accuracy {start['eval/accuracy']:.3f}; {len(pairs)} pairs from {cfg.algo.dpo.data}")
     order, cursor, rows, t_run = torch.randperm(len(pairs), generator=generator), 0, [], time.perf_counter()
+    best = (start["eval/accuracy"], 0)   # final/ keeps the policy of the best evaluation (step 0: the model as loaded)
+    final = os.path.join(run_dir, "final")
+    rundir.save_final(final, policy, tok)
     for step in range(1, cfg.steps + 1):
         if cursor + cfg.prompts_per_step > len(order):                  # a new epoch over the file
             order, cursor = torch.randperm(len(pairs), generator=generator), 0
@@ -123,16 +130,20 @@ def main(argv: list[str]) -> dict:
             row.update(evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, sample_gen))
             print0(f"step {step}: loss {row['loss']:.4f} pref_acc {row['pref_acc']:.2f} "
                    f"held-out accuracy {row['eval/accuracy']:.3f}")
+            if row["eval/accuracy"] > best[0]:   # offline DPO overfits the pairs: the last step is rarely the best
+                best = (row["eval/accuracy"], step)
+                rundir.save_final(final, policy, tok)
         rows.append(row)
         logger.log(row)
     wall = time.perf_counter() - t_run
     logger.close()
     pool.close()
-    rundir.save_final(os.path.join(run_dir, "final"), policy, tok)
     rundir.save_plot(run_dir, [{"step": 0, **start}] + rows)
     end = rows[-1]["eval/accuracy"] if rows else start["eval/accuracy"]
-    print0(f"held-out accuracy: {start['eval/accuracy']:.3f} -> {end:.3f} in {wall:.0f} s; run directory: {run_dir}")
-    return {"start_accuracy": start["eval/accuracy"], "end_accuracy": end, "run_dir": run_dir, "wall_s": wall}
+    print0(f"held-out accuracy: {start['eval/accuracy']:.3f} -> {end:.3f} in {wall:.0f} s (best {best[0]:.3f} at step "
+           f"{best[1]}: final/ holds that policy); run directory: {run_dir}")
+    return {"start_accuracy": start["eval/accuracy"], "end_accuracy": end, "best_accuracy": best[0],
+            "best_step": best[1], "run_dir": run_dir, "wall_s": wall}
 
 
 if __name__ == "__main__":

@@ -88,6 +88,8 @@ def parse_fields(spec: str) -> list[tuple[str, str]]:
 
 def map_row(row: dict, cfg: DataFilesConfig, where: str) -> dict:
     """One source row -> a sample {"prompt": unrendered text, "answer": ..., extra fields}."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where} is {type(row).__name__} {str(row)[:40]!r}, not an object with named fields")
     def column(name):
         if name not in row:
             raise ValueError(f"{where} has no field {name!r} (it has: {', '.join(map(str, row))})")

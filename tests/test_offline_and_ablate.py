@@ -33,6 +33,7 @@ def test_offline_dpo_raises_the_margin(loss, random_model_dir, tmp_path):
                           "prompts_per_step=8", "lr=3e-3", "eval_every=6", "eval_size=8", f"out_dir={tmp_path / 'run'}"])
     rows = step_rows(out["run_dir"])
     assert rows[-1]["margin"] > rows[0]["margin"] and rows[-1]["loss"] < rows[0]["loss"]   # same 8 pairs each step
+    assert out["best_accuracy"] >= max(out["start_accuracy"], out["end_accuracy"]) and out["best_step"] in (0, 6)
     assert os.path.exists(os.path.join(out["run_dir"], "final", "config.json"))
 
 
@@ -46,7 +47,7 @@ def test_offline_dpo_bad_file_is_one_line_error(random_model_dir, tmp_path):
         assert r.returncode != 0 and len(err) == 1 and message in err[0], r.stderr[-1000:]
 
 
-def test_ablate_runs_entries_x_seeds_and_writes_plot_and_table(random_model_dir, tmp_path):
+def test_ablate_runs_entries_x_seeds_and_writes_plot_and_table(random_model_dir, tmp_path, capsys):
     from tools import ablate
     text = ablate.main(["--runs", "grpo,rloo:algo.loss_agg=seq-mean-token-mean", "--seeds", "0,1",
                         "--out", str(tmp_path), f"model={random_model_dir}", "steps=2", "eval_every=1", "eval_size=8",
@@ -56,6 +57,9 @@ def test_ablate_runs_entries_x_seeds_and_writes_plot_and_table(random_model_dir,
     assert table == text and "| `grpo` | 2 |" in table and "| `rloo:algo.loss_agg=seq-mean-token-mean` | 2 |" in table
     cfg = (tmp_path / "rloo__algo.loss_agg=seq-mean-token-mean" / "seed1" / "config.yaml").read_text()
     assert "name: rloo" in cfg and "loss_agg: seq-mean-token-mean" in cfg and "seed: 1" in cfg
+    out = capsys.readouterr().out   # a line as each run starts and ends, not silence until the table
+    assert out.startswith("4 runs (2 entries x 2 seeds)") and "[1/4] grpo seed 0: started" in out
+    assert out.count(": done in ") == 4 and "[4/4] rloo:algo.loss_agg=seq-mean-token-mean seed 1: done in" in out
 
 
 def fake_run(entry, seed, accs, steps=(0, 5, 10)):
@@ -103,6 +107,7 @@ def test_train_dpo_refuses_a_used_out_dir(tmp_path):
     r = subprocess.run([sys.executable, "train_dpo.py", f"out_dir={tmp_path}"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"error: out_dir '{tmp_path}' is not empty and holds no checkpoint to resume: choose a new out_dir, or remove "
-        "this one first (a run directory with a checkpoint resumes by itself)"], r.stderr
+        f"error: out_dir '{tmp_path}' is not empty and holds no checkpoint to resume (a run stopped before its first "
+        f"save leaves one like it): to start that run again, remove it first (rm -r {tmp_path}), or choose a new "
+        "out_dir"], r.stderr
     assert (tmp_path / "metrics.jsonl").read_text() == "{}\n"

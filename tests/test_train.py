@@ -74,7 +74,7 @@ def test_help_lists_options():
     (["rewards=nope"], "unknown reward 'nope'; known: "),
     (["stepz=3"], "unknown config key 'stepz'"),
     (["steps=many"], "config key 'steps' expects int"),
-    (["model=./no/such/model"], "model path './no/such/model' does not exist"),
+    (["model=./no/such/model"], "model './no/such/model' is not a folder here or in the repository"),
     (["arithmetic.n_train=0"], "config key 'arithmetic.n_train' must be >= 1; got 0"),
     (["arithmetic.digits=1", "arithmetic.n_train=1000"], "task 'arithmetic': asked for 1000 distinct train problems"),
     (["max_new_tokens=60"], "exceeds the model's context of 64 tokens"),
@@ -102,3 +102,32 @@ def test_default_run_improves_heldout_accuracy(tmp_path):
     start = float(r.stdout.split("step 0: held-out accuracy ")[1].split()[0])
     end = rows[-1]["eval/accuracy"]
     assert start < 0.35 and end >= start + 0.2, (start, end)
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(sig, tmp_path, random_model_dir):
+    """Ctrl-C (or a scheduler's SIGTERM) mid-run: the step ends, a checkpoint is written, one line says how to go on,
+    no traceback; the same command then resumes from that checkpoint."""
+    import signal
+    import time
+    out = tmp_path / "run"
+    args = [f"model={random_model_dir}", "steps=500", "eval_every=500", "eval_size=4", "prompts_per_step=2",
+            f"out_dir={out}", "progress=false"]
+    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (out / "metrics.jsonl").exists() or '"step": 1,' not in (out / "metrics.jsonl").read_text():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.2)
+    p.send_signal(getattr(signal, sig))
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith(f"stopped by {sig} after step ") and last.endswith(f"To continue: python train.py "
+                                                                             f"resume={out}")
+    step = int(last.split("after step ")[1].split(";")[0])
+    assert (out / "checkpoints" / f"step_{step:06d}" / "meta.json").exists()
+    assert [r["step"] for r in step_rows(out)] == list(range(1, step + 1))
+    import checkpoint
+    import config
+    assert checkpoint.resolve_resume(config.parse(args), args)[1] == str(out / "checkpoints" / f"step_{step:06d}")

@@ -37,6 +37,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repo root
 BOOTSTRAP = 10_000
+REPORT_S = 20.0   # a line per running run this often: its latest step
 
 
 def run_dir(out: str, label: str, seed: int) -> str:
@@ -44,8 +45,31 @@ def run_dir(out: str, label: str, seed: int) -> str:
     return os.path.join(out, safe, f"seed{seed}")
 
 
-def launch(entry: str, seed: int, out: str, common: list[str], save_every: int) -> dict:
-    """Run one train.py subprocess (or reuse a finished one, or continue an interrupted one); -> its rows."""
+def latest_step(d: str) -> int | None:
+    """The last step a run has logged (metrics.jsonl), or None before its first row."""
+    try:
+        with open(os.path.join(d, "metrics.jsonl")) as f:
+            lines = [line for line in f if line.strip()]
+        return json.loads(lines[-1])["step"] if lines else None
+    except (OSError, ValueError, KeyError):   # not there yet, or a row half-written as we read
+        return None
+
+
+def wait(proc: subprocess.Popen, d: str, label: str) -> int:
+    """Wait for a run, printing its latest step every REPORT_S seconds; -> its exit code."""
+    last = time.monotonic()
+    while proc.poll() is None:
+        time.sleep(0.5)
+        if time.monotonic() - last >= REPORT_S:
+            last = time.monotonic()
+            step = latest_step(d)
+            print(f"  {label}: " + ("loading / evaluating step 0" if step is None else f"step {step}"), flush=True)
+    return proc.returncode
+
+
+def launch(entry: str, seed: int, out: str, common: list[str], save_every: int, progress: str = "") -> dict:
+    """Run one train.py subprocess (or reuse a finished one, or continue an interrupted one); -> its rows.
+    progress: '[i/n]' for the lines it prints as the run starts, goes and ends."""
     algo, *overrides = entry.split(":")
     d = run_dir(out, entry, seed)
     recipe = os.path.join(ROOT, "configs", f"{algo}.yaml")
@@ -58,14 +82,23 @@ def launch(entry: str, seed: int, out: str, common: list[str], save_every: int) 
             shutil.rmtree(d)   # interrupted before its first checkpoint: nothing to continue from
         os.makedirs(os.path.dirname(d), exist_ok=True)
         t0 = time.perf_counter()
+        label = f"{progress} {entry} seed {seed}".strip()
+        print(f"{label}: started (log: {d}.log)", flush=True)
         with open(d + ".log", "a") as log:   # beside the run directory: train.py wants that one to itself
-            r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT, stdout=log,
-                               stderr=subprocess.STDOUT)
-        if r.returncode != 0:
-            raise RuntimeError(f"run {entry} seed {seed} failed (exit {r.returncode}); see {d}.log")
+            proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT, stdout=log,
+                                    stderr=subprocess.STDOUT)
+            code = wait(proc, d, label)
+        if code != 0:
+            raise RuntimeError(f"run {entry} seed {seed} failed (exit {code}); see {d}.log")
         with open(wall_file, "w") as f:
             f.write(f"{time.perf_counter() - t0:.1f}\n")
+        done = f"done in {time.perf_counter() - t0:.0f} s"
+    else:
+        done = f"finished before, reused ({d})"
     rows = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+    s = summary(rows)
+    print(f"{progress} {entry} seed {seed}: {done}; held-out accuracy {s['start']:.3f} -> {s['final']:.3f}".strip(),
+          flush=True)
     return {"entry": entry, "seed": seed, "rows": rows,
             "wall_s": float(open(wall_file).read()) if os.path.exists(wall_file) else float("nan")}
 
@@ -177,8 +210,10 @@ def main(argv: list[str]) -> str:
         p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     os.makedirs(args.out, exist_ok=True)
     jobs = [(e, s) for s in seeds for e in entries]      # seed-major: an early stop leaves complete pairs
+    print(f"{len(jobs)} runs ({len(entries)} entries x {len(seeds)} seeds), {max(1, args.jobs)} at a time", flush=True)
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = list(pool.map(lambda job: launch(*job, args.out, common, args.save_every), jobs))
+        results = list(pool.map(lambda ij: launch(*ij[1], args.out, common, args.save_every,
+                                                  f"[{ij[0] + 1}/{len(jobs)}]"), enumerate(jobs)))
     text = table(results, entries, baseline, " ".join(common) or "defaults")
     plot(results, entries, os.path.join(args.out, "curves.png"))
     with open(os.path.join(args.out, "results.md.tmp"), "w") as f:
