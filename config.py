@@ -158,6 +158,8 @@ class AlgoConfig:
                             "reinforce_pp, reinforce_pp_baseline, ppo, online_dpo")
     clip_eps: float = opt(0.2, "PPO-style ratio clip: ratio is kept in [1 - clip_eps, 1 + clip_eps_high]")
     clip_eps_high: float = opt(0.2, "upper clip (DAPO's clip-higher uses a larger value than clip_eps)")
+    dual_clip: float = opt(0.0, "dual-clip PPO: with a negative advantage the loss stops growing once the ratio "
+                                "passes this (> 1; verl's default is 3; 0 = off; the token-level clipped losses)")
     kl_coef: float = opt(0.0, "weight of the KL penalty to the reference model (0 = no reference model)")
     kl_estimator: str = opt("k3", "KL estimator: k1, k2 or k3 (Schulman's approximations)")
     kl_in_reward: bool = opt(False, "put the KL penalty in the reward (per token, no gradient) instead of the loss")
