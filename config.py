@@ -17,7 +17,7 @@ import yaml
 # the valid values of the options that name a choice (the algorithms, engines, tasks and rewards: the registry)
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-TIS_MODES = ("off", "token", "seq", "mask")
+TIS_MODES = ("off", "token", "seq", "mask", "mask_high")
 LOGPROBS_MODES = ("raw", "processed")
 DPO_LOSSES = ("sigmoid", "ipo", "simpo")
 PARALLEL_MODES = ("fsdp", "replicate")
@@ -170,7 +170,8 @@ class AlgoConfig:
     scale_rewards: bool = opt(True, "divide group-centred rewards by the group's std (GRPO); off = Dr. GRPO style")
     tis: str = opt("off", "importance sampling against rollout/train log-prob mismatch: off, token or seq (the "
                           "weight pi_train / pi_sample truncated at tis_cap), mask (a token whose weight leaves "
-                          "[1/tis_cap, tis_cap] gets no loss, the others their full weight; docs/mismatch.md)")
+                          "[1/tis_cap, tis_cap] gets no loss, the others their full weight; docs/mismatch.md), "
+                          "mask_high (only weights above tis_cap: AReaL's decoupled loss, docs/async.md)")
     tis_cap: float = opt(2.0, "truncation of the importance weight pi_train / pi_sample (tis=mask: the band's edge)")
     epochs: int = opt(1, "passes over each rollout batch (PPO epochs); >1 reuses samples off-policy")
     minibatch_size: int = opt(0, "samples per optimizer step; 0 = the whole rollout batch (one step, on-policy)")

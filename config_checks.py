@@ -211,7 +211,7 @@ def validate_async(cfg: Config, world: int, algo) -> int:
                         "with mode=async use max_staleness=0 or another algorithm")
     if cfg.max_staleness > 0 and cfg.algo.tis == "off":
         raise UserError("mode=async with max_staleness > 0 trains on older policies' samples: set algo.tis=token "
-                        "(or seq) for the importance weight pi_prox / pi_behav (docs/async.md)")
+                        "(or seq, mask, mask_high) for the importance weight pi_prox / pi_behav (docs/async.md)")
     if cfg.offload or cfg.replay.enabled or cfg.env.name or cfg.lora.r:
         raise UserError("mode=async does not combine with offload=true, replay.enabled=true, env.name (multi-turn) or "
                         "lora.r > 0 yet")

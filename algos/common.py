@@ -175,6 +175,8 @@ def tis_weights(train_logp: Tensor, sample_logp: Tensor, mask: Tensor, mode: str
     mask:  w_t = rho_t if 1/cap <= rho_t <= cap else 0, rho_t = pi_train(y_t) / pi_sample(y_t): masked importance
            sampling, per token; a token the engine saw far off the trainer's policy gets no loss at all instead
            of a truncated weight (docs/mismatch.md)
+    mask_high: w_t = rho_t if rho_t <= cap else 0: only tokens above the cap leave the loss (they still count in
+           its token mean), as AReaL's decoupled objective does with its behaviour weight (docs/async.md)
     All are detached: they reweight the gradient, they are not optimised.
     """
     log_w = (train_logp.detach() - sample_logp) * mask                                 # (B, C)
@@ -185,9 +187,11 @@ def tis_weights(train_logp: Tensor, sample_logp: Tensor, mask: Tensor, mode: str
     if mode == "mask":
         inside = log_w.abs() <= math.log(cap)                                          # (B, C) rho in the band
         return torch.where(inside, log_w.exp(), 0.0) * mask                            # where: exp(big) * 0 is nan
+    if mode == "mask_high":
+        return torch.where(log_w <= math.log(cap), log_w.exp(), 0.0) * mask           # (B, C)
     if mode == "off":
         return mask
-    raise ValueError(f"unknown tis {mode!r}; known: off, token, seq, mask")
+    raise ValueError(f"unknown tis {mode!r}; known: off, token, seq, mask, mask_high")
 
 
 def clipped_policy_loss(new: dict, batch, cfg, loss_agg: str | None = None,
@@ -226,7 +230,7 @@ def clipped_policy_loss(new: dict, batch, cfg, loss_agg: str | None = None,
         w = tis_weights(old, batch.sample_logprobs, mask, cfg.tis, cfg.tis_cap)             # (B, C)
         per_token = per_token * w
         metrics["tis_weight"] = masked_mean(w, mask).detach()
-        if cfg.tis == "mask":   # the share of tokens whose loss the band removed
+        if cfg.tis in ("mask", "mask_high"):   # the share of tokens whose loss the band removed
             metrics["tis_masked_frac"] = masked_mean((w == 0).float(), mask).detach()
     per_token = per_token + kl_in_loss(logp, batch, cfg, metrics)
     loss = aggregate(per_token, mask, loss_agg or cfg.loss_agg, cfg.norm_len)

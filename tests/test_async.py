@@ -339,6 +339,12 @@ def test_decoupled_loss_by_hand():
     cfg.tis_cap = 1.5   # the cap truncates token 1's weight: -1.2 * 1.5 = -1.8
     loss, _ = clipped_policy_loss({"logprobs": logp, "entropy": torch.zeros(1, 2)}, batch, cfg)
     assert loss.item() == pytest.approx((-1.8 + 0.5) / 2, abs=1e-6)
+    cfg.tis = "mask_high"   # AReaL's: token 1's weight 2 is above the cap 1.5, so it leaves the loss (still counted)
+    loss, m = clipped_policy_loss({"logprobs": logp, "entropy": torch.zeros(1, 2)}, batch, cfg)
+    assert loss.item() == pytest.approx((0.0 + 0.5) / 2, abs=1e-6) and m["tis_masked_frac"].item() == 0.5
+    cfg.tis_cap = 2.5       # below the cap it stays, with its full weight 2
+    loss, _ = clipped_policy_loss({"logprobs": logp, "entropy": torch.zeros(1, 2)}, batch, cfg)
+    assert loss.item() == pytest.approx(-0.95, abs=1e-6)
 
 
 def test_every_algorithm_but_pairs_takes_behaviour_logprobs():
@@ -447,6 +453,11 @@ def test_kill_and_resume_is_exact(tmp_path):
     assert [r["staleness/max"] for r in rows] == [0, 1, 2, 3, 3]             # min(step - 1, max_staleness)
     assert max(r["partial/frac"] for r in rows) > 0 and all(math.isfinite(r["tis_weight"]) for r in rows)
     assert step_rows(base)[-1]["time/rollout_idle"] >= 0
+    # the log-prob mismatch is measured where the trainer holds the weights that sampled (staleness 0: step 1)
+    # and absent elsewhere, never a 0.0 that reads as a perfect match (docs/async.md)
+    full = step_rows(base)
+    assert ["logprob_mismatch/max" in r for r in full] == [r["staleness/max"] == 0 for r in full] == \
+        [True] + [False] * 4
 
 
 def test_planner_by_hand():
