@@ -18,7 +18,7 @@ import yaml
 # the valid values of the options that name a choice (the algorithms, engines, tasks and rewards: the registry)
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-TIS_MODES = ("off", "token", "seq", "mask")
+TIS_MODES = ("off", "token", "seq", "mask", "mask_high")
 LOGPROBS_MODES = ("raw", "processed")
 DPO_LOSSES = ("sigmoid", "ipo", "simpo")
 PARALLEL_MODES = ("fsdp", "replicate")
@@ -191,6 +191,8 @@ class AlgoConfig:
                             "reinforce_pp, reinforce_pp_baseline, ppo, online_dpo")
     clip_eps: float = opt(0.2, "PPO-style ratio clip: ratio is kept in [1 - clip_eps, 1 + clip_eps_high]")
     clip_eps_high: float = opt(0.2, "upper clip (DAPO's clip-higher uses a larger value than clip_eps)")
+    dual_clip: float = opt(0.0, "dual-clip PPO: with a negative advantage the loss stops growing once the ratio "
+                                "passes this (> 1; verl's default is 3; 0 = off; the token-level clipped losses)")
     kl_coef: float = opt(0.0, "weight of the KL penalty to the reference model (0 = no reference model)")
     kl_estimator: str = opt("k3", "KL estimator: k1, k2 or k3 (Schulman's approximations)")
     kl_in_reward: bool = opt(False, "put the KL penalty in the reward (per token, no gradient) instead of the loss")
@@ -201,7 +203,8 @@ class AlgoConfig:
     scale_rewards: bool = opt(True, "divide group-centred rewards by the group's std (GRPO); off = Dr. GRPO style")
     tis: str = opt("off", "importance sampling against rollout/train log-prob mismatch: off, token or seq (the "
                           "weight pi_train / pi_sample truncated at tis_cap), mask (a token whose weight leaves "
-                          "[1/tis_cap, tis_cap] gets no loss, the others their full weight; docs/mismatch.md)")
+                          "[1/tis_cap, tis_cap] gets no loss, the others their full weight; docs/mismatch.md), "
+                          "mask_high (only weights above tis_cap: AReaL's decoupled loss, docs/async.md)")
     tis_cap: float = opt(2.0, "truncation of the importance weight pi_train / pi_sample (tis=mask: the band's edge)")
     epochs: int = opt(1, "passes over each rollout batch (PPO epochs); >1 reuses samples off-policy")
     minibatch_size: int = opt(0, "samples per optimizer step; 0 = the whole rollout batch (one step, on-policy)")

@@ -143,6 +143,7 @@ def ranges(cfg: Config) -> list:
             ("top_p", c.top_p, 0 < c.top_p <= 1, "in (0, 1]"),
             ("train_temperature", c.train_temperature, c.train_temperature >= 0, ">= 0 (0 = temperature)"),
             ("algo.tis_cap", a.tis_cap, a.tis_cap >= 1, ">= 1 (the weight's truncation, or the band [1/cap, cap])"),
+            ("algo.dual_clip", a.dual_clip, a.dual_clip == 0 or a.dual_clip > 1, "0 (off) or > 1 (verl's 3)"),
             ("reward_timeout_s", c.reward_timeout_s, c.reward_timeout_s > 0, "> 0 (seconds)"),
             ("weight_decay", c.weight_decay, c.weight_decay >= 0, ">= 0"),
             *[(k, v, v >= 1, ">= 1") for k, v in at_least_1],
@@ -356,7 +357,7 @@ def validate_async(cfg: Config, world: int, algo) -> int:
                         "with mode=async use max_staleness=0 or another algorithm")
     if cfg.max_staleness > 0 and cfg.algo.tis == "off":
         raise UserError("mode=async with max_staleness > 0 trains on older policies' samples: set algo.tis=token "
-                        "(or seq) for the importance weight pi_prox / pi_behav (docs/async.md)")
+                        "(or seq, mask, mask_high) for the importance weight pi_prox / pi_behav (docs/async.md)")
     if cfg.offload or cfg.replay.enabled or cfg.env.name or cfg.lora.r:
         raise UserError("mode=async does not combine with offload=true, replay.enabled=true, env.name (multi-turn) or "
                         "lora.r > 0 yet")

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
@@ -235,7 +235,8 @@ def extra_logprobs(run: Run, rollout) -> dict:
     # the policy moves before (re)use: keep its log-probs from before the first update (the proximal policy of the
     # decoupled loss under mode=async, docs/async.md). With one update per batch the loss takes them from its own
     # forward (logp detached) at no cost, also when the samples are stale: pi_prox is the policy before the update
-    if updates_per_step > 1 or cfg.replay.enabled:
+    # The KL in the reward is the trainer's too (verl, TRL): the engine's log-probs carry the rollout mismatch
+    if updates_per_step > 1 or cfg.replay.enabled or (cfg.algo.kl_in_reward and cfg.algo.kl_coef > 0):
         out["old_logprobs"] = completion_logprobs(learner.policy, ids, attn, C, trainer_temperature(cfg))[0].cpu()
     if run.reference is not None:
         with offload.visit(run.reference, device, cfg.offload_models):   # on the GPU for this forward only
@@ -253,10 +254,14 @@ def experience(rollout, rewards: torch.Tensor, version: int, extra: dict) -> Exp
 
 
 def add_to_buffer(run: Run, batch: Experience):
-    """The rows the algorithm keeps (e.g. DAPO drops groups with no signal) go into the buffer."""
+    """The rows the algorithm keeps (e.g. DAPO drops groups with no signal) go into the buffer. A rank that keeps
+    none adds its rows with no loss token: it still takes part in every collective, and trains nothing."""
     algo = run.learner.algo
     kept = algo.keep(batch, run.cfg.algo) if algo.keep is not None else None
-    run.buffer.add(batch.select(kept.nonzero().squeeze(-1)) if kept is not None and kept.any() else batch)
+    if kept is not None:
+        batch = batch.select(kept.nonzero().squeeze(-1)) if kept.any() else \
+            replace(batch, completion_mask=torch.zeros_like(batch.completion_mask))
+    run.buffer.add(batch)
     return {"kept_frac": kept.float().mean().item()} if kept is not None else {}
 
 

@@ -226,12 +226,15 @@ def minibatch_size(cfg, n_samples: int) -> int:
 
 def update(learner: Learner, buffer, generator: torch.Generator, step: int, n_samples: int) -> dict:
     """Every optimizer step of this RL step (n_samples: this rank's new samples); -> metrics (means over the
-    optimizer steps), skipped_updates and logprob_mismatch/{mean,max} (over every rank's tokens)."""
+    optimizer steps), skipped_updates and logprob_mismatch/{mean,max} (over every rank's tokens of the trainer's
+    current version; absent when there are none, as under mode=async with stale samples: docs/async.md)."""
     cfg = learner.cfg
     mb_size = minibatch_size(cfg, n_samples)
     stats: dict[str, list[float]] = {}
     mismatch, skipped, applied = None, 0, 0
     for mb in buffer.minibatches(mb_size, cfg.algo.epochs, generator, group_size=cfg.samples_per_prompt):
+        if distributed.all_sum([float(mb.completion_mask.sum())])[0] == 0:
+            continue   # no loss token on any rank (DAPO found no group with signal): AdamW would still move the weights
         learner.optimizer.zero_grad(set_to_none=True)
         if learner.critic is not None:
             learner.critic.optimizer.zero_grad(set_to_none=True)
@@ -250,7 +253,9 @@ def update(learner: Learner, buffer, generator: torch.Generator, step: int, n_sa
     buffer.end_step()
     learner.optimizer.zero_grad(set_to_none=True)   # memory: the gradients are not needed while the engine samples
     learner.version += applied > 0                  # a new policy exists only if some update went through
+    out = {**{k: sum(v) / len(v) for k, v in stats.items()}, "skipped_updates": skipped}
     mis_sum, mis_n, mis_max = mismatch or (0.0, 0.0, 0.0)
     mis_sum, mis_n = distributed.all_sum([mis_sum, mis_n])   # the gap's mean over every rank's tokens
-    return {**{k: sum(v) / len(v) for k, v in stats.items()}, "skipped_updates": skipped,
-            "logprob_mismatch/mean": mis_sum / max(mis_n, 1.0), "logprob_mismatch/max": mis_max}
+    if mis_n > 0:   # no token of this version (stale samples under mode=async, nothing trained): not measured, absent
+        out.update({"logprob_mismatch/mean": mis_sum / mis_n, "logprob_mismatch/max": mis_max})
+    return out

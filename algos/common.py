@@ -10,7 +10,12 @@ Conventions to check before comparing numbers with another framework:
     exactly zero advantage; whitening divides by sqrt(biased variance + eps) (cleanrl: unbiased std + eps);
   * clip_frac counts tokens whose ratio is outside the clip range whatever the advantage's sign;
     clip_frac_cut counts those whose gradient the clip removes (verl's pg_clipfrac);
-  * KL estimates are bounded: log-ratio to +-KL_LOG_RATIO_MAX, k3 to K3_MAX (verl's choice), on always.
+  * k3 is bounded as verl's low_var_kl is: its log-ratio clamped to +-KL_LOG_RATIO_MAX, its value to K3_MAX;
+    k1 and k2 are not clamped (nor in verl; TRL clamps none of the three);
+  * the KL in the reward is taken on the trainer's log-probs of the samples (batch.old_logprobs), as in verl and
+    TRL, never on the engine's sampling log-probs;
+  * dual_clip (off by default) is verl's dual-clip PPO: a negative advantage's loss is capped at -A * dual_clip.
+docs/conventions.md lists every convention that differs from verl or TRL, with the option that gives theirs.
 """
 import math
 from dataclasses import dataclass
@@ -95,11 +100,11 @@ def aggregate(loss: Tensor, mask: Tensor, mode: str, max_len: int | None = None)
     raise ValueError(f"unknown loss_agg {mode!r}; known: {', '.join(AGG_MODES)}")
 
 
-# Bounds on the KL estimate, as verl's k3 ("low_var_kl") has them: the log-ratio is clamped to +-20 before any
-# estimator (exp(88) overflows float32: one token with ref - logp > 88 made k3 inf and the whole update was
-# skipped), and k3 itself to at most 10. A token past a bound gives the KL term no gradient; such a token
-# means the policy gives it ~13x less probability than the reference (k3 = 10) or e^20 more or less
-# (the clamp). Set both to math.inf to get the unbounded estimators back.
+# Bounds on k3 (verl's low_var_kl has the same two): its log-ratio is clamped to +-KL_LOG_RATIO_MAX before the
+# exp (exp(88) overflows float32: one token with ref - logp > 88 made k3 inf and the whole update was skipped),
+# and k3 itself to at most K3_MAX. A token past a bound gives the KL term no gradient; such a token means the
+# policy gives it ~13x less probability than the reference (k3 = 10) or e^20 more or less (the clamp). k1 and k2
+# need no exp and are not clamped. Set both to math.inf to get an unbounded k3 back (TRL's).
 KL_LOG_RATIO_MAX = 20.0
 K3_MAX = 10.0
 
@@ -110,30 +115,31 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     k1 = log r            unbiased, high variance, can be negative
     k2 = (log r)^2 / 2    biased, low variance
     k3 = (r' - 1) - log r'  with r' = ref/policy: unbiased, always >= 0 (GRPO's choice)
-    where log r = logp - ref_logp, clamped to +-KL_LOG_RATIO_MAX; k3 is capped at K3_MAX (see above).
+    where log r = logp - ref_logp; inside k3 only it is clamped to +-KL_LOG_RATIO_MAX, and k3 is capped at K3_MAX.
     """
-    log_ratio = (logp - ref_logp).clamp(-KL_LOG_RATIO_MAX, KL_LOG_RATIO_MAX)           # (B, C)
+    log_ratio = logp - ref_logp                                                            # (B, C)
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
     if estimator == "k3":
-        return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(max=K3_MAX)
+        bounded = log_ratio.clamp(-KL_LOG_RATIO_MAX, KL_LOG_RATIO_MAX)
+        return (torch.exp(-bounded) - 1 + bounded).clamp(max=K3_MAX)
     raise ValueError(f"unknown kl_estimator {estimator!r}; known: k1, k2, k3")
-
-
-def rollout_logprobs(batch) -> Tensor:
-    """The trainer's log-probs of the policy that sampled the batch (B, C): old_logprobs when the loop kept
-    them (several updates per batch), else the engine's own (equal up to numerics: see logprob_mismatch)."""
-    return batch.old_logprobs if batch.old_logprobs is not None else batch.sample_logprobs
 
 
 def kl_in_reward(batch, cfg) -> Tensor:
     """Per-token KL penalty folded into the reward (B, C): -kl_coef * KL_t, or zeros when the KL is off or
-    sits in the loss. No gradient flows through it: it is part of the return, like the score."""
+    sits in the loss. No gradient flows through it: it is part of the return, like the score.
+    KL_t is the trainer's (batch.old_logprobs, which train.extra_logprobs computes whenever the KL sits in the
+    reward), as in verl and TRL: the engine's sampling log-probs differ from it by the rollout/train mismatch
+    (engine_dtype, top_k, a lagging engine: docs/mismatch.md), which must not leak into the advantages."""
     if cfg.kl_coef <= 0 or not cfg.kl_in_reward:
         return torch.zeros_like(batch.completion_mask)
-    kl = kl_estimate(rollout_logprobs(batch), batch.ref_logprobs, cfg.kl_estimator)     # (B, C)
+    if batch.old_logprobs is None:
+        raise ValueError("algo.kl_in_reward needs the trainer's log-probs of the samples (batch.old_logprobs), "
+                         "which train.extra_logprobs computes when the KL sits in the reward")
+    kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator)           # (B, C)
     return -cfg.kl_coef * kl * batch.completion_mask
 
 
@@ -169,6 +175,8 @@ def tis_weights(train_logp: Tensor, sample_logp: Tensor, mask: Tensor, mode: str
     mask:  w_t = rho_t if 1/cap <= rho_t <= cap else 0, rho_t = pi_train(y_t) / pi_sample(y_t): masked importance
            sampling, per token; a token the engine saw far off the trainer's policy gets no loss at all instead
            of a truncated weight (docs/mismatch.md)
+    mask_high: w_t = rho_t if rho_t <= cap else 0: only tokens above the cap leave the loss (they still count in
+           its token mean), as AReaL's decoupled objective does with its behaviour weight (docs/async.md)
     All are detached: they reweight the gradient, they are not optimised.
     """
     log_w = (train_logp.detach() - sample_logp) * mask                                 # (B, C)
@@ -179,9 +187,11 @@ def tis_weights(train_logp: Tensor, sample_logp: Tensor, mask: Tensor, mode: str
     if mode == "mask":
         inside = log_w.abs() <= math.log(cap)                                          # (B, C) rho in the band
         return torch.where(inside, log_w.exp(), 0.0) * mask                            # where: exp(big) * 0 is nan
+    if mode == "mask_high":
+        return torch.where(log_w <= math.log(cap), log_w.exp(), 0.0) * mask           # (B, C)
     if mode == "off":
         return mask
-    raise ValueError(f"unknown tis {mode!r}; known: off, token, seq, mask")
+    raise ValueError(f"unknown tis {mode!r}; known: off, token, seq, mask, mask_high")
 
 
 def clipped_policy_loss(new: dict, batch, cfg, loss_agg: str | None = None,
@@ -192,6 +202,10 @@ def clipped_policy_loss(new: dict, batch, cfg, loss_agg: str | None = None,
         loss  = agg( w * max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)) + kl_coef * KL )
     w is the truncated importance weight (1 when tis=off). Variants pass their own aggregation and clip
     range; the defaults come from cfg.
+    Dual-clip PPO (Ye et al. 2020; verl's default with c = 3), when cfg.dual_clip = c > 1: where A < 0 the loss
+    is min(that max, -A * c), so a token whose ratio has grown far past 1 (a sample now much likelier than when
+    drawn, with a negative advantage) stops adding gradient at ratio c; clip_frac_dual counts such tokens
+    (verl's pg_clipfrac_lower).
     Two clip fractions, both token means over the completion:
       clip_frac      tokens whose ratio lies outside [1 - eps_low, 1 + eps_high], whatever A's sign;
       clip_frac_cut  tokens whose gradient the clip removes: ratio above 1 + eps_high with A > 0, or below
@@ -207,11 +221,16 @@ def clipped_policy_loss(new: dict, batch, cfg, loss_agg: str | None = None,
     metrics = {"clip_frac": masked_mean(((ratio - clipped).abs() > 0).float(), mask).detach(),
                "clip_frac_cut": masked_mean(clip_cuts(ratio, clipped, adv), mask).detach(),
                "ratio": masked_mean(ratio.detach(), mask)}
+    if cfg.dual_clip:
+        cap = -adv * cfg.dual_clip                                                          # (B, C)
+        capped = (adv < 0) & (per_token > cap)
+        metrics["clip_frac_dual"] = masked_mean(capped.float(), mask).detach()
+        per_token = torch.where(capped, cap, per_token)
     if cfg.tis != "off":
         w = tis_weights(old, batch.sample_logprobs, mask, cfg.tis, cfg.tis_cap)             # (B, C)
         per_token = per_token * w
         metrics["tis_weight"] = masked_mean(w, mask).detach()
-        if cfg.tis == "mask":   # the share of tokens whose loss the band removed
+        if cfg.tis in ("mask", "mask_high"):   # the share of tokens whose loss the band removed
             metrics["tis_masked_frac"] = masked_mean((w == 0).float(), mask).detach()
     per_token = per_token + kl_in_loss(logp, batch, cfg, metrics)
     loss = aggregate(per_token, mask, loss_agg or cfg.loss_agg, cfg.norm_len)

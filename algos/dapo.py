@@ -4,13 +4,17 @@
                                           -penalty at L = max_new_tokens (and stays there when truncated)
     A_i   = (r'_i - mean(r'_group)) / (std(r'_group) + eps)
     loss  = token-mean( max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)) ),  eps_high > eps_low
-    keep  = groups whose rewards are not all equal (dynamic sampling: zero-advantage groups carry no signal)
+    keep  = groups whose rewards r_i are not all equal (dynamic sampling: equal ones carry no signal); a group
+            keep drops gets A = 0 on every sample, also where the overlong penalty alone would make r' differ
 
 Dynamic sampling as in the paper: the loop (train.draw) samples fresh prompts_per_step prompts again while
 fewer than prompts_per_step groups have signal, at most algo.dapo.max_rounds rounds per step, and trains on the
 first prompts_per_step groups with signal (logged: dynamic_sampling/rounds, .../groups_drawn). Simplified: a
-step that runs out of rounds trains on the groups it found (fewer samples), as max_rounds=1 always does; the
-paper's recipe has no KL; algo.kl_coef still works if you set it.
+step that runs out of rounds trains on the groups it found (fewer samples), as max_rounds=1 always does, and a
+step that found none trains nothing (no optimizer step: update.py), as verl never trains a group without
+signal (it samples on, or stops with an error after max_num_gen_batches); the paper's recipe has no KL;
+algo.kl_coef still works if you set it. keep judges the raw rewards (verl's filter_groups.metric=acc), not
+the overlong-shaped ones: a group whose answers are all right or all wrong is dropped whatever their lengths.
 """
 from functools import partial
 
@@ -39,6 +43,7 @@ def dapo_advantages(batch, cfg, sum_over=None) -> Tensor:
     shaped = sequence_rewards(batch, cfg) + overlong_penalty(lengths, cfg.max_new_tokens, cfg.dapo.overlong_buffer,
                                                              cfg.dapo.overlong_penalty)
     adv = group_advantages(shaped, batch.group_ids, scale=True)                             # (B,)
+    adv = adv * keep_groups_with_signal(batch, cfg)          # a dropped group's overlong spread is no signal either
     return adv[:, None] * batch.completion_mask                                             # (B, C)
 
 

@@ -8,7 +8,9 @@
 The clip range is tiny (3e-4 / 4e-4 in the paper) because s_i is a geometric mean over tokens.
 clip_frac and clip_frac_cut count sequences here, not tokens (algos/common.py has the two definitions).
 On-policy (s_i = 1, one update per batch) the gradient is mean_i A_i * mean_t grad logp_t: REINFORCE
-with seq-mean-token-mean aggregation. Simplified: no GSPO-token variant (per-token advantages).
+with seq-mean-token-mean aggregation. Simplified: no GSPO-token variant (per-token advantages); the KL term is a
+token mean whatever the policy term's aggregation (verl aggregates it as the policy term: docs/conventions.md);
+algo.dual_clip does not apply here (nor in verl's GSPO).
 """
 import torch
 

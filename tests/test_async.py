@@ -35,6 +35,11 @@ from engines.base import Rollout
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TIMING = ("time/", "tokens_per_s")
+# Noise metrics: timings, and the log-prob mismatch (float rounding of two forwards, which differs by CPU model
+# and by how a batch is split over ranks). Exact comparisons leave them out; where a run's weights are in
+# question the mismatch is compared loosely (MISMATCH_TOL: a wrong or stale weight moves it by far more).
+NOISE = (*TIMING, "logprob_mismatch/")
+MISMATCH_TOL = 1e-4
 # arithmetic.n_train: every rank tokenizes the whole training set at start (20000 prompts by default, ~3 s of a
 # CI core per rank); these runs draw at most 6 x 8 of them
 SMALL = ["steps=4", "eval_every=2", "eval_size=16", "prompts_per_step=8", "samples_per_prompt=4", "threads=1",
@@ -55,7 +60,15 @@ def launch(*cmds, crash_at=None):
 
 
 def untimed(run_dir) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in step_rows(run_dir)]
+    """The rows' deterministic keys: every noise metric (NOISE) left out."""
+    return [{k: v for k, v in r.items() if not k.startswith(NOISE)} for r in step_rows(run_dir)]
+
+
+def same_noise(a: dict, b: dict) -> bool:
+    """The two rows log the same mismatch keys, with values equal to float noise."""
+    mis = [k for k in a if k.startswith("logprob_mismatch/")]
+    return mis == [k for k in b if k.startswith("logprob_mismatch/")] and \
+        all(b[k] == pytest.approx(a[k], abs=MISMATCH_TOL) for k in mis)
 
 
 # ------------------------------------------------------------------------------------------- unit tests
@@ -326,6 +339,12 @@ def test_decoupled_loss_by_hand():
     cfg.tis_cap = 1.5   # the cap truncates token 1's weight: -1.2 * 1.5 = -1.8
     loss, _ = clipped_policy_loss({"logprobs": logp, "entropy": torch.zeros(1, 2)}, batch, cfg)
     assert loss.item() == pytest.approx((-1.8 + 0.5) / 2, abs=1e-6)
+    cfg.tis = "mask_high"   # AReaL's: token 1's weight 2 is above the cap 1.5, so it leaves the loss (still counted)
+    loss, m = clipped_policy_loss({"logprobs": logp, "entropy": torch.zeros(1, 2)}, batch, cfg)
+    assert loss.item() == pytest.approx((0.0 + 0.5) / 2, abs=1e-6) and m["tis_masked_frac"].item() == 0.5
+    cfg.tis_cap = 2.5       # below the cap it stays, with its full weight 2
+    loss, _ = clipped_policy_loss({"logprobs": logp, "entropy": torch.zeros(1, 2)}, batch, cfg)
+    assert loss.item() == pytest.approx(-0.95, abs=1e-6)
 
 
 def test_every_algorithm_but_pairs_takes_behaviour_logprobs():
@@ -339,7 +358,8 @@ def test_staleness_zero_equals_the_synchronous_run(tmp_path):
     """partial.budget_tokens=3 < max_new_tokens is set too: at max_staleness=0 no token may be a version old, so
     no trajectory is cut and the run stays the synchronous one, exactly. Beside it, two trainer ranks
     (parallel=fsdp, each on half of every batch's groups) and one rollout rank give the same metrics to 1e-6
-    (the gradient is the mean of two halves' instead of one sum: float rounding apart, the same update). FSDP
+    (the gradient is the mean of two halves' instead of one sum: float rounding apart, the same update), the
+    log-prob mismatch (float noise, whose digits depend on the CPU model) to MISMATCH_TOL. FSDP
     rather than replicate: its weights reach the rollout rank through per-unit gathers (step 2's samples and
     rewards would differ if a gathered tensor went out wrong or stale) and reach the trainers' own engine copies
     before evaluation (step 2's eval/*). The samples are the one-process run's, not a 2-rank sync run's: the one
@@ -356,13 +376,15 @@ def test_staleness_zero_equals_the_synchronous_run(tmp_path):
     assert len(a) == len(b) == 4
     assert a[0]["grad_norm"] > 0 and any(r["reward"] > 0 for r in a)    # real updates, not zero advantages
     for ra_, rb in zip(a, b):
-        assert {k: v for k, v in ra_.items() if not k.startswith(TIMING)} == \
-               {k: rb[k] for k in ra_ if not k.startswith(TIMING)}
+        assert {k: v for k, v in ra_.items() if not k.startswith(NOISE)} == \
+               {k: rb[k] for k in ra_ if not k.startswith(NOISE)}
+        assert same_noise(ra_, rb) and "logprob_mismatch/max" in rb    # staleness 0: every sample is measured
         assert rb["staleness/max"] == 0 and rb["partial/segments"] == 1
     c = step_rows(two)
     assert len(c) == 3
     for ra_, rc in zip(a, c):
-        assert all(rc[k] == pytest.approx(v, rel=1e-6, abs=1e-6) for k, v in ra_.items() if not k.startswith(TIMING))
+        assert all(rc[k] == pytest.approx(v, rel=1e-6, abs=1e-6) for k, v in ra_.items() if not k.startswith(NOISE))
+        assert same_noise(ra_, rc)
 
 
 def test_two_fsdp_trainers_resume_exactly(tmp_path):
@@ -431,6 +453,11 @@ def test_kill_and_resume_is_exact(tmp_path):
     assert [r["staleness/max"] for r in rows] == [0, 1, 2, 3, 3]             # min(step - 1, max_staleness)
     assert max(r["partial/frac"] for r in rows) > 0 and all(math.isfinite(r["tis_weight"]) for r in rows)
     assert step_rows(base)[-1]["time/rollout_idle"] >= 0
+    # the log-prob mismatch is measured where the trainer holds the weights that sampled (staleness 0: step 1)
+    # and absent elsewhere, never a 0.0 that reads as a perfect match (docs/async.md)
+    full = step_rows(base)
+    assert ["logprob_mismatch/max" in r for r in full] == [r["staleness/max"] == 0 for r in full] == \
+        [True] + [False] * 4
 
 
 def test_planner_by_hand():

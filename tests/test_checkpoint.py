@@ -27,6 +27,8 @@ from rewards.pool import RewardPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ("time/", "tokens_per_s")
+# float noise (CPU-model dependent): never compared exactly; the runs' rewards and losses check the weights
+NOISE = (*TIMING, "logprob_mismatch/")
 
 
 def small_run(model_dir, out_dir, *extra) -> list[str]:
@@ -45,7 +47,7 @@ def run_train(args, crash_at=None):
 
 def metrics(run_dir) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)} for line in f]
+        rows = [{k: v for k, v in json.loads(line).items() if not k.startswith(NOISE)} for line in f]
     assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]     # the evaluation before training is a row
     return rows[1:]
 
@@ -95,7 +97,7 @@ def test_sigkill_anywhere_then_resume_is_exact(tmp_path, random_model_dir):
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"checkpoint {killed}/checkpoints/step_000004 is damaged" in r.stdout
     assert f"resuming from {killed}/checkpoints/step_000003" in r.stdout
-    assert metrics(killed) == metrics(base)     # same steps, once each, same numbers (timings aside)
+    assert metrics(killed) == metrics(base)     # same steps, once each, same numbers (noise metrics aside)
     assert (killed / "replay.jsonl").read_bytes() == (base / "replay.jsonl").read_bytes()
     a, b = load_file(killed / "final" / "model.safetensors"), load_file(base / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

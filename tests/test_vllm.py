@@ -30,6 +30,15 @@ SYNC_TOL = 1e-4    # float32 engine vs float32 trainer; measured ~1e-6 on CPU
 STALE_MIN = 0.05   # the weight change must move log-probs by more than this, or the test proves nothing
 
 
+def test_greedy_evaluation_sends_vllm_temperature_zero():
+    """scoring.evaluate asks for greedy as max(eval_temperature, 1e-5) (the built-in engine divides by it); vLLM
+    raises any temperature below 0.01 to 0.01, with a warning per request, and samples: greedy is 0 there."""
+    from engines.vllm import vllm_temperature
+    from scoring import evaluate  # noqa: F401  (the caller whose greedy temperature this maps)
+    assert vllm_temperature(max(0.0, 1e-5)) == 0.0
+    assert vllm_temperature(0.7) == 0.7 and vllm_temperature(1.0) == 1.0 and vllm_temperature(0.01) == 0.01
+
+
 def test_logprob_mismatch_by_hand():
     sample = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]])
     trainer = torch.tensor([[-1.5, -2.0, -9.0], [-0.25, 7.0, 7.0]])
