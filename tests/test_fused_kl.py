@@ -98,3 +98,17 @@ for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
             assert torch.allclose(a.float(), b, rtol=tol, atol=tol), (dtype, reverse, (a.float() - b).abs().max())
 print("ok")
 """)
+
+
+def test_bench_w9_tiny_runs(tmp_path):
+    import json
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "w9.json"
+    r = subprocess.run([sys.executable, "tools/bench_w9.py", "--tiny", "--rep", "1", "--out", str(out)], cwd=root,
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert [x["shape"] for x in results] == ["32x512", "48x700"]
+    assert all(x["ours"]["error"]["kl"] < 1e-5 and x["ours"]["fwd_bwd_ms"] > 0 for x in results)
+    assert "| 32x512 |" in r.stdout
