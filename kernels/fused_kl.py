@@ -7,9 +7,10 @@ both heads, never holding the (N, V) logits.
                              reverse=False  KL(p_t || p_s)                                   (forward KL, as in SFT)
     with p = softmax(hidden @ weight.T / temperature).
 
-    from kernels.fused_kl import fused_kl, fused_kl_reference
+    from kernels.fused_kl import fused_kl, fused_kl_loss, fused_kl_reference
     kl = fused_kl(h_s, w_s, h_t, w_t, temperature=1.0, reverse=True)   # Triton where it runs, else the torch twin
     (kl * token_weight).sum().backward()                               # -> h_s.grad (N, Hs), w_s.grad (V, Hs)
+    loss, kl = fused_kl_loss(h_s, w_s, h_t, w_t, token_weight)         # the same loss, 4 matmuls instead of 6
 
 Math, with zs, zt the scaled logits, lse their logsumexps and P the distribution the expectation is under (the
 student for reverse, the teacher for forward), Q the other:
@@ -25,6 +26,9 @@ recomputes both tiles, turns the student's into d loss / d zs in place (`_grad_k
 matmuls: d hidden_s += G @ W_s (float32 accumulator per token block) and d W_s += G.T @ hidden_s.
 Cost: six matmuls of N*V*H (two forward, two recomputed, two gradients) against eager's four; the recompute is what
 buys the memory: one pair of tiles plus a float32 (8192, Hs) accumulator, whatever N and V are.
+`fused_kl_loss(h_s, w_s, h_t, w_t, weights)` -> (sum(weights * kl), kl) is the same with the per-token weights
+known before the call (distillation's mask over its token count): each row chunk holds the whole vocabulary, so
+its KL is known before its gradient, and the gradient is computed in the forward: four matmuls, no recompute.
 `use_triton=False` runs the same loop with the torch twins of the two kernels (`stats_twin`, `grad_twin`): the CPU
 path; `fused_kl_reference` is the eager formula, the (N, V) ground truth.
 """
@@ -241,3 +245,74 @@ def fused_kl(hidden_s: Tensor, weight_s: Tensor, hidden_t: Tensor, weight_t: Ten
     return _FusedKL.apply(hidden_s.contiguous(), weight_s.contiguous(), hidden_t.detach().contiguous(),
                           weight_t.detach().contiguous(), float(temperature), bool(reverse), use_triton and HAS_TRITON,
                           int(chunk_bytes), int(rows_per_block))
+
+
+class _FusedKLLoss(torch.autograd.Function):
+    """sum_i weights_i * kl_i with its gradient computed in the forward: four matmuls instead of six (see
+    fused_kl_loss). Row chunks hold the whole vocabulary, so each row's lse and KL are known before its gradient."""
+
+    @staticmethod
+    def forward(ctx, hs, ws, ht, wt, weights, temperature, reverse, use_triton, chunk_bytes, want_grad):
+        (N, H), V = hs.shape, ws.shape[0]
+        inv_t = 1.0 / temperature
+        n = max(1, min(N, chunk_bytes // (2 * hs.element_size() * V)))       # rows per chunk: two (n, V) buffers
+        buf_s, buf_t = hs.new_empty(n * V), ht.new_empty(n * V)
+        kl_out = torch.empty(N, dtype=torch.float32, device=hs.device)
+        need_h, need_w = (want_grad and x for x in ctx.needs_input_grad[:2])   # want_grad: False under no_grad
+        grad_h = torch.empty_like(hs) if need_h else None
+        # several row chunks add into each weight row: in float32 when that fits the budget, else in the weight's dtype
+        w_dtype = torch.float32 if V * H * 4 <= chunk_bytes and n < N else ws.dtype
+        grad_w = torch.zeros(V, H, dtype=w_dtype, device=ws.device) if need_w else None
+        g_all = weights.float().contiguous()
+        for r0 in range(0, N, n):
+            r1 = min(r0 + n, N)
+            zs = torch.mm(hs[r0:r1], ws.T, out=_tile(buf_s, r1 - r0, V))         # (m, V)
+            zt = torch.mm(ht[r0:r1], wt.T, out=_tile(buf_t, r1 - r0, V))         # (m, V)
+            inf = torch.full((r1 - r0,), -float("inf"), dtype=torch.float32, device=hs.device)
+            state = [inf, torch.zeros_like(inf), torch.zeros_like(inf), inf.clone(), torch.zeros_like(inf)]
+            tile_stats(*((zs, zt) if reverse else (zt, zs)), state, inv_t, use_triton)
+            mp, sp, a, mq, sq = state
+            lse_p, lse_q = mp + sp.log(), mq + sq.log()                          # (m,)
+            kl = a / sp - lse_p + lse_q
+            kl_out[r0:r1] = kl
+            if not (need_h or need_w):
+                continue
+            lse_s, lse_t = (lse_p, lse_q) if reverse else (lse_q, lse_p)
+            tile_grad(zs, zt, lse_s, lse_t, kl, g_all[r0:r1], inv_t, reverse, use_triton)   # zs := G (m, V)
+            if need_h:
+                grad_h[r0:r1] = torch.mm(zs, ws)                                 # (m, H)
+            if need_w and w_dtype == zs.dtype:
+                grad_w.addmm_(zs.T, hs[r0:r1])                                   # (V, H)
+            elif need_w:
+                _addmm_f32(grad_w, zs.T, hs[r0:r1])
+        if need_w and grad_w.dtype != ws.dtype:
+            grad_w = grad_w.to(ws.dtype)
+        ctx.save_for_backward(*(x for x in (grad_h, grad_w) if x is not None))
+        ctx.has = (need_h, need_w)
+        ctx.mark_non_differentiable(kl_out)
+        return (kl_out * g_all).sum(), kl_out
+
+    @staticmethod
+    def backward(ctx, g_loss, g_kl):
+        saved = iter(ctx.saved_tensors)
+        grad_h = next(saved) * g_loss if ctx.has[0] else None          # the stored gradients, scaled by d out / d loss
+        grad_w = next(saved) * g_loss if ctx.has[1] else None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
+
+
+def fused_kl_loss(hidden_s: Tensor, weight_s: Tensor, hidden_t: Tensor, weight_t: Tensor, weights: Tensor,
+                  temperature: float = 1.0, reverse: bool = True, use_triton: bool | None = None,
+                  chunk_bytes: int = CHUNK_BYTES) -> tuple[Tensor, Tensor]:
+    """-> (loss = sum(weights * kl), kl (N,) detached), weights (N,) known before the call (a mask over the token
+    count, say). The gradient is computed in the forward, so each (rows x V) logits buffer is made once: four
+    matmuls of N*V*H instead of fused_kl's six, for two (rows x V) buffers of at most chunk_bytes together;
+    backward only scales the stored gradients. Only the loss carries a gradient; kl is for metrics."""
+    check_kl_inputs(hidden_s, weight_s, hidden_t, weight_t, temperature)
+    if weights.shape != hidden_s.shape[:1]:
+        raise ValueError(f"weights must be ({hidden_s.shape[0]},) like the tokens, got {tuple(weights.shape)}")
+    if use_triton is None:
+        use_triton = os.environ.get("TRITON_INTERPRET") == "1" or hidden_s.is_cuda
+    loss, kl = _FusedKLLoss.apply(hidden_s.contiguous(), weight_s.contiguous(), hidden_t.detach().contiguous(),
+                                  weight_t.detach().contiguous(), weights.detach(), float(temperature), bool(reverse),
+                                  use_triton and HAS_TRITON, int(chunk_bytes), torch.is_grad_enabled())
+    return loss, kl.detach()

@@ -79,7 +79,7 @@ def test_bad_shapes_are_refused(change, match):
 def test_triton_kernels_interpreted_match_eager():
     run_interpreted("""
 import torch
-from kernels.fused_kl import fused_kl, fused_kl_reference
+from kernels.fused_kl import fused_kl, fused_kl_loss, fused_kl_reference
 gen = torch.Generator().manual_seed(1)
 N, V, HS, HT = 19, 300, 16, 8
 for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
@@ -95,6 +95,10 @@ for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
         got = torch.autograd.grad((kl * g).sum(), [hs, ws])
         want = torch.autograd.grad((ref * g).sum(), f32[:2])
         for a, b in zip(got, want):
+            assert torch.allclose(a.float(), b, rtol=tol, atol=tol), (dtype, reverse, (a.float() - b).abs().max())
+        loss, kl = fused_kl_loss(hs, ws, ht, wt, g, 0.8, reverse, chunk_bytes=2 * 4 * V * 8)   # 8-row chunks
+        assert torch.allclose(kl, ref.detach(), rtol=tol, atol=tol), (dtype, reverse, (kl - ref).abs().max())
+        for a, b in zip(torch.autograd.grad(loss, [hs, ws]), want):
             assert torch.allclose(a.float(), b, rtol=tol, atol=tol), (dtype, reverse, (a.float() - b).abs().max())
 print("ok")
 """)
@@ -112,3 +116,19 @@ def test_bench_w9_tiny_runs(tmp_path):
     assert [x["shape"] for x in results] == ["32x512", "48x700"]
     assert all(x["ours"]["error"]["kl"] < 1e-5 and x["ours"]["fwd_bwd_ms"] > 0 for x in results)
     assert "| 32x512 |" in r.stdout
+
+
+@pytest.mark.parametrize("reverse", [True, False])
+def test_loss_with_gradient_in_the_forward_matches_eager(reverse):
+    from kernels.fused_kl import fused_kl_loss
+    hs, ws, ht, wt, g = inputs()
+    loss, kl = fused_kl_loss(hs, ws, ht, wt, g, 0.7, reverse, use_triton=False, chunk_bytes=2 * 8 * V * 10)  # 10 rows
+    ref = fused_kl_reference(hs, ws, ht, wt, 0.7, reverse)
+    assert torch.allclose(kl.double(), ref.double(), rtol=1e-5, atol=1e-5) and not kl.requires_grad
+    assert loss.item() == pytest.approx((ref * g).sum().item(), rel=1e-5)
+    got = torch.autograd.grad(3.0 * loss, [hs, ws])                           # the upstream scale reaches both
+    want = torch.autograd.grad(3.0 * (ref * g).sum(), [hs, ws])
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
+    with torch.no_grad():                                                     # no gradient work under no_grad
+        assert fused_kl_loss(hs, ws, ht, wt, g, 0.7, reverse, use_triton=False)[0].item() == pytest.approx(loss.item())

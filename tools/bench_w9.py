@@ -7,7 +7,8 @@ states and both heads, one GPU, one command.
 
 Methods, same card, same process: `eager` (kernels/fused_kl.py: fused_kl_reference, both (N, V) log-softmaxes in
 float32), `compile` (torch.compile of it), `ours` (fused_kl: cuBLAS tiles + Triton passes, gradient recomputed in the
-backward), `liger` (Liger-Kernel's LigerFusedLinearJSD at jsd_beta=1, its reverse KL; a scalar mean, skipped when
+backward: 6 matmuls), `ours_loss` (fused_kl_loss: the per-token weights known up front, the gradient computed in
+the forward over whole-vocabulary row chunks: 4 matmuls), `liger` (Liger-Kernel's LigerFusedLinearJSD at jsd_beta=1, its reverse KL; a scalar mean, skipped when
 liger_kernel is not importable or refuses beta=1), and the matmul floor: the (N, H) x (H, V) product timed alone
 in 8192-row blocks, x4 (student and teacher logits, d hidden, d weight: what any exact method must compute) and
 x6 (ours: the two logits products once more in the backward).
@@ -28,10 +29,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels.fused_kl import fused_kl, fused_kl_reference  # noqa: E402
+from kernels.fused_kl import fused_kl, fused_kl_loss, fused_kl_reference  # noqa: E402
 
 GiB = 2**30
-METHODS = ("eager", "compile", "ours", "liger")
+METHODS = ("eager", "compile", "ours", "ours_loss", "liger")
 
 
 def parse_args():
@@ -60,15 +61,16 @@ def parse_args():
 
 
 def method_fns(names, reverse):
-    fns = {"eager": lambda hs, ws, ht, wt: fused_kl_reference(hs, ws, ht, wt, 1.0, reverse),
-           "ours": lambda hs, ws, ht, wt: fused_kl(hs, ws, ht, wt, 1.0, reverse)}
+    fns = {"eager": lambda hs, ws, ht, wt, a: fused_kl_reference(hs, ws, ht, wt, 1.0, reverse),
+           "ours": lambda hs, ws, ht, wt, a: fused_kl(hs, ws, ht, wt, 1.0, reverse),
+           "ours_loss": lambda hs, ws, ht, wt, a: fused_kl_loss(hs, ws, ht, wt, a, 1.0, reverse)}   # (loss, kl)
     if "compile" in names:
         fns["compile"] = torch.compile(fns["eager"])
     if "liger" in names:
         try:
             from liger_kernel.transformers import LigerFusedLinearJSD
             jsd = LigerFusedLinearJSD(jsd_beta=1.0 if reverse else 0.0, temperature=1.0)
-            fns["liger"] = lambda hs, ws, ht, wt: jsd(hs, ws, ht, wt)   # a scalar: the mean over tokens
+            fns["liger"] = lambda hs, ws, ht, wt, a: jsd(hs, ws, ht, wt)   # a scalar: the mean over tokens
         except (ImportError, AssertionError, TypeError) as e:
             print(f"liger: skipped ({type(e).__name__}: {e})".splitlines()[0])
     return {n: fns[n] for n in names if n in fns}
@@ -92,16 +94,17 @@ def measure(fn, hs, ws, ht, wt, a, backward, rep):
     cuda = hs.is_cuda
 
     def step():
-        kl = fn(hs, ws, ht, wt)
+        out = fn(hs, ws, ht, wt, a)
         if backward:
-            (kl if kl.dim() == 0 else (kl * a).sum()).backward()
+            loss = out[0] if isinstance(out, tuple) else out if out.dim() == 0 else (out * a).sum()
+            loss.backward()
     hs.grad = ws.grad = None
     gc.collect()
     try:
         with torch.set_grad_enabled(backward):
             step()                                                      # warm-up (compiles) outside the peak
             hs.grad = ws.grad = None
-            extra = float("nan")
+            extra = None                                                # not measured off CUDA
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.synchronize()
@@ -133,10 +136,15 @@ def errors(fn, hs, ws, ht, wt, reverse, n=1024):
     """Relative L2 error of kl, d hidden, d weight against float64 on the first n tokens (None for a scalar loss)."""
     h, w = hs[:n].detach().clone().requires_grad_(), ws.detach().clone().requires_grad_()
     a = torch.randn(h.shape[0], device=h.device)
-    kl = fn(h, w, ht[:n], wt)
-    if kl.dim() == 0:
+    out = fn(h, w, ht[:n], wt, a)
+    if isinstance(out, tuple):                                      # ours_loss: (sum(a * kl), kl)
+        out[0].backward()
+        kl = out[1]
+    elif out.dim() == 0:
         return None
-    (kl * a).sum().backward()
+    else:
+        kl = out
+        (kl * a).sum().backward()
     h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref = fused_kl_reference(h64, w64, ht[:n].double(), wt.double(), 1.0, reverse).double()
     (ref * a.double()).sum().backward()
@@ -162,17 +170,22 @@ def run_shape(args, H, V, fns):
         both, both_gib = measure(fn, hs, ws, ht, wt, a, True, args.rep)
         out[name] = {"fwd_ms": fwd, "fwd_extra_gib": fwd_gib, "fwd_bwd_ms": both, "fwd_bwd_extra_gib": both_gib,
                      "error": errors(fn, hs, ws, ht, wt, not args.forward)}
-        print(f"{H}x{V} {name}: fwd {fwd:.2f} ms, fwd+bwd {both:.2f} ms, extra {both_gib:.2f} GiB", flush=True)
+        print(f"{H}x{V} {name}: fwd {fwd:.2f} ms, fwd+bwd {both:.2f} ms, extra {both_gib} GiB", flush=True)
     return out
 
 
 def table(results, names) -> str:
-    lines = ["| shape H x V | " + " | ".join(f"{n} (ms / GiB)" for n in names) + " | 4 matmuls | 6 matmuls | ours / 4 mm |",
-             "|---|" + "---|" * (len(names) + 3)]
+    """Forward + backward ms / extra GiB per method, the floors, and ours against its own floor (ours: 6 products,
+    ours_loss: 4)."""
+    lines = ["| shape H x V | " + " | ".join(f"{n} (ms / GiB)" for n in names)
+             + " | 4 matmuls | 6 matmuls | ours / 6 mm | ours_loss / 4 mm |", "|---|" + "---|" * (len(names) + 4)]
     for r in results:
-        cells = [f"{r[n]['fwd_bwd_ms']:.1f} / {r[n]['fwd_bwd_extra_gib']:.2f}" if n in r else "-" for n in names]
-        ratio = f"{r['ours']['fwd_bwd_ms'] / r['floor4_ms']:.2f}x" if "ours" in r else "-"
-        lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {r['floor4_ms']:.1f} | {r['floor6_ms']:.1f} | {ratio} |")
+        gib = lambda x: "-" if x is None else f"{x:.2f}"   # noqa: E731
+        cells = [f"{r[n]['fwd_bwd_ms']:.1f} / {gib(r[n]['fwd_bwd_extra_gib'])}" if n in r else "-" for n in names]
+        ratios = [f"{r[n]['fwd_bwd_ms'] / r[floor]:.2f}x" if n in r else "-"
+                  for n, floor in (("ours", "floor6_ms"), ("ours_loss", "floor4_ms"))]
+        lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {r['floor4_ms']:.1f} | {r['floor6_ms']:.1f} | "
+                     + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
 
@@ -180,7 +193,7 @@ def main():
     args = parse_args()
     names = args.methods.split(",")
     if args.tiny:
-        names = [n for n in names if n in ("eager", "ours")]       # compile needs a C toolchain; Liger needs CUDA
+        names = [n for n in names if n in ("eager", "ours", "ours_loss")]       # compile needs a C toolchain; Liger needs CUDA
         torch.set_num_threads(1)
     fns = method_fns(names, not args.forward)
     results = [run_shape(args, H, V, fns) for H, V in args.shapes]
