@@ -26,6 +26,7 @@ It is a batched reward (`judge.batched = True`): the pool calls it on a thread o
 """
 import os
 import re
+from types import SimpleNamespace
 
 from registry import register
 from rewards.score import Score
@@ -155,25 +156,24 @@ def score_reply(reply: str, mode: str, verdicts: dict[str, float], lo, hi) -> Sc
     return Score(verdicts[max((w for s, w in found if s == start), key=len)])
 
 
-def judge_unique(texts: list[str], path: str, device, dtype, mode, verdicts, lo, hi, yes, no, min_mass,
-                 max_new_tokens, max_length, batch_size) -> list[Score]:
-    """Distinct rubric texts -> one Score each."""
+def judge_unique(texts: list[str], model, tok, engine, o) -> list[Score]:
+    """Distinct rubric texts -> one Score each; o: the judge's options (mode, yes, no, min_mass, verdicts, lo, hi,
+    max_new_tokens, max_length, batch_size)."""
     import torch
-    model, tok, engine = load(path, device, dtype)
     ids = [tok(t, add_special_tokens=not getattr(tok, "chat_template", None)).input_ids for t in texts]
-    fit = [i for i, x in enumerate(ids) if len(x) <= max_length]
-    out = [Score(0.0, [("error", f"judge prompt of {len(x)} tokens is over max_length={max_length}")])
+    fit = [i for i, x in enumerate(ids) if len(x) <= o.max_length]
+    out = [Score(0.0, [("error", f"judge prompt of {len(x)} tokens is over max_length={o.max_length}")])
            for x in ids]
     with torch.no_grad():
-        if mode == "yes_prob":
-            no_id = single_token(tok, no, "no") if no else None
-            probs = yes_probs(model, tok, [ids[i] for i in fit], single_token(tok, yes, "yes"), no_id, batch_size)
+        if o.mode == "yes_prob":
+            no_id = single_token(tok, o.no, "no") if o.no else None
+            probs = yes_probs(model, tok, [ids[i] for i in fit], single_token(tok, o.yes, "yes"), no_id, o.batch_size)
             for i, (score, mass) in zip(fit, probs):
-                out[i] = Score(score) if mass >= min_mass else Score(
-                    0.0, [("error", f"judge puts {mass:.3g} < min_mass={min_mass:g} on {yes!r}/{no!r}")])
+                out[i] = Score(score) if mass >= o.min_mass else Score(
+                    0.0, [("error", f"judge puts {mass:.3g} < min_mass={o.min_mass:g} on {o.yes!r}/{o.no!r}")])
         else:
-            for i, reply in zip(fit, replies(engine, tok, [ids[i] for i in fit], max_new_tokens, batch_size)):
-                out[i] = score_reply(reply, mode, verdicts, lo, hi)
+            for i, reply in zip(fit, replies(engine, tok, [ids[i] for i in fit], o.max_new_tokens, o.batch_size)):
+                out[i] = score_reply(reply, o.mode, o.verdicts, o.lo, o.hi)
     return out
 
 
@@ -189,14 +189,15 @@ def judge(prompts: list[str], completions: list[str], fields: list[dict] | None 
         with open(template_file) as f:
             template = f.read()
     check_args(mode, template, lo, hi)
-    verdicts = parse_verdicts(verdicts) if mode == "verdict" else {}
+    o = SimpleNamespace(mode=mode, yes=yes, no=no, min_mass=min_mass, lo=lo, hi=hi, max_new_tokens=max_new_tokens,
+                        max_length=max_length, batch_size=batch_size,
+                        verdicts=parse_verdicts(verdicts) if mode == "verdict" else {})
     fields = fields if fields is not None else [{} for _ in prompts]
-    model, tok, _ = load(path, device, dtype)
+    model, tok, engine = load(path, device, dtype)
     texts = [render(tok, template, p, c, str(f.get(reference_field, "")), chat)
              for p, c, f in zip(prompts, completions, fields)]
     unique = list(dict.fromkeys(texts))                 # first-seen order; a repeated rubric is judged once
-    scores = dict(zip(unique, judge_unique(unique, path, device, dtype, mode, verdicts, lo, hi, yes, no, min_mass,
-                                           max_new_tokens, max_length, batch_size)))
+    scores = dict(zip(unique, judge_unique(unique, model, tok, engine, o)))
     return [scores[t] for t in texts]
 
 
