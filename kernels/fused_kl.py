@@ -220,7 +220,8 @@ def check_kl_inputs(hidden_s: Tensor, weight_s: Tensor, hidden_t: Tensor, weight
     """One-line errors, before any launch, for shapes and dtypes the loop cannot take."""
     for name, h, w in (("student", hidden_s, weight_s), ("teacher", hidden_t, weight_t)):
         if h.dim() != 2 or w.dim() != 2 or h.shape[1] != w.shape[1]:
-            raise ValueError(f"{name} hidden (N, H) and weight (V, H) do not match: {tuple(h.shape)} vs {tuple(w.shape)}")
+            raise ValueError(f"{name} hidden (N, H) and weight (V, H) do not match: "
+                             f"{tuple(h.shape)} vs {tuple(w.shape)}")
         if h.dtype != w.dtype or not h.dtype.is_floating_point:
             raise ValueError(f"{name} hidden is {h.dtype} but weight is {w.dtype}: give one floating dtype")
     if hidden_s.shape[0] != hidden_t.shape[0] or weight_s.shape[0] != weight_t.shape[0]:

@@ -20,8 +20,9 @@ The template fills {prompt}, {completion} and {reference} (the sample's field na
 template (and `chat` is not False) the filled rubric is sent as one user message with the generation prompt.
 The judge loads once per (path, device) and stays; it runs in eval mode under no_grad, on `device` (default: this
 rank's GPU, LOCAL_RANK, when CUDA is there, else the CPU), `batch_size` rubrics at a time, greedy through the
-project's built-in engine (engines/builtin.py: BuiltinEngine; on a GPU its fast decoder). Identical rubrics (same
-prompt, completion and reference: a GRPO group often repeats an answer) are judged once per call.
+project's built-in engine (engines/builtin.py: BuiltinEngine), its portable loop unless `fast` (see load).
+Identical rubrics (same prompt, completion and reference: a GRPO group often repeats an answer) are judged once
+per call.
 It is a batched reward (`judge.batched = True`): the pool calls it on a thread of the trainer process.
 """
 import os
@@ -45,18 +46,22 @@ def default_device() -> str:
     return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
 
 
-def load(path: str, device: str | None = None, dtype: str = "auto"):
-    """-> (model, tokenizer, engine), cached per (path, device)."""
+def load(path: str, device: str | None = None, dtype: str = "auto", fast: bool = False):
+    """-> (model, tokenizer, engine), cached per (path, device, fast)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from engines.builtin import BuiltinEngine
     device = device or default_device()
-    key = (path, device)
+    key = (path, device, fast)
     if key not in _LOADED:
         tok = AutoTokenizer.from_pretrained(path)
         if tok.pad_token is None:                # batching needs padding; EOS is the usual stand-in
             tok.pad_token = tok.eos_token
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
-        _LOADED[key] = (model, tok, BuiltinEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id))
+        # fast: the fast decoder captures a CUDA graph, and a capture from the reward thread while the trainer's
+        # thread runs its forwards can make that thread's CUDA calls fail: off unless asked for (then: on CUDA, for
+        # the model types engines/fast_decode.py supports)
+        engine = BuiltinEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, fast=None if fast else False)
+        _LOADED[key] = (model, tok, engine)
     return _LOADED[key]
 
 
@@ -182,7 +187,7 @@ def judge(prompts: list[str], completions: list[str], fields: list[dict] | None 
           mode: str = "yes_prob", template: str = TEMPLATE, template_file: str = "", chat: bool | None = None,
           reference_field: str = "answer", yes: str = "YES", no: str = "NO", min_mass: float = 0.0,
           verdicts="YES:1;NO:0", lo=None, hi=None, max_new_tokens: int = 16, max_length: int = 4096,
-          batch_size: int = 16, device: str | None = None, dtype: str = "auto") -> list[Score]:
+          batch_size: int = 16, device: str | None = None, dtype: str = "auto", fast: bool = False) -> list[Score]:
     if not path:
         raise ValueError("judge: set args {path: <folder of a causal LM>} (reward_args='judge.path=/x')")
     if template_file:
@@ -193,7 +198,7 @@ def judge(prompts: list[str], completions: list[str], fields: list[dict] | None 
                         max_length=max_length, batch_size=batch_size,
                         verdicts=parse_verdicts(verdicts) if mode == "verdict" else {})
     fields = fields if fields is not None else [{} for _ in prompts]
-    model, tok, engine = load(path, device, dtype)
+    model, tok, engine = load(path, device, dtype, fast)
     texts = [render(tok, template, p, c, str(f.get(reference_field, "")), chat)
              for p, c, f in zip(prompts, completions, fields)]
     unique = list(dict.fromkeys(texts))                 # first-seen order; a repeated rubric is judged once

@@ -26,7 +26,8 @@ def batch(**kw) -> Experience:
     fields = dict(input_ids=torch.zeros(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 5, dtype=torch.long),
                   completion_mask=mask, sample_logprobs=torch.tensor([[-1.0, -0.5, 0.0], [-2.0, -0.1, -0.3]]),
                   ref_logprobs=torch.tensor([[-0.2, -1.5, -9.0], [-2.0, -0.4, -0.1]]),
-                  rewards=torch.tensor([1.0, 0.0]), group_ids=torch.tensor([0, 0]), versions=torch.zeros(2, dtype=torch.long),
+                  rewards=torch.tensor([1.0, 0.0]), group_ids=torch.tensor([0, 0]),
+                  versions=torch.zeros(2, dtype=torch.long),
                   truncated=torch.zeros(2, dtype=torch.bool))
     return Experience(**{**fields, **kw})
 
@@ -82,7 +83,8 @@ def test_missing_teacher_logprobs_are_named():
 
 
 def test_options_parse_and_reach_the_algorithm():
-    cfg = config.parse(["algo.name=distill", "algo.distill.coef=0.25", "algo.distill.teacher=/t", "algo.distill.task_coef=0"])
+    cfg = config.parse(["algo.name=distill", "algo.distill.coef=0.25", "algo.distill.teacher=/t",
+                        "algo.distill.task_coef=0"])
     assert (cfg.algo.distill.coef, cfg.algo.distill.teacher, cfg.algo.distill.task_coef) == (0.25, "/t", 0.0)
 
 

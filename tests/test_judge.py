@@ -15,7 +15,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rewards import judge as jd  # noqa: E402
 
-WORDS = "<pad> <eos> <unk> YES NO maybe banana 8 12 what is two plus four five six seven nine ten ref".split()   # an even count: two heads
+# an even count of words: the hidden size is the vocabulary's, split over two heads
+WORDS = "<pad> <eos> <unk> YES NO maybe banana 8 12 what is two plus four five six seven nine ten ref".split()
 ID = {w: i for i, w in enumerate(WORDS)}
 V = len(WORDS)
 # next word after each completion word: its reply (a verdict, a number, or nothing usable)
@@ -126,7 +127,8 @@ def test_through_the_pool_mixed_with_a_rule_reward(judge_dir):
     assert info["metrics"]["reward_fail/judge/error"] == 1.0
 
 
-@pytest.mark.parametrize("kw, match", [(dict(mode="vote"), "mode must be one of"), (dict(template="{answer}"), "answer"),
+@pytest.mark.parametrize("kw, match", [(dict(mode="vote"), "mode must be one of"),
+                                       (dict(template="{answer}"), "answer"),
                                        (dict(mode="number", lo=1), "lo < hi"), (dict(yes="YES NO"), "2 tokens"),
                                        (dict(mode="verdict", verdicts="x"), "verdicts"), (dict(path=""), "set args")])
 def test_bad_options_are_named(judge_dir, kw, match):

@@ -8,10 +8,11 @@ states and both heads, one GPU, one command.
 Methods, same card, same process: `eager` (kernels/fused_kl.py: fused_kl_reference, both (N, V) log-softmaxes in
 float32), `compile` (torch.compile of it), `ours` (fused_kl: cuBLAS tiles + Triton passes, gradient recomputed in the
 backward: 6 matmuls), `ours_loss` (fused_kl_loss: the per-token weights known up front, the gradient computed in
-the forward over whole-vocabulary row chunks: 4 matmuls), `liger` (Liger-Kernel's LigerFusedLinearJSD at jsd_beta=1, its reverse KL; a scalar mean, skipped when
-liger_kernel is not importable or refuses beta=1), and the matmul floor: the (N, H) x (H, V) product timed alone
-in 8192-row blocks, x4 (student and teacher logits, d hidden, d weight: what any exact method must compute) and
-x6 (ours: the two logits products once more in the backward).
+the forward over whole-vocabulary row chunks: 4 matmuls), `liger` (Liger-Kernel's LigerFusedLinearJSD at
+jsd_beta=1, its reverse KL; a scalar mean, skipped when liger_kernel is not importable or refuses beta=1), and
+the matmul floor: the (N, H) x (H, V) product timed alone in 8192-row blocks, x4 (student and teacher logits,
+d hidden, d weight: what any exact method must compute) and x6 (fused_kl: the two logits products once more in
+the backward).
 The teacher has the student's shape (--teacher-hidden to change it) and no gradient; the loss is sum(kl * a) with
 random a, reverse KL (--forward for KL(teacher || student)). Forward runs under no_grad.
 Time: median of triton.testing.do_bench (CUDA) or of --rep wall-clock runs (--tiny). Memory: peak allocated above
@@ -193,7 +194,8 @@ def main():
     args = parse_args()
     names = args.methods.split(",")
     if args.tiny:
-        names = [n for n in names if n in ("eager", "ours", "ours_loss")]       # compile needs a C toolchain; Liger needs CUDA
+        # compile needs a C toolchain, Liger needs CUDA
+        names = [n for n in names if n in ("eager", "ours", "ours_loss")]
         torch.set_num_threads(1)
     fns = method_fns(names, not args.forward)
     results = [run_shape(args, H, V, fns) for H, V in args.shapes]
