@@ -186,9 +186,16 @@ class GSPOConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher: str = opt("", "teacher model folder, loaded in the reference model's place ('' = no teacher: GRPO)")
+    coef: float = opt(1.0, "weight of the per-token advantage log p_teacher - log p_student")
+    task_coef: float = opt(1.0, "weight of GRPO's group advantage of the task reward (0 = pure distillation)")
+
+
+@dataclass
 class AlgoConfig:
     name: str = opt("grpo", "algorithm, by registered name (see algos/): grpo, dr_grpo, dapo, gspo, rloo, "
-                            "reinforce_pp, reinforce_pp_baseline, ppo, online_dpo")
+                            "reinforce_pp, reinforce_pp_baseline, ppo, online_dpo, distill")
     clip_eps: float = opt(0.2, "PPO-style ratio clip: ratio is kept in [1 - clip_eps, 1 + clip_eps_high]")
     clip_eps_high: float = opt(0.2, "upper clip (DAPO's clip-higher uses a larger value than clip_eps)")
     dual_clip: float = opt(0.0, "dual-clip PPO: with a negative advantage the loss stops growing once the ratio "
@@ -212,6 +219,7 @@ class AlgoConfig:
     dpo: DPOConfig = opt(DPOConfig(), "DPO family (algo.name=online_dpo, and train_dpo.py)")
     dapo: DAPOConfig = opt(DAPOConfig(), "DAPO (algo.name=dapo)")
     gspo: GSPOConfig = opt(GSPOConfig(), "GSPO (algo.name=gspo)")
+    distill: DistillConfig = opt(DistillConfig(), "on-policy distillation (algo.name=distill; docs/distill.md)")
 
 
 @dataclass

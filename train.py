@@ -157,10 +157,11 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
     policy, tok, engine_model = build_models(cfg, device, dtype, fsdp)
     train_set, eval_set, train_ids, eval_ids = build_data(cfg, tok, policy)
     reference = None
-    if algo.needs_ref(cfg.algo) and cfg.lora.r:   # the base itself, adapters off: no second copy (lora.py)
+    teacher = cfg.algo.distill.teacher   # on-policy distillation: the teacher's forward is the reference's (algos/distill.py)
+    if algo.needs_ref(cfg.algo) and cfg.lora.r and not teacher:   # the base itself, adapters off: no second copy (lora.py)
         reference = lora.AdaptersOff(policy)
     elif algo.needs_ref(cfg.algo):   # offload_models: it lives in CPU memory and visits the GPU (offload.py)
-        reference, _ = load_model(cfg.model, torch.device("cpu") if cfg.offload_models else device, dtype)
+        reference, _ = load_model(teacher or cfg.model, torch.device("cpu") if cfg.offload_models else device, dtype)
         reference = offload.pin(reference) if cfg.offload_models else reference
         reference.eval().requires_grad_(False)
         reference = distributed.shard(reference, device, dtype, cfg.offload) if fsdp else reference

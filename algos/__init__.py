@@ -20,3 +20,4 @@ each `.item()` per micro-batch would stall the GPU until the host caught up.
     dpo.py             online_dpo          (and the losses train_dpo.py uses offline)
 """
 from algos import grpo, dapo, gspo, rloo, reinforce_pp, ppo, dpo  # noqa: F401  (each file registers itself)
+from algos import distill  # noqa: F401  (on-policy distillation: algos/distill.py)

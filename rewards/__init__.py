@@ -5,6 +5,7 @@ Each module below registers its functions on import; a new reward family is one 
 """
 from registry import RegistryError
 from rewards import code, format, k12, math, reward_model  # noqa: F401  (each registers its rewards)
+from rewards import judge  # noqa: F401  (the generative judge: rewards/judge.py)
 
 
 def parse_spec(spec: str) -> list[tuple[str, float]]:
