@@ -266,6 +266,9 @@ class Config:
     eval_k: int = opt(0, "also sample this many completions per held-out prompt: eval/mean@k and the unbiased "
                          "eval/pass@k for k = 1, 2, 4, ... (0 = off)")
     eval_k_temperature: float = opt(1.0, "sampling temperature of the eval_k samples")
+    logger: str = opt("tensorboard", "where the metrics rows go besides metrics.jsonl, a comma list: tensorboard, "
+                                     "wandb (pip install wandb; WANDB_PROJECT, WANDB_MODE=offline as wandb reads "
+                                     "them); '' = metrics.jsonl only")
     save_every: int = opt(0, "save a checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = opt(3, "keep the newest N checkpoints in <out_dir>/checkpoints (0 = all)")
     resume: str = opt("", "continue from a checkpoint dir, or a run dir's newest one (so does an out_dir holding one)")

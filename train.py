@@ -197,7 +197,7 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
         run.order, run.cursor, run.rows = torch.randperm(len(train_set), generator=run.generator), 0, []
     run_dir.create(cfg, rank)   # config.yaml only now: a checkpoint that fails to load leaves the run as it was
     if rank == 0:
-        run.logger = run_dir.Logger(run.run_dir, run.first_step, resume=bool(resume_from))
+        run.logger = run_dir.Logger(run.run_dir, run.first_step, resume=bool(resume_from), sinks=cfg.logger)
     if not resume_from:   # step 0 is a row like the others: every curve starts before the first update
         log(run, {"step": 0, **run.start})
     return run
@@ -348,8 +348,9 @@ def train_step(run: Run, step: int) -> dict:
 
 def log(run: Run, row: dict):
     run.rows.append(row)
+    shown, run.sampler.shown = getattr(run.sampler, "shown", None), None   # the last evaluation's completions, once
     if run.logger is not None:
-        run.logger.log(row)
+        run.logger.log(row, shown)
 
 
 def save(run: Run, step: int) -> str | None:
@@ -399,6 +400,7 @@ def main(argv: list[str]) -> dict:
     cfg = fill_defaults(cfg)
     cfg.out_dir = run_dir.name(cfg)                    # checked before torchrun's ranks meet, so before any makes it
     run_dir.check(cfg.out_dir, resuming=resume_from is not None)
+    run_dir.Logger.check(cfg.logger)                   # logger=wandb without wandb installed: refused now
     rank, world = distributed.init(cfg.offload)        # (0, 1) unless launched by torchrun; see distributed.py
     validate(cfg, world)                               # every cross-option check, before any work
     if cfg.mode == "async":   # rollout ranks and trainer ranks apart (async_rl.py); it calls this file's phases
