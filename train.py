@@ -24,6 +24,7 @@ import algos, engines, envs, rewards, tasks  # noqa: F401,E401  (the plugin pack
 import async_rl
 import checkpoint
 import distributed
+import kernels
 import lora
 import memory
 import offload
@@ -403,6 +404,7 @@ def main(argv: list[str]) -> dict:
     run_dir.Logger.check(cfg.logger)                   # logger=wandb without wandb installed: refused now
     rank, world = distributed.init(cfg.offload)        # (0, 1) unless launched by torchrun; see distributed.py
     validate(cfg, world)                               # every cross-option check, before any work
+    kernels.choose(**vars(cfg.kernels))                # the implementation of each kernel op (kernels/__init__.py)
     if cfg.mode == "async":   # rollout ranks and trainer ranks apart (async_rl.py); it calls this file's phases
         return async_rl.main(cfg, resume_from, sys.modules[__name__])
     run = setup(cfg, resume_from, rank)

@@ -22,6 +22,7 @@ import time
 import torch
 
 import algos, engines, rewards, tasks  # noqa: F401,E401  (the plugin packages: importing them registers every name)
+import kernels
 import registry
 import run_dir as rundir
 from algos.dpo import pair_loss
@@ -73,6 +74,7 @@ def pack(tok, pairs: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, to
 def main(argv: list[str]) -> dict:
     cfg = fill_defaults(parse(argv))
     validate(cfg)
+    kernels.choose(**vars(cfg.kernels))
     cfg.out_dir = cfg.out_dir or os.path.join("runs", f"dpo-{cfg.algo.dpo.loss}-{time.strftime('%Y%m%d-%H%M%S')}")
     rundir.check(cfg.out_dir, resuming=False)   # a used or unwritable out_dir is refused before any work
     rundir.Logger.check(cfg.logger)
