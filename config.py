@@ -202,8 +202,9 @@ class LoRAConfig:
 
 @dataclass
 class KernelsConfig:   # one option per op of kernels/__init__.py (OPS); the names are checked by kernels.choose
-    logprob: str = opt("auto", "log-probs and entropies from logits: auto (Triton on CUDA, else torch) or a "
-                               "registered implementation (kernels/__init__.py: triton, torch, liger)")
+    logprob: str = opt("auto", "log-probs and entropies from logits (models whose lm_head is not a plain Linear): "
+                               "auto (Triton on CUDA, else torch) or a registered implementation "
+                               "(kernels/__init__.py: triton, torch, liger)")
     linear_logprob: str = opt("auto", "log-probs and entropies from hidden states and the lm_head: auto or a "
                                       "registered implementation")
     logprob_loss: str = opt("auto", "fused_loss=true's log-prob + loss gradient: auto or a registered implementation")
