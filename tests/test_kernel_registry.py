@@ -183,3 +183,13 @@ def test_ablate_compares_kernels_like_algorithms(tmp_path, monkeypatch):
     assert list(rows) == [f"`{e}`" for e in entries]
     assert rows[f"`{entries[0]}`"][-2].strip() == "0.5000" and rows[f"`{entries[1]}`"][-2].strip() == "0.2500"
     assert "indistinguishable" in rows[f"`{entries[1]}`"][9]          # the same accuracy on both seeds
+
+
+@pytest.mark.parametrize("arg, message", [("kernels.sample=fast", "error: kernels.sample must be one of auto, "),
+                                          ("logger=mlflow", "error: config key 'logger' takes a comma list of ")])
+def test_train_refuses_a_bad_kernel_or_logger_in_one_line(arg, message, tmp_path):
+    import subprocess
+    r = subprocess.run([sys.executable, "train.py", arg, f"out_dir={tmp_path / 'run'}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith(message) and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "run").exists()                            # before any work
