@@ -102,7 +102,8 @@ def test_bad_logger_is_one_line_error(monkeypatch):
     with pytest.raises(UserError, match="'logger' takes a comma list of tensorboard, wandb .*'mlflow'"):
         run_dir.Logger.check("tensorboard,mlflow")
     real = run_dir.importlib.util.find_spec
-    monkeypatch.setattr(run_dir.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(run_dir.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(UserError, match="pip install wandb") as e:
         run_dir.Logger.check("wandb")
     assert "\n" not in str(e.value)
