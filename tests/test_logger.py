@@ -78,6 +78,8 @@ def test_wandb_offline_run_holds_config_rows_and_samples(tmp_path, wandb_offline
     out.mkdir()
     (out / "config.yaml").write_text(yaml.safe_dump({"algo": {"name": "grpo"}, "lr": 0.0001}))
     log_rows(out, "tensorboard,wandb")
+    import wandb
+    wandb.teardown()   # the wandb service writes the run file on its own; at its exit (a script's) every record is in
     run_id = (out / "wandb" / "run_id").read_text()
     [path] = glob.glob(str(out / "wandb" / "offline-run-*" / f"run-{run_id}.wandb"))
     records = read_wandb_records(path)
