@@ -245,6 +245,18 @@ class LoRAConfig:
 
 
 @dataclass
+class KernelsConfig:   # one option per op of kernels/__init__.py (OPS); the names are checked by kernels.choose
+    logprob: str = opt("auto", "log-probs and entropies from logits (models whose lm_head is not a plain Linear): "
+                               "auto (Triton on CUDA, else torch) or a registered implementation "
+                               "(kernels/__init__.py: triton, torch, liger)")
+    linear_logprob: str = opt("auto", "log-probs and entropies from hidden states and the lm_head: auto or a "
+                                      "registered implementation")
+    logprob_loss: str = opt("auto", "fused_loss=true's log-prob + loss gradient: auto or a registered implementation")
+    sample: str = opt("auto", "the fast decoder's token sampler: auto or a registered implementation")
+    decode_attention: str = opt("auto", "the fast decoder's attention: auto or a registered implementation")
+
+
+@dataclass
 class Config:
     # what to train
     model: str = opt("assets/tiny-model", "local folder or hub id of a transformers causal LM")
@@ -295,6 +307,7 @@ class Config:
                                         "docs/memory.md; a value of theirs set away from its default is kept); 0 = off")
     fused_loss: bool = opt(False, "take the policy loss's gradient inside the log-prob kernel (kernels/"
                                   "logprob_loss.py): one lm_head matmul fewer per update; not with a critic")
+    kernels: KernelsConfig = opt(KernelsConfig(), "the implementation of each kernel op (an unknown name lists them)")
     pack: bool = opt(False, "padding-free update: each micro-batch's real tokens as one sequence, positions restarting "
                             "per sample (flash-attn where installed, else FlexAttention on a GPU; docs/packing.md)")
     compile: bool = opt(False, "torch.compile each decoder layer for training (fewer kernel launches and saved "
@@ -310,6 +323,9 @@ class Config:
     eval_k: int = opt(0, "also sample this many completions per held-out prompt: eval/mean@k and the unbiased "
                          "eval/pass@k for k = 1, 2, 4, ... (0 = off)")
     eval_k_temperature: float = opt(1.0, "sampling temperature of the eval_k samples")
+    logger: str = opt("tensorboard", "where the metrics rows go besides metrics.jsonl, a comma list: tensorboard, "
+                                     "wandb (pip install wandb; WANDB_PROJECT, WANDB_MODE=offline as wandb reads "
+                                     "them); '' = metrics.jsonl only")
     save_every: int = opt(0, "save a checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = opt(3, "keep the newest N checkpoints in <out_dir>/checkpoints (0 = all)")
     resume: str = opt("", "continue from a checkpoint dir, or a run dir's newest one (so does an out_dir holding one)")

@@ -8,9 +8,10 @@
 A plugin registers itself when its module is imported. The entry scripts (train.py, train_dpo.py) import the
 plugin packages explicitly (`import algos, engines, envs, rewards, tasks`), so every registered name can be found
 with go-to-definition and a newcomer sees every plugin module in those packages' __init__.py lists.
-Kinds "env" (multi-turn environments) and "tool" (what a model may call inside an episode) live in envs/.
+Kinds "env" (multi-turn environments) and "tool" (what a model may call inside an episode) live in envs/; "kernel"
+(one implementation of a kernel op, named "<op>.<implementation>") in kernels/.
 """
-KINDS = ("algo", "reward", "engine", "task", "env", "tool")
+KINDS = ("algo", "reward", "engine", "task", "env", "tool", "kernel")
 _REGISTRY: dict[str, dict[str, object]] = {kind: {} for kind in KINDS}
 
 

@@ -3,7 +3,8 @@
     runs/<algo>-<time>/            (or out_dir=...)
         config.yaml                the resolved config + git commit and dirty flag
         metrics.jsonl              one JSON row per step; step 0 is the evaluation before any update
-        events.out.tfevents.*      the same numbers for tensorboard (train/<key>, eval/<key>, ...)
+        events.out.tfevents.*      the same numbers for tensorboard, each under its metrics.jsonl key (logger=)
+        wandb/                     with logger=wandb: wandb's run files (offline ones to `wandb sync`) and run_id
         curve.png                  train reward and held-out accuracy (and pass@k with eval_k)
         checkpoints/step_NNNNNN/   the whole training state (checkpoint.py)
         final/                     the trained policy + tokenizer (transformers' from_pretrained loads it)
@@ -11,8 +12,10 @@
 Rank 0 alone writes (the others hold None loggers). Every file is written under a temporary name and renamed,
 so a crash never leaves one half-written.
 """
+import importlib.util
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -80,24 +83,92 @@ def create(cfg, rank: int) -> str:
 
 
 class Logger:
-    """metrics.jsonl + tensorboard. A resumed run appends (checkpoint.load has cut the file back to the
-    checkpoint's step) and purges tensorboard events past it; a fresh run starts both anew."""
+    """metrics.jsonl, and the same rows in each sink of `sinks` ("tensorboard", "wandb": the `logger` option, a
+    comma list; "" = metrics.jsonl alone). One rule for names: a metric's tag in every sink is its metrics.jsonl
+    key (`reward`, `eval/accuracy`, `time/update`), so a name found in one place is found in all. An evaluation's
+    sample completions (`samples`) go to each sink as a table under `eval/samples` (tensorboard: text).
+    A resumed run appends to metrics.jsonl (checkpoint.load has cut it back to the checkpoint's step), purges
+    tensorboard events past it, and continues the same wandb run (its id is kept in wandb/run_id), where wandb
+    drops the rows of steps it has already seen; a fresh run starts each anew."""
+    SINKS = ("tensorboard", "wandb")
+    SHOWN = 32   # sample completions per evaluation table: enough to read, small enough for every evaluation
 
-    def __init__(self, run_dir: str, first_step: int, resume: bool):
-        from torch.utils.tensorboard import SummaryWriter   # slow import: only rank 0 pays it
-        self.writer = SummaryWriter(run_dir, purge_step=first_step)
+    @classmethod
+    def check(cls, sinks: str) -> list[str]:
+        """The sinks named, or a one-line UserError for an unknown one or for wandb not installed (before any work)."""
+        names = [s.strip() for s in sinks.split(",") if s.strip()]
+        for s in names:
+            if s not in cls.SINKS:
+                raise UserError(f"config key 'logger' takes a comma list of {', '.join(cls.SINKS)} ('' = metrics.jsonl "
+                                f"only); got {s!r}")
+        if "wandb" in names and importlib.util.find_spec("wandb") is None:
+            raise UserError("logger=wandb needs the wandb package, which is not installed: pip install wandb "
+                            "(or choose logger=tensorboard)")
+        return names
+
+    def __init__(self, run_dir: str, first_step: int, resume: bool, sinks: str = "tensorboard"):
+        names = self.check(sinks)
+        self.writer = self.wandb = None
+        if "tensorboard" in names:
+            from torch.utils.tensorboard import SummaryWriter   # slow import: only rank 0 pays it
+            self.writer = SummaryWriter(run_dir, purge_step=first_step)
+        if "wandb" in names:
+            self.wandb = _wandb_run(run_dir, resume)
         self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume else "w")   # no stale rows
 
-    def log(self, row: dict):
+    def log(self, row: dict, samples: list[dict] | None = None):
+        """One metrics row (its "step" and scalars); samples: an evaluation's completions, dicts of equal keys."""
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        for k, v in row.items():
-            if k != "step":
-                self.writer.add_scalar(k if "/" in k else f"train/{k}", v, row["step"])
+        step, scalars = row["step"], {k: v for k, v in row.items() if k != "step"}
+        shown = (samples or [])[:self.SHOWN]
+        if self.writer is not None:
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, step)
+            if shown:
+                self.writer.add_text("eval/samples", _markdown_table(shown), step)
+        if self.wandb is not None:
+            if shown:
+                import wandb
+                columns = list(shown[0])
+                scalars["eval/samples"] = wandb.Table(columns=columns, data=[[s[c] for c in columns] for s in shown])
+            self.wandb.log(scalars, step=step)
 
     def close(self):
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         self.file.close()
+
+
+def _wandb_run(run_dir: str, resume: bool):
+    """A wandb run under run_dir/wandb, named after the run directory, holding config.yaml (config and git state).
+    Project, entity and mode come from wandb's own variables (WANDB_PROJECT, WANDB_MODE=offline, ...)."""
+    import wandb
+    os.makedirs(os.path.join(run_dir, "wandb"), exist_ok=True)
+    id_file = os.path.join(run_dir, "wandb", "run_id")
+    if resume and os.path.exists(id_file):
+        with open(id_file) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = secrets.token_hex(6)   # wandb ids: lowercase letters and digits
+        write_atomic(id_file, run_id)
+    config_file = os.path.join(run_dir, "config.yaml")
+    config = {}
+    if os.path.exists(config_file):
+        with open(config_file) as f:
+            config = yaml.safe_load(f)
+    return wandb.init(dir=run_dir, id=run_id, resume="allow", name=os.path.basename(os.path.abspath(run_dir)),
+                      config=config, settings=wandb.Settings(console="off", x_save_requirements=False))
+
+
+def _markdown_table(rows: list[dict]) -> str:
+    """rows as a markdown table (tensorboard's text tab renders it); cells on one line, pipes escaped."""
+    cell = lambda v: str(v).replace("\\", "\\\\").replace("|", "\\|").replace("\n", "\\n")
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows])
 
 
 def save_final(final_dir: str, policy, tok, state_dict: dict | None = None):

@@ -100,27 +100,33 @@ def report_ks(n: int) -> list[int]:
     return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n})
 
 
-def score_prompts(cfg, engine, tok, samples, prompt_ids, pool, specs, generator, n: int, sampling) -> tuple:
-    """n samples of each prompt -> (rewards (P, n), correct (P, n) bool): correct = the total reward is the best."""
+def score_prompts(cfg, engine, tok, samples, prompt_ids, pool, specs, generator, n: int, sampling,
+                  shown: list | None = None) -> tuple:
+    """n samples of each prompt -> (rewards (P, n), correct (P, n) bool): correct = the total reward is the best.
+    shown: a list that gets each sample's prompt, completion and reward (the loggers' table of completions)."""
     rewards = [torch.zeros(0)]
     step = max(1, 256 // n)                                            # prompts per generate call
     for start in range(0, len(samples), step):
         rollout = engine.generate(prompt_ids[start:start + step], n, sampling, generator)
         rows = [s for s in samples[start:start + step] for _ in range(n)]   # a prompt's n samples are adjacent
-        rewards.append(submit_rewards(pool, rows, decode(tok, rollout)).result()[0])
+        texts = decode(tok, rollout)
+        rewards.append(submit_rewards(pool, rows, texts).result()[0])
+        if shown is not None:
+            shown += [{"prompt": s["prompt"], "completion": c, "reward": float(x)}
+                      for s, c, x in zip(rows, texts, rewards[-1])]
     r = torch.cat(rewards).view(-1, n)                                 # (P, n)
     return r, r >= sum(w for _, w in specs) - 1e-6
 
 
 @torch.no_grad()
-def evaluate(cfg, engine, tok, samples, prompt_ids, pool, specs, generator) -> dict:
+def evaluate(cfg, engine, tok, samples, prompt_ids, pool, specs, generator, shown: list | None = None) -> dict:
     """Held-out accuracy: the fraction of prompts whose total reward reaches its maximum (greedy by default).
     With eval_k = n > 0, also n samples per prompt at eval_k_temperature: mean@n (the mean accuracy of a sample,
     which is pass@1) and the unbiased pass@k for k = 1, 2, 4, ..., n."""
     samples, prompt_ids = distributed.share(samples), distributed.share(prompt_ids)   # each rank its part
     greedy = SamplingParams(temperature=max(cfg.eval_temperature, 1e-5),
                             top_p=cfg.top_p if cfg.eval_temperature else 1.0, max_new_tokens=cfg.max_new_tokens)
-    r, correct = score_prompts(cfg, engine, tok, samples, prompt_ids, pool, specs, generator, 1, greedy)
+    r, correct = score_prompts(cfg, engine, tok, samples, prompt_ids, pool, specs, generator, 1, greedy, shown)
     sums = [r.sum(), correct.sum(), len(r)]
     n = cfg.eval_k
     if n:
@@ -150,7 +156,8 @@ class SingleTurn:
         return submit_rewards(self.pool, samples, decode(self.tok, rollout))
 
     def evaluate(self, cfg, samples, prompt_ids, specs, generator) -> dict:
-        return evaluate(cfg, self.engine, self.tok, samples, prompt_ids, self.pool, specs, generator)
+        self.shown = []   # this rank's greedy completions, for the loggers' table (train.log)
+        return evaluate(cfg, self.engine, self.tok, samples, prompt_ids, self.pool, specs, generator, self.shown)
 
     def close(self):
         pass   # the engine and the pool are closed by their owner (train.finish)

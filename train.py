@@ -26,6 +26,7 @@ import algos, engines, envs, rewards, tasks  # noqa: F401,E401  (the plugin pack
 import async_rl
 import checkpoint
 import distributed
+import kernels
 import lora
 import memory
 import offload
@@ -202,7 +203,7 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
         run.order, run.cursor, run.rows = torch.randperm(len(train_set), generator=run.generator), 0, []
     run_dir.create(cfg, rank)   # config.yaml only now: a checkpoint that fails to load leaves the run as it was
     if rank == 0:
-        run.logger = run_dir.Logger(run.run_dir, run.first_step, resume=bool(resume_from))
+        run.logger = run_dir.Logger(run.run_dir, run.first_step, resume=bool(resume_from), sinks=cfg.logger)
     if not resume_from:   # step 0 is a row like the others: every curve starts before the first update
         log(run, {"step": 0, **run.start})
     return run
@@ -361,8 +362,9 @@ def train_step(run: Run, step: int) -> dict:
 
 def log(run: Run, row: dict):
     run.rows.append(row)
+    shown, run.sampler.shown = getattr(run.sampler, "shown", None), None   # the last evaluation's completions, once
     if run.logger is not None:
-        run.logger.log(row)
+        run.logger.log(row, shown)
 
 
 def save(run: Run, step: int) -> str | None:
@@ -447,7 +449,9 @@ def prepare(argv: list[str]) -> tuple[Config, str | None]:
     cfg.out_dir = run_dir.name(cfg)                    # checked before torchrun's ranks meet, so before any makes it
     run_dir.check(cfg.out_dir, resuming=resume_from is not None)
     # every cross-option check before the ranks meet: a bad value ends each rank alone, with no collective hanging
+    run_dir.Logger.check(cfg.logger)                   # logger=wandb without wandb installed: refused now
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
+    kernels.choose(**vars(cfg.kernels))                # the implementation of each kernel op (kernels/__init__.py)
     check_reward_args(parse_reward_args(cfg.reward_args, parse_spec(cfg.rewards)))
     cfg.threads = cfg.threads or default_threads(cfg)   # threads=0: chosen from the model's size
     return cfg, resume_from

@@ -24,6 +24,7 @@ import time
 import torch
 
 import algos, engines, rewards, tasks  # noqa: F401,E401  (the plugin packages: importing them registers every name)
+import kernels
 import registry
 import run_dir as rundir
 from algos.dpo import pair_loss
@@ -79,6 +80,8 @@ def main(argv: list[str]) -> dict:
     check_reward_args(parse_reward_args(cfg.reward_args, specs))
     cfg.out_dir = cfg.out_dir or os.path.join("runs", f"dpo-{cfg.algo.dpo.loss}-{time.strftime('%Y%m%d-%H%M%S')}")
     rundir.check(cfg.out_dir, resuming=False)   # a used or unwritable out_dir is refused before any work
+    rundir.Logger.check(cfg.logger)
+    kernels.choose(**vars(cfg.kernels))
     cfg.threads = cfg.threads or default_threads(cfg)
     torch.manual_seed(cfg.seed)
     device, dtype = setup_device(cfg)
@@ -99,7 +102,7 @@ def main(argv: list[str]) -> dict:
     sample_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
 
     run_dir = rundir.create(cfg, rank=0)
-    logger = rundir.Logger(run_dir, first_step=1, resume=False)
+    logger = rundir.Logger(run_dir, first_step=1, resume=False, sinks=cfg.logger)
     start = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, sample_gen)
     logger.log({"step": 0, **start})
     print0(f"step 0: held-out accuracy {start['eval/accuracy']:.3f}; {len(pairs)} pairs from {cfg.algo.dpo.data}")

@@ -3,6 +3,7 @@
     python tools/ablate.py                                             # grpo, ppo, rloo, online_dpo x seeds 0,1,2
     python tools/ablate.py --runs grpo,dr_grpo,dapo --seeds 0,1,2,3 steps=40
     python tools/ablate.py --runs "grpo,grpo:algo.loss_agg=seq-mean-token-mean,grpo:algo.kl_coef=0.05"
+    python tools/ablate.py --runs grpo --kernels logprob=torch,triton device=cuda   # kernels, like algorithms
 
 Each entry of --runs is `algo[:key=value[:key=value]]`; its label is the entry itself; the first entry (or
 --baseline) is the baseline the others are compared with. An algorithm with a recipe in configs/<algo>.yaml gets
@@ -10,6 +11,9 @@ it (`--config`), then the entry's overrides, then the trailing key=value argumen
 Every entry runs on the same seeds, so seed s of one entry and seed s of the baseline see the same data order
 and the same held-out set: differences are taken per seed (paired), which cancels much of the seed-to-seed
 spread. Runs are `python train.py ...` subprocesses, --jobs at a time (default: one per core, each threads=1).
+--kernels OP=A,B,... compares implementations of one kernel op (kernels/__init__.py; the first is the baseline) on
+the first --runs entry: its entries are `<run>:kernels.OP=A`, ...; the table's update-time column shows the speed
+(time it on a GPU, --jobs 1), its accuracy columns that the learning is the same.
 
 Resuming: each run has its own directory <out>/<label>/seed<N> and saves a checkpoint every --save-every steps;
 a run whose directory holds final/ is not run again, an interrupted one continues from its checkpoint (delete
@@ -112,6 +116,13 @@ def summary(rows: list[dict]) -> dict:
     return {"start": acc[0], "final": acc[-1], "best": acc.max(), "auc": float(auc)}
 
 
+def update_s(results: list[dict], entry: str) -> str:
+    """The mean time/update over an entry's steps and seeds (first step left out: it pays compiles and warm-up);
+    blank where no row has it."""
+    times = [x["time/update"] for r in results if r["entry"] == entry for x in r["rows"][2:] if "time/update" in x]
+    return f"{np.mean(times):.4f}" if times else ""
+
+
 def bootstrap_ci(x: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
     """95% percentile CI of the mean of x (seeds) by resampling seeds with replacement. x: (n,) or (n, T)."""
     idx = rng.integers(0, len(x), size=(BOOTSTRAP, len(x)))                     # (draws, n)
@@ -132,10 +143,11 @@ def table(results: list[dict], entries: list[str], baseline: str, title: str) ->
     rng = np.random.default_rng(0)          # the same draws every time: the table is reproducible
     by = {e: {r["seed"]: summary(r["rows"]) for r in results if r["entry"] == e} for e in entries}
     wall = {e: np.nanmean([r["wall_s"] for r in results if r["entry"] == e]) for e in entries}
+    update = {e: update_s(results, e) for e in entries}
     lines = [f"# Ablation: {title}", "", f"Mean over seeds [95% bootstrap CI]; differences are paired by seed "
              f"against `{baseline}`.", "",
              "| run | seeds | acc. at start | final acc. | best acc. | AUC | final - baseline | AUC - baseline | "
-             "verdict (final) | wall s/run |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "verdict (final) | wall s/run | update s/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         seeds = sorted(by[e])
         col = {k: np.array([by[e][s][k] for s in seeds]) for k in ("start", "final", "best", "auc")}
@@ -148,7 +160,7 @@ def table(results: list[dict], entries: list[str], baseline: str, title: str) ->
             verdict_text = verdict(*bootstrap_ci(d_final, rng), len(paired))
         lines.append(f"| `{e}` | {len(seeds)} | {col['start'].mean():.3f} | {fmt(col['final'], rng)} | "
                      f"{fmt(col['best'], rng)} | {fmt(col['auc'], rng)} | {diffs[0]} | {diffs[1]} | {verdict_text} | "
-                     f"{wall[e]:.0f} |")
+                     f"{wall[e]:.0f} | {update[e]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -196,11 +208,18 @@ def main(argv: list[str]) -> str:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time (each uses one CPU thread)")
     p.add_argument("--save-every", type=int, default=10, help="checkpoint interval, so an interrupted run continues")
     p.add_argument("--out", default="runs/ablate", help="output directory")
+    p.add_argument("--kernels", default="", help="OP=A,B,...: compare implementations of a kernel op on the first "
+                                                 "--runs entry (e.g. logprob=torch,triton,liger)")
     args, common = p.parse_known_args(argv)
     bad = [a for a in common if "=" not in a or a.startswith("-")]
     if bad:
         p.error(f"unexpected argument {bad[0]!r}: trailing arguments must be key=value overrides")
     entries = [e.strip() for e in args.runs.split(",") if e.strip()]
+    if args.kernels:
+        op, _, names = args.kernels.partition("=")
+        if not op or not names:
+            p.error(f"--kernels must be OP=A,B,... (e.g. logprob=torch,triton), got {args.kernels!r}")
+        entries = [f"{entries[0]}:kernels.{op.strip()}={n.strip()}" for n in names.split(",") if n.strip()]
     baseline = args.baseline or entries[0]
     if baseline not in entries:
         p.error(f"--baseline {baseline!r} is not one of the --runs entries: {', '.join(entries)}")
