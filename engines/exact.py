@@ -217,48 +217,87 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int
     return zeros.index_put((r, c), logp), zeros.index_put((r, c), ent)
 
 
-def sample(ex: Exact, h: Tensor, temperature: float, generator) -> tuple[Tensor, Tensor]:
-    """Last hidden states (B, H) -> sampled tokens (B,) and their exact log-probs (B,) (the trainer's bits)."""
-    lp = token_logprobs(ex.logits(h), temperature)                                    # (B, V)
+def sample(ex: Exact, logits: Tensor, temperature: float, generator) -> tuple[Tensor, Tensor]:
+    """Logits (B, V) -> sampled tokens (B,) and their exact log-probs (B,) (the trainer's bits)."""
+    lp = token_logprobs(logits, temperature)                                          # (B, V)
     tok = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)             # (B,)
     return tok, lp.gather(-1, tok[:, None]).squeeze(-1)
 
 
 class ExactDecoder:
     """The built-in engine's decoder under exact_logprobs: FastDecoder's calls (sample; start_episodes, feed,
-    decode_turn, finish for engines/multiturn.py) over the exact forward, eagerly, on any device."""
+    decode_turn, finish for engines/multiturn.py) over the exact forward. On CUDA the single-turn decode step
+    (forward and logits of one token per row) is a CUDA graph: the same kernels as eager, launched at once."""
 
-    def __init__(self, model):
+    def __init__(self, model, use_graph: bool | None = None):
         self.ex = exact_of(model)
+        self.use_graph = self._device().type == "cuda" if use_graph is None else use_graph
+        self.states: dict[tuple[int, int], dict] = {}        # (B, S) -> cache, static inputs, graph, logits
+
+    def _device(self):
+        return self.ex.model.model.embed_tokens.weight.device
 
     def _dtype(self):
         return self.ex.model.model.embed_tokens.weight.dtype
+
+    def _state(self, B: int, S: int) -> dict:
+        if (B, S) not in self.states:
+            if len(self.states) >= 2:             # bound memory: e.g. one training and one evaluation shape
+                self.states.pop(next(iter(self.states)))
+            dev = self._device()
+            st = {"cache": self.ex.new_cache(B, S, dev, self._dtype()), "graph": None,
+                  "tok": torch.zeros(B, dtype=torch.long, device=dev), "pos": torch.zeros(B, dtype=torch.long, device=dev),
+                  "rows": torch.arange(B, device=dev)}
+            if self.use_graph:
+                self._capture(st)
+            self.states[B, S] = st
+        return self.states[B, S]
+
+    def _step(self, st: dict) -> Tensor:
+        """Forward st["tok"] (B,) at st["pos"] into the cache -> logits (B, V)."""
+        return self.ex.logits(self.ex.forward(st["tok"], st["rows"], st["pos"], st["cache"], inplace=True))
+
+    def _capture(self, st: dict):
+        # warm up on a side stream (cuBLAS handles, the rotary tables), then record one step; the warm-up writes
+        # slot 0 of each row, which every prefill writes again
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            self._step(st)
+        torch.cuda.current_stream().wait_stream(s)
+        st["graph"] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(st["graph"]):
+            st["logits"] = self._step(st)
 
     @torch.no_grad()
     def sample(self, ids: Tensor, mask: Tensor, sampling, eos_id: int, pad_id: int, generator=None):
         """As FastDecoder.sample: (B, P) left-padded prompts -> completion, alive, logprobs (B, C), done (B,)."""
         B, P = ids.shape
-        N, dev = sampling.max_new_tokens, ids.device
-        cache = self.ex.new_cache(B, P + N, dev, self._dtype())
+        N = sampling.max_new_tokens
+        st = self._state(B, -(-(P + N) // 64) * 64)      # rounded up: prompts of similar length share a graph
         rows, cols = mask.bool().nonzero(as_tuple=True)
         pos = position_ids(mask)
-        h = self.ex.forward(ids[rows, cols], rows, pos[rows, cols], cache, inplace=True)   # (n, H)
-        last = h[(cols == P - 1)]                         # left padding: every row's last prompt token, in row order
-        nxt = mask.sum(-1)                                # (B,) each row's next position
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        h = self.ex.forward(ids[rows, cols], rows, pos[rows, cols], st["cache"], inplace=True)   # (n, H)
+        logits = self.ex.logits(h[cols == P - 1])         # left padding: each row's last prompt token, in row order
+        st["pos"].copy_(mask.sum(-1))                     # (B,) each row's next position
+        done = torch.zeros(B, dtype=torch.bool, device=ids.device)
         toks, logps, alive = [], [], []
         for t in range(N):
-            tok, logp = sample(self.ex, last, sampling.temperature, generator)
+            tok, logp = sample(self.ex, logits, sampling.temperature, generator)
             tok = torch.where(done, pad_id, tok)
             alive.append(~done)
             toks.append(tok)
             logps.append(torch.where(done, 0.0, logp))
             done = done | (tok == eos_id)
-            if bool(done.all()) or t == N - 1:
+            if t == N - 1 or bool(done.all()):
                 break
-            every = torch.arange(B, device=dev)
-            last = self.ex.forward(tok, every, nxt, cache, inplace=True)
-            nxt = nxt + 1
+            st["tok"].copy_(tok)
+            if st["graph"] is not None:
+                st["graph"].replay()
+                logits = st["logits"]
+            else:
+                logits = self._step(st)
+            st["pos"] += 1
         return torch.stack(toks, 1), torch.stack(alive, 1), torch.stack(logps, 1), done
 
     # --- multi-turn (engines/multiturn.py's fast loop) ------------------------------------------------
@@ -266,7 +305,7 @@ class ExactDecoder:
     def start_episodes(self, prompts: list[list[int]], room: list[int], N: int, sampling, eos_id: int, pad_id: int,
                        generator=None):
         B = len(prompts)
-        self.dev = self.ex.model.model.embed_tokens.weight.device
+        self.dev = self._device()
         S = max(len(p) + r for p, r in zip(prompts, room)) + N + 1
         self.cache = self.ex.new_cache(B, S, self.dev, self._dtype())
         self.N, self.sampling, self.generator, self.eos_id, self.pad_id = N, sampling, generator, eos_id, pad_id
@@ -302,7 +341,7 @@ class ExactDecoder:
             if not bool(gen.any()):
                 break
             rows = gen.nonzero().flatten()
-            tok, logp = sample(self.ex, self.last[rows], self.sampling.temperature, self.generator)
+            tok, logp = sample(self.ex, self.ex.logits(self.last[rows]), self.sampling.temperature, self.generator)
             toks[rows.cpu(), t], written[rows.cpu(), t], logps[rows.cpu(), t] = tok.cpu(), True, logp.float().cpu()
             go = (tok != self.eos_id) & (t + 1 < left[rows])
             gen[rows] = go
