@@ -25,8 +25,9 @@ from engines.families import arch_of, rotary_tables
 from engines.fast_decode import base_of
 from models import position_ids
 
-ROWS = 64      # rows per call of every op: a fixed shape, hence a fixed kernel
+ROWS = 256     # rows per call of every op: a fixed shape, hence a fixed kernel
 BLOCK = 64     # keys per attention block
+QUERIES = 1024  # (token, head) pairs per attention call: fixed as ROWS is, larger (fewer Python-issued calls)
 
 
 def rowwise(fn, x: Tensor) -> Tensor:
@@ -90,8 +91,9 @@ class Exact:
         return self.tables[key]
 
     def new_cache(self, B: int, S: int, device, dtype) -> list:
-        """Per layer (k, v), each (B, S + 1, nkv, D): slot = position; the last slot takes writes nobody reads."""
-        z = lambda: torch.zeros(B, S + 1, self.nkv, self.D, device=device, dtype=dtype)
+        """Per layer (k, v), each (B, nkv, L, D) with L >= S slots, a whole number of key blocks: slot = position."""
+        L = -(-S // BLOCK) * BLOCK
+        z = lambda: torch.zeros(B, self.nkv, L, self.D, device=device, dtype=dtype)
         return [(z(), z()) for _ in self.model.model.layers]
 
     def forward(self, ids: Tensor, rows: Tensor, pos: Tensor, cache: list, inplace: bool) -> Tensor:
@@ -109,12 +111,13 @@ class Exact:
             q, k, v = self._qkv(layer.self_attn, spec, linear(_norm(pre_a, x), g_qkv))  # (N, nh|nkv, D)
             c, s = cos[spec.rope][pos][:, None], sin[spec.rope][pos][:, None]          # (N, 1, D)
             q, k = _rotate(q, c, s), _rotate(k, c, s)
-            kc, vc = cache[i]
+            kc, vc = cache[i]                                                          # (B, nkv, L, D) each
             if inplace:
-                kc.index_put_((rows, pos), k.to(kc.dtype))
-                vc.index_put_((rows, pos), v.to(vc.dtype))
-            else:
-                kc, vc = kc.index_put((rows, pos), k.to(kc.dtype)), vc.index_put((rows, pos), v.to(vc.dtype))
+                kc.transpose(1, 2).index_put_((rows, pos), k.to(kc.dtype))
+                vc.transpose(1, 2).index_put_((rows, pos), v.to(vc.dtype))
+            else:   # new tensors, for autograd
+                kc = kc.transpose(1, 2).index_put((rows, pos), k.to(kc.dtype)).transpose(1, 2)
+                vc = vc.transpose(1, 2).index_put((rows, pos), v.to(vc.dtype)).transpose(1, 2)
                 cache[i] = (kc, vc)
             o = self._attend(q, rows, pos, kc, vc, spec.window, layer.self_attn.scaling)   # (N, nh D)
             x = x + _norm(post_a, linear(o.to(x.dtype), g_o))
@@ -139,38 +142,34 @@ class Exact:
         return q.reshape(N, nh, D), k.reshape(N, nkv, D), v.reshape(N, nkv, D)
 
     def _attend(self, q: Tensor, rows: Tensor, pos: Tensor, kc: Tensor, vc: Tensor, window, scale: float) -> Tensor:
-        """q (N, nh, D) of tokens at (rows, pos) over caches kc, vc (B, S + 1, nkv, D) -> (N, nh D), in float32."""
+        """q (N, nh, D) of tokens at (rows, pos) over caches kc, vc (B, nkv, L, D) -> (N, nh D), in float32."""
         N, nh, D = q.shape
-        g = nh // self.nkv
-        S = kc.shape[1] - 1
+        B, nkv, L, _ = kc.shape
         qi = torch.arange(N * nh, device=q.device)
-        r, p, kvh = rows[qi // nh], pos[qi // nh], (qi % nh) // g                     # (N nh,) each
+        r, p = rows[qi // nh], pos[qi // nh]                                            # (N nh,) each
+        seq = r * nkv + (qi % nh) // (nh // nkv)                                        # (N nh,) its (row, KV head)
         qs = q.reshape(N * nh, D)
+        kt, vt = kc.reshape(B * nkv, L, D).float(), vc.reshape(B * nkv, L, D).float()   # (B nkv, L, D) each
 
-        def one(idx: Tensor) -> Tensor:      # idx (ROWS,) query indices (padding: index 0, dropped after)
-            qq, rr, pp, hh = qs[idx].float(), r[idx], p[idx], kvh[idx]
+        def one(idx: Tensor) -> Tensor:      # idx (QUERIES,) query indices (padding: index 0, dropped after)
+            qq, pp, ss = qs[idx].float(), p[idx][:, None], seq[idx]
             scores = []
-            for j in range(0, S, BLOCK):
-                slot = torch.arange(j, j + BLOCK, device=q.device).clamp(max=S)        # (BLOCK,) past S: spare slot
-                kb = kc[rr[:, None], slot[None], hh[:, None]].float()                  # (ROWS, BLOCK, D)
-                sc = (kb * qq[:, None]).sum(-1) * scale                                # (ROWS, BLOCK)
-                ok = slot[None] <= pp[:, None]
-                if window:
-                    ok = ok & (pp[:, None] - slot[None] < window)
+            for j in range(0, L, BLOCK):
+                slot = torch.arange(j, j + BLOCK, device=q.device)[None]                # (1, BLOCK)
+                sc = torch.bmm(kt[:, j:j + BLOCK].index_select(0, ss), qq[:, :, None])[..., 0] * scale  # (QUERIES, BLOCK)
+                ok = slot <= pp if not window else (slot <= pp) & (pp - slot < window)
                 scores.append(sc.masked_fill(~ok, float("-inf")))
-            mx = torch.stack([sc.amax(-1) for sc in scores]).amax(0)[:, None]         # (ROWS, 1): order-free
-            total = qq.new_zeros(len(idx), 1)
-            out = qq.new_zeros(len(idx), D)
-            for j, sc in zip(range(0, S, BLOCK), scores):
-                slot = torch.arange(j, j + BLOCK, device=q.device).clamp(max=S)
-                e = torch.exp(sc - mx)                                                 # (ROWS, BLOCK); masked: 0
+            mx = torch.stack([sc.amax(-1) for sc in scores]).amax(0)[:, None]         # (QUERIES, 1): order-free
+            total, out = qq.new_zeros(len(idx), 1), qq.new_zeros(len(idx), D)
+            for j, sc in zip(range(0, L, BLOCK), scores):
+                e = torch.exp(sc - mx)                                                 # (QUERIES, BLOCK); masked: 0
                 total = total + e.sum(-1, keepdim=True)
-                out = out + (e[..., None] * vc[rr[:, None], slot[None], hh[:, None]].float()).sum(-2)   # (ROWS, D)
+                out = out + torch.bmm(e[:, None], vt[:, j:j + BLOCK].index_select(0, ss))[:, 0]   # (QUERIES, D)
             return out / total
 
-        pad = -len(qi) % ROWS
+        pad = -len(qi) % QUERIES
         idx = torch.cat([qi, qi.new_zeros(pad)]) if pad else qi
-        o = torch.cat([one(c) for c in idx.split(ROWS)])[:len(qi)]                     # (N nh, D)
+        o = torch.cat([one(c) for c in idx.split(QUERIES)])[:len(qi)]                  # (N nh, D)
         return o.reshape(N, nh * D)
 
 
