@@ -290,6 +290,8 @@ class Config:
                                     "(a copy of the policy in that dtype, synced after each step)")
     engine_lag: int = opt(0, "the engine samples with the weights of this many RL steps ago (a stale policy; "
                              "0 = the current ones; a resumed run starts the lag afresh)")
+    exact_logprobs: bool = opt(False, "engine and trainer compute a sampled token's log-prob through one batch-"
+                                      "invariant forward (engines/exact.py): logprob_mismatch exactly 0 (docs/exact.md)")
     train_temperature: float = opt(0.0, "temperature of the trainer's log-probs (0 = temperature, the sampling one); "
                                         "another value is a deliberate temperature mismatch")
     # optimisation

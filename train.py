@@ -170,7 +170,7 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
     engine = registry.get("engine", cfg.engine)(model=engine_model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                                                  model_path=cfg.model, seed=cfg.seed, **to_dict(cfg.vllm),
                                                  sample_dtype=cfg.engine_dtype, lag=cfg.engine_lag,   # docs/mismatch.md
-                                                 decode_weights=cfg.decode_weights)
+                                                 decode_weights=cfg.decode_weights, exact=cfg.exact_logprobs)
     # the rollout kind is chosen once here: single completions, or episodes with an environment (and tools)
     sampler = MultiTurn(engine_model, tok, cfg, engine=engine) if cfg.env.name else SingleTurn(engine, pool, tok)
     # speed: fused AdamW (one kernel for all parameters) on GPU; offloaded shards step on the CPU with the default

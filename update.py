@@ -26,6 +26,7 @@ import torch
 
 import checkpoint
 import distributed
+import engines.exact as exact
 from config import trainer_temperature
 from kernels import linear_logprob_loss_kernel, linear_logprobs, token_logprobs
 from microbatch import Packed, micro_batches, pack, packed_micro_batches, split_weight
@@ -79,10 +80,13 @@ def micro_loss(learner: Learner, micro, packed: Packed | None = None):
     """-> (loss, trainer log-probs (b, c), the algorithm's metrics) of one micro-batch (packed: its padding-free
     layout, when pack=true)."""
     cfg = learner.cfg
-    if cfg.fused_loss:   # speed: the loss's gradient is taken in the kernel, rows at a time
+    if cfg.fused_loss and not cfg.exact_logprobs:   # speed: the loss's gradient is taken in the kernel, rows at a time
         return fused_policy_loss(learner, micro, packed)
     C = micro.completion_mask.shape[1]
-    if packed is not None:
+    if cfg.exact_logprobs:   # the engine's own forward, bit for bit (engines/exact.py; no fused or packed variant)
+        logp, entropy = exact.completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
+                                                  trainer_temperature(cfg))
+    elif packed is not None:
         logp, entropy = packed_completion(learner.policy, micro, packed, trainer_temperature(cfg))
     else:
         logp, entropy = completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,

@@ -19,6 +19,7 @@ from collections import deque
 import torch
 
 from engines.base import Rollout, SamplingParams, left_pad, make_rollout, sample_tokens
+from engines.exact import ExactDecoder
 from engines.fast_decode import FastDecoder, supported
 from engines.generic_decode import GenericDecoder
 from models import position_ids
@@ -41,7 +42,7 @@ class BuiltinEngine:
     """Sampling with transformers' KV cache, batched over all prompts x n samples."""
 
     def __init__(self, model, eos_id: int, pad_id: int, fast: bool | None = None, keep_cache: bool = False,
-                 sample_dtype: str = "auto", lag: int = 0, decode_weights: str = "fused", **_):
+                 sample_dtype: str = "auto", lag: int = 0, decode_weights: str = "fused", exact: bool = False, **_):
         self.model = model          # the policy itself on one device: sync is free
         dtype = next(model.parameters()).dtype if sample_dtype == "auto" else getattr(torch, sample_dtype)
         # the mismatch lab: training rollouts sample with a copy in another dtype and/or with stale weights
@@ -55,6 +56,7 @@ class BuiltinEngine:
         self.keep_cache = keep_cache   # a GPU that only generates (mode=async) keeps its cache and graphs between calls
         self.decode_weights = decode_weights   # fused or in_place (engines/decode_weights.py: refresh)
         self.decoder = None
+        self.exact = exact     # exact_logprobs: engines/exact.py decodes (the trainer's bits, docs/exact.md)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
@@ -67,6 +69,12 @@ class BuiltinEngine:
         ids, mask = ids.to(device), mask.to(device)
         B = ids.shape[0]
         plain = model is not self.model or sampling.top_k > 0 or sampling.logprobs_mode != "raw"   # the lab's options
+        if self.exact:
+            self.decoder = self.decoder or ExactDecoder(model)
+            completion, alive, logprobs, done = self.decoder.sample(ids, mask, sampling, self.eos_id, self.pad_id,
+                                                                    generator)
+            model.train(was_training)
+            return make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
         if not plain and (self.fast or (self.fast is None and device.type == "cuda")):
             self.decoder = self.decoder or self._decoder(model)
             try:

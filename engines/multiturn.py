@@ -41,6 +41,7 @@ import distributed
 from config import UserError
 from engines.base import Rollout, SamplingParams, left_pad, top_p_filter
 from engines.builtin import _cache_kw, _cache_of
+from engines.exact import ExactDecoder
 from engines.fast_decode import OFF, FastDecoder, Split, supported
 from envs.pool import EnvPool
 from envs.tools import check_tools
@@ -159,6 +160,8 @@ class MultiTurn:
         model.eval()
         device = next(model.parameters()).device
         fast = self.fast or (self.fast is None and device.type == "cuda" and supported(model))
+        if self.cfg.exact_logprobs:   # the exact decoder takes the fast path's calls (engines/exact.py)
+            fast, self.decoder = True, self.decoder or ExactDecoder(model)
         if fast:
             self.decoder = self.decoder or FastDecoder(model, weights=self.cfg.decode_weights)
         try:   # layers compiled for training (compile=true) would recompile at every new cache length

@@ -1,0 +1,352 @@
+"""Exact log-probs (exact_logprobs=true, docs/exact.md): one forward whose per-token result cannot depend on how
+many tokens are in the call or where a token sits, used by the engine (prefill, each decode step, each
+multi-turn feed: `ExactDecoder`) and by the trainer (`completion_logprobs`), so a sampled token's log-prob is
+the same bits on both sides.
+
+How (each rule: docs/exact.md):
+- Tokens are rows: a call takes only real tokens, flattened to (N, ...), each with its sequence (row) and position.
+- Every op that is not a plain add or multiply (matmul, norm, activation, softmax, exp) runs on chunks of exactly
+  ROWS rows (`rowwise`; the last chunk padded with zeros): the library sees one shape, so it takes one kernel,
+  one reduction order and one vector/tail split for every row, whatever the batch.
+- K/V live in a per-row cache at slot = position. Attention runs per (token, head) over blocks of BLOCK keys in
+  slot order: scores, one max over all blocks, then exp, sums and p @ V accumulated block after block from zero.
+  A block past a row's position adds exact zeros, so a one-token decode step over a long cache gives the bits of
+  the same token's row in a full-sequence forward over a shorter one.
+- LoRA: each projection applies W + (B @ A) * scale, the same expression (autograd's in the trainer).
+
+What it does not cover (config_checks.check_exact refuses these): routed experts, FSDP, lora dropout.
+"""
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engines.decode_weights import groups
+from engines.families import arch_of, rotary_tables
+from engines.fast_decode import base_of
+from models import position_ids
+
+ROWS = 256     # rows per call of every op: a fixed shape, hence a fixed kernel
+BLOCK = 64     # keys per attention block
+QUERIES = 1024  # (token, head) pairs per attention call: fixed as ROWS is, larger (fewer Python-issued calls)
+
+
+def rowwise(fn, x: Tensor) -> Tensor:
+    """fn over x (N, ...) in chunks of exactly ROWS rows (the last padded with zeros) -> (N, ...)."""
+    N = x.shape[0]
+    pad = -N % ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    return torch.cat([fn(c.contiguous()) for c in x.split(ROWS)])[:N]
+
+
+def weight_of(m) -> tuple[Tensor, Tensor | None]:
+    """The (weight, bias) a Linear applies: its own, or a peft LoRA layer's W + (B @ A) * scale per active adapter
+    (differentiable: the trainer's gradient reaches A and B through it)."""
+    base = getattr(m, "base_layer", None)
+    if base is None:
+        return m.weight, m.bias
+    w = base.weight
+    if not m.disable_adapters and not m.merged:
+        for a in m.active_adapters:
+            if a in m.lora_A:
+                w = w + (m.lora_B[a].weight @ m.lora_A[a].weight) * m.scaling[a]        # (out, in)
+    return w, base.bias
+
+
+def linear(x: Tensor, mods: list) -> Tensor:
+    """x (N, in) through each module of a group, outputs concatenated: (N, sum of outs)."""
+    outs = []
+    for m in mods:
+        w, b = weight_of(m)
+        outs.append(rowwise(lambda c: F.linear(c, w, b), x))
+    return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+
+
+def _norm(m, x: Tensor) -> Tensor:
+    return x if m is None else rowwise(m, x)
+
+
+class Exact:
+    """The exact forward of one model (transformers model or a peft wrapper of one, families engines/families.py
+    covers, no routed experts)."""
+
+    def __init__(self, model):
+        self.model = base_of(model)
+        self.arch, why = arch_of(self.model)
+        if self.arch is None:
+            raise ValueError(f"exact_logprobs does not cover this model: {why}")
+        if any(s.moe for s in self.arch.layers):
+            raise ValueError("exact_logprobs does not cover routed experts (moe) yet")
+        c = self.model.config
+        self.nh, self.nkv = c.num_attention_heads, c.num_key_value_heads
+        self.D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.tables = {}
+
+    def rotary(self, device, dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin (R, L, D) for every position the model takes: one table size, so one set of bits."""
+        key = (device, dtype)
+        if key not in self.tables:
+            L = getattr(self.model.config, "max_position_embeddings", None) or 4096
+            self.tables[key] = rotary_tables(self.model, self.arch.rope_kinds, L, self.D, device, dtype)
+        return self.tables[key]
+
+    def new_cache(self, B: int, S: int, device, dtype) -> list:
+        """Per layer (k, v), each (B, nkv, L, D) with L >= S slots, a whole number of key blocks: slot = position."""
+        L = -(-S // BLOCK) * BLOCK
+        z = lambda: torch.zeros(B, self.nkv, L, self.D, device=device, dtype=dtype)
+        return [(z(), z()) for _ in self.model.model.layers]
+
+    def forward(self, ids: Tensor, rows: Tensor, pos: Tensor, cache: list, inplace: bool) -> Tensor:
+        """ids, rows, pos (N,): tokens, their sequence and position; writes their K/V at (row, pos) of cache
+        (inplace: into its tensors; else new tensors, for autograd) and returns their last hidden states (N, H)
+        after the final norm."""
+        m, arch = self.model.model, self.arch
+        cos, sin = self.rotary(ids.device, m.embed_tokens.weight.dtype)
+        x = F.embedding(ids, m.embed_tokens.weight)                                    # (N, H)
+        if arch.embed_scale:
+            x = x * m.embed_tokens.embed_scale.to(x.dtype)
+        for i, (layer, spec) in enumerate(zip(m.layers, arch.layers)):
+            pre_a, post_a, pre_m, post_m = spec.norms
+            g_qkv, g_gu, g_o, g_down = groups(layer)
+            q, k, v = self._qkv(layer.self_attn, spec, linear(_norm(pre_a, x), g_qkv))  # (N, nh|nkv, D)
+            c, s = cos[spec.rope][pos][:, None], sin[spec.rope][pos][:, None]          # (N, 1, D)
+            q, k = _rotate(q, c, s), _rotate(k, c, s)
+            kc, vc = cache[i]                                                          # (B, nkv, L, D) each
+            if inplace:
+                kc.transpose(1, 2).index_put_((rows, pos), k.to(kc.dtype))
+                vc.transpose(1, 2).index_put_((rows, pos), v.to(vc.dtype))
+            else:   # new tensors, for autograd
+                kc = kc.transpose(1, 2).index_put((rows, pos), k.to(kc.dtype)).transpose(1, 2)
+                vc = vc.transpose(1, 2).index_put((rows, pos), v.to(vc.dtype)).transpose(1, 2)
+                cache[i] = (kc, vc)
+            o = self._attend(q, rows, pos, kc, vc, spec.window, layer.self_attn.scaling)   # (N, nh D)
+            x = x + _norm(post_a, linear(o.to(x.dtype), g_o))
+            gate, up = linear(_norm(pre_m, x), g_gu).chunk(2, dim=-1)                 # (N, I) each
+            act = getattr(layer.mlp, "act_fn", None) or layer.mlp.activation_fn
+            x = x + _norm(post_m, linear(rowwise(act, gate) * up, g_down))
+        return rowwise(m.norm, x)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """(N, H) final hidden states -> (N, V) logits (soft-capped where the family does)."""
+        z = linear(h, [self.model.lm_head])
+        cap = self.arch.final_softcap
+        return z if not cap else rowwise(lambda c: torch.tanh(c / cap) * cap, z)
+
+    def _qkv(self, a, spec, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        N, nh, nkv, D = qkv.shape[0], self.nh, self.nkv, self.D
+        q, k, v = qkv.split([nh * D, nkv * D, nkv * D], dim=-1)
+        if spec.qk_norm == "head":
+            q, k = rowwise(a.q_norm, q.reshape(N * nh, D)), rowwise(a.k_norm, k.reshape(N * nkv, D))
+        elif spec.qk_norm == "full":
+            q, k = rowwise(a.q_norm, q), rowwise(a.k_norm, k)
+        return q.reshape(N, nh, D), k.reshape(N, nkv, D), v.reshape(N, nkv, D)
+
+    def _attend(self, q: Tensor, rows: Tensor, pos: Tensor, kc: Tensor, vc: Tensor, window, scale: float) -> Tensor:
+        """q (N, nh, D) of tokens at (rows, pos) over caches kc, vc (B, nkv, L, D) -> (N, nh D), in float32."""
+        N, nh, D = q.shape
+        B, nkv, L, _ = kc.shape
+        qi = torch.arange(N * nh, device=q.device)
+        r, p = rows[qi // nh], pos[qi // nh]                                            # (N nh,) each
+        seq = r * nkv + (qi % nh) // (nh // nkv)                                        # (N nh,) its (row, KV head)
+        qs = q.reshape(N * nh, D)
+        kt, vt = kc.reshape(B * nkv, L, D).float(), vc.reshape(B * nkv, L, D).float()   # (B nkv, L, D) each
+
+        def one(idx: Tensor) -> Tensor:      # idx (QUERIES,) query indices (padding: index 0, dropped after)
+            qq, pp, ss = qs[idx].float(), p[idx][:, None], seq[idx]
+            scores = []
+            for j in range(0, L, BLOCK):
+                slot = torch.arange(j, j + BLOCK, device=q.device)[None]                # (1, BLOCK)
+                sc = torch.bmm(kt[:, j:j + BLOCK].index_select(0, ss), qq[:, :, None])[..., 0] * scale  # (QUERIES, BLOCK)
+                ok = slot <= pp if not window else (slot <= pp) & (pp - slot < window)
+                scores.append(sc.masked_fill(~ok, float("-inf")))
+            mx = torch.stack([sc.amax(-1) for sc in scores]).amax(0)[:, None]         # (QUERIES, 1): order-free
+            total, out = qq.new_zeros(len(idx), 1), qq.new_zeros(len(idx), D)
+            for j, sc in zip(range(0, L, BLOCK), scores):
+                e = torch.exp(sc - mx)                                                 # (QUERIES, BLOCK); masked: 0
+                total = total + e.sum(-1, keepdim=True)
+                out = out + torch.bmm(e[:, None], vt[:, j:j + BLOCK].index_select(0, ss))[:, 0]   # (QUERIES, D)
+            return out / total
+
+        pad = -len(qi) % QUERIES
+        idx = torch.cat([qi, qi.new_zeros(pad)]) if pad else qi
+        o = torch.cat([one(c) for c in idx.split(QUERIES)])[:len(qi)]                  # (N nh, D)
+        return o.reshape(N, nh * D)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding (transformers' rotate_half form) with elementwise ops only: exact per element."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def token_logprobs(logits: Tensor, temperature: float) -> Tensor:
+    """(N, V) logits -> (N, V) float32 log-probs at temperature, row by fixed chunk."""
+    return rowwise(lambda c: torch.log_softmax(c.float() / temperature, dim=-1), logits)
+
+
+def exact_of(model) -> Exact:
+    """The model's Exact, made once and kept on the model (its rotary tables are built once)."""
+    base = base_of(model)
+    ex = base.__dict__.get("_exact")
+    if ex is None:
+        ex = base.__dict__["_exact"] = Exact(model)
+    return ex
+
+
+def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int,
+                        temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """models.completion_logprobs through the exact forward: (B, T) ids -> log-probs and entropies (B, C); the
+    gradient is autograd's. Tokens the mask hides get log-prob 0."""
+    ex = exact_of(model)
+    B, T = input_ids.shape
+    real = attention_mask.bool()
+    rows, cols = real.nonzero(as_tuple=True)                                           # (N,) each, row-major
+    pos = position_ids(attention_mask)[rows, cols]
+    dtype = ex.model.model.embed_tokens.weight.dtype
+    cache = ex.new_cache(B, int(pos.max()) + 1, input_ids.device, dtype)
+    h = ex.forward(input_ids[rows, cols], rows, pos, cache, inplace=False)             # (N, H)
+    # the predecessors of the last C columns: column t predicts t + 1
+    at = (cols >= T - C - 1) & (cols < T - 1)
+    lp = token_logprobs(ex.logits(h[at]), temperature)                                # (M, V)
+    r, c = rows[at], cols[at] - (T - C - 1)
+    tgt = input_ids[r, c + T - C]
+    logp = lp.gather(-1, tgt[:, None]).squeeze(-1)                                    # (M,)
+    ent = -rowwise(lambda z: (z.exp() * z).sum(-1, keepdim=True), lp).squeeze(-1)     # (M,)
+    zeros = lp.new_zeros(B, C)
+    return zeros.index_put((r, c), logp), zeros.index_put((r, c), ent)
+
+
+def sample(ex: Exact, logits: Tensor, temperature: float, generator) -> tuple[Tensor, Tensor]:
+    """Logits (B, V) -> sampled tokens (B,) and their exact log-probs (B,) (the trainer's bits)."""
+    lp = token_logprobs(logits, temperature)                                          # (B, V)
+    tok = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)             # (B,)
+    return tok, lp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+class ExactDecoder:
+    """The built-in engine's decoder under exact_logprobs: FastDecoder's calls (sample; start_episodes, feed,
+    decode_turn, finish for engines/multiturn.py) over the exact forward. On CUDA the single-turn decode step
+    (forward and logits of one token per row) is a CUDA graph: the same kernels as eager, launched at once."""
+
+    def __init__(self, model, use_graph: bool | None = None):
+        self.ex = exact_of(model)
+        self.use_graph = self._device().type == "cuda" if use_graph is None else use_graph
+        self.states: dict[tuple[int, int], dict] = {}        # (B, S) -> cache, static inputs, graph, logits
+
+    def _device(self):
+        return self.ex.model.model.embed_tokens.weight.device
+
+    def _dtype(self):
+        return self.ex.model.model.embed_tokens.weight.dtype
+
+    def _state(self, B: int, S: int) -> dict:
+        if (B, S) not in self.states:
+            if len(self.states) >= 2:             # bound memory: e.g. one training and one evaluation shape
+                self.states.pop(next(iter(self.states)))
+            dev = self._device()
+            st = {"cache": self.ex.new_cache(B, S, dev, self._dtype()), "graph": None,
+                  "tok": torch.zeros(B, dtype=torch.long, device=dev), "pos": torch.zeros(B, dtype=torch.long, device=dev),
+                  "rows": torch.arange(B, device=dev)}
+            if self.use_graph:
+                self._capture(st)
+            self.states[B, S] = st
+        return self.states[B, S]
+
+    def _step(self, st: dict) -> Tensor:
+        """Forward st["tok"] (B,) at st["pos"] into the cache -> logits (B, V)."""
+        return self.ex.logits(self.ex.forward(st["tok"], st["rows"], st["pos"], st["cache"], inplace=True))
+
+    def _capture(self, st: dict):
+        # warm up on a side stream (cuBLAS handles, the rotary tables), then record one step; the warm-up writes
+        # slot 0 of each row, which every prefill writes again
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            self._step(st)
+        torch.cuda.current_stream().wait_stream(s)
+        st["graph"] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(st["graph"]):
+            st["logits"] = self._step(st)
+
+    @torch.no_grad()
+    def sample(self, ids: Tensor, mask: Tensor, sampling, eos_id: int, pad_id: int, generator=None):
+        """As FastDecoder.sample: (B, P) left-padded prompts -> completion, alive, logprobs (B, C), done (B,)."""
+        B, P = ids.shape
+        N = sampling.max_new_tokens
+        st = self._state(B, -(-(P + N) // 64) * 64)      # rounded up: prompts of similar length share a graph
+        rows, cols = mask.bool().nonzero(as_tuple=True)
+        pos = position_ids(mask)
+        h = self.ex.forward(ids[rows, cols], rows, pos[rows, cols], st["cache"], inplace=True)   # (n, H)
+        logits = self.ex.logits(h[cols == P - 1])         # left padding: each row's last prompt token, in row order
+        st["pos"].copy_(mask.sum(-1))                     # (B,) each row's next position
+        done = torch.zeros(B, dtype=torch.bool, device=ids.device)
+        toks, logps, alive = [], [], []
+        for t in range(N):
+            tok, logp = sample(self.ex, logits, sampling.temperature, generator)
+            tok = torch.where(done, pad_id, tok)
+            alive.append(~done)
+            toks.append(tok)
+            logps.append(torch.where(done, 0.0, logp))
+            done = done | (tok == eos_id)
+            if t == N - 1 or bool(done.all()):
+                break
+            st["tok"].copy_(tok)
+            if st["graph"] is not None:
+                st["graph"].replay()
+                logits = st["logits"]
+            else:
+                logits = self._step(st)
+            st["pos"] += 1
+        return torch.stack(toks, 1), torch.stack(alive, 1), torch.stack(logps, 1), done
+
+    # --- multi-turn (engines/multiturn.py's fast loop) ------------------------------------------------
+    @torch.no_grad()
+    def start_episodes(self, prompts: list[list[int]], room: list[int], N: int, sampling, eos_id: int, pad_id: int,
+                       generator=None):
+        B = len(prompts)
+        self.dev = self._device()
+        S = max(len(p) + r for p, r in zip(prompts, room)) + N + 1
+        self.cache = self.ex.new_cache(B, S, self.dev, self._dtype())
+        self.N, self.sampling, self.generator, self.eos_id, self.pad_id = N, sampling, generator, eos_id, pad_id
+        self.pos = torch.zeros(B, dtype=torch.long, device=self.dev)                  # (B,) real tokens so far
+        self.last = torch.zeros(B, self.ex.model.config.hidden_size, device=self.dev, dtype=self._dtype())
+        self.feed(prompts)
+
+    @torch.no_grad()
+    def feed(self, chunks: list[list[int]], split=None):
+        """Append each row's chunk ([]: the row waits) at its next positions; keep each fed row's last state."""
+        lens = torch.tensor([len(c) for c in chunks], device=self.dev)
+        if not int(lens.sum()):
+            return
+        rows = torch.repeat_interleave(torch.arange(len(chunks), device=self.dev), lens)
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.dev)
+        start = torch.cumsum(lens, 0) - lens                                          # (B,) offset of each chunk
+        pos = self.pos[rows] + torch.arange(len(ids), device=self.dev) - start[rows]
+        h = self.ex.forward(ids, rows, pos, self.cache, inplace=True)                 # (n, H)
+        fed = lens > 0
+        self.last[fed] = h[(start + lens - 1)[fed]]
+        self.pos += lens
+
+    @torch.no_grad()
+    def decode_turn(self, writing: list[bool], left: list[int]):
+        """As FastDecoder.decode_turn -> on the CPU: tokens (B, N), written (B, N), log-probs (B, N), still (B,)."""
+        B, N = len(writing), self.N
+        gen = torch.tensor(writing, device=self.dev)
+        left = torch.tensor(left, device=self.dev)
+        toks = torch.full((B, N), self.pad_id, dtype=torch.long)
+        written = torch.zeros(B, N, dtype=torch.bool)
+        logps = torch.zeros(B, N)
+        for t in range(N):
+            if not bool(gen.any()):
+                break
+            rows = gen.nonzero().flatten()
+            tok, logp = sample(self.ex, self.ex.logits(self.last[rows]), self.sampling.temperature, self.generator)
+            toks[rows.cpu(), t], written[rows.cpu(), t], logps[rows.cpu(), t] = tok.cpu(), True, logp.float().cpu()
+            go = (tok != self.eos_id) & (t + 1 < left[rows])
+            gen[rows] = go
+            if t + 1 < N and bool(go.any()):   # the stopping token stays pending: multiturn feeds it next
+                self.feed([[int(toks[b, t])] if bool(gen[b]) else [] for b in range(B)])
+        return toks, written, logps, gen.cpu()
+
+    def finish(self):
+        self.cache = None
