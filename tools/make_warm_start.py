@@ -123,60 +123,78 @@ class Source:
         return parts
 
 
-def vocabulary(source: Source, seed: int) -> str:
-    """The characters of a sample of episodes from both splits, sorted (its own rng: the training draws stay put)."""
-    rng = random.Random(f"warm-start-chars-{seed}")
-    rows = source.train[:CHAR_SAMPLE] + source.held[:CHAR_SAMPLE]
-    return "".join(sorted({c for row in rows for text, _ in source.episode(row, rng) for c in text}))
+def sample(source: Source, seed: int) -> list:
+    """Episodes of the first rows of both splits (their own rng: the training draws stay put): for the vocabulary,
+    the context and the checks."""
+    rng = random.Random(f"warm-start-sample-{seed}")
+    return [source.episode(row, rng) for row in source.train[:CHAR_SAMPLE] + source.held[:CHAR_SAMPLE]]
 
 
 # ------------------------------------------------------------------------------------------- episodes as ids
 
-def render(parts, renderer: Renderer, eos_id: int) -> tuple[list[int], list[int], int]:
-    """One episode -> (ids, labels, prompt length), tokenized as the rollout does; labels -100 off the model's turns."""
-    ids, labels = [], []
-    for i, (text, model) in enumerate(parts):
-        # Renderer._ids is the renderer's own text -> ids (private in engines/multiturn.py): a turn's tokens are
-        # those whose decoding the rollout hands to the environment, then the end-of-turn token
-        t = renderer.prompt(text) if i == 0 else renderer._ids(text) + [eos_id] if model else \
-            renderer.observation(text, "user")
-        ids += t
-        labels += t if model else [-100] * len(t)
-    return ids, labels, len(renderer.prompt(parts[0][0]))
+class Layout:
+    """Episodes -> token ids as the rollout lays them out, through its own Renderer (engines/multiturn.py)."""
 
+    def __init__(self, tok):
+        self.tok, self.eos_id = tok, tok.eos_token_id
+        self.renderer = Renderer(tok, tok.eos_token_id, [])
+        self.seen = {}   # (part kind, text) -> ids: prompts and turns repeat across episodes
 
-def check_fits(parts, renderer: Renderer, tok, cfg, context: int):
-    """Refuse what the rollout would cut or could not write: a long turn or episode, a character outside the vocab."""
-    ids, _, prompt = render(parts, renderer, tok.eos_token_id)
-    for text, model in parts[1:]:
-        if model and len(renderer._ids(text)) + 1 > cfg.max_new_tokens:
-            raise UserError(f"the scripted turn {text!r} is {len(renderer._ids(text)) + 1} tokens with its end-of-turn "
-                            f"token; the rollout cuts turns at max_new_tokens={cfg.max_new_tokens}: raise it")
-        if model and tok.decode(renderer._ids(text), skip_special_tokens=True) != text:
-            raise UserError(f"the scripted turn {text!r} does not survive the character tokenizer: a character "
-                            "outside the vocabulary (--chars, or one the sampled episodes never used)")
-    if cfg.env.name and len(ids) - prompt > cfg.env.max_tokens:
-        raise UserError(f"a scripted episode is {len(ids) - prompt} tokens after its prompt; the rollout cuts episodes "
-                        f"at env.max_tokens={cfg.env.max_tokens}: raise it")
-    if len(ids) > context:
-        raise UserError(f"a scripted episode of {len(ids)} tokens does not fit the model's context of {context}")
+    def part(self, kind: str, text: str) -> list[int]:
+        """kind "prompt" (the first observation), "turn" (the model's, then its end-of-turn token) or "observation"."""
+        if (kind, text) not in self.seen:
+            if len(self.seen) >= 65536:
+                self.seen.clear()
+            # Renderer._ids is the renderer's own text -> ids (private in engines/multiturn.py): a turn's tokens are
+            # those whose decoding the rollout hands to the environment
+            self.seen[kind, text] = (self.renderer.prompt(text) if kind == "prompt" else
+                                     self.renderer._ids(text) + [self.eos_id] if kind == "turn" else
+                                     self.renderer.observation(text, "user"))
+        return self.seen[kind, text]
 
+    def episode(self, parts) -> tuple[list[int], list[int], int]:
+        """-> (ids, labels, prompt length); labels -100 except on the model's turns and their end-of-turn tokens."""
+        ids, labels = list(self.part("prompt", parts[0][0])), [-100] * len(self.part("prompt", parts[0][0]))
+        for text, model in parts[1:]:
+            t = self.part("turn" if model else "observation", text)
+            ids += t
+            labels += t if model else [-100] * len(t)
+        return ids, labels, len(self.part("prompt", parts[0][0]))
 
-def batch(episodes, renderer: Renderer, tok) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded (ids, labels), both (B, T); labels -100 except on the model's turns and their end-of-turn tokens."""
-    rows = [render(parts, renderer, tok.eos_token_id)[:2] for parts in episodes]
-    T = max(len(x) for x, _ in rows)
-    ids = torch.full((len(rows), T), tok.pad_token_id)                          # (B, T)
-    labels = torch.full((len(rows), T), -100)                                    # (B, T)
-    for i, (x, y) in enumerate(rows):
-        ids[i, :len(x)], labels[i, :len(y)] = torch.tensor(x), torch.tensor(y)
-    return ids, labels
+    def check(self, parts, cfg, context: int):
+        """Refuse what the rollout would cut or could not write: a long turn or episode, a character outside the vocab."""
+        ids, _, prompt = self.episode(parts)
+        for text in (text for text, model in parts[1:] if model):
+            n = len(self.part("turn", text))
+            if n > cfg.max_new_tokens:
+                raise UserError(f"the scripted turn {text!r} is {n} tokens with its end-of-turn token; the rollout cuts "
+                                f"turns at max_new_tokens={cfg.max_new_tokens}: raise it")
+            if self.tok.decode(self.part("turn", text), skip_special_tokens=True) != text:
+                raise UserError(f"the scripted turn {text!r} does not survive the character tokenizer: a character "
+                                "outside the vocabulary (--chars, or one the sampled episodes never used)")
+        if cfg.env.name and len(ids) - prompt > cfg.env.max_tokens:
+            raise UserError(f"a scripted episode is {len(ids) - prompt} tokens after its prompt; the rollout cuts "
+                            f"episodes at env.max_tokens={cfg.env.max_tokens}: raise it")
+        if len(ids) > context:
+            raise UserError(f"a scripted episode of {len(ids)} tokens does not fit the model's context of {context}")
+
+    def batch(self, episodes) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded (ids, labels), both (B, T)."""
+        rows = [self.episode(parts)[:2] for parts in episodes]
+        T = max(len(x) for x, _ in rows)
+        ids = torch.full((len(rows), T), self.tok.pad_token_id)                     # (B, T)
+        labels = torch.full((len(rows), T), -100)                                    # (B, T)
+        for i, (x, y) in enumerate(rows):
+            ids[i, :len(x)], labels[i, :len(y)] = torch.tensor(x), torch.tensor(y)
+        return ids, labels
 
 
 # ----------------------------------------------------------------------------------------- training, checking
 
 def sft(model, next_batch, steps: int, lr: float):
     """AdamW with linear warmup over 5% of the steps and cosine decay; next_batch() -> (ids, labels) (B, T)."""
+    if not steps:   # --steps 0: the untrained model (a baseline)
+        return
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     warmup = max(1, steps // 20)
     # cosine in float32 (torch.cos), as the shipped warm starts were made: keeps them bit-reproducible
@@ -212,9 +230,9 @@ def evaluate(model, tok, cfg, source: Source, rows: list[dict], seed: int) -> di
                              "truncated": ro.truncated.float().mean().item(),
                              "env_fail": sum(f is not None for f in ro.info["failed"])}
             else:
-                renderer = Renderer(tok, tok.eos_token_id, [])
+                layout = Layout(tok)
                 ro = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id).generate(
-                    [renderer.prompt(str(r["prompt"])) for r in rows], 1, sampling, gen)
+                    [layout.part("prompt", str(r["prompt"])) for r in rows], 1, sampling, gen)
                 texts = tok.batch_decode(ro.input_ids[:, -ro.completion_mask.shape[1]:], skip_special_tokens=True)
                 out[name] = {"match": sum(t.strip() == str(r[source.field]) for t, r in zip(texts, rows)) / len(rows)}
     finally:
@@ -229,24 +247,25 @@ def build(args, cfg) -> dict:
         torch.set_num_threads(args.threads)
     source = Source(cfg, args.answer_field)
     name = cfg.env.name or cfg.task
-    chars = args.chars or vocabulary(source, args.seed)
+    episodes = sample(source, args.seed)
+    chars = args.chars or "".join(sorted({c for parts in episodes for text, _ in parts for c in text}))
     torch.manual_seed(args.seed)
     rng = random.Random(f"{name}-sft-{args.seed}")
     tok = build_tokenizer(chars)
-    renderer = Renderer(tok, tok.eos_token_id, [])
-    longest = max(len(renderer.prompt(str(r["prompt"]))) for r in source.train[:CHAR_SAMPLE] + source.held)
+    layout = Layout(tok)
     budget = cfg.env.max_tokens if cfg.env.name else cfg.max_new_tokens
-    context = 1 << max(6, math.ceil(math.log2(longest + budget)))
+    longest = max(len(layout.part("prompt", parts[0][0])) for parts in episodes) + budget
+    context = 1 << max(6, math.ceil(math.log2(longest)))
+    for parts in episodes:
+        layout.check(parts, cfg, context)
     model = build_model(args, tok)
     model.config.max_position_embeddings, tok.model_max_length = context, context   # rotary needs no table
-    check_rng = random.Random(f"warm-start-check-{args.seed}")
-    for row in source.train[:CHAR_SAMPLE]:
-        check_fits(source.episode(row, check_rng), renderer, tok, cfg, context)
     print(f"{name}: {len(source.train)} train rows, vocab {len(tok)} ({chars!r}), context {context}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
+
     def next_batch():   # the rows first, then their episodes: the draws of the shipped hilo model
         rows = [rng.choice(source.train) for _ in range(args.batch)]
-        return batch([source.episode(row, rng) for row in rows], renderer, tok)
+        return layout.batch([source.episode(row, rng) for row in rows])
     sft(model, next_batch, args.steps, args.lr)
     os.makedirs(args.out, exist_ok=True)
     model.generation_config.do_sample = False
