@@ -154,6 +154,7 @@ def test_a_task_gets_a_warm_start_from_its_answers(tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     (["task=toy_lamps", "env.name=echo_nope"], "unknown env 'echo_nope'; known: .*hilo"),
     (["task=toy_lamps", "env.name=toy_answer"], "env 'toy_answer' has no scripted player: .*scripted_turn"),
+    (["task=toy_lamps", "env.name=toy_lamps", "env.args=lamps=3"], "env.args='lamps=3': .*unexpected keyword"),
     (["task=hilo"], "task 'hilo' rows have no field 'answer' \\(fields: prompt, secret\\)"),
     (["task=toy_lamps", "env.name=toy_lamps", "max_new_tokens=1"], "the rollout cuts turns at max_new_tokens=1"),
     (["task=toy_lamps", "env.name=toy_lamps", "env.max_tokens=8"], "the rollout cuts episodes at env.max_tokens=8"),

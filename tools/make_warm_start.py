@@ -46,7 +46,7 @@ from config import UserError, fill_defaults, parse  # noqa: E402
 from engines.base import SamplingParams  # noqa: E402
 from engines.builtin import BuiltinEngine  # noqa: E402
 from engines.multiturn import MultiTurn, Renderer, parse_args as env_args  # noqa: E402
-from envs.base import check_reset, check_step  # noqa: E402
+from envs.base import EnvError, check_reset, check_step  # noqa: E402
 from tools.make_tiny_model import build_model, build_tokenizer  # noqa: E402
 
 CHAR_SAMPLE = 256   # episodes per split played to find the vocabulary's characters
@@ -97,7 +97,11 @@ class Source:
                 raise UserError(f"env.tools={cfg.env.tools!r}: the warm start scripts no tool calls; "
                                 "leave env.tools empty")
             self.env = registry.get("env", cfg.env.name)
-            self.env_args = env_args(cfg.env.args)
+            try:
+                self.env_args = env_args(cfg.env.args)
+                self.env(**self.env_args)
+            except (ValueError, TypeError) as e:   # a malformed entry, or a keyword the environment does not take
+                raise UserError(f"env.args={cfg.env.args!r}: {e}")
             if not callable(getattr(self.env, "scripted_turn", None)):
                 raise UserError(f"env '{cfg.env.name}' has no scripted player: give its class a static method "
                                 "scripted_turn(fields, history, rng) -> str (envs/base.py)")
@@ -154,21 +158,22 @@ class Layout:
 
     def episode(self, parts) -> tuple[list[int], list[int], int]:
         """-> (ids, labels, prompt length); labels -100 except on the model's turns and their end-of-turn tokens."""
-        ids, labels = list(self.part("prompt", parts[0][0])), [-100] * len(self.part("prompt", parts[0][0]))
+        prompt = self.part("prompt", parts[0][0])
+        ids, labels = list(prompt), [-100] * len(prompt)
         for text, model in parts[1:]:
             t = self.part("turn" if model else "observation", text)
             ids += t
             labels += t if model else [-100] * len(t)
-        return ids, labels, len(self.part("prompt", parts[0][0]))
+        return ids, labels, len(prompt)
 
     def check(self, parts, cfg, context: int):
-        """Refuse what the rollout would cut or could not write: a long turn or episode, a character outside the vocab."""
+        """Refuse what the rollout would cut or could not write: a long turn or episode, a character off the vocab."""
         ids, _, prompt = self.episode(parts)
         for text in (text for text, model in parts[1:] if model):
             n = len(self.part("turn", text))
             if n > cfg.max_new_tokens:
-                raise UserError(f"the scripted turn {text!r} is {n} tokens with its end-of-turn token; the rollout cuts "
-                                f"turns at max_new_tokens={cfg.max_new_tokens}: raise it")
+                raise UserError(f"the scripted turn {text!r} is {n} tokens with its end-of-turn token; the rollout "
+                                f"cuts turns at max_new_tokens={cfg.max_new_tokens}: raise it")
             if self.tok.decode(self.part("turn", text), skip_special_tokens=True) != text:
                 raise UserError(f"the scripted turn {text!r} does not survive the character tokenizer: a character "
                                 "outside the vocabulary (--chars, or one the sampled episodes never used)")
@@ -267,19 +272,25 @@ def build(args, cfg) -> dict:
         rows = [rng.choice(source.train) for _ in range(args.batch)]
         return layout.batch([source.episode(row, rng) for row in rows])
     sft(model, next_batch, args.steps, args.lr)
+    return save_and_evaluate(model, tok, args, cfg, source, {"chars": chars, "context": context})
+
+
+def save_and_evaluate(model, tok, args, cfg, source: Source, record: dict) -> dict:
     os.makedirs(args.out, exist_ok=True)
     model.generation_config.do_sample = False
     model.save_pretrained(args.out)
     tok.save_pretrained(args.out)
+    # reload what was written, so the numbers belong to the files on disk
     model, tok = AutoModelForCausalLM.from_pretrained(args.out), AutoTokenizer.from_pretrained(args.out)
-    metrics = evaluate(model, tok, cfg, source, source.held[:args.n_eval], args.seed) if args.n_eval else {}
+    rows = source.held[:args.n_eval]
+    metrics = evaluate(model, tok, cfg, source, rows, args.seed) if rows else {}
     for k, v in metrics.items():
-        print(f"held-out ({min(args.n_eval, len(source.held))} rows), {k}: "
+        print(f"held-out ({len(rows)} rows), {k}: "
               + "  ".join(f"{m} {x:.3f}" if isinstance(x, float) else f"{m} {x}" for m, x in v.items()))
     with open(os.path.join(args.out, "make_warm_start.json"), "w") as f:
         json.dump({"args": vars(args), "config": {"task": cfg.task, "env": vars(cfg.env),
                                                    "max_new_tokens": cfg.max_new_tokens},
-                   "chars": chars, "context": context, "held_out": metrics}, f, indent=1)
+                   **record, "held_out": metrics}, f, indent=1)
     return metrics
 
 
@@ -287,7 +298,7 @@ def main(argv=None):
     try:
         args, cfg = parse_args(argv)
         return build(args, cfg)
-    except (UserError, registry.RegistryError) as e:
+    except (UserError, registry.RegistryError, EnvError) as e:   # EnvError: the environment broke its contract
         sys.exit(f"make_warm_start: {e}")
 
 
