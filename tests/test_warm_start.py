@@ -141,6 +141,7 @@ def test_an_environment_with_its_own_observations_gets_a_warm_start(tmp_path):
 
 
 def test_a_task_gets_a_warm_start_from_its_answers(tmp_path):
+    import tasks  # noqa: F401  (registers mul2)
     from registry import get
     held = get("task", "mul2")(None)[1][:32]
     build(tmp_path / "cold", 0, "task=mul2", "max_new_tokens=6")
