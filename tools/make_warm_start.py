@@ -49,7 +49,7 @@ from engines.multiturn import MultiTurn, Renderer, parse_args as env_args  # noq
 from envs.base import EnvError, check_reset, check_step  # noqa: E402
 from tools.make_tiny_model import build_model, build_tokenizer  # noqa: E402
 
-CHAR_SAMPLE = 256   # episodes per split played to find the vocabulary's characters
+SAMPLE_ROWS = 256   # rows per split whose episodes give the vocabulary, the context and the checks
 
 
 def parse_args(argv=None):
@@ -131,7 +131,7 @@ def sample(source: Source, seed: int) -> list:
     """Episodes of the first rows of both splits (their own rng: the training draws stay put): for the vocabulary,
     the context and the checks."""
     rng = random.Random(f"warm-start-sample-{seed}")
-    return [source.episode(row, rng) for row in source.train[:CHAR_SAMPLE] + source.held[:CHAR_SAMPLE]]
+    return [source.episode(row, rng) for row in source.train[:SAMPLE_ROWS] + source.held[:SAMPLE_ROWS]]
 
 
 # ------------------------------------------------------------------------------------------- episodes as ids
