@@ -19,6 +19,15 @@ An environment is plain Python and its state must pickle (plain attributes): it 
 (envs/pool.py) and travels between workers as bytes, so a crash, hang, huge observation or wrong type costs
 one episode (a recorded failure with its reason), never the trainer. Tool calls (envs/tools.py, offered with
 env.tools=...) are handled before `step`: the environment sees only the turns that call no tool.
+
+Optional, for a warm start (tools/make_warm_start.py builds a tiny model that imitates it):
+
+        @staticmethod
+        def scripted_turn(fields: dict, history: list[str], rng: random.Random) -> str: ...
+
+a scripted player's next turn, given the task row and the episode so far as text (history = [first observation,
+turn 1, observation 1, turn 2, ...], ending with an observation); its randomness comes from rng only. It need not
+play well (envs/hilo.py's guesses anywhere the feedback allows): RL starts from a policy that writes the format.
 """
 import math
 
