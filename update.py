@@ -64,7 +64,7 @@ def fused_policy_loss(learner: Learner, micro):
         return loss * w
     C = micro.completion_mask.shape[1]
     loss, logp, _ = completion_loss(learner.policy, micro.input_ids, micro.attention_mask, C, trainer_temperature(cfg),
-                                    loss_fn)
+                                    loss_fn, micro.images())
     return loss, logp, metrics
 
 
@@ -75,7 +75,7 @@ def micro_loss(learner: Learner, micro):
         return fused_policy_loss(learner, micro)
     C = micro.completion_mask.shape[1]
     logp, entropy = completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
-                                        trainer_temperature(cfg))
+                                        trainer_temperature(cfg), micro.images())
     new = {"logprobs": logp, "entropy": entropy}
     if learner.critic is not None:   # PPO: the value loss trains the critic in the same backward
         new["values"] = learner.critic.values(micro.input_ids, micro.attention_mask, micro.completion_mask, grad=True)

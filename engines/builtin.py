@@ -19,6 +19,7 @@ from engines.base import Rollout, SamplingParams, left_pad, make_rollout, sample
 from engines.fast_decode import FastDecoder, supported
 from models import position_ids
 from registry import register
+import vision
 
 
 # transformers renamed the KV-cache argument (`past_key_values` -> `cache`) around 5.2x; accept both
@@ -62,7 +63,8 @@ class BuiltinEngine:
         ids, mask = left_pad([p for p in prompts for _ in range(n)], self.pad_id)  # (B, P)
         ids, mask = ids.to(device), mask.to(device)
         B = ids.shape[0]
-        plain = model is not self.model or sampling.top_k > 0 or sampling.logprobs_mode != "raw"   # the lab's options
+        images = vision.batch_images(prompts, n) or None   # pictures: the portable loop encodes them (vision.py)
+        plain = model is not self.model or sampling.top_k > 0 or sampling.logprobs_mode != "raw" or images is not None
         if not plain and (self.fast or (self.fast is None and device.type == "cuda" and supported(model))):
             self.decoder = self.decoder or FastDecoder(model, keep_cache=self.keep_cache, weights=self.decode_weights)
             completion, alive, logprobs, done = self.decoder.sample(ids, mask, sampling, self.eos_id, self.pad_id,
@@ -71,11 +73,15 @@ class BuiltinEngine:
             return make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
         # layers compiled for training (compile=true) would recompile at every new cache length: run them eagerly
         with torch.compiler.set_stance("force_eager"):
-            return self._plain_loop(model, ids, mask, B, device, sampling, generator, len(prompts), n, was_training)
+            return self._plain_loop(model, ids, mask, B, device, sampling, generator, len(prompts), n, was_training,
+                                    images)
 
-    def _plain_loop(self, model, ids, mask, B, device, sampling, generator, n_prompts, n, was_training) -> Rollout:
-        """The portable loop (CPU, or models engines/fast_decode.py does not cover): transformers' KV cache, a token a step."""
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
+    def _plain_loop(self, model, ids, mask, B, device, sampling, generator, n_prompts, n, was_training,
+                    images=None) -> Rollout:
+        """The portable loop (CPU, or models engines/fast_decode.py does not cover): transformers' KV cache, a token a step.
+        The prefill places the pictures (vision.embed: once per prompt); the decode is text."""
+        first = dict(input_ids=ids) if images is None else dict(inputs_embeds=vision.embed(model, ids, images))
+        out = model(**first, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
         cache_kw = _cache_kw(model)
         cache, logits = _cache_of(out), out.logits[:, -1]                        # (B, V)
         next_pos = mask.sum(-1, keepdim=True)                                    # (B, 1)
