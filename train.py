@@ -376,6 +376,7 @@ def finish(run: Run, rank: int, wall: float) -> dict:
         full = {k: v for k, v in full.items() if k in keep}
     if rank == 0:   # LoRA: final/ is peft's adapter folder; lora.save_merged adds final/merged/
         run_dir.save_final(os.path.join(run.run_dir, "final"), policy, run.tok, full)
+        vision.save_processor(policy, cfg.model, os.path.join(run.run_dir, "final"))
         if cfg.lora.r and cfg.lora.save_merged:
             lora.save_merged(policy, run.tok, os.path.join(run.run_dir, "final", "merged"))
         run_dir.save_plot(run.run_dir, run.rows)

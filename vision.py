@@ -98,6 +98,12 @@ def batch_images(prompts: list, n: int) -> dict:
             "image_index": torch.arange(len(prompts)).repeat_interleave(n)}                        # (B,)
 
 
+def save_processor(model, model_path: str, out: str):
+    """A VLM's final/ folder gets the image processor it was trained with, so that it loads as it came."""
+    if tower(model) is not None:
+        image_processor(model_path).save_pretrained(out)
+
+
 def tower(model):
     """The vision encoder (Qwen2-VL: model.model.visual)."""
     inner = getattr(model, "model", model)

@@ -56,7 +56,8 @@ def draw_larger(rng: random.Random) -> tuple[dict, str]:
     small, big = rng.choice([(6, 14), (6, 18), (8, 18), (10, 20), (6, 10), (8, 14)])
     circle_big = rng.random() < 0.5
     r, side = (big, small) if circle_big else (small, big)
-    # areas: pi r^2 vs (2 side)^2 with the pairs above, the larger radius always wins by a clear margin
+    # the sizes are the circle's diameter and the square's side: with the pairs above the larger size always has
+    # the larger area, by a clear margin (pi/4 d^2 against s^2)
     return {"kind": "larger", "items": [("circle", r), ("square", side)],
             "at": _cells(rng, 2)}, "a" if circle_big else "b"
 
