@@ -36,12 +36,14 @@ class ImagePrompt(list):
         self.image, self.processor = image, processor
 
 
-def load_image(image):
+def load_image(image, decode: bool = True):
+    """bytes or a path -> an RGB PIL image (decode=False: opened lazily, enough for its size)."""
     from PIL import Image
     if isinstance(image, (bytes, bytearray)):
-        return Image.open(io.BytesIO(image)).convert("RGB")
+        img = Image.open(io.BytesIO(image))
+        return img.convert("RGB") if decode else img
     if isinstance(image, str) and os.path.exists(image):
-        return Image.open(image).convert("RGB")
+        return Image.open(image).convert("RGB") if decode else Image.open(image)
     raise ValueError(f"a row's image must be bytes or an existing file path, got {type(image).__name__}")
 
 
@@ -61,11 +63,14 @@ def pixels(prompt: ImagePrompt) -> tuple[Tensor, Tensor]:
     return out["pixel_values"], out["image_grid_thw"][0]
 
 
-def image_tokens(tok, processor, image) -> str:
-    """The text that stands for one picture: Qwen2-VL's start marker, one pad per merged patch, end marker."""
-    grid = processor(images=[load_image(image)], return_tensors="pt")["image_grid_thw"][0]
-    n = int(grid.prod()) // processor.merge_size ** 2
-    return "<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>"
+def image_tokens(processor, image, by_size: dict) -> str:
+    """The text that stands for one picture: Qwen2-VL's start marker, one pad per merged patch, end marker.
+    The patch grid depends on the picture's size only: by_size keeps it per (width, height)."""
+    img = load_image(image, decode=False)
+    if img.size not in by_size:
+        grid = processor(images=[img.convert("RGB")], return_tensors="pt")["image_grid_thw"][0]
+        by_size[img.size] = int(grid.prod()) // processor.merge_size ** 2
+    return "<|vision_start|>" + "<|image_pad|>" * by_size[img.size] + "<|vision_end|>"
 
 
 def encode_rows(tok, model_path: str, rows: list[dict], encode_prompts) -> list[list[int]]:
@@ -73,13 +78,13 @@ def encode_rows(tok, model_path: str, rows: list[dict], encode_prompts) -> list[
     ImagePrompt. A row with an image but no slot (or a slot but no image) is an error."""
     if not any("image" in r for r in rows):
         return encode_prompts(tok, [r["prompt"] for r in rows], [bool(r.get("chat_rendered")) for r in rows])
-    proc = image_processor(model_path)
+    proc, by_size = image_processor(model_path), {}
     prompts = []
     for r in rows:
         if ("image" in r) != (r["prompt"].count(IMAGE) == 1):
             raise ValueError(f"a row with an image needs exactly one {IMAGE} in its prompt (and only such a row): "
                              f"{r['prompt'][:60]!r}")
-        prompts.append(r["prompt"].replace(IMAGE, image_tokens(tok, proc, r["image"])) if "image" in r else r["prompt"])
+        prompts.append(r["prompt"].replace(IMAGE, image_tokens(proc, r["image"], by_size)) if "image" in r else r["prompt"])
     ids = encode_prompts(tok, prompts, [bool(r.get("chat_rendered")) for r in rows])
     return [ImagePrompt(i, r["image"], proc) if "image" in r else i for i, r in zip(ids, rows)]
 

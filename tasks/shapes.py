@@ -27,7 +27,7 @@ from registry import register
 
 SIZE = 64                      # pixels per side (a multiple of the tiny VLM's patch x merge size)
 IMAGE = "<image>"              # where the picture goes in the prompt (vision.py expands it)
-N_TRAIN, N_EVAL, HELDOUT_PERCENT = 4000, 200, 10
+N_TRAIN, N_EVAL, HELDOUT_PERCENT = 2000, 200, 10
 MAX_COUNT = 4
 
 
