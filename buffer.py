@@ -5,6 +5,8 @@ Layout of one experience batch of B samples (the same layout TRL and verl use):
 Completion tokens run up to and including EOS; everything after is padding (completion_mask = 0). In a multi-turn
 episode the completion also holds the environment's observation tokens between the turns: attention_mask 1,
 completion_mask 0 (in the context, out of the loss), and sample_logprobs 0 there.
+A vision batch (vision.py) also holds one row of pixels per distinct picture, not per sample: `image_index` names
+each sample's picture, so the n samples of a prompt share one; `select` and `cat` keep the two consistent.
 Everything an algorithm needs travels in this dataclass; nothing else does.
 """
 import json
@@ -15,6 +17,8 @@ import torch
 from torch import Tensor
 
 from config import ReplayConfig
+
+IMAGE_FIELDS = ("pixel_values", "image_grid_thw")   # indexed by picture, not by row (vision.py)
 
 
 @dataclass
@@ -35,6 +39,10 @@ class Experience:
     # multi-turn episodes (engines/multiturn.py): the completion holds model and observation tokens (completion_mask
     # is 1 on the model's only); each turn's reward sits on its last model token and the row sums to `rewards`
     turn_rewards: Tensor | None = None   # (B, C)
+    # vision tasks (vision.py): the pictures of the batch, each once; their image-pad tokens sit in the prompt
+    pixel_values: Tensor | None = None   # (U, N, D) float, a picture's patches (padded to the widest picture)
+    image_grid_thw: Tensor | None = None # (U, 3) long, its patch grid (t, h, w): N real patches = t * h * w
+    image_index: Tensor | None = None    # (B,) long, which picture row b shows
 
     @property
     def prompt_len(self) -> int:
@@ -51,8 +59,18 @@ class Experience:
         return self._map(lambda t: t.to(device))
 
     def select(self, idx: Tensor) -> "Experience":
-        """Sub-batch of the rows in idx (B',), e.g. a mini-batch."""
-        return self._map(lambda t: t[idx])
+        """Sub-batch of the rows in idx (B',), e.g. a mini-batch; it keeps only the pictures its rows show."""
+        rows = replace(self, **{f.name: getattr(self, f.name)[idx] for f in fields(self)
+                                if getattr(self, f.name) is not None and f.name not in IMAGE_FIELDS})
+        if self.image_index is None:
+            return rows
+        used, rows.image_index = rows.image_index.unique(return_inverse=True)   # (U',), (B',)
+        rows.pixel_values, rows.image_grid_thw = self.pixel_values[used], self.image_grid_thw[used]
+        return rows
+
+    def images(self) -> dict | None:
+        """The image fields as vision.embed takes them; None for a text batch."""
+        return None if self.image_index is None else {k: getattr(self, k) for k in (*IMAGE_FIELDS, "image_index")}
 
     @staticmethod
     def cat(batches: list["Experience"], pad_id: int = 0) -> "Experience":
@@ -67,7 +85,13 @@ class Experience:
             if f.name in ("input_ids", "attention_mask"):
                 pad = pad_id if f.name == "input_ids" else 0
                 parts = [_pad_prompt_and_completion(p, b.prompt_len, P, C, pad) for p, b in zip(parts, batches)]
-            elif parts[0].dim() == 2:
+            elif f.name == "image_index":   # into the concatenated picture table
+                offsets = torch.tensor([0] + [len(b.pixel_values) for b in batches]).cumsum(0)
+                parts = [p + o for p, o in zip(parts, offsets.tolist())]
+            elif f.name == "pixel_values":  # pad every picture to the most patches
+                N = max(p.shape[1] for p in parts)
+                parts = [torch.nn.functional.pad(p, (0, 0, 0, N - p.shape[1])) for p in parts]
+            elif parts[0].dim() == 2 and f.name != "image_grid_thw":
                 parts = [torch.nn.functional.pad(p, (0, C - p.shape[1])) for p in parts]
             out[f.name] = torch.cat(parts)
         return Experience(**out)
@@ -214,7 +238,9 @@ class ReplayBuffer:
 
     # --- persistence ---
     def _append_log(self, batch: Experience, uid: Tensor):
-        cols = {f.name: getattr(batch, f.name).tolist() for f in fields(batch) if getattr(batch, f.name) is not None}
+        # pictures stay out of the log (it is one line per sample); a sample's picture is its prompt's
+        cols = {f.name: getattr(batch, f.name).tolist() for f in fields(batch) if getattr(batch, f.name) is not None
+                and f.name not in (*IMAGE_FIELDS, "image_index")}
         lines = [json.dumps({"uid": int(u), **{k: v[i] for k, v in cols.items()}}) for i, u in enumerate(uid)]
         self._log.write("\n".join(lines) + "\n")    # one write per step; fsync so a crash keeps it
         self._log.flush()

@@ -257,6 +257,11 @@ class KernelsConfig:   # one option per op of kernels/__init__.py (OPS); the nam
 
 
 @dataclass
+class VisionConfig:
+    train_tower: bool = opt(False, "vision-language models: train the vision encoder too (default: frozen; vision.py)")
+
+
+@dataclass
 class Config:
     # what to train
     model: str = opt("assets/tiny-model", "local folder or hub id of a transformers causal LM")
@@ -274,6 +279,7 @@ class Config:
     env: EnvConfig = opt(EnvConfig(), "multi-turn episodes with an environment and tools (off by default)")
     hilo: HiloConfig = opt(HiloConfig(), "settings of the embedded multi-turn task (task=hilo, env.name=hilo)")
     lora: LoRAConfig = opt(LoRAConfig(), "LoRA adapters through peft (lora.r > 0; lora.py)")
+    vision: VisionConfig = opt(VisionConfig(), "vision-language models and image tasks (vision.py, docs/vision.md)")
     # how long and how big
     steps: int = opt(60, "RL steps (one step = rollout + score + update + sync)")
     prompts_per_step: int = opt(32, "prompts sampled per step")

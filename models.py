@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 import distributed
+import vision
 from config import UserError
 from kernels import linear_logprob_loss_kernel, linear_logprobs, token_logprobs
 
@@ -35,7 +36,7 @@ def setup_device(cfg) -> tuple[torch.device, torch.dtype]:
 
 
 def load_model(name: str, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()            # our own progress bar is the only one on screen
     path = os.path.expanduser(name)
@@ -51,12 +52,21 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
                         "(save_pretrained writes config.json, the weights and the tokenizer files)")
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = (AutoModelForImageTextToText if _is_vlm(AutoConfig, path) else AutoModelForCausalLM).from_pretrained(
+            path, dtype=dtype)
     except (OSError, ValueError) as e:   # ValueError: files transformers cannot read (e.g. no tokenizer)
         raise UserError(f"cannot load model '{name}': {str(e).strip().splitlines()[0]}")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model.to(device), tok
+
+
+def _is_vlm(auto_config, path: str) -> bool:
+    """Does the folder hold a vision-language model (vision.py)? A folder without a config (a peft adapter) is not."""
+    try:
+        return hasattr(auto_config.from_pretrained(path), "vision_config")
+    except (OSError, ValueError):
+        return False
 
 
 def encode_prompts(tok, prompts: list[str], rendered: list[bool] | None = None) -> list[list[int]]:
@@ -85,41 +95,47 @@ def plain_head(model) -> bool:
 
 
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int,
-                        temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-    """Teacher-forced log-probs and entropies of the last C tokens: (B, T) ids -> two (B, C) tensors."""
+                        temperature: float = 1.0, images: dict | None = None) -> tuple[Tensor, Tensor]:
+    """Teacher-forced log-probs and entropies of the last C tokens: (B, T) ids -> two (B, C) tensors.
+    images: a vision batch's pictures (Experience.images()), placed on the prompt's image tokens."""
     targets = input_ids[:, -C:]
     if not plain_head(model):
-        logits = model(**_inputs(input_ids, attention_mask, C)).logits[:, :-1]      # (B, C, V)
+        logits = model(**_inputs(input_ids, attention_mask, C, model, images)).logits[:, :-1]      # (B, C, V)
         return token_logprobs(logits, targets, temperature)
     # speed/memory: the fused kernel goes from hidden states to log-probs; the (B, C, V) logits (2.5 GB per
     # 32 x 256 tokens at V = 152k in bf16, twice with their gradient) never exist
     # memory: the head's gradient goes straight into its .grad (see kernels/linear_logprob.py); under FSDP2,
     # which owns the gradients (its reduce-scatter hooks wait for them), autograd hands them over as usual
     into_grad = not distributed.is_sharded(model)
-    return _in_head(model, input_ids, attention_mask, C, lambda h, w: linear_logprobs(h, w, targets, temperature, into_grad))
+    return _in_head(model, input_ids, attention_mask, C, lambda h, w: linear_logprobs(h, w, targets, temperature, into_grad),
+                    images)
 
 
 def completion_loss(model, input_ids: Tensor, attention_mask: Tensor, C: int, temperature: float,
-                    loss_fn) -> tuple[Tensor, Tensor, Tensor]:
+                    loss_fn, images: dict | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The policy loss of the last C tokens with its gradient taken inside the log-prob kernel
     (kernels/logprob_loss.py: one lm_head matmul fewer than log-probs + autograd). loss_fn(rows: slice,
     logp (b, C), entropy (b, C)) -> those rows' share of the loss. Returns (loss, logp, entropy), the last two
     detached (B, C). Heads that are not plain get log-probs by autograd and one loss_fn call on every row."""
     if not plain_head(model):
-        logp, entropy = completion_logprobs(model, input_ids, attention_mask, C, temperature)
+        logp, entropy = completion_logprobs(model, input_ids, attention_mask, C, temperature, images)
         return loss_fn(slice(0, len(input_ids)), logp, entropy), logp.detach(), entropy.detach()
     targets = input_ids[:, -C:]
     into_grad = not distributed.is_sharded(model)   # as in completion_logprobs
     return _in_head(model, input_ids, attention_mask, C,
-                    lambda h, w: linear_logprob_loss_kernel(h, w, targets, temperature, loss_fn, into_grad=into_grad))
+                    lambda h, w: linear_logprob_loss_kernel(h, w, targets, temperature, loss_fn, into_grad=into_grad),
+                    images)
 
 
-def _inputs(input_ids: Tensor, attention_mask: Tensor, C: int) -> dict:
-    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+def _inputs(input_ids: Tensor, attention_mask: Tensor, C: int, model=None, images: dict | None = None) -> dict:
+    # pictures: their features replace the prompt's image tokens (the completion's C columns are text)
+    ids = dict(input_ids=input_ids) if images is None else \
+        dict(inputs_embeds=vision.embed(model, input_ids, images, prompt_len=input_ids.shape[1] - C))
+    return dict(**ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 logits_to_keep=C + 1, use_cache=False)        # position t predicts token t + 1
 
 
-def _in_head(model, input_ids: Tensor, attention_mask: Tensor, C: int, fn) -> tuple:
+def _in_head(model, input_ids: Tensor, attention_mask: Tensor, C: int, fn, images: dict | None = None) -> tuple:
     """Run the model with fn(hidden (B, C, H), head weight) in the lm_head's place; its outputs come back where
     the logits would. Inside the model's own forward: under FSDP2 that is where the root unit's weights
     (embeddings, the tied head) are gathered, and where the root's backward hooks see the head's gradient."""
@@ -128,6 +144,6 @@ def _in_head(model, input_ids: Tensor, attention_mask: Tensor, C: int, fn) -> tu
     # views) would bypass that hook (torch warns on every such output)
     head.forward = lambda hidden: tuple(t.clone() for t in fn(hidden[:, :-1], head.weight))   # (B, C + 1, H) in
     try:
-        return tuple(model(**_inputs(input_ids, attention_mask, C)).logits)
+        return tuple(model(**_inputs(input_ids, attention_mask, C, model, images)).logits)
     finally:
         del head.forward                                # the head's own forward again (generate, save, ...)

@@ -33,6 +33,7 @@ import offload
 import profiling
 import registry
 import run_dir
+import vision
 from buffer import Experience, make_buffer
 from config import Config, UserError, fill_defaults, parse, to_dict, trainer_temperature
 from config_checks import check_reward_args, default_threads, validate
@@ -91,6 +92,7 @@ def build_models(cfg: Config, device, dtype, fsdp: bool):
         policy = distributed.shard(load_model(cfg.model, torch.device("cpu"), torch.float32)[0], device, dtype,
                                    cfg.offload)
     policy.train()
+    vision.freeze_tower(policy, cfg.vision.train_tower)   # a VLM's encoder stays frozen unless asked
     # memory: with compile, the recompute happens inside each compiled layer's backward (the partitioner saves
     # the least it can: activation_memory_budget 0), so no Python re-runs the forward (docs/speed.md)
     in_compile = cfg.compile and cfg.compiled_recompute
@@ -122,7 +124,7 @@ def build_data(cfg: Config, tok, policy):
     if not train_set:
         raise UserError(f"task '{cfg.task}' produced an empty training set")
     eval_set = eval_set[:cfg.eval_size] if cfg.eval_size else eval_set
-    encode = lambda rows: encode_prompts(tok, [s["prompt"] for s in rows], [bool(s.get("chat_rendered")) for s in rows])
+    encode = lambda rows: vision.encode_rows(tok, cfg.model, rows, encode_prompts)   # rows with pictures too
     train_ids, eval_ids = encode(train_set), encode(eval_set)
     longest = max(len(p) for p in train_ids + eval_ids)
     if longest + cfg.max_new_tokens > context_length(policy):
@@ -227,8 +229,9 @@ def next_prompts(run: Run, whole: bool = False) -> list[int]:
 
 
 @torch.no_grad()
-def extra_logprobs(run: Run, rollout) -> dict:
-    """The trainer-side tensors the algorithm needs beside the engine's: old and reference log-probs, values."""
+def extra_logprobs(run: Run, rollout, images: dict | None = None) -> dict:
+    """The trainer-side tensors the algorithm needs beside the engine's: old and reference log-probs, values.
+    images: a vision batch's pictures (vision.batch_images)."""
     cfg, learner, device = run.cfg, run.learner, run.device
     ids, attn = rollout.input_ids.to(device), rollout.attention_mask.to(device)
     C, B = rollout.completion_mask.shape[1], len(rollout.input_ids)
@@ -239,10 +242,12 @@ def extra_logprobs(run: Run, rollout) -> dict:
     # forward (logp detached) at no cost, also when the samples are stale: pi_prox is the policy before the update
     # The KL in the reward is the trainer's too (verl, TRL): the engine's log-probs carry the rollout mismatch
     if updates_per_step > 1 or cfg.replay.enabled or (cfg.algo.kl_in_reward and cfg.algo.kl_coef > 0):
-        out["old_logprobs"] = completion_logprobs(learner.policy, ids, attn, C, trainer_temperature(cfg))[0].cpu()
+        out["old_logprobs"] = completion_logprobs(learner.policy, ids, attn, C, trainer_temperature(cfg),
+                                                  images)[0].cpu()
     if run.reference is not None:
         with offload.visit(run.reference, device, cfg.offload_models):   # on the GPU for this forward only
-            out["ref_logprobs"] = completion_logprobs(run.reference, ids, attn, C, trainer_temperature(cfg))[0].cpu()
+            out["ref_logprobs"] = completion_logprobs(run.reference, ids, attn, C, trainer_temperature(cfg),
+                                                      images)[0].cpu()
     if learner.critic is not None:
         out["values"] = learner.critic.values(ids, attn, rollout.completion_mask.to(device)).cpu()
     return out
@@ -282,7 +287,8 @@ def collect(run: Run, step: int, times: dict):
         samples = [run.train_set[i] for i in idx for _ in range(cfg.samples_per_prompt)]
         handle = run.sampler.score(samples, rollout)
         run.stages.for_experience()                   # (offload_models: the critic comes back to the GPU)
-        extra = extra_logprobs(run, rollout)          # 3. ... the log-prob (and value) forwards
+        images = vision.batch_images([run.train_ids[i] for i in idx], cfg.samples_per_prompt)   # {}: text
+        extra = {**extra_logprobs(run, rollout, images or None), **images}   # 3. ... the log-prob (and value) forwards
     with profiling.phase(times, "reward"):            # only the part of scoring not hidden behind step 3
         rewards, reward_info = handle.result()
     failures = record_failures(run.run_dir, step, reward_info)   # a sample to reward_failures.jsonl
@@ -388,6 +394,7 @@ def finish(run: Run, rank: int, wall: float) -> dict:
         full = {k: v for k, v in full.items() if k in keep}
     if rank == 0:   # LoRA: final/ is peft's adapter folder; lora.save_merged adds final/merged/
         run_dir.save_final(os.path.join(run.run_dir, "final"), policy, run.tok, full)
+        vision.save_processor(policy, cfg.model, os.path.join(run.run_dir, "final"))
         if cfg.lora.r and cfg.lora.save_merged:
             lora.save_merged(policy, run.tok, os.path.join(run.run_dir, "final", "merged"))
         run_dir.save_plot(run.run_dir, run.rows)

@@ -72,7 +72,7 @@ def fused_policy_loss(learner: Learner, micro, packed: Packed | None = None):
         return loss, logp, metrics
     C = micro.completion_mask.shape[1]
     loss, logp, _ = completion_loss(learner.policy, micro.input_ids, micro.attention_mask, C, trainer_temperature(cfg),
-                                    loss_fn)
+                                    loss_fn, micro.images())
     return loss, logp, metrics
 
 
@@ -90,7 +90,7 @@ def micro_loss(learner: Learner, micro, packed: Packed | None = None):
         logp, entropy = packed_completion(learner.policy, micro, packed, trainer_temperature(cfg))
     else:
         logp, entropy = completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
-                                            trainer_temperature(cfg))
+                                            trainer_temperature(cfg), micro.images())
     new = {"logprobs": logp, "entropy": entropy}
     if learner.critic is not None:   # PPO: the value loss trains the critic in the same backward
         new["values"] = learner.critic.values(micro.input_ids, micro.attention_mask, micro.completion_mask, grad=True)
@@ -180,12 +180,13 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
     """Forward + backward of every micro-batch of the mini-batch mb; -> its metrics as device tensors."""
     cfg, m = learner.cfg, {}
     scale = distributed.loss_scale(mb.completion_mask, learner.loss_agg)   # this rank's share of the global batch
-    split = packed_micro_batches if cfg.pack else micro_batches
+    packs = cfg.pack and mb.pixel_values is None   # pictures take the padded path: packing does not place them yet
+    split = packed_micro_batches if packs else micro_batches
     pieces = split(mb, cfg.micro_batch_size, learner.loss_agg, cfg.algo.norm_len)   # size 0 = one pass
     # the packed forward's attention for forward and backward alike: a recompute must see what the forward saw
-    with packed_attention(learner.policy) if cfg.pack else contextlib.nullcontext():
+    with packed_attention(learner.policy) if packs else contextlib.nullcontext():
         for micro, weight in distributed.accumulate(learner.trained, pieces, cfg.offload):   # one reduce-scatter
-            packed = pack(micro).to(learner.device) if cfg.pack else None   # index math on the host: no device sync
+            packed = pack(micro).to(learner.device) if packs else None   # index math on the host: no device sync
             micro = micro.to(learner.device)
             loss, logp, metrics = micro_loss(learner, micro, packed)
             (loss * (weight * scale)).backward()

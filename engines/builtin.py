@@ -24,6 +24,7 @@ from engines.fast_decode import FastDecoder, supported
 from engines.generic_decode import GenericDecoder
 from models import position_ids
 from registry import register
+import vision
 
 
 # transformers renamed the KV-cache argument (`past_key_values` -> `cache`) around 5.2x; accept both
@@ -68,8 +69,12 @@ class BuiltinEngine:
         ids, mask = left_pad([p for p in prompts for _ in range(n)], self.pad_id)  # (B, P)
         ids, mask = ids.to(device), mask.to(device)
         B = ids.shape[0]
-        plain = model is not self.model or sampling.top_k > 0 or sampling.logprobs_mode != "raw"   # the lab's options
+        images = vision.batch_images(prompts, n) or None   # pictures: the portable loop encodes them (vision.py)
+        plain = (model is not self.model or sampling.top_k > 0 or sampling.logprobs_mode != "raw"   # the lab's options
+                 or images is not None)
         if self.exact:
+            if images is not None:
+                raise ValueError("exact_logprobs does not cover prompts with pictures yet (docs/exact.md)")
             self.decoder = self.decoder or ExactDecoder(model)
             completion, alive, logprobs, done = self.decoder.sample(ids, mask, sampling, self.eos_id, self.pad_id,
                                                                     generator)
@@ -94,7 +99,8 @@ class BuiltinEngine:
             return make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
         # layers compiled for training (compile=true) would recompile at every new cache length: run them eagerly
         with torch.compiler.set_stance("force_eager"):
-            return self._plain_loop(model, ids, mask, B, device, sampling, generator, len(prompts), n, was_training)
+            return self._plain_loop(model, ids, mask, B, device, sampling, generator, len(prompts), n, was_training,
+                                    images)
 
     def _decoder(self, model):
         """The hand-written step where engines/families.py covers the model, else the generic graphed one."""
@@ -102,9 +108,12 @@ class BuiltinEngine:
             return FastDecoder(model, keep_cache=self.keep_cache, weights=self.decode_weights)
         return GenericDecoder(model, keep_cache=self.keep_cache)
 
-    def _plain_loop(self, model, ids, mask, B, device, sampling, generator, n_prompts, n, was_training) -> Rollout:
-        """The portable loop (CPU, or models engines/fast_decode.py does not cover): transformers' KV cache, a token a step."""
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
+    def _plain_loop(self, model, ids, mask, B, device, sampling, generator, n_prompts, n, was_training,
+                    images=None) -> Rollout:
+        """The portable loop (CPU, or models engines/fast_decode.py does not cover): transformers' KV cache, a token a step.
+        The prefill places the pictures (vision.embed: once per prompt); the decode is text."""
+        first = dict(input_ids=ids) if images is None else dict(inputs_embeds=vision.embed(model, ids, images))
+        out = model(**first, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
         cache_kw = _cache_kw(model)
         cache, logits = _cache_of(out), out.logits[:, -1]                        # (B, V)
         next_pos = mask.sum(-1, keepdim=True)                                    # (B, 1)

@@ -4,7 +4,7 @@ Pick them in the config as `rewards=name[:weight],name[:weight]`; the total rewa
 Each module below registers its functions on import; a new reward family is one new file plus one line here.
 """
 from registry import RegistryError
-from rewards import code, format, k12, math, reward_model  # noqa: F401  (each registers its rewards)
+from rewards import code, format, k12, math, reward_model, vision  # noqa: F401  (each registers its rewards)
 from rewards import judge  # noqa: F401  (the generative judge: rewards/judge.py)
 
 

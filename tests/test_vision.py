@@ -1,0 +1,202 @@
+"""Vision (vision.py, tasks/shapes.py, rewards/vision.py): pictures travel once per prompt, land on the prompt's
+image tokens in rollout and training alike, never enter the loss, and the frozen tower takes no gradient."""
+import ast
+import os
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+import registry
+import vision
+from buffer import Experience
+from config import AGG_MODES, AlgoConfig
+from engines.base import SamplingParams
+from engines.builtin import BuiltinEngine
+from microbatch import micro_batches
+from models import completion_logprobs, encode_prompts, load_model
+from rewards.vision import vision_reward
+from tasks import shapes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALGOS = ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "online_dpo"]
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """A random tiny VLM (tools/make_tiny_vlm.py's shape, no warm start), loaded as train.py loads it."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from make_tiny_vlm import build
+    out = str(tmp_path_factory.mktemp("tiny-vlm"))
+    torch.manual_seed(0)
+    _, model = build(out)
+    model.save_pretrained(out)
+    model, tok = load_model(out, torch.device("cpu"), torch.float32)
+    vision.freeze_tower(model, train_tower=False)
+    return model, tok, out
+
+
+@pytest.fixture(scope="module")
+def rollout(vlm):
+    """3 prompts x 4 samples through the built-in engine, and the batch's pictures."""
+    model, tok, path = vlm
+    rows = shapes.shapes_samples(3, heldout=False)
+    prompts = vision.encode_rows(tok, path, rows, encode_prompts)
+    engine = BuiltinEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    ro = engine.generate(prompts, 4, SamplingParams(1.0, 1.0, 4), torch.Generator().manual_seed(0))
+    return ro, vision.batch_images(prompts, 4), prompts
+
+
+def batch_of(ro, images, seed=0) -> Experience:
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 2, (len(ro.input_ids),), generator=g).float()
+    mask = ro.completion_mask
+    return Experience(input_ids=ro.input_ids, attention_mask=ro.attention_mask, completion_mask=mask,
+                      sample_logprobs=ro.logprobs, rewards=rewards, group_ids=ro.group_ids,
+                      versions=torch.zeros(len(rewards), dtype=torch.long), truncated=ro.truncated,
+                      old_logprobs=(ro.logprobs + 0.1 * torch.randn(mask.shape, generator=g)) * mask,
+                      ref_logprobs=ro.logprobs - 0.05 * mask, **images)
+
+
+# ------------------------------------------------------------------------------------------ task and reward
+
+def test_shapes_rows_answer_their_picture_and_splits_are_disjoint():
+    train, held = shapes.shapes_samples(300, False), shapes.shapes_samples(100, True)
+    assert not {r["scene"] for r in train} & {r["scene"] for r in held}
+    assert shapes.shapes_samples(5, False) == train[:5]                       # deterministic
+    for r in train + held:
+        scene = ast.literal_eval(r["scene"])
+        if scene["kind"] == "count":
+            assert r["answer"] == str(sum(k == "red circle" for k, _ in scene["items"]))
+        else:   # the circle's area pi r^2 against the square's side^2 decides
+            (_, r_circle), (_, side) = scene["items"]
+            assert r["answer"] == ("a" if 3.14159 * (r_circle / 2) ** 2 > side ** 2 else "b")
+        img = vision.load_image(r["image"])
+        assert img.size == (shapes.SIZE, shapes.SIZE) and r["prompt"].count(vision.IMAGE) == 1
+    # the picture shows what the row says: red pixels exactly where red shapes were drawn
+    count = next(r for r in train if r["kind"] == "count" and "red square" not in r["scene"])
+    red = lambda png: int((np.asarray(vision.load_image(png)) == (255, 0, 0)).all(-1).sum())   # red pixels
+    reds, one = red(count["image"]), red(shapes.png(shapes.render({"kind": "count", "items": [("red circle", (0, 0))]})))
+    assert reds == int(count["answer"]) * one
+
+
+@pytest.mark.parametrize("completion, answer, extra, expected", [
+    ("3", "3", {}, 1.0), ("4", "3", {}, 0.0), ("the answer is 12.5", "12.5", {}, 1.0),
+    ("(B) the square", "b", {"choices": "ab"}, 1.0), ("b", "a", {"choices": "ab"}, 0.0),
+    ("a or b", "a", {"choices": "ab"}, 0.0), ("a", "a", {}, 1.0), ("", "a", {}, 0.0),
+    ("x = \\frac{1}{2}", "\\frac{1}{2}", {}, 1.0)])
+def test_vision_reward(completion, answer, extra, expected):
+    assert vision_reward("<image>q", completion, answer=answer, image=b"png", **extra) == expected
+
+
+# ---------------------------------------------------------------------------------------- the data path
+
+def test_a_group_shares_one_picture_through_select_cat_and_micro_batches(rollout):
+    ro, images, _ = rollout
+    batch = batch_of(ro, images)
+    assert batch.pixel_values.shape[0] == 3 and batch.image_index.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    picture = lambda b, row: b.pixel_values[b.image_index[row]]                  # (N, D)
+    sub = batch.select(torch.tensor([9, 1, 2]))
+    assert sub.pixel_values.shape[0] == 2                                        # only the pictures it shows
+    assert all(torch.equal(picture(sub, i), picture(batch, j)) for i, j in enumerate([9, 1, 2]))
+    both = Experience.cat([sub, batch.select(torch.tensor([4, 11]))])
+    assert both.pixel_values.shape[0] == 4 and len(both) == 5
+    assert all(torch.equal(picture(both, i), picture(batch, j)) for i, j in enumerate([9, 1, 2, 4, 11]))
+    pieces = list(micro_batches(batch, 4, "token-mean"))
+    assert sum(p.pixel_values.shape[0] for p, _ in pieces) >= 3 and all(p.images() for p, _ in pieces)
+
+
+def test_engine_and_trainer_agree_and_the_picture_matters(vlm, rollout):
+    model, _, _ = vlm
+    ro, images, _ = rollout
+    C = ro.completion_mask.shape[1]
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, ro.input_ids, ro.attention_mask, C, 1.0, images)
+        swapped = {**images, "image_index": images["image_index"].roll(4)}        # each group another's picture
+        other, _ = completion_logprobs(model, ro.input_ids, ro.attention_mask, C, 1.0, swapped)
+    m = ro.completion_mask.bool()
+    assert (logp - ro.logprobs)[m].abs().max() < 1e-4                         # rollout's prefill = training's
+    assert (other - logp)[m].abs().max() > 1e-4                               # the picture reaches the tokens
+
+
+def test_an_image_token_sampled_in_a_completion_is_text(vlm, rollout):
+    """Only the prompt's image tokens take picture features: a sampled one in the completion is a token."""
+    model, _, _ = vlm
+    ro, images, _ = rollout
+    ids = ro.input_ids.clone()
+    ids[:, -1] = model.config.image_token_id
+    C = ro.completion_mask.shape[1]
+    logp, _ = completion_logprobs(model, ids, ro.attention_mask, C, 1.0, images)
+    assert logp.shape == ro.completion_mask.shape and torch.isfinite(logp).all()
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_loss_is_on_completion_tokens_only_and_the_tower_stays_frozen(vlm, rollout, algo):
+    """Every algorithm and loss_agg: the loss's gradient reaches only completion tokens (image positions are prompt
+    positions, outside the (B, C) log-probs), the language model learns, the vision tower takes no gradient."""
+    model, _, _ = vlm
+    ro, images, _ = rollout
+    batch = batch_of(ro, images)
+    C = batch.completion_mask.shape[1]
+    P = batch.prompt_len
+    assert (batch.input_ids[:, :P] == model.config.image_token_id).sum() == 12 * 16   # 16 per picture, every row
+    A = registry.get("algo", algo)
+    for agg in AGG_MODES:
+        cfg = AlgoConfig(name=algo, kl_coef=0.05, loss_agg=agg, norm_len=4, max_new_tokens=4, tis="token")
+        b = replace(batch)
+        b.advantages = A.advantages(b, cfg)
+        logp, entropy = completion_logprobs(model, b.input_ids, b.attention_mask, C, 1.0, b.images())
+        logp.retain_grad()
+        loss, _ = A.loss({"logprobs": logp, "entropy": entropy}, b, cfg)
+        model.zero_grad()
+        loss.backward()
+        assert torch.isfinite(loss), (algo, agg)
+        assert (logp.grad[~b.completion_mask.bool()] == 0).all(), (algo, agg)
+        assert logp.grad[b.completion_mask.bool()].abs().sum() > 0, (algo, agg)
+        assert all(p.grad is None for p in vision.tower(model).parameters()), (algo, agg)
+        assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+
+
+def test_train_tower_true_trains_the_tower(vlm, rollout):
+    model, _, _ = vlm
+    ro, images, _ = rollout
+    vision.freeze_tower(model, train_tower=True)   # a no-op: only freezing changes anything
+    try:
+        vision.tower(model).requires_grad_(True)
+        C = ro.completion_mask.shape[1]
+        logp, _ = completion_logprobs(model, ro.input_ids, ro.attention_mask, C, 1.0, images)
+        model.zero_grad()
+        (logp * ro.completion_mask).sum().backward()
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in vision.tower(model).parameters())
+    finally:
+        vision.freeze_tower(model, train_tower=False)
+        model.zero_grad()
+
+
+def test_a_row_without_its_image_slot_is_an_error(vlm):
+    _, tok, path = vlm
+    row = shapes.shapes_samples(1, False)[0]
+    with pytest.raises(ValueError, match="<image>"):
+        vision.encode_rows(tok, path, [{**row, "prompt": "no slot"}], encode_prompts)
+
+
+# -------------------------------------------------------------------------------------------- end to end
+
+def test_train_py_runs_replay_and_resume_on_the_vision_task(vlm, tmp_path):
+    """A short configs/vision.yaml run with replay, micro-batches, two epochs, a reference model and a resume."""
+    import subprocess
+    _, _, path = vlm
+    out = tmp_path / "run"
+    args = [sys.executable, "train.py", "--config", "configs/vision.yaml", f"model={path}", "eval_size=8",
+            "prompts_per_step=2", "samples_per_prompt=4", "eval_every=1", "replay.enabled=true", "micro_batch_size=4",
+            "algo.epochs=2", "algo.kl_coef=0.05", "save_every=1", f"out_dir={out}", "progress=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(args + ["steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run(args + ["steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "resuming from" in r.stdout + r.stderr, r.stderr[-2000:]
+    assert (out / "final" / "preprocessor_config.json").exists()
+    model, _ = load_model(str(out / "final"), torch.device("cpu"), torch.float32)   # the final policy loads
+    assert vision.tower(model) is not None

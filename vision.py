@@ -1,0 +1,143 @@
+"""Images in the loop: from a task row's picture to the vision encoder's embeddings in the prompt (docs/vision.md).
+
+    prompt_ids = encode_rows(tok, model_path, rows, encode_prompts)   # rows with "image": ImagePrompt lists
+    images = batch_images(prompt_ids, n)      # {} for text prompts; else the Experience's image fields
+    embeds = embed(model, input_ids, images)  # (B, T, H) token embeddings, image pads replaced by image features
+
+Layout. A prompt's picture travels once: `ImagePrompt` is the prompt's token-id list carrying its picture (raw
+bytes or a path, turned into pixels only where a forward needs them), so the sampler, the engine and the
+evaluation pass it along as any prompt. An experience batch holds one row of pixels per distinct picture,
+`pixel_values` (U, N, D) with `image_grid_thw` (U, 3), and `image_index` (B,) names each sample's picture: the
+n samples of a prompt share one. `embed` runs the vision encoder once per distinct picture and scatters its
+features over the image-pad tokens of every row that shows it.
+
+What it simplifies: positions. The whole sequence, image pads included, takes the text positions the rest of the
+project uses (models.position_ids), not Qwen2-VL's 3-D M-RoPE positions; rollout and training agree (both go
+through `embed`), and the tiny VLM is trained that way, but a pretrained Qwen2-VL sees positions unlike its
+pretraining. One picture per prompt, in the prompt only (none in completions or observations).
+"""
+import io
+import os
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+IMAGE = "<image>"                # the rows' image slot (tasks/shapes.py)
+IMAGE_FIELDS = ("pixel_values", "image_grid_thw")   # Experience fields indexed by picture, not by row
+
+
+class ImagePrompt(list):
+    """A prompt's token ids with the picture they show (`image`: PNG/JPEG bytes or a path) and the processor
+    that turns it into pixels."""
+
+    def __init__(self, ids, image, processor):
+        super().__init__(ids)
+        self.image, self.processor = image, processor
+
+
+def load_image(image, decode: bool = True):
+    """bytes or a path -> an RGB PIL image (decode=False: opened lazily, enough for its size)."""
+    from PIL import Image
+    if isinstance(image, (bytes, bytearray)):
+        img = Image.open(io.BytesIO(image))
+        return img.convert("RGB") if decode else img
+    if isinstance(image, str) and os.path.exists(image):
+        return Image.open(image).convert("RGB") if decode else Image.open(image)
+    raise ValueError(f"a row's image must be bytes or an existing file path, got {type(image).__name__}")
+
+
+@lru_cache(maxsize=4)
+def image_processor(model_path: str):
+    """The model's image processor. transformers' PIL one: the default (torchvision) one is not installable here."""
+    try:   # transformers >= 5.2x names the PIL processor apart; older ones load it as the default slow one
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as cls
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as cls
+    return cls.from_pretrained(model_path)
+
+
+def pixels(prompt: ImagePrompt) -> tuple[Tensor, Tensor]:
+    """-> pixel_values (N, D), image_grid_thw (3,) of the prompt's picture."""
+    out = prompt.processor(images=[load_image(prompt.image)], return_tensors="pt")
+    return out["pixel_values"], out["image_grid_thw"][0]
+
+
+def image_tokens(processor, image, by_size: dict) -> str:
+    """The text that stands for one picture: Qwen2-VL's start marker, one pad per merged patch, end marker.
+    The patch grid depends on the picture's size only: by_size keeps it per (width, height)."""
+    img = load_image(image, decode=False)
+    if img.size not in by_size:
+        grid = processor(images=[img.convert("RGB")], return_tensors="pt")["image_grid_thw"][0]
+        by_size[img.size] = int(grid.prod()) // processor.merge_size ** 2
+    return "<|vision_start|>" + "<|image_pad|>" * by_size[img.size] + "<|vision_end|>"
+
+
+def encode_rows(tok, model_path: str, rows: list[dict], encode_prompts) -> list[list[int]]:
+    """Token ids of each row's prompt; a row with an "image" gets the image slot expanded and its ids become an
+    ImagePrompt. A row with an image but no slot (or a slot but no image) is an error."""
+    if not any("image" in r for r in rows):
+        return encode_prompts(tok, [r["prompt"] for r in rows], [bool(r.get("chat_rendered")) for r in rows])
+    proc, by_size = image_processor(model_path), {}
+    prompts = []
+    for r in rows:
+        if ("image" in r) != (r["prompt"].count(IMAGE) == 1):
+            raise ValueError(f"a row with an image needs exactly one {IMAGE} in its prompt (and only such a row): "
+                             f"{r['prompt'][:60]!r}")
+        prompts.append(r["prompt"].replace(IMAGE, image_tokens(proc, r["image"], by_size)) if "image" in r else r["prompt"])
+    ids = encode_prompts(tok, prompts, [bool(r.get("chat_rendered")) for r in rows])
+    return [ImagePrompt(i, r["image"], proc) if "image" in r else i for i, r in zip(ids, rows)]
+
+
+def batch_images(prompts: list, n: int) -> dict:
+    """The image fields of an experience batch whose rows are n samples of each prompt in turn: one row of pixels
+    per prompt. {} when no prompt has a picture."""
+    if not any(isinstance(p, ImagePrompt) for p in prompts):
+        return {}
+    if not all(isinstance(p, ImagePrompt) for p in prompts):
+        raise ValueError("a batch mixes prompts with and without pictures (every prompt of a vision task needs one)")
+    pv, grid = zip(*(pixels(p) for p in prompts))
+    N = max(len(x) for x in pv)
+    pixel_values = torch.stack([torch.nn.functional.pad(x, (0, 0, 0, N - len(x))) for x in pv])   # (U, N, D)
+    return {"pixel_values": pixel_values, "image_grid_thw": torch.stack(grid),                     # (U, 3)
+            "image_index": torch.arange(len(prompts)).repeat_interleave(n)}                        # (B,)
+
+
+def save_processor(model, model_path: str, out: str):
+    """A VLM's final/ folder gets the image processor it was trained with, so that it loads as it came."""
+    if tower(model) is not None:
+        image_processor(model_path).save_pretrained(out)
+
+
+def tower(model):
+    """The vision encoder (Qwen2-VL: model.model.visual)."""
+    inner = getattr(model, "model", model)
+    return getattr(inner, "visual", None) or getattr(inner, "vision_tower", None)
+
+
+def freeze_tower(model, train_tower: bool):
+    """vision.train_tower=false (the default): the encoder takes no gradient and no optimizer state."""
+    if tower(model) is not None and not train_tower:
+        tower(model).requires_grad_(False)
+
+
+def embed(model, input_ids: Tensor, images: dict, prompt_len: int | None = None) -> Tensor:
+    """(B, T) ids -> (B, T, H) input embeddings: the image pads of the first prompt_len columns (the prompt; all
+    when None) replaced by the features of the row's picture. The encoder runs once per distinct picture."""
+    pv, grid, index = images["pixel_values"], images["image_grid_thw"], images["image_index"]
+    lengths = grid.prod(-1).tolist()                                                     # patches per picture
+    flat = torch.cat([p[:n] for p, n in zip(pv, lengths)])                               # (sum N, D)
+    weight = next(tower(model).parameters())
+    with torch.set_grad_enabled(torch.is_grad_enabled() and weight.requires_grad):   # a frozen tower: no graph
+        out = model.get_image_features(flat.to(weight.device, weight.dtype), grid.to(weight.device))
+    feats = getattr(out, "pooler_output", out)           # 5.2x: an output with a tuple of (n_u, H); older: a tensor
+    merge = model.config.vision_config.spatial_merge_size ** 2
+    feats = list(feats) if isinstance(feats, (list, tuple)) else list(feats.split([n // merge for n in lengths]))
+    embeds = model.get_input_embeddings()(input_ids)                                     # (B, T, H)
+    slots = input_ids == model.config.image_token_id                                     # (B, T)
+    if prompt_len is not None:   # a sampled image-pad token in a completion is text, not a picture
+        slots[:, prompt_len:] = False
+    rows = torch.cat([feats[i] for i in index.tolist()]).to(embeds.dtype)                # (slots, H)
+    if rows.shape[0] != int(slots.sum()):
+        raise ValueError(f"{int(slots.sum())} image tokens in the batch but {rows.shape[0]} image features")
+    return embeds.masked_scatter(slots[..., None], rows)
