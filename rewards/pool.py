@@ -131,6 +131,8 @@ def serve(fd: int, parent: int = 0):
     except (_Stop, OSError):    # the trainer is gone
         pass
     finally:
+        # a second SIGTERM (the pool's close after its stop message) must not cut the clean-up short with a traceback
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if os.path.basename(tempfile.gettempdir()).startswith(WORKER_PREFIX):
             shutil.rmtree(tempfile.gettempdir(), ignore_errors=True)
 
