@@ -305,6 +305,8 @@ def split_args(argv: list[str]) -> tuple[list[str], int, str]:
     rest, n, split = [], 16, "eval"
     for a in argv:
         key, _, value = a.partition("=")
+        if a in ("-h", "--help"):   # this script's own use first; config.parse then lists every option
+            print(__doc__.split("What train.py")[0])
         if key == "n":
             if not value.isdigit() or int(value) < 1:
                 raise UserError(f"n must be a whole number of samples per prompt, at least 1; got '{value}'")
@@ -345,6 +347,8 @@ def main(argv: list[str]) -> dict:
     train_set, eval_set, train_ids, eval_ids = build_data(cfg, tok, model)
     samples, ids = (eval_set, eval_ids) if split == "eval" else (train_set[:cfg.eval_size or None],
                                                                  train_ids[:cfg.eval_size or None])
+    if not samples:
+        raise UserError(f"task '{cfg.task}' has no {split} prompts to sample (split=eval needs held-out rows)")
     engine = make_engine(cfg, model, tok)
     sampling = SamplingParams(max(cfg.temperature, 1e-5), cfg.top_p, cfg.max_new_tokens, cfg.top_k)
     gen, calls = torch.Generator(device=device).manual_seed(cfg.seed + 2), []
