@@ -92,3 +92,32 @@ def test_a_shaping_reward_whose_best_is_0_leaves_accuracy_and_pass_at_k_to_the_v
     assert row["accuracy"] == pytest.approx(row["reward/arithmetic"]) and row["accuracy"] > 0   # a 0/1 verifier
     for r in (start, row):
         assert r["eval/accuracy"] > 0 and 0 < r["eval/pass@1"] <= r["eval/pass@2"], r
+
+
+def test_dynamic_sampling_keeps_each_reward_s_scores_of_the_rows_it_keeps(monkeypatch):
+    """DAPO's rounds are cut to a full batch (train.draw): the verifier's scores must follow the same rows, or the
+    accuracy of a multi-round step would count samples that never entered the batch."""
+    import types
+    import config
+    import train
+    from test_algos import batch_of
+    # signal per group: round 1 [no, yes, no], round 2 [yes, yes, yes]: round 2's last group is surplus
+    rounds = [[1, 1, 0, 1, 0, 0], [1, 0, 0, 1, 1, 0]]
+    calls = []
+
+    def collect(run, step, times):
+        r = rounds[len(calls)]
+        calls.append(r)
+        per_reward = {"arithmetic": torch.tensor(r, dtype=torch.float32), "length_penalty": -torch.ones(len(r))}
+        return batch_of(r, [[1, 1, 0]] * len(r), [0, 0, 1, 1, 2, 2]), {"metrics": {}, "per_reward": per_reward}
+    monkeypatch.setattr(train, "collect", collect)
+    cfg = config.Config()
+    cfg.algo.name, cfg.samples_per_prompt, cfg.prompts_per_step = "dapo", 2, 3
+    cfg.rewards = "arithmetic:1.0,length_penalty:0.5"
+    config.fill_defaults(cfg)
+    run = types.SimpleNamespace(cfg=cfg, learner=types.SimpleNamespace(algo=registry.get("algo", "dapo")),
+                                tok=types.SimpleNamespace(pad_token_id=0))
+    batch, info, _, metrics = train.draw(run, 1, {})
+    assert metrics["dynamic_sampling/rounds"] == 2 and len(batch) == 10   # 6 + 4: the surplus group dropped
+    assert torch.equal(info["per_reward"]["arithmetic"], batch.rewards)
+    assert rollout.accuracy(info, cfg) == {"accuracy": pytest.approx(5 / 10)}
