@@ -6,8 +6,9 @@
     torchrun --nproc_per_node=3 train.py mode=async algo.tis=token                  # ranks 0, 1 train (FSDP2), 2 samples
 
 train.py's main hands over to `main` here after config_checks.validate; the trainer runs train.py's own phases (setup,
-extra_logprobs, experience, add_to_buffer, update, finish), passed in as `phases` so that this file does not
-import train.py (no import cycle). docs/async.md has the layout, the staleness rule and the correction.
+extra_logprobs, add_to_buffer, update, finish), passed in as `phases` so that this file does not
+import train.py (no import cycle); the rollout phase itself (engine, scoring, the experience record) is rollout.py's.
+docs/async.md has the layout, the staleness rule and the correction.
 
 The logical clock (async_link.Clock), which makes a run a function of its seed and step numbers, never of wall time:
     step s trains on the samples that the weights after step w(s) = max(0, s - 1 - max_staleness) generated,
@@ -53,12 +54,11 @@ from tqdm import tqdm
 import checkpoint
 import distributed
 import profiling
-import registry
 from async_link import Link, RolloutDied
-from config import UserError, to_dict
+from config import UserError
 from engines.base import Rollout, SamplingParams
 from models import load_model, setup_device
-from scoring import decode, evaluate, record_failures, submit_rewards
+from rollout import accuracy, build_data, decode, evaluate, experience, make_engine, record_failures, submit_rewards
 from update import update
 
 INFLIGHT = "inflight.safetensors"
@@ -84,11 +84,8 @@ def generate_loop(cfg, link: Link, phases, j: int):
     device, dtype = setup_device(cfg)
     model, tok = load_model(cfg.model, device, dtype)
     model.requires_grad_(False)
-    _, _, train_ids, _ = phases.build_data(cfg, tok, model)
-    engine = registry.get("engine", cfg.engine)(model=model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                                                 model_path=cfg.model, seed=cfg.seed, keep_cache=True,
-                                                 decode_weights=cfg.decode_weights,
-                                                 **to_dict(cfg.vllm))   # keep_cache: this GPU only generates
+    _, _, train_ids, _ = build_data(cfg, tok, model)
+    engine = make_engine(cfg, model, tok, keep_cache=True)   # keep_cache: this GPU only generates
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1_000_003 * j)   # j = 0: the one-process stream
     params = dict(model.named_parameters())
     D = link.clock.segments - 1
@@ -339,7 +336,7 @@ class Trainer:
         failures = record_failures(run.run_dir, step, reward_info)
         if failures:
             tqdm.write(failures)
-        batch = phases.experience(rollout, rewards, learner.version, extra)
+        batch = experience(rollout, rewards, learner.version, extra)
         batch.versions = versions
         staleness = (learner.version - versions).float()   # (B,) a sample is as old as its oldest token
         batch.advantages = learner.algo.advantages(batch, cfg.algo, sum_over=distributed.all_sum)
@@ -352,9 +349,7 @@ class Trainer:
         idle = self.publish(step)                        # the new weights (and next prompts) to the rollout ranks
         times["time/sync"] = time.perf_counter() - t0 - idle
         times["time/trainer_idle"] = times.pop("time/wait") + idle
-        best = sum(w for _, w in run.specs)
-        row = {"step": step, "reward": rewards.mean().item(),
-               "accuracy": (rewards >= best - 1e-6).float().mean().item(), **stats, **kept,
+        row = {"step": step, "reward": rewards.mean().item(), **accuracy(reward_info, cfg), **stats, **kept,
                "completion_len": rollout.completion_mask.sum(-1).mean().item(), **partial,
                "truncated_frac": batch.truncated.float().mean().item(), "lr": learner.schedule.get_last_lr()[0],
                **reward_info["metrics"], "staleness/mean": staleness.mean().item(),

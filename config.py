@@ -267,6 +267,8 @@ class Config:
     model: str = opt("assets/tiny-model", "local folder or hub id of a transformers causal LM")
     task: str = opt("arithmetic", "prompt source, by registered name; its settings are the section of that name")
     rewards: str = opt("arithmetic", "reward plugins with weights: 'name[:weight],name[:weight]'")
+    accuracy_reward: str = opt("", "the verifier behind accuracy and pass@k: a sample is correct when this reward "
+                                   "gives it 1 ('' = the task's own reward, the first in rewards)")
     engine: str = opt("builtin", "rollout engine: builtin or vllm (pip install -r requirements-vllm.txt)")
     vllm: VLLMConfig = opt(VLLMConfig(), "settings of engine=vllm")
     algo: AlgoConfig = opt(AlgoConfig(), "algorithm settings")

@@ -35,16 +35,16 @@ import registry
 import run_dir
 import vision
 from buffer import Experience, make_buffer
-from config import Config, UserError, fill_defaults, parse, to_dict, trainer_temperature
+from config import Config, UserError, fill_defaults, parse, trainer_temperature
 from config_checks import check_reward_args, default_threads, validate
 from critic import Critic
 from distributed import print0
 from engines.base import SamplingParams
-from engines.multiturn import MultiTurn
-from models import completion_logprobs, context_length, encode_prompts, load_model, setup_device
+from models import completion_logprobs, load_model, setup_device
 from rewards import parse_reward_args, parse_spec
 from rewards.pool import RewardPool
-from scoring import SingleTurn, broken, check_broken, eval_line, record_failures
+from rollout import (accuracy, accuracy_name, broken, build_data, check_broken, eval_line, experience, make_engine,
+                     make_sampler, record_failures)
 from update import Learner, minibatch_size, update
 
 
@@ -57,7 +57,7 @@ class Run:
     learner: Learner                 # policy (+ critic), optimizer, schedule, algorithm: update.py
     reference: torch.nn.Module | None
     engine: object                   # engines/base.py: Engine
-    sampler: object                  # generate + score + evaluate: scoring.SingleTurn, or engines/multiturn.py (env.name)
+    sampler: object                  # generate + score + evaluate: rollout.SingleTurn, or engines/multiturn.py (env.name)
     pool: RewardPool
     specs: list                      # [(reward name, weight)]
     tok: object
@@ -115,24 +115,6 @@ def build_models(cfg: Config, device, dtype, fsdp: bool):
     return policy, tok, engine_model
 
 
-def build_data(cfg: Config, tok, policy):
-    """-> train and held-out samples and their prompt token ids; a prompt too long for the model is an error."""
-    try:
-        train_set, eval_set = registry.get("task", cfg.task)(getattr(cfg, cfg.task, None))
-    except (ValueError, OSError) as e:   # tasks report bad settings or unreadable files this way
-        raise UserError(f"task '{cfg.task}': {e}")
-    if not train_set:
-        raise UserError(f"task '{cfg.task}' produced an empty training set")
-    eval_set = eval_set[:cfg.eval_size] if cfg.eval_size else eval_set
-    encode = lambda rows: vision.encode_rows(tok, cfg.model, rows, encode_prompts)   # rows with pictures too
-    train_ids, eval_ids = encode(train_set), encode(eval_set)
-    longest = max(len(p) for p in train_ids + eval_ids)
-    if longest + cfg.max_new_tokens > context_length(policy):
-        raise UserError(f"a prompt of {longest} tokens + max_new_tokens={cfg.max_new_tokens} exceeds the model's "
-                        f"context of {context_length(policy)} tokens")
-    return train_set, eval_set, train_ids, eval_ids
-
-
 def memory_plan(cfg: Config, dtype, algo) -> str:
     """memory_budget_gib: the model's shape from its config and the longest prompt from the task, before any weight
     is loaded (the task's prompts are read twice); sets micro_batch_size and grad_checkpointing (memory.py)."""
@@ -169,12 +151,8 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
         reference.eval().requires_grad_(False)
         reference = distributed.shard(reference, device, dtype, cfg.offload) if fsdp else reference
     critic = Critic(cfg, device, dtype, fsdp) if algo.needs_critic else None   # PPO's value model
-    engine = registry.get("engine", cfg.engine)(model=engine_model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                                                 model_path=cfg.model, seed=cfg.seed, **to_dict(cfg.vllm),
-                                                 sample_dtype=cfg.engine_dtype, lag=cfg.engine_lag,   # docs/mismatch.md
-                                                 decode_weights=cfg.decode_weights, exact=cfg.exact_logprobs)
-    # the rollout kind is chosen once here: single completions, or episodes with an environment (and tools)
-    sampler = MultiTurn(engine_model, tok, cfg, engine=engine) if cfg.env.name else SingleTurn(engine, pool, tok)
+    engine = make_engine(cfg, engine_model, tok, sample_dtype=cfg.engine_dtype, lag=cfg.engine_lag)  # docs/mismatch.md
+    sampler = make_sampler(cfg, engine, engine_model, tok, pool)   # single completions, or episodes (env.name)
     # speed: fused AdamW (one kernel for all parameters) on GPU; offloaded shards step on the CPU with the default
     # only what trains (LoRA: the adapters); the optimizer state and checkpoints hold nothing of the frozen base
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
@@ -253,13 +231,6 @@ def extra_logprobs(run: Run, rollout, images: dict | None = None) -> dict:
     return out
 
 
-def experience(rollout, rewards: torch.Tensor, version: int, extra: dict) -> Experience:
-    return Experience(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
-                      completion_mask=rollout.completion_mask, sample_logprobs=rollout.logprobs, rewards=rewards,
-                      group_ids=rollout.group_ids, versions=torch.full_like(rewards, version, dtype=torch.long),
-                      truncated=rollout.truncated, turn_rewards=rollout.turn_rewards, **extra)
-
-
 def add_to_buffer(run: Run, batch: Experience):
     """The rows the algorithm keeps (e.g. DAPO drops groups with no signal) go into the buffer. A rank that keeps
     none adds its rows with no loss token: it still takes part in every collective, and trains nothing."""
@@ -323,12 +294,15 @@ def draw(run: Run, step: int, times: dict):
     whole.group_ids = torch.arange(len(whole) // n).repeat_interleave(n)   # rows are whole groups, in order
     signal = algo.keep(whole, cfg.algo)[::n]                                          # (groups,) bool
     surplus = signal & (signal.cumsum(0) > want)      # found beyond a full batch: never used
-    batch = whole.select((~surplus).repeat_interleave(n).nonzero().squeeze(-1))
+    rows = (~surplus).repeat_interleave(n).nonzero().squeeze(-1)
+    batch = whole.select(rows)
     batch.group_ids = torch.arange(len(batch) // n).repeat_interleave(n)   # 0..G-1 again (group stats index by them)
     # reward metrics: means over the rounds, failure counts (reward_fail*) summed, as over ranks
     metrics = {k: sum(i["metrics"][k] for i in infos) / (1 if k.startswith(distributed.SUMMED) else len(infos))
                for k in infos[0]["metrics"]}
-    return batch, {"metrics": metrics}, want * n, {"dynamic_sampling/rounds": len(parts),
+    # each reward's scores of the rows kept (the batch's accuracy is its verifier's)
+    per_reward = {k: torch.cat([i["per_reward"][k] for i in infos])[rows] for k in info.get("per_reward", {})}
+    return batch, {"metrics": metrics, "per_reward": per_reward}, want * n, {"dynamic_sampling/rounds": len(parts),
                                                    "dynamic_sampling/groups_drawn": len(parts) * want,
                                                    "dynamic_sampling/groups_with_signal": found}
 
@@ -353,8 +327,7 @@ def train_step(run: Run, step: int) -> dict:
     with profiling.phase(times, "sync"):              # 5. the new weights into the engine, in place
         run.engine.load_weights(lora.engine_weights(learner.policy) if cfg.lora.r else
                                 distributed.sync_weights(learner.policy))
-    best = sum(w for _, w in run.specs)               # 6. log
-    row = {"step": step, "reward": rewards.mean().item(), "accuracy": (rewards >= best - 1e-6).float().mean().item(),
+    row = {"step": step, "reward": rewards.mean().item(), **accuracy(reward_info, cfg),   # 6. log
            **stats, **kept, "completion_len": batch.completion_mask.sum(-1).mean().item(),
            "truncated_frac": batch.truncated.float().mean().item(), "lr": learner.schedule.get_last_lr()[0],
            **reward_info["metrics"], **rounds, **times}
@@ -460,6 +433,7 @@ def prepare(argv: list[str]) -> tuple[Config, str | None]:
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
     kernels.choose(**vars(cfg.kernels))                # the implementation of each kernel op (kernels/__init__.py)
     check_reward_args(parse_reward_args(cfg.reward_args, parse_spec(cfg.rewards)))
+    accuracy_name(cfg)                                 # accuracy_reward names one of the rewards
     cfg.threads = cfg.threads or default_threads(cfg)   # threads=0: chosen from the model's size
     return cfg, resume_from
 

@@ -35,7 +35,7 @@ from engines.base import left_pad
 from models import completion_logprobs, encode_prompts, load_model, setup_device
 from rewards import parse_reward_args, parse_spec
 from rewards.pool import RewardPool
-from scoring import evaluate
+from rollout import evaluate
 
 
 def read_pairs(path: str) -> list[dict]:

@@ -42,7 +42,7 @@ from lora import engine_weights
 from registry import register
 from engines.base import Rollout, SamplingParams, left_pad
 
-# The loop's greedy evaluation asks for max(eval_temperature, 1e-5) (scoring.evaluate), since the built-in engine
+# The loop's greedy evaluation asks for max(eval_temperature, 1e-5) (rollout.evaluate), since the built-in engine
 # divides by the temperature; any temperature this small is greedy in effect
 GREEDY_BELOW = 1e-4
 

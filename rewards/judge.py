@@ -130,7 +130,7 @@ def yes_probs(model, tok, ids: list[list[int]], yes: int, no: int | None, batch_
 def replies(engine, tok, ids: list[list[int]], max_new_tokens: int, batch_size: int) -> list[str]:
     """Greedy replies, decoded without special tokens."""
     from engines.base import SamplingParams
-    greedy = SamplingParams(temperature=1e-5, max_new_tokens=max_new_tokens)   # the project's greedy (scoring.py)
+    greedy = SamplingParams(temperature=1e-5, max_new_tokens=max_new_tokens)   # the project's greedy (rollout.py: evaluate)
     out = []
     for start in range(0, len(ids), batch_size):
         r = engine.generate(ids[start:start + batch_size], 1, greedy)

@@ -387,9 +387,9 @@ def test_help_names_the_script(capsys):
 def test_a_run_whose_every_reward_breaks_stops_with_the_reason(tmp_path):
     """A `tests` field that is not JSON breaks the code reward on every sample: three such steps stop the run."""
     from types import SimpleNamespace
-    import scoring
+    import rollout
     from rewards.pool import RewardPool
-    from scoring import broken
+    from rollout import broken
     with RewardPool([("code", 1.0)], workers=1, timeout_s=30) as pool:
         _, info = pool.submit(["p", "p"], ["print(1)", "print(2)"], [{"tests": "not json"}] * 2).result()
     share, reason = broken(info, 2)
@@ -397,14 +397,14 @@ def test_a_run_whose_every_reward_breaks_stops_with_the_reason(tmp_path):
     run = SimpleNamespace(broken=[], broken_steps=0, run_dir=str(tmp_path))
     for step in (1, 2):
         run.broken = [(share, reason)]
-        scoring.check_broken(run, step)
+        rollout.check_broken(run, step)
     run.broken = [(0.5, reason)]   # a step where half the samples scored: the count starts again
-    scoring.check_broken(run, 3)
+    rollout.check_broken(run, 3)
     for step in (4, 5):
         run.broken = [(1.0, reason)]
-        scoring.check_broken(run, step)
+        rollout.check_broken(run, step)
     run.broken = [(1.0, reason)]
-    msg = one_line_error(scoring.check_broken, run, 6)
+    msg = one_line_error(rollout.check_broken, run, 6)
     assert msg.startswith("every sample's reward or episode failed for 3 steps in a row (step 6: code: "
                           "JSONDecodeError") and "stopped rather than train on zeros" in msg
     # the environment's failures count the same way (engines/multiturn.py's info: metrics env_fail)
@@ -417,7 +417,7 @@ def test_a_run_whose_every_reward_breaks_stops_with_the_reason(tmp_path):
 
 
 def test_evaluations_show_on_the_console_with_pass_at_k():
-    from scoring import eval_line
+    from rollout import eval_line
     assert eval_line({"step": 10, "eval/accuracy": 0.25, "eval/reward": 0.25, "eval/mean@4": 0.2, "eval/pass@4": 0.5,
                       "eval/pass@1": 0.2, "eval/pass@2": 0.3}) == \
         "step 10: held-out accuracy 0.250, pass@1 0.200, pass@2 0.300, pass@4 0.500"

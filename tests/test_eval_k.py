@@ -1,10 +1,10 @@
-"""eval_k: n samples per held-out prompt give mean@n and the unbiased pass@k (scoring.py)."""
+"""eval_k: n samples per held-out prompt give mean@n and the unbiased pass@k (rollout.py)."""
 import math
 
 import pytest
 
 from conftest import step_rows
-from scoring import pass_at, report_ks
+from rollout import pass_at, report_ks
 
 
 def test_pass_at_k_by_hand():

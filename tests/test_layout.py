@@ -12,7 +12,7 @@ LAYERS = [
     ["buffer", "kernels", "algos", "microbatch"],
     ["distributed", "models", "lora", "memory", "offload", "critic", "profiling", "checkpoint", "async_link"],
     ["engines", "tasks", "rewards", "envs"],
-    ["update", "scoring", "run_dir", "async_rl"],
+    ["update", "rollout", "run_dir", "async_rl"],
     ["train", "train_dpo", "tools"],
 ]
 

@@ -84,6 +84,7 @@ def test_help_lists_options():
     (["algo.name=ppo", "micro_batch_size=2"], "algo 'ppo' with these settings has no exact split"),
     (["steps=[1"], "config key 'steps': '[1' is not valid YAML"),                  # the rest: tests/test_bad_input.py
     (["micro_batch_size=3"], "micro_batch_size=3 must divide the mini-batch of 256 samples"),
+    (["accuracy_reward=format"], "accuracy_reward 'format' is not one of the rewards (arithmetic)"),
 ])
 def test_bad_input_is_one_line_error(args, message, random_model_dir, tmp_path):
     r = run_train(f"model={random_model_dir}", f"out_dir={tmp_path / 'run'}", *args, timeout=120)

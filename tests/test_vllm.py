@@ -31,10 +31,10 @@ STALE_MIN = 0.05   # the weight change must move log-probs by more than this, or
 
 
 def test_greedy_evaluation_sends_vllm_temperature_zero():
-    """scoring.evaluate asks for greedy as max(eval_temperature, 1e-5) (the built-in engine divides by it); vLLM
+    """rollout.evaluate asks for greedy as max(eval_temperature, 1e-5) (the built-in engine divides by it); vLLM
     raises any temperature below 0.01 to 0.01, with a warning per request, and samples: greedy is 0 there."""
     from engines.vllm import vllm_temperature
-    from scoring import evaluate  # noqa: F401  (the caller whose greedy temperature this maps)
+    from rollout import evaluate  # noqa: F401  (the caller whose greedy temperature this maps)
     assert vllm_temperature(max(0.0, 1e-5)) == 0.0
     assert vllm_temperature(0.7) == 0.7 and vllm_temperature(1.0) == 1.0 and vllm_temperature(0.01) == 0.01
 
