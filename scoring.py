@@ -28,10 +28,12 @@ def decode(tok, rollout) -> list[str]:
     return [tok.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(ids, lengths)]
 
 
-def submit_rewards(pool, samples: list[dict], completions: list[str]):
-    """Start scoring in the reward workers and return at once; `.result()` gives (rewards (B,), info)."""
+def submit_rewards(pool, samples: list[dict], completions: list[str], rollout=None):
+    """Start scoring in the reward workers and return at once; `.result()` gives (rewards (B,), info). With the
+    rollout, a reward that asks for completion_tokens gets each completion's count (rewards/pool.py: SAMPLING_ARGS)."""
+    counts = None if rollout is None else rollout.completion_mask.sum(-1).long().tolist()   # (B,)
     return pool.submit([s["prompt"] for s in samples], completions,
-                       [{k: v for k, v in s.items() if k != "prompt"} for s in samples])
+                       [{k: v for k, v in s.items() if k != "prompt"} for s in samples], completion_tokens=counts)
 
 
 def record_failures(run_dir: str, step: int, info: dict) -> str | None:
@@ -107,7 +109,7 @@ def score_prompts(cfg, engine, tok, samples, prompt_ids, pool, specs, generator,
     for start in range(0, len(samples), step):
         rollout = engine.generate(prompt_ids[start:start + step], n, sampling, generator)
         rows = [s for s in samples[start:start + step] for _ in range(n)]   # a prompt's n samples are adjacent
-        rewards.append(submit_rewards(pool, rows, decode(tok, rollout)).result()[0])
+        rewards.append(submit_rewards(pool, rows, decode(tok, rollout), rollout).result()[0])
     r = torch.cat(rewards).view(-1, n)                                 # (P, n)
     return r, r >= sum(w for _, w in specs) - 1e-6
 
@@ -147,7 +149,7 @@ class SingleTurn:
         return self.engine.generate(prompt_ids, n, sampling, generator)
 
     def score(self, samples: list[dict], rollout):
-        return submit_rewards(self.pool, samples, decode(self.tok, rollout))
+        return submit_rewards(self.pool, samples, decode(self.tok, rollout), rollout)
 
     def evaluate(self, cfg, samples, prompt_ids, specs, generator) -> dict:
         return evaluate(cfg, self.engine, self.tok, samples, prompt_ids, self.pool, specs, generator)
