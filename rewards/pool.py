@@ -18,7 +18,7 @@ max_new_tokens, **fields)`. Only a reward that names one gets it; a batched rewa
 They override a row field of the same name; a reward_args keyword of the same name overrides them.
 
 Per-sample rewards `fn(prompt, completion, **fields) -> float` run one call at a time in `workers`
-fresh Python processes (`python -c "from rewards.pool import serve; ..."`, like multiprocessing's
+fresh Python processes (workers.py: `python -c "from rewards.pool import serve; ..."`, like multiprocessing's
 "spawn": safe beside torch and CUDA, where forking the trainer is not; unlike it, a worker does not
 re-import the trainer's main script, so it starts in about a second and without torch). The functions
 travel by reference (module + name, with the trainer's sys.path), so any module-level function works,
@@ -49,7 +49,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -60,9 +59,9 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 
+from workers import start_worker
 from rewards.score import CATEGORIES, Score  # noqa: F401  (Score re-exported: rewards return it)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_PREFIX = "reward-worker-"     # reward-worker-<trainer pid>-XXXX under the temp dir
 SAMPLING_ARGS = ("completion_tokens", "max_new_tokens")   # what a reward gets when its signature names it
 
@@ -198,15 +197,11 @@ def _serve(conn: Connection):
 
 class _Worker:
     def __init__(self, blob: bytes):
-        ours, theirs = socket.socketpair()
-        code = f"import sys; sys.path.insert(0, {REPO!r}); from rewards.pool import serve; serve({theirs.fileno()}, {os.getpid()})"
         # its own temp dir for what a reward writes: the worker removes it when it leaves, the pool when it
         # kills the worker, and a later pool the dirs of trainers that died with their workers (kill -9 of all)
         _sweep_worker_dirs()
         self.tmp = tempfile.mkdtemp(prefix=f"{WORKER_PREFIX}{os.getpid()}-")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                     env={**os.environ, "TMPDIR": self.tmp})
-        theirs.close()
+        self.proc, ours = start_worker("rewards.pool", os.getpid(), env={"TMPDIR": self.tmp})
         self.conn = Connection(ours.detach())
         self.conn.send((sys.path, blob))
         self.ready, self.job, self.deadline = False, None, math.inf
@@ -331,7 +326,8 @@ class RewardPool:
             raise ValueError(f"reward {asking[0]!r} asks for completion_tokens: pass submit(..., completion_tokens=)")
         if self.closed:
             raise RuntimeError("submit on a closed RewardPool")
-        sampled = {"completion_tokens": [int(n) for n in completion_tokens or ()], "max_new_tokens": self.max_new_tokens}
+        sampled = {"completion_tokens": [int(n) for n in completion_tokens or ()],
+                   "max_new_tokens": self.max_new_tokens}
         h = RewardHandle(self, len(prompts))
         for j, (_, _, fn, kw) in enumerate(self.specs):
             if j not in self.per_sample and len(prompts):
