@@ -51,8 +51,8 @@ import traceback
 from collections import deque
 from multiprocessing.connection import wait
 
-from workers import start_worker
 from envs.wire import FrameReader, WireError, check_result, decode_reply, encode, frame
+from workers import start_worker
 
 START_S = 60.0            # a worker's start (imports) has its own, longer deadline
 MAX_STATE_BYTES = 1 << 20  # an environment's pickled state; past it the episode fails (the trainer holds B states)

@@ -59,8 +59,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 
-from workers import start_worker
 from rewards.score import CATEGORIES, Score  # noqa: F401  (Score re-exported: rewards return it)
+from workers import start_worker
 
 WORKER_PREFIX = "reward-worker-"     # reward-worker-<trainer pid>-XXXX under the temp dir
 SAMPLING_ARGS = ("completion_tokens", "max_new_tokens")   # what a reward gets when its signature names it
