@@ -147,7 +147,8 @@ def serve(fd: int, parent: int = 0):
         _serve(Connection(fd))
     except (_Stop, OSError):    # the trainer is gone
         pass
-    finally:
+    finally:   # leaving anyway: a SIGTERM now (the trainer exiting) must not cut the clean-up with a traceback
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if os.path.basename(tempfile.gettempdir()).startswith(WORKER_PREFIX):
             shutil.rmtree(tempfile.gettempdir(), ignore_errors=True)
 
