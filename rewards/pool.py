@@ -133,6 +133,7 @@ class _Stop(BaseException):
 
 
 def _stop(*_):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # one _Stop at most: the clean-up after it runs to its end
     raise _Stop
 
 
@@ -142,15 +143,23 @@ def serve(fd: int, parent: int = 0):
     # Ctrl-C belongs to the trainer, which closes the pool; a worker dying on it would only add noise
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stop)
+    conn = Connection(fd)   # held here, closed by _clean_up: not in a __del__ that a SIGTERM could interrupt
     try:
-        _die_with_parent(signal.SIGTERM, parent)
-        _serve(Connection(fd))
-    except (_Stop, OSError):    # the trainer is gone
-        pass
-    finally:   # leaving anyway: a SIGTERM now (the trainer exiting) must not cut the clean-up with a traceback
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if os.path.basename(tempfile.gettempdir()).startswith(WORKER_PREFIX):
-            shutil.rmtree(tempfile.gettempdir(), ignore_errors=True)
+        try:
+            _die_with_parent(signal.SIGTERM, parent)
+            _serve(conn)
+        except (_Stop, OSError):    # the trainer is gone
+            pass
+        finally:
+            _clean_up(conn)
+    except _Stop:   # the trainer exited while this worker was leaving anyway: no traceback, the clean-up again
+        _clean_up(conn)
+
+
+def _clean_up(conn: Connection):
+    conn.close()
+    if os.path.basename(tempfile.gettempdir()).startswith(WORKER_PREFIX):
+        shutil.rmtree(tempfile.gettempdir(), ignore_errors=True)
 
 
 def _die_with_parent(sig: int, parent: int):
