@@ -329,7 +329,7 @@ class Trainer:
         order = order[self.rank::T]
         with profiling.phase(times, "logprobs"):         # scoring in the reward workers, overlapped with ...
             samples = [run.train_set[i] for i in order for _ in range(cfg.samples_per_prompt)]
-            handle = submit_rewards(run.pool, samples, decode(run.tok, rollout))
+            handle = submit_rewards(run.pool, samples, decode(run.tok, rollout), rollout)
             extra = phases.extra_logprobs(run, rollout)  # ... the proximal (and reference) log-probs
         with profiling.phase(times, "reward"):
             rewards, reward_info = handle.result()

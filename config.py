@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
+import registry
+
 # the valid values of the options that name a choice (the algorithms, engines, tasks and rewards: the registry)
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -65,11 +67,21 @@ def load_yaml(text):
     return yaml.load(text, Loader=_UniqueKeys)
 
 
-def opt(default, help: str):
-    """A config field with its help text. Sections (dataclass defaults) get a fresh instance per Config."""
+def opt(default, help: str, registered: str = ""):
+    """A config field with its help text. Sections (dataclass defaults) get a fresh instance per Config.
+    `registered`: the registry kind the option names ("algo", "task", ...); --help lists that kind's names as they
+    are registered, so a new plugin shows up there without an edit here."""
+    meta = {"help": help, "registered": registered}
     if dataclasses.is_dataclass(default):
-        return field(default_factory=type(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=type(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def help_of(f: dataclasses.Field) -> str:
+    """A field's help text, with the names registered under its kind (once the plugin packages are imported)."""
+    text, kind = f.metadata.get("help", ""), f.metadata.get("registered")
+    names = registry.names(kind) if kind else []
+    return f"{text}; registered: {', '.join(names)}" if names else text
 
 
 @dataclass
@@ -126,9 +138,9 @@ class PartialConfig:
 
 @dataclass
 class EnvConfig:
-    name: str = opt("", "multi-turn environment, by registered name (see envs/); '' = single-turn rollouts")
+    name: str = opt("", "multi-turn environment, by registered name (see envs/); '' = single-turn rollouts", "env")
     args: str = opt("", "keyword arguments for the environment: 'max_guesses=4,digit_reward=0.1'")
-    tools: str = opt("", "tools the model may call, by registered name: 'calculator,python' (see envs/tools.py)")
+    tools: str = opt("", "tools the model may call, by registered name: 'calculator,python' (see envs/tools.py)", "tool")
     parser: str = opt("tag", "how tool calls are written: tag (<calculator>2+3</calculator>) or hermes "
                              "(<tool_call>{json}</tool_call>, the Qwen/Hermes chat-template convention)")
     max_turns: int = opt(4, "assistant turns per episode at most (tool calls count as turns)")
@@ -194,8 +206,7 @@ class DistillConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = opt("grpo", "algorithm, by registered name (see algos/): grpo, dr_grpo, dapo, gspo, rloo, "
-                            "reinforce_pp, reinforce_pp_baseline, ppo, online_dpo, distill")
+    name: str = opt("grpo", "algorithm, by registered name (see algos/ and README's table)", "algo")
     clip_eps: float = opt(0.2, "PPO-style ratio clip: ratio is kept in [1 - clip_eps, 1 + clip_eps_high]")
     clip_eps_high: float = opt(0.2, "upper clip (DAPO's clip-higher uses a larger value than clip_eps)")
     dual_clip: float = opt(0.0, "dual-clip PPO: with a negative advantage the loss stops growing once the ratio "
@@ -265,11 +276,13 @@ class VisionConfig:
 class Config:
     # what to train
     model: str = opt("assets/tiny-model", "local folder or hub id of a transformers causal LM")
-    task: str = opt("arithmetic", "prompt source, by registered name; its settings are the section of that name")
-    rewards: str = opt("arithmetic", "reward plugins with weights: 'name[:weight],name[:weight]'")
+    task: str = opt("arithmetic", "prompt source, by registered name; its settings are the section of that name",
+                    "task")
+    rewards: str = opt("arithmetic", "reward plugins with weights: 'name[:weight],name[:weight]'", "reward")
     accuracy_reward: str = opt("", "the verifier behind accuracy and pass@k: a sample is correct when this reward "
                                    "gives it 1 ('' = the task's own reward, the first in rewards)")
-    engine: str = opt("builtin", "rollout engine: builtin or vllm (pip install -r requirements-vllm.txt)")
+    engine: str = opt("builtin", "rollout engine, by registered name (vllm: pip install -r requirements-vllm.txt)",
+                      "engine")
     vllm: VLLMConfig = opt(VLLMConfig(), "settings of engine=vllm")
     algo: AlgoConfig = opt(AlgoConfig(), "algorithm settings")
     arithmetic: ArithmeticConfig = opt(ArithmeticConfig(), "settings of the embedded arithmetic task")
@@ -442,10 +455,10 @@ def help_text(cfg=None, prefix: str = "", script: str = "train.py") -> str:
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            lines.append(f"  [{prefix}{f.name}]  {f.metadata.get('help', '')}")
+            lines.append(f"  [{prefix}{f.name}]  {help_of(f)}")
             lines.append(help_text(value, prefix=f"{prefix}{f.name}.").rstrip("\n"))
         else:
-            lines.append(f"  {prefix}{f.name}={value!r:<22} ({_type_name(hints[f.name])}) {f.metadata.get('help', '')}")
+            lines.append(f"  {prefix}{f.name}={value!r:<22} ({_type_name(hints[f.name])}) {help_of(f)}")
     return "\n".join(lines) + "\n"
 
 

@@ -89,10 +89,12 @@ def decode(tok, rollout) -> list[str]:
     return [tok.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(ids, lengths)]
 
 
-def submit_rewards(pool, samples: list[dict], completions: list[str]):
-    """Start scoring in the reward workers and return at once; `.result()` gives (rewards (B,), info)."""
+def submit_rewards(pool, samples: list[dict], completions: list[str], rollout=None):
+    """Start scoring in the reward workers and return at once; `.result()` gives (rewards (B,), info). With the
+    rollout, a reward that asks for completion_tokens gets each completion's count (rewards/pool.py: SAMPLING_ARGS)."""
+    counts = None if rollout is None else rollout.completion_mask.sum(-1).long().tolist()   # (B,)
     return pool.submit([s["prompt"] for s in samples], completions,
-                       [{k: v for k, v in s.items() if k != "prompt"} for s in samples])
+                       [{k: v for k, v in s.items() if k != "prompt"} for s in samples], completion_tokens=counts)
 
 
 def accuracy_name(cfg) -> str:
@@ -207,7 +209,7 @@ def score_prompts(cfg, engine, tok, samples, prompt_ids, pool, specs, generator,
         rollout = engine.generate(prompt_ids[start:start + step], n, sampling, generator)
         rows = [s for s in samples[start:start + step] for _ in range(n)]   # a prompt's n samples are adjacent
         texts = decode(tok, rollout)
-        r, info = submit_rewards(pool, rows, texts).result()
+        r, info = submit_rewards(pool, rows, texts, rollout).result()
         rewards.append(r)
         if shown is not None:
             shown += [{"prompt": s["prompt"], "completion": c, "reward": float(x)} for s, c, x in zip(rows, texts, r)]
@@ -252,7 +254,7 @@ class SingleTurn:
         return self.engine.generate(prompt_ids, n, sampling, generator)
 
     def score(self, samples: list[dict], rollout):
-        return submit_rewards(self.pool, samples, decode(self.tok, rollout))
+        return submit_rewards(self.pool, samples, decode(self.tok, rollout), rollout)
 
     def evaluate(self, cfg, samples, prompt_ids, specs, generator) -> dict:
         self.shown = []   # this rank's greedy completions, for the loggers' table (train.log)

@@ -137,7 +137,8 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
     specs = parse_spec(cfg.rewards)
     reward_args = parse_reward_args(cfg.reward_args, specs)
     pool = RewardPool([(name, weight, reward_args.get(name, {})) for name, weight in specs],
-                      workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)   # unknown reward -> error here
+                      workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,   # unknown reward -> error here
+                      max_new_tokens=cfg.max_new_tokens)
     fsdp = (distributed.world() > 1 and cfg.parallel == "fsdp") or cfg.offload
     policy, tok, engine_model = build_models(cfg, device, dtype, fsdp)
     train_set, eval_set, train_ids, eval_ids = build_data(cfg, tok, policy)

@@ -87,7 +87,8 @@ def main(argv: list[str]) -> dict:
     device, dtype = setup_device(cfg)
     pairs = read_pairs(cfg.algo.dpo.data)
     pool = RewardPool([(name, weight, parse_reward_args(cfg.reward_args, specs).get(name, {})) for name, weight in specs],
-                      workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)   # scores the held-out evaluation
+                      workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,   # scores the held-out evaluation
+                      max_new_tokens=cfg.max_new_tokens)
     _, eval_set = registry.get("task", cfg.task)(getattr(cfg, cfg.task, None))
     eval_set = eval_set[:cfg.eval_size] if cfg.eval_size else eval_set
     policy, tok = load_model(cfg.model, device, dtype)

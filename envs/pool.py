@@ -31,7 +31,8 @@ stuck on one step for STALL_S gives back the jobs behind it, and for the rest of
 time, to spare workers where none is free; spares stop at the end of the run.
 Why not the reward pool (rewards/pool.py): environments are stateful and a rollout waits for every step of a
 turn before it goes on, so this pool is synchronous (no dispatcher thread) and moves state with each job.
-Workers are fresh `python -c` processes (no torch: a start costs ~0.1 s) under an address-space limit.
+Workers are fresh `python -c` processes (workers.py, as the reward pool's; no torch: a start costs ~0.1 s) under an
+address-space limit.
 """
 import base64
 import functools
@@ -51,8 +52,8 @@ from collections import deque
 from multiprocessing.connection import wait
 
 from envs.wire import FrameReader, WireError, check_result, decode_reply, encode, frame
+from workers import start_worker
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_S = 60.0            # a worker's start (imports) has its own, longer deadline
 MAX_STATE_BYTES = 1 << 20  # an environment's pickled state; past it the episode fails (the trainer holds B states)
 FAILS_IN_A_ROW = 3        # a worker whose last jobs all failed is replaced: its environment may have broken it
@@ -215,13 +216,9 @@ def _gone_or_zombie(pid: int) -> bool:
 
 class _Worker:
     def __init__(self, spec: dict, max_reply: int, send_s: float, isolation: tuple):
-        ours, theirs = socket.socketpair()
         self.tag, self.isolated = f"{os.getpid()}-{next(_count)}-{secrets.token_hex(4)}", bool(isolation)
-        code = f"import sys; sys.path.insert(0, {REPO!r}); from envs.pool import serve; serve({theirs.fileno()})"
-        self.proc = subprocess.Popen([*parent_death(), *isolation, sys.executable, "-c", code],
-                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
-                                     env={**os.environ, TAG_VAR: self.tag})
-        theirs.close()
+        self.proc, ours = start_worker("envs.pool", prefix=(*parent_death(), *isolation), env={TAG_VAR: self.tag},
+                                        start_new_session=True)
         ours.settimeout(send_s)   # a worker that stops reading cannot block the trainer's send
         self.sock, self.reader = ours, FrameReader(ours, max_reply)
         self.ready, self.fails = False, 0

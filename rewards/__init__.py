@@ -1,7 +1,20 @@
 """Reward plugins: plain functions `(prompt, completion, **sample_fields) -> float`, registered by name.
 
 Pick them in the config as `rewards=name[:weight],name[:weight]`; the total reward is the weighted sum.
-Each module below registers its functions on import; a new reward family is one new file plus one line here.
+Each module below registers its functions on import; a new reward family is one new file plus one line here
+(and a line in this table: tests/test_core.py checks that it names every registered reward).
+
+    file              registered names
+    code.py           reward code: runs the completion's program against the row's tests (in sandbox.py)
+    format.py         reward format: partial credit for the <think>...</think><answer>...</answer> layout
+    k12.py            reward k12: normalised string or numeric match with the row's answer
+    math.py           reward math: the final answer equals the row's (math-verify)
+    reward_model.py   reward reward_model: a learned sequence-classification model (batched, on a thread)
+    pool.py           (runs them in killable worker processes, overlapped with the trainer's forwards)
+    (the embedded task's verifier, reward arithmetic, lives with its task in tasks/arithmetic.py)
+
+A reward that declares `completion_tokens` or `max_new_tokens` in its signature gets them from the pool
+(rewards/pool.py: SAMPLING_ARGS), e.g. a length penalty.
 """
 from registry import RegistryError
 from rewards import code, format, k12, math, reward_model, vision  # noqa: F401  (each registers its rewards)

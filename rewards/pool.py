@@ -1,8 +1,9 @@
 """Overlapped reward execution: score a batch in worker processes while the trainer runs its forwards.
 
     from rewards.pool import RewardPool
-    pool = RewardPool([("math", 1.0), ("format", 0.2)], workers=4, timeout_s=30)   # names from the registry
-    handle = pool.submit(prompts, completions, fields)     # returns at once; fields: one dict per sample
+    pool = RewardPool([("math", 1.0), ("format", 0.2)], workers=4, timeout_s=30, max_new_tokens=512)
+    handle = pool.submit(prompts, completions, fields, completion_tokens=counts)   # returns at once; one dict
+                                                           # of fields and one token count per sample
     ref_logprobs = reference_forward(batch)                # ... overlaps with the scoring
     rewards, info = handle.result()                        # rewards: float32 tensor (B,) of weighted sums
     pool.close()                                           # or use `with RewardPool(...) as pool:`
@@ -10,8 +11,14 @@
 A spec is (name_or_fn, weight) or (name_or_fn, weight, kwargs), or a dict {"name", "weight", "args"}
 as it comes from YAML; kwargs are passed to every call (e.g. {"wall_s": 5} for the code reward).
 
+A reward may also ask for what the sampling knows, by naming it in its signature (SAMPLING_ARGS):
+`completion_tokens` (the tokens the model wrote for this completion, its end-of-sequence token included) and
+`max_new_tokens` (the run's length limit), e.g. `def length_penalty(prompt, completion, completion_tokens,
+max_new_tokens, **fields)`. Only a reward that names one gets it; a batched reward gets completion_tokens as a list.
+They override a row field of the same name; a reward_args keyword of the same name overrides them.
+
 Per-sample rewards `fn(prompt, completion, **fields) -> float` run one call at a time in `workers`
-fresh Python processes (`python -c "from rewards.pool import serve; ..."`, like multiprocessing's
+fresh Python processes (workers.py: `python -c "from rewards.pool import serve; ..."`, like multiprocessing's
 "spawn": safe beside torch and CUDA, where forking the trainer is not; unlike it, a worker does not
 re-import the trainer's main script, so it starts in about a second and without torch). The functions
 travel by reference (module + name, with the trainer's sys.path), so any module-level function works,
@@ -34,6 +41,7 @@ info = {"names": [...], "per_reward": {name: tensor (B,)}, "failures": {name: fa
 The per-category metrics appear for a reward from the first step it reports a failure, every category
 from then on. `write_reasons(path, step, info["failed"])` appends a sample of them to a jsonl file.
 """
+import inspect
 import itertools
 import json
 import math
@@ -41,7 +49,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,9 +60,10 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 
 from rewards.score import CATEGORIES, Score  # noqa: F401  (Score re-exported: rewards return it)
+from workers import start_worker
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_PREFIX = "reward-worker-"     # reward-worker-<trainer pid>-XXXX under the temp dir
+SAMPLING_ARGS = ("completion_tokens", "max_new_tokens")   # what a reward gets when its signature names it
 
 
 def _sweep_worker_dirs():
@@ -111,11 +119,21 @@ def _parse_spec(spec):
     return name, float(weight), fn, dict(kwargs)
 
 
+def _asks(fn, kwargs: dict) -> tuple[str, ...]:
+    """The SAMPLING_ARGS that fn names as parameters, less those its reward_args set."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):     # a builtin or a C callable: it asks for nothing
+        return ()
+    return tuple(a for a in SAMPLING_ARGS if a in params and a not in kwargs)
+
+
 class _Stop(BaseException):
     """SIGTERM (the trainer died): leave, whatever the reward was doing."""
 
 
 def _stop(*_):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # one _Stop at most: the clean-up after it runs to its end
     raise _Stop
 
 
@@ -125,16 +143,23 @@ def serve(fd: int, parent: int = 0):
     # Ctrl-C belongs to the trainer, which closes the pool; a worker dying on it would only add noise
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stop)
+    conn = Connection(fd)   # held here, closed by _clean_up: not in a __del__ that a SIGTERM could interrupt
     try:
-        _die_with_parent(signal.SIGTERM, parent)
-        _serve(Connection(fd))
-    except (_Stop, OSError):    # the trainer is gone
-        pass
-    finally:
-        # a second SIGTERM (the pool's close after its stop message) must not cut the clean-up short with a traceback
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if os.path.basename(tempfile.gettempdir()).startswith(WORKER_PREFIX):
-            shutil.rmtree(tempfile.gettempdir(), ignore_errors=True)
+        try:
+            _die_with_parent(signal.SIGTERM, parent)
+            _serve(conn)
+        except (_Stop, OSError):    # the trainer is gone
+            pass
+        finally:
+            _clean_up(conn)
+    except _Stop:   # the trainer exited while this worker was leaving anyway: no traceback, the clean-up again
+        _clean_up(conn)
+
+
+def _clean_up(conn: Connection):
+    conn.close()
+    if os.path.basename(tempfile.gettempdir()).startswith(WORKER_PREFIX):
+        shutil.rmtree(tempfile.gettempdir(), ignore_errors=True)
 
 
 def _die_with_parent(sig: int, parent: int):
@@ -165,12 +190,12 @@ def _serve(conn: Connection):
             return
         if job is None:
             return
-        j, prompt, completion, fields = job
+        j, prompt, completion, fields, asked = job
         failures = []
         config_only = getattr(fns[j], "config_only", ())    # e.g. the code sandbox's limits: config, never data
-        fields = {k: v for k, v in fields.items() if k not in config_only}
+        fields = {k: v for k, v in fields.items() if k not in config_only and k not in asked}
         try:
-            out = fns[j](prompt, completion, **fields, **kwargs[j])
+            out = fns[j](prompt, completion, **fields, **asked, **kwargs[j])
             value, failures = float(out), list(getattr(out, "failures", ()))
             err = None if math.isfinite(value) else f"non-finite value {value}"
         except _Stop:
@@ -182,15 +207,11 @@ def _serve(conn: Connection):
 
 class _Worker:
     def __init__(self, blob: bytes):
-        ours, theirs = socket.socketpair()
-        code = f"import sys; sys.path.insert(0, {REPO!r}); from rewards.pool import serve; serve({theirs.fileno()}, {os.getpid()})"
         # its own temp dir for what a reward writes: the worker removes it when it leaves, the pool when it
         # kills the worker, and a later pool the dirs of trainers that died with their workers (kill -9 of all)
         _sweep_worker_dirs()
         self.tmp = tempfile.mkdtemp(prefix=f"{WORKER_PREFIX}{os.getpid()}-")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                     env={**os.environ, "TMPDIR": self.tmp})
-        theirs.close()
+        self.proc, ours = start_worker("rewards.pool", os.getpid(), env={"TMPDIR": self.tmp})
         self.conn = Connection(ours.detach())
         self.conn.send((sys.path, blob))
         self.ready, self.job, self.deadline = False, None, math.inf
@@ -270,7 +291,7 @@ class RewardHandle:
 
 
 class RewardPool:
-    def __init__(self, specs, workers: int = 2, timeout_s: float = 30.0):
+    def __init__(self, specs, workers: int = 2, timeout_s: float = 30.0, max_new_tokens: int | None = None):
         if not specs:
             raise ValueError("RewardPool needs at least one reward spec")
         if workers < 1 or timeout_s <= 0:
@@ -280,9 +301,14 @@ class RewardPool:
         # the same reward twice (say with other kwargs) gets a numbered name in info and metrics
         self.specs = [(n if names.count(n) == 1 else f"{n}#{names[:j].count(n) + 1}", *rest)
                       for j, (n, *rest) in enumerate(self.specs)]
-        self.timeout_s = timeout_s
+        self.timeout_s, self.max_new_tokens = timeout_s, max_new_tokens
+        self.asks = [_asks(fn, kw) for _, _, fn, kw in self.specs]   # per reward: the SAMPLING_ARGS it gets
+        for (name, *_), asks in zip(self.specs, self.asks):
+            if "max_new_tokens" in asks and max_new_tokens is None:
+                raise ValueError(f"reward {name!r} asks for max_new_tokens: give the pool "
+                                 f"RewardPool(..., max_new_tokens=) or the reward reward_args {name}.max_new_tokens")
         self.lock = threading.Lock()
-        self.pending: deque = deque()                        # (handle, i, j, prompt, completion, fields)
+        self.pending: deque = deque()                        # (handle, i, j, prompt, completion, fields, asked)
         self.per_sample = [j for j, s in enumerate(self.specs) if not getattr(s[2], "batched", False)]
         batched = [j for j, s in enumerate(self.specs) if getattr(s[2], "batched", False)]
         self.threads = ThreadPoolExecutor(max_workers=len(batched), thread_name_prefix="reward") if batched else None
@@ -297,21 +323,32 @@ class RewardPool:
         self.dispatcher.start()
 
     # ------------------------------------------------------------------------------------ public
-    def submit(self, prompts: list[str], completions: list[str], fields: list[dict] | None = None) -> RewardHandle:
+    def submit(self, prompts: list[str], completions: list[str], fields: list[dict] | None = None,
+               completion_tokens: list[int] | None = None) -> RewardHandle:
+        """completion_tokens: the tokens sampled for each completion, for the rewards that ask for them."""
         fields = fields if fields is not None else [{} for _ in prompts]
         if not len(prompts) == len(completions) == len(fields):
             raise ValueError(f"submit: {len(prompts)} prompts, {len(completions)} completions, {len(fields)} fields")
+        if completion_tokens is not None and len(completion_tokens) != len(prompts):
+            raise ValueError(f"submit: {len(prompts)} prompts, {len(completion_tokens)} completion_tokens")
+        asking = [s[0] for s, asks in zip(self.specs, self.asks) if "completion_tokens" in asks]
+        if asking and completion_tokens is None:
+            raise ValueError(f"reward {asking[0]!r} asks for completion_tokens: pass submit(..., completion_tokens=)")
         if self.closed:
             raise RuntimeError("submit on a closed RewardPool")
+        sampled = {"completion_tokens": [int(n) for n in completion_tokens or ()],
+                   "max_new_tokens": self.max_new_tokens}
         h = RewardHandle(self, len(prompts))
         for j, (_, _, fn, kw) in enumerate(self.specs):
             if j not in self.per_sample and len(prompts):
-                fut = self.threads.submit(fn, list(prompts), list(completions), list(fields), **kw)
+                asked = {a: sampled[a] for a in self.asks[j]}     # completion_tokens as a list (B,)
+                fut = self.threads.submit(fn, list(prompts), list(completions), list(fields), **asked, **kw)
                 h.futures.append((j, fut, time.monotonic() + self.timeout_s))
         with self.lock:
             for i in range(len(prompts)):
                 for j in self.per_sample:
-                    self.pending.append((h, i, j, prompts[i], completions[i], fields[i]))
+                    asked = {a: sampled[a][i] if a == "completion_tokens" else sampled[a] for a in self.asks[j]}
+                    self.pending.append((h, i, j, prompts[i], completions[i], fields[i], asked))
         os.write(self.wake_w, b"x")
         return h
 
@@ -391,10 +428,10 @@ class RewardPool:
                     dead, self.pending = list(self.pending), deque()
                 for w in self.workers:
                     if w.ready and w.job is None and self.pending:
-                        h, i, j, prompt, completion, fields = self.pending.popleft()
+                        h, i, j, prompt, completion, fields, asked = self.pending.popleft()
                         w.job, w.deadline = (h, i, j), time.monotonic() + self.timeout_s
                         try:
-                            w.conn.send((j, prompt, completion, fields))
+                            w.conn.send((j, prompt, completion, fields, asked))
                         except OSError:     # it just died: the end-of-file below fails the job
                             pass
             for h, i, j, *_ in dead:

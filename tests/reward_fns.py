@@ -34,3 +34,19 @@ def batched_len(prompts, completions, fields, scale=1.0):
 
 
 batched_len.batched = True
+
+
+def length_penalty(prompt, completion, completion_tokens, max_new_tokens, buffer=4, **fields):
+    """0 up to buffer tokens before the limit, then down linearly to -1 at it (DAPO's soft overlong penalty)."""
+    return -min(1.0, max(0, completion_tokens - (max_new_tokens - buffer)) / buffer)
+
+
+def field_count(prompt, completion, **fields):
+    return float(len(fields))
+
+
+def batched_share(prompts, completions, fields, completion_tokens, max_new_tokens):
+    return [n / max_new_tokens for n in completion_tokens]
+
+
+batched_share.batched = True

@@ -465,3 +465,15 @@ def test_critic_values_have_no_dropout(random_model_dir):
     assert critic.model.training
     v1, v2 = (critic.values(ids, mask, comp) for _ in range(2))
     assert v1.abs().sum() > 0 and torch.equal(v1, v2)
+
+
+def test_readme_algorithm_table_names_every_registered_algorithm():
+    """README's table is written by hand (the advantage and loss in words): it must name each registered algorithm
+    and nothing else, so a new variant fails here until it has its row."""
+    import os
+    import re
+    import algos  # noqa: F401  (registers every algorithm)
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    table = readme.split("| `algo.name` |", 1)[1].split("\n\n", 1)[0]          # the header row to the blank line
+    listed = {n for row in table.splitlines()[2:] for n in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert listed == set(registry.names("algo")), f"README lists {sorted(listed)}"

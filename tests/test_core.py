@@ -1,5 +1,6 @@
 """Tier-1 unit tests: hand-derived values for the registry, config, advantages, losses and the engine."""
 import math
+import os
 
 import pytest
 import torch
@@ -20,8 +21,11 @@ def test_registry_unknown_name_lists_known():
 
 def test_registry_duplicate_raises():
     registry.register("task", "__dup_test")(lambda cfg: ([], []))
-    with pytest.raises(registry.RegistryError, match="registered twice"):
-        registry.register("task", "__dup_test")(lambda cfg: ([], []))
+    try:
+        with pytest.raises(registry.RegistryError, match="registered twice"):
+            registry.register("task", "__dup_test")(lambda cfg: ([], []))
+    finally:   # the registry is process-global: the other tests see only the project's plugins
+        registry._REGISTRY["task"].pop("__dup_test")
 
 
 def test_registry_unknown_kind():
@@ -60,6 +64,38 @@ def test_help_lists_every_option():
     text = config.help_text()
     for key in ["steps=", "algo.kl_coef=", "arithmetic.digits=", "samples_per_prompt="]:
         assert key in text
+
+
+def test_help_lists_the_names_registered_for_a_choice():
+    """algo.name's help is read from the registry: a new algorithm shows up in --help with no edit to config.py."""
+    import algos  # noqa: F401  (registers every algorithm)
+    registry.register("algo", "my_variant")(object())
+    try:
+        line = next(l for l in config.help_text().splitlines() if l.lstrip().startswith("algo.name="))
+    finally:
+        registry._REGISTRY["algo"].pop("my_variant")
+    assert all(name in line for name in ["grpo", "ppo", "my_variant"])
+
+
+def test_the_hand_kept_lists_name_every_registered_plugin():
+    """The lists a reader meets (the plugin packages' file tables, docs/environments.md) name what the registry
+    holds: a new plugin fails here until it is listed, a removed one until its line goes."""
+    import ast
+    import envs, rewards, tasks  # noqa: F401,E401  (register every reward, task, environment and tool)
+    from envs.tools import PARSERS
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tables = " ".join(ast.get_docstring(ast.parse(open(os.path.join(root, pkg, "__init__.py")).read()))
+                      for pkg in ("rewards", "tasks", "envs"))
+    def ours(kind):   # the project's plugins, not those a test registered for itself
+        return [n for n in registry.names(kind)
+                if getattr(registry.get(kind, n), "__module__", "").split(".")[0] in ("rewards", "tasks", "envs")]
+    assert len(ours("reward")) >= 6 and ours("env") and ours("tool")
+    for kind in ("reward", "task", "env", "tool"):
+        missing = [n for n in ours(kind) if f"{kind} {n}" not in tables]
+        assert not missing, f"{kind} {missing} registered but not in the __init__.py tables of rewards/ tasks/ envs/"
+    doc = open(os.path.join(root, "docs", "environments.md")).read()
+    missing = [n for n in [*ours("env"), *ours("tool"), *PARSERS] if f"`{n}`" not in doc]
+    assert not missing, f"docs/environments.md does not name {missing}"
 
 
 # --- advantages and losses -----------------------------------------------------------------------

@@ -11,7 +11,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rewards.pool import CATEGORIES, RewardPool, Score, write_reasons  # noqa: E402
 # the rewards live in a module of their own: the workers import it by name, like any plugin
-from reward_fns import batched_len, flaky, length, matches, slow  # noqa: E402
+from reward_fns import (batched_len, batched_share, field_count, flaky, length, length_penalty, matches,  # noqa: E402
+                        slow)
 
 
 def test_weighted_sum_and_per_reward_values():
@@ -63,6 +64,30 @@ def test_kwargs_and_dict_specs_and_batched_rewards():
         rewards, info = pool.submit(["a", "b"], ["xyz", ""]).result()
     assert rewards.tolist() == [33.0, 0.0]
     assert info["names"] == ["batched_len", "length"]
+
+
+def test_a_reward_gets_token_counts_and_max_new_tokens_by_naming_them():
+    """A length penalty declares completion_tokens and max_new_tokens; the pool passes them to it alone, over a row
+    field of the same name, and scoring.submit_rewards takes the counts from the rollout's completion mask."""
+    from scoring import submit_rewards
+    specs = [(length_penalty, 1.0), (field_count, 1.0), (batched_share, 1.0),
+             (length_penalty, 1.0, {"max_new_tokens": 6})]      # a reward_args keyword wins over the pool's
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0],
+                         [1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])   # (B, C): 2, 4, 6, 8 tokens
+    rollout = type("Rollout", (), {"completion_mask": mask})
+    samples = [{"prompt": "p", "completion_tokens": 99} for _ in range(4)]   # a data column cannot fake the count
+    with RewardPool(specs, workers=1, timeout_s=30, max_new_tokens=8) as pool:
+        _, info = submit_rewards(pool, samples, ["a", "b", "c", "d"], rollout).result()
+        with pytest.raises(ValueError, match="reward 'length_penalty#1' asks for completion_tokens"):
+            pool.submit(["p"], ["a"])
+    per = info["per_reward"]
+    assert per["length_penalty#1"].tolist() == [0.0, 0.0, -0.5, -1.0]   # penalised past 8 - 4 tokens
+    assert per["length_penalty#2"].tolist() == [0.0, -0.5, -1.0, -1.0]  # past 6 - 4
+    assert per["field_count"].tolist() == [1.0] * 4                     # only the row's field: it asked for nothing
+    assert per["batched_share"].tolist() == [0.25, 0.5, 0.75, 1.0]
+    assert not info["failed"]
+    with pytest.raises(ValueError, match="reward 'length_penalty' asks for max_new_tokens"):
+        RewardPool([(length_penalty, 1.0)], workers=1)
 
 
 def test_bad_specs_are_named():
