@@ -249,6 +249,7 @@ def test_lora_fused_and_packed_in_place_per_family(family):
 def test_gpu_compiled_layers_with_recompute_match_eager(family):
     """train.py's compile=true with grad_checkpointing (each layer compiled, the recompute inside its backward:
     activation_memory_budget 0): the log-probs' gradients equal the eager model's."""
+    import torch._functorch.config   # a submodule: imported by train.py, not by `import torch`
     from models import completion_logprobs
     ids = torch.randint(3, VOCAB, (4, 24), device="cuda")
     mask = torch.ones_like(ids)
