@@ -263,7 +263,9 @@ def run_placement(p: Placement, res: dict, a, model: str, tmp: str, steps: int, 
     result (or error) into OUT/<name>/ and res."""
     out = os.path.join(a.out, p.name)
     os.makedirs(out, exist_ok=True)
-    v = ("32:ckpt" if a.cpu else "32:ckpt:compile") + (":rep" if p.parallel == "replicate" else "")   # no inductor
+    # micro-batch 32 as W1, or the largest size under it that divides the step's samples (3+1: 120 samples)
+    micro = max(d for d in range(1, 33) if res["samples"] % d == 0)
+    v = f"{micro}:ckpt" + ("" if a.cpu else ":compile") + (":rep" if p.parallel == "replicate" else "")   # no inductor
     launcher = [sys.executable] if p.nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.nproc}"]
     cmd = [*launcher, os.path.join(TOOLS, "bench.py"), "--part", "ours", "--model", model,
