@@ -10,6 +10,8 @@ Each module below registers its functions on import; a new reward family is one 
     k12.py            reward k12: normalised string or numeric match with the row's answer
     math.py           reward math: the final answer equals the row's (math-verify)
     reward_model.py   reward reward_model: a learned sequence-classification model (batched, on a thread)
+    judge.py          reward judge: an LLM reads a rubric and scores the completion (batched; docs/rewards.md)
+    vision.py         reward vision: answers to picture questions (counts, option letters; tasks/shapes.py)
     pool.py           (runs them in killable worker processes, overlapped with the trainer's forwards)
     (the embedded task's verifier, reward arithmetic, lives with its task in tasks/arithmetic.py)
 
