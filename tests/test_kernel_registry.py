@@ -168,7 +168,7 @@ def test_ablate_compares_kernels_like_algorithms(tmp_path, monkeypatch):
     from tools import ablate
     launched = []
 
-    def fake_launch(entry, seed, out, common, save_every):
+    def fake_launch(entry, seed, out, common, save_every, progress=""):
         launched.append((entry, seed, tuple(common)))
         t = 0.5 if entry.endswith("=torch") else 0.25
         rows = [{"step": 0, "eval/accuracy": 0.1}] + [{"step": s, "reward": 0.5, "eval/accuracy": 0.2,
