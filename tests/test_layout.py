@@ -11,7 +11,7 @@ LAYERS = [
     ["config", "config_checks"],
     ["buffer", "kernels", "algos", "microbatch"],
     ["distributed", "models", "lora", "memory", "offload", "critic", "profiling", "checkpoint", "async_link",
-     "workers"],
+     "workers", "vision"],
     ["engines", "tasks", "rewards", "envs"],
     ["update", "rollout", "run_dir", "async_rl"],
     ["train", "train_dpo", "tools"],
