@@ -68,8 +68,8 @@ def test_kwargs_and_dict_specs_and_batched_rewards():
 
 def test_a_reward_gets_token_counts_and_max_new_tokens_by_naming_them():
     """A length penalty declares completion_tokens and max_new_tokens; the pool passes them to it alone, over a row
-    field of the same name, and scoring.submit_rewards takes the counts from the rollout's completion mask."""
-    from scoring import submit_rewards
+    field of the same name, and rollout.submit_rewards takes the counts from the rollout's completion mask."""
+    from rollout import submit_rewards
     specs = [(length_penalty, 1.0), (field_count, 1.0), (batched_share, 1.0),
              (length_penalty, 1.0, {"max_new_tokens": 6})]      # a reward_args keyword wins over the pool's
     mask = torch.tensor([[1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0],
