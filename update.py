@@ -76,6 +76,20 @@ def fused_policy_loss(learner: Learner, micro, packed: Packed | None = None):
     return loss, logp, metrics
 
 
+class ExactValues(torch.autograd.Function):
+    """The exact forward's values with the ordinary forward's gradient: what the loss reads is bit for bit what the
+    engine sampled with (exact_logprobs), what the backward differentiates is the forward the default path runs.
+    (logp + (exact - logp).detach() would not give exact's bits back in floating point.)"""
+
+    @staticmethod
+    def forward(ctx, logp: torch.Tensor, exact_logp: torch.Tensor) -> torch.Tensor:   # (b, C) x 2 -> (b, C)
+        return exact_logp.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 def micro_loss(learner: Learner, micro, packed: Packed | None = None):
     """-> (loss, trainer log-probs (b, c), the algorithm's metrics) of one micro-batch (packed: its padding-free
     layout, when pack=true)."""
@@ -83,14 +97,16 @@ def micro_loss(learner: Learner, micro, packed: Packed | None = None):
     if cfg.fused_loss and not cfg.exact_logprobs:   # speed: the loss's gradient is taken in the kernel, rows at a time
         return fused_policy_loss(learner, micro, packed)
     C = micro.completion_mask.shape[1]
-    if cfg.exact_logprobs:   # the engine's own forward, bit for bit (engines/exact.py; no fused or packed variant)
-        logp, entropy = exact.completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
-                                                  trainer_temperature(cfg))
-    elif packed is not None:
+    if packed is not None:
         logp, entropy = packed_completion(learner.policy, micro, packed, trainer_temperature(cfg))
     else:
         logp, entropy = completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
                                             trainer_temperature(cfg), micro.images())
+    if cfg.exact_logprobs:   # values: the engine's own forward, bit for bit (engines/exact.py); gradient: the forward above
+        with torch.no_grad():   # autograd through the exact forward's small blocks would keep O(T^2) keys alive
+            exact_logp, _ = exact.completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
+                                                      trainer_temperature(cfg))
+        logp = ExactValues.apply(logp, exact_logp)
     new = {"logprobs": logp, "entropy": entropy}
     if learner.critic is not None:   # PPO: the value loss trains the critic in the same backward
         new["values"] = learner.critic.values(micro.input_ids, micro.attention_mask, micro.completion_mask, grad=True)

@@ -106,7 +106,7 @@ def part_ours(a) -> dict:
               * (W["prompt_len"] + int(setting["max_new_tokens"])))
     return {"argv": argv, "step_s": med, "steps_s": steps, "tokens_per_s": tokens / med,
             "split_s": {k: statistics.median(r[k] for r in rows) for k in keys},
-            "logprob_mismatch_max": [r["logprob_mismatch/max"] for r in rows], "nproc": int(a.gpus),
+            "logprob_mismatch_max": [r.get("logprob_mismatch/max") for r in rows],   # absent: not measured (async) "nproc": int(a.gpus),
             "stage_peaks_gib": stages, **mem}
 
 
@@ -289,7 +289,7 @@ def table(results: dict, a) -> str:
     if "split_s" in ours:
         lines += ["", "split of our step (medians, s): " + ", ".join(
             f"{k.split('/')[1]} {v:.3f}" for k, v in ours["split_s"].items()),
-            f"logprob_mismatch max (engine vs trainer, per step): {[round(x, 4) for x in ours['logprob_mismatch_max']]}"]
+            f"logprob_mismatch max (engine vs trainer, per step): {[None if x is None else round(x, 4) for x in ours['logprob_mismatch_max']]}"]
     engines = {**results.get("engine", {}).get("engine", {}), **results.get("hf", {}).get("engine", {})}
     engines.pop("profile", None)
     if engines:

@@ -71,7 +71,7 @@ def method_fns(names, reverse):
         try:
             from liger_kernel.transformers import LigerFusedLinearJSD
             jsd = LigerFusedLinearJSD(jsd_beta=1.0 if reverse else 0.0, temperature=1.0)
-            fns["liger"] = lambda hs, ws, ht, wt, a: jsd(hs, ws, ht, wt)   # a scalar: the mean over tokens
+            fns["liger"] = lambda hs, ws, ht, wt, a: jsd(hs, ws, ht, wt, None)   # no labels: a mean over all tokens
         except (ImportError, AssertionError, TypeError) as e:
             print(f"liger: skipped ({type(e).__name__}: {e})".splitlines()[0])
     return {n: fns[n] for n in names if n in fns}
