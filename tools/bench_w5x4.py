@@ -192,7 +192,12 @@ def main():
     ap.add_argument("--timeout", type=float, default=None, help="seconds per placement (default 180; --cpu 240)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds for the whole command; later placements are skipped (default 400; --cpu 1500)")
+    ap.add_argument("--rebuild", action="store_true",
+                    help="no run: the table again from OUT's w5x4.json and each placement's metrics.jsonl (a "
+                         "placement whose result line was lost after its steps ran gets its step times from there)")
     a = ap.parse_args()
+    if a.rebuild:
+        return rebuild(a.out)
     names = [p.name for p in PLACEMENTS]
     chosen = [p for p in PLACEMENTS if not a.only or p.name in a.only.split(",")]
     bad = set(filter(None, a.only.split(","))) - set(names)
@@ -247,6 +252,33 @@ def main():
     print(text)
     if stopped:
         sys.exit(stopped)
+
+
+def rebuild(out: str):
+    """--rebuild: step times as bench.py's ours part reads them (time/step under mode=async, else the phases'
+    sum; the measured steps are those after the warm-up), for placements that recorded steps but no result."""
+    with open(os.path.join(out, "w5x4.json")) as f:
+        results = json.load(f)
+    head = open(os.path.join(out, "w5x4.md")).readline()
+    device = head[head.index("(") + 1:head.rindex(")")] if "(" in head else "?"
+    phases = ["time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync"]
+    for name, r in results.items():
+        metrics = os.path.join(out, name, "metrics.jsonl")
+        if "step_s" in r or not os.path.exists(metrics):
+            continue
+        rows = [x for x in map(json.loads, open(metrics)) if x["step"] >= 2]
+        if rows:
+            r["steps_s"] = [x["time/step"] if "time/step" in x else sum(x[k] for k in phases) for x in rows]
+            r["step_s"] = statistics.median(r["steps_s"])
+            r["rebuilt"] = r.pop("error", "")
+    steps = max(len(r.get("steps_s", [])) for r in results.values())
+    text = report(results, device, steps, cpu=device.startswith("CPU"))
+    rebuilt = [n for n, r in results.items() if "rebuilt" in r]
+    if rebuilt:
+        text += (f"\nRebuilt from metrics.jsonl (their runs ended with an error after the steps): {', '.join(rebuilt)}\n")
+    with open(os.path.join(out, "w5x4.md"), "w") as f:
+        f.write(text)
+    print(text)
 
 
 class Stopped(Exception):
