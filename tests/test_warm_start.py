@@ -186,3 +186,12 @@ def test_hilo_scripted_player_keeps_to_the_feedback():
                 wins += info["success"]
                 break
     assert 0 < wins < 100, wins
+
+
+def test_an_out_that_holds_a_model_is_refused_untouched(tmp_path, capsys):
+    from tools import make_warm_start
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        make_warm_start.main(["--out", str(tmp_path), "--steps", "1"])
+    assert e.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]

@@ -1,8 +1,11 @@
 """Build the tiny model of the embedded multi-turn task (envs/hilo.py): tools/make_warm_start.py with hilo's settings,
 so that RL starts from a policy that knows the game's format but not its winning strategy.
 
-    python tools/make_hilo_model.py                      # writes assets/hilo-model/ (a few minutes on 2 CPU cores)
+    python tools/make_hilo_model.py --overwrite          # rewrites assets/hilo-model/ (a few minutes on 2 CPU cores)
     python tools/make_hilo_model.py --out /tmp/hm --steps 300          # any make_warm_start.py option or override
+
+assets/hilo-model is shipped as built elsewhere (docs/environments.md); a rebuild here wins fewer games (0.44 against
+0.74 greedy on a 2-core CPU), so an existing model in --out is refused without --overwrite.
 
 The player imitated is hilo's scripted_turn (envs/hilo.py), a sloppy one: it guesses each digit uniformly inside
 the range the feedback so far leaves for it (a consistent but aimless player): it wins ~15% of 4-guess episodes,

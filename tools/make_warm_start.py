@@ -68,8 +68,11 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (warmup, cosine decay)")
     p.add_argument("--n_eval", type=int, default=200, help="held-out rows run through the rollout at the end (0: none)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--overwrite", action="store_true", help="replace a model already in --out (refused otherwise)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, as train.py's (task=mul2 env.name=hilo)")
     args = p.parse_args(argv)
+    if os.path.exists(os.path.join(args.out, "config.json")) and not args.overwrite:   # e.g. a shipped asset
+        p.error(f"--out {args.out} already holds a model; pass --overwrite to replace it, or another --out")
     if args.steps < 0 or args.batch < 1 or args.n_eval < 0:
         p.error(f"--steps >= 0, --batch >= 1 and --n_eval >= 0 expected, got {args.steps}, {args.batch}, {args.n_eval}")
     if len(set(args.chars)) != len(args.chars):

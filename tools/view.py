@@ -115,8 +115,8 @@ function card(rec, mode) {
   h.appendChild(el("b", "", "step " + rec.step));
   h.appendChild(el("span", "", "sample " + rec.sample + " (group " + rec.group + ")"));
   h.appendChild(el("span", "chip", rec.task));
-  const best = DATA.best_reward;
-  h.appendChild(el("span", "chip " + (best !== null && rec.reward >= best - 1e-6 ? "good" : "bad"),
+  const score = DATA.verifier !== null && rec.rewards ? rec.rewards[DATA.verifier] : undefined;
+  h.appendChild(el("span", "chip" + (score === undefined ? "" : score >= 1 - 1e-6 ? " good" : " bad"),
                    "reward " + fmt(rec.reward)));
   for (const [name, v] of Object.entries(rec.rewards || {})) h.appendChild(el("span", "chip", name + " " + fmt(v)));
   h.appendChild(el("span", "chip", "advantage " + fmt(rec.advantage)));
@@ -213,17 +213,17 @@ def step_summaries(run: str) -> dict:
     return out
 
 
-def best_reward(run: str):
-    """The reward a fully correct sample gets (the sum of the reward weights), from config.yaml; None if unknown or
-    a multi-turn run's."""
+def verifier(run: str):
+    """The reward whose full marks make a sample correct (accuracy_reward, else the first reward named, as
+    rollout.accuracy_name decides), from config.yaml; None if unknown or a multi-turn run's."""
     try:
         import yaml
         with open(os.path.join(run, "config.yaml")) as f:
             cfg = yaml.safe_load(f)
-        if (cfg.get("env") or {}).get("name"):   # an environment's episode return has no fixed best
+        if (cfg.get("env") or {}).get("name"):   # an environment's episodes report their own success
             return None
-        return float(sum(float(s.rsplit(":", 1)[1]) if ":" in s else 1.0 for s in cfg["rewards"].split(",")))
-    except Exception:   # any config without a rewards list of name[:weight]: chips are not coloured good/bad
+        return cfg.get("accuracy_reward") or cfg["rewards"].split(",")[0].rsplit(":", 1)[0].strip()
+    except Exception:   # any config without a rewards list of name[:weight]: chips are not coloured
         return None
 
 
@@ -232,7 +232,7 @@ def build(run: str) -> str:
     has_gap = any("trainer_logprobs" in r for r in recs)
     data = {"title": f"{os.path.basename(os.path.abspath(run))}: {len(recs)} samples over "
                      f"{len({r['step'] for r in recs})} steps",
-            "has_gap": has_gap, "records": recs, "steps": step_summaries(run), "best_reward": best_reward(run)}
+            "has_gap": has_gap, "records": recs, "steps": step_summaries(run), "verifier": verifier(run)}
     return PAGE.replace("__DATA__", script_json(data))
 
 
