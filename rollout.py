@@ -17,10 +17,10 @@ What train.py and async_rl.py call:
     train_set, eval_set, train_ids, eval_ids = build_data(cfg, tok, model)      # the task's prompts, encoded
     engine = make_engine(cfg, model, tok)                                       # engines/<cfg.engine>.py
     sampler = make_sampler(cfg, engine, model, tok, pool)    # SingleTurn, or engines/multiturn.py's MultiTurn
-    handle = submit_rewards(pool, samples, decode(tok, rollout))   # returns at once: the workers score
+    handle = submit_rewards(pool, samples, decode(tok, rollout), rollout, tok)   # returns at once
     rewards, info = handle.result()                                 # (B,) weighted sums, failures with reasons
     record_failures(run_dir, step, info); check_broken(run, step)  # reward_failures.jsonl; stop on all-broken
-    batch = experience(rollout, rewards, version, extra)            # buffer.Experience, advantages to come
+    batch = experience(rollout, rewards, version, extra, info)      # buffer.Experience, advantages to come
     row["accuracy"] = correct(info, accuracy_name(cfg)).float().mean()   # the verifier's verdict
     metrics = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, generator)   # eval/accuracy, eval/reward,
                                                                                      # eval/pass@k with eval_k
