@@ -66,7 +66,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 
-from rewards.score import CATEGORIES, Score, step_ends, step_separator  # noqa: F401  (Score re-exported)
+from rewards.score import CATEGORIES, Score, read_value, step_ends, step_separator  # noqa: F401  (Score re-exported)
 from workers import start_worker
 
 WORKER_PREFIX = "reward-worker-"     # reward-worker-<trainer pid>-XXXX under the temp dir
@@ -213,15 +213,6 @@ def _serve(conn: Connection):
         conn.send(("done", value if err is None else 0.0, err, failures, steps))
 
 
-def read_value(out) -> tuple[float, list[float] | None, str | None]:
-    """A reward's return -> (value, its step scores or None, the error or None): a number, or a list (tuple) of
-    step scores whose value is their sum. Raises on what is neither (the caller records it)."""
-    steps = [float(x) for x in out] if isinstance(out, (list, tuple)) else None
-    value = math.fsum(steps) if steps is not None else float(out)
-    bad = [v for v in (steps or [value]) if not math.isfinite(v)]
-    return value, steps, f"non-finite value {bad[0]}" if bad else None
-
-
 class _Worker:
     def __init__(self, blob: bytes):
         # its own temp dir for what a reward writes: the worker removes it when it leaves, the pool when it
@@ -286,12 +277,7 @@ class RewardHandle:
                 out = list(fut.result(timeout=max(0.0, deadline - time.monotonic())))
                 if len(out) != self.n:
                     raise ValueError(f"returned {len(out)} values for {self.n} samples")
-                vals, carried = [], [getattr(v, "failures", ()) for v in out]
-                for v in out:       # a sample whose value cannot be read fails alone, with its reason
-                    try:
-                        vals.append(read_value(v))
-                    except (TypeError, ValueError) as e:
-                        vals.append((0.0, None, f"{type(e).__name__}: {e}".splitlines()[0][:300]))
+                vals, carried = [read_value(v) for v in out], [getattr(v, "failures", ()) for v in out]
             except BaseException as e:  # noqa: BLE001  including the timeout
                 timeout = isinstance(e, TimeoutError)
                 why = f"timeout after {self.pool.timeout_s:g}s" if timeout else f"{type(e).__name__}: {e}"

@@ -1,10 +1,11 @@
-"""A reward value that carries the failures behind it, for rewards/pool.py to count and log.
+"""A reward value that carries the failures behind it, for rewards/pool.py to count and log; per-step scores.
 
     from rewards.score import Score
     return Score(0.5, [("timeout", "case 1: wall time limit 5s exceeded")])   # anywhere a float goes
 
-It imports nothing, so a reward module can return it without importing the pool.
+It imports nothing of the project, so a reward module can return it without importing the pool.
 """
+import math
 
 CATEGORIES = ("timeout", "memory", "output_limit", "signal", "setup", "error", "wrong_answer")
 
@@ -19,6 +20,15 @@ class Score(float):
 
     def __reduce__(self):
         return Score, (float(self), self.failures)
+
+
+def read_value(out) -> tuple[float, list[float] | None, str | None]:
+    """A reward's return -> (value, its step scores or None, the error or None): a number, or a list (tuple) of
+    step scores whose value is their sum. Raises on what is neither (the caller records it)."""
+    steps = [float(x) for x in out] if isinstance(out, (list, tuple)) else None
+    value = math.fsum(steps) if steps is not None else float(out)
+    bad = [v for v in (steps or [value]) if not math.isfinite(v)]
+    return value, steps, f"non-finite value {bad[0]}" if bad else None
 
 
 # ------------------------------------------------------------------------------------ per-step (process) rewards
