@@ -329,14 +329,14 @@ class Trainer:
         order = order[self.rank::T]
         with profiling.phase(times, "logprobs"):         # scoring in the reward workers, overlapped with ...
             samples = [run.train_set[i] for i in order for _ in range(cfg.samples_per_prompt)]
-            handle = submit_rewards(run.pool, samples, decode(run.tok, rollout), rollout)
+            handle = submit_rewards(run.pool, samples, decode(run.tok, rollout), rollout, run.tok)
             extra = phases.extra_logprobs(run, rollout)  # ... the proximal (and reference) log-probs
         with profiling.phase(times, "reward"):
             rewards, reward_info = handle.result()
         failures = record_failures(run.run_dir, step, reward_info)
         if failures:
             tqdm.write(failures)
-        batch = experience(rollout, rewards, learner.version, extra)
+        batch = experience(rollout, rewards, learner.version, extra, reward_info)   # (per-step rewards)
         batch.versions = versions
         staleness = (learner.version - versions).float()   # (B,) a sample is as old as its oldest token
         batch.advantages = learner.algo.advantages(batch, cfg.algo, sum_over=distributed.all_sum)

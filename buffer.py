@@ -37,8 +37,10 @@ class Experience:
     advantages: Tensor | None = None     # (B, C) per-token advantages (sequence-level ones broadcast)
     returns: Tensor | None = None        # (B, C) value targets (critic algorithms)
     # multi-turn episodes (engines/multiturn.py): the completion holds model and observation tokens (completion_mask
-    # is 1 on the model's only); each turn's reward sits on its last model token and the row sums to `rewards`
+    # is 1 on the model's only); each turn's reward sits on its last model token and the row sums to `rewards`.
+    # Per-step (process) rewards (rollout.py: step_tensors) use it the same way, each step's on its last token
     turn_rewards: Tensor | None = None   # (B, C)
+    step_mask: Tensor | None = None      # (B, C) float, 1 on each step's last token (per-step rewards only)
     # vision tasks (vision.py): the pictures of the batch, each once; their image-pad tokens sit in the prompt
     pixel_values: Tensor | None = None   # (U, N, D) float, a picture's patches (padded to the widest picture)
     image_grid_thw: Tensor | None = None # (U, 3) long, its patch grid (t, h, w): N real patches = t * h * w

@@ -21,6 +21,7 @@ import registry
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 TIS_MODES = ("off", "token", "seq", "mask", "mask_high")
+STEP_MODES = ("sum", "per_step")   # algo.step_rewards: how the GRPO family reads per-step rewards (algos/grpo.py)
 LOGPROBS_MODES = ("raw", "processed")
 DPO_LOSSES = ("sigmoid", "ipo", "simpo")
 PARALLEL_MODES = ("fsdp", "replicate")
@@ -219,6 +220,8 @@ class AlgoConfig:
     norm_len: int = opt(0, "constant divisor of seq-mean-token-sum-norm (0 = max_new_tokens)")
     max_new_tokens: int = opt(0, "not an option: copied from max_new_tokens at start (algorithms see only this section)")
     scale_rewards: bool = opt(True, "divide group-centred rewards by the group's std (GRPO); off = Dr. GRPO style")
+    step_rewards: str = opt("sum", "per-step rewards in grpo/dr_grpo: sum (one score per sample) or per_step (each "
+                                   "step normalised over its group, summed from the token's step on; docs/rewards.md)")
     tis: str = opt("off", "importance sampling against rollout/train log-prob mismatch: off, token or seq (the "
                           "weight pi_train / pi_sample truncated at tis_cap), mask (a token whose weight leaves "
                           "[1/tis_cap, tis_cap] gets no loss, the others their full weight; docs/mismatch.md), "

@@ -16,7 +16,7 @@ import torch
 
 import registry
 from config import (AGG_MODES, DECODE_WEIGHTS, DPO_LOSSES, DTYPES, KL_ESTIMATORS, LOGPROBS_MODES, MODES, PARALLEL_MODES,
-                    PARTIAL_OLD, REPLAY_PRIORITIES, REPO, TIS_MODES, Config, UserError)
+                    PARTIAL_OLD, REPLAY_PRIORITIES, REPO, STEP_MODES, TIS_MODES, Config, UserError)
 
 MAX_EVAL_K = 1024   # eval_k samples of one prompt go through the engine together
 MIN_WORKER_MB = 64  # an environment worker (Python + envs/) starts within about half of it
@@ -29,6 +29,7 @@ def validate(cfg: Config, world: int = 1):
     for key, value, known in [("algo.loss_agg", cfg.algo.loss_agg, AGG_MODES),
                               ("algo.kl_estimator", cfg.algo.kl_estimator, KL_ESTIMATORS),
                               ("algo.tis", cfg.algo.tis, TIS_MODES),
+                              ("algo.step_rewards", cfg.algo.step_rewards, STEP_MODES),
                               ("logprobs_mode", cfg.logprobs_mode, LOGPROBS_MODES),
                               ("engine_dtype", cfg.engine_dtype, DTYPES),
                               ("decode_weights", cfg.decode_weights, DECODE_WEIGHTS),

@@ -17,10 +17,10 @@ What train.py and async_rl.py call:
     train_set, eval_set, train_ids, eval_ids = build_data(cfg, tok, model)      # the task's prompts, encoded
     engine = make_engine(cfg, model, tok)                                       # engines/<cfg.engine>.py
     sampler = make_sampler(cfg, engine, model, tok, pool)    # SingleTurn, or engines/multiturn.py's MultiTurn
-    handle = submit_rewards(pool, samples, decode(tok, rollout))   # returns at once: the workers score
+    handle = submit_rewards(pool, samples, decode(tok, rollout), rollout, tok)   # returns at once
     rewards, info = handle.result()                                 # (B,) weighted sums, failures with reasons
     record_failures(run_dir, step, info); check_broken(run, step)  # reward_failures.jsonl; stop on all-broken
-    batch = experience(rollout, rewards, version, extra)            # buffer.Experience, advantages to come
+    batch = experience(rollout, rewards, version, extra, info)      # buffer.Experience, advantages to come
     row["accuracy"] = correct(info, accuracy_name(cfg)).float().mean()   # the verifier's verdict
     metrics = evaluate(cfg, engine, tok, eval_set, eval_ids, pool, specs, generator)   # eval/accuracy, eval/reward,
                                                                                      # eval/pass@k with eval_k
@@ -89,12 +89,68 @@ def decode(tok, rollout) -> list[str]:
     return [tok.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(ids, lengths)]
 
 
-def submit_rewards(pool, samples: list[dict], completions: list[str], rollout=None):
+def submit_rewards(pool, samples: list[dict], completions: list[str], rollout=None, tok=None):
     """Start scoring in the reward workers and return at once; `.result()` gives (rewards (B,), info). With the
-    rollout, a reward that asks for completion_tokens gets each completion's count (rewards/pool.py: SAMPLING_ARGS)."""
+    rollout, a reward that asks for completion_tokens gets each completion's count (rewards/pool.py: SAMPLING_ARGS);
+    with the tokenizer too, per-step rewards come back as token tensors in info["step_tensors"] (step_tensors)."""
     counts = None if rollout is None else rollout.completion_mask.sum(-1).long().tolist()   # (B,)
-    return pool.submit([s["prompt"] for s in samples], completions,
-                       [{k: v for k, v in s.items() if k != "prompt"} for s in samples], completion_tokens=counts)
+    handle = pool.submit([s["prompt"] for s in samples], completions,
+                         [{k: v for k, v in s.items() if k != "prompt"} for s in samples], completion_tokens=counts)
+    return handle if rollout is None or tok is None else StepHandle(handle, tok, rollout)
+
+
+class StepHandle:
+    """The pool's handle, whose result() also places per-step rewards on the completion's tokens."""
+
+    def __init__(self, handle, tok, rollout):
+        self.handle, self.tok, self.rollout = handle, tok, rollout
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def result(self):
+        rewards, info = self.handle.result()
+        if info.get("steps"):
+            weights = {name: w for name, w, *_ in self.handle.pool.specs}
+            info["step_tensors"] = step_tensors(info, weights, self.tok, self.rollout)
+        return rewards, info
+
+
+def step_tensors(info: dict, weights: dict, tok, rollout) -> dict:
+    """The weighted rewards of a scored batch as per-token rewards -> {"turn_rewards": (B, C), "step_mask": (B, C)}:
+    each step's score (info["steps"]) on the step's last token, the last step's and every scalar reward's on the
+    completion's last token (its EOS, where token_rewards puts a scalar score); each row sums to the weighted total.
+    step_mask is 1 where a step ends."""
+    mask = rollout.completion_mask
+    B, C = mask.shape
+    ids, lengths = rollout.input_ids[:, -C:], mask.sum(-1).long().tolist()
+    out, ends = torch.zeros(B, C), torch.zeros(B, C)                                          # (B, C) each
+    for i, n in enumerate(lengths):
+        if n == 0:
+            continue
+        row = ids[i, :n].tolist()
+        for name, w in weights.items():
+            steps = (info.get("steps", {}).get(name) or [None] * B)[i]
+            for end, score in (steps or [])[:-1]:
+                t = last_token(tok, row, end)
+                out[i, t] += w * score
+                ends[i, t] = 1.0
+            out[i, n - 1] += w * (steps[-1][1] if steps else float(info["per_reward"][name][i]))
+        ends[i, n - 1] = 1.0
+    return {"turn_rewards": out, "step_mask": ends}
+
+
+def last_token(tok, ids: list[int], end: int) -> int:
+    """The index of the token that completes the first `end` characters of the decoded completion: the smallest
+    k with len(decode(ids[:k + 1])) >= end (a binary search: log2(len(ids)) decodes per step)."""
+    lo, hi = 0, len(ids) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tok.decode(ids[:mid + 1], skip_special_tokens=True)) >= end:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def accuracy_name(cfg) -> str:
@@ -168,12 +224,14 @@ def check_broken(run, step: int):
                         f"new out_dir (or after rm -r {run.run_dir})")
 
 
-def experience(rollout, rewards: torch.Tensor, version: int, extra: dict) -> Experience:
-    """The experience record of a scored rollout (extra: old / reference log-probs, values); advantages to come."""
+def experience(rollout, rewards: torch.Tensor, version: int, extra: dict, info: dict | None = None) -> Experience:
+    """The experience record of a scored rollout (extra: old / reference log-probs, values); advantages to come.
+    info: the scoring's, whose per-step rewards (step_tensors) become turn_rewards and step_mask."""
+    steps = (info or {}).get("step_tensors") or {"turn_rewards": rollout.turn_rewards}
     return Experience(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
                       completion_mask=rollout.completion_mask, sample_logprobs=rollout.logprobs, rewards=rewards,
                       group_ids=rollout.group_ids, versions=torch.full_like(rewards, version, dtype=torch.long),
-                      truncated=rollout.truncated, turn_rewards=rollout.turn_rewards, **extra)
+                      truncated=rollout.truncated, **steps, **extra)
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
@@ -254,7 +312,7 @@ class SingleTurn:
         return self.engine.generate(prompt_ids, n, sampling, generator)
 
     def score(self, samples: list[dict], rollout):
-        return submit_rewards(self.pool, samples, decode(self.tok, rollout), rollout)
+        return submit_rewards(self.pool, samples, decode(self.tok, rollout), rollout, self.tok)
 
     def evaluate(self, cfg, samples, prompt_ids, specs, generator) -> dict:
         self.shown = []   # this rank's greedy completions, for the loggers' table (train.log)

@@ -267,7 +267,7 @@ def collect(run: Run, step: int, times: dict):
     run.broken.append(broken(reward_info, len(rewards)))
     if failures and distributed.rank() == 0:
         tqdm.write(failures)
-    return experience(rollout, rewards, run.learner.version, extra), reward_info
+    return experience(rollout, rewards, run.learner.version, extra, reward_info), reward_info
 
 
 def draw(run: Run, step: int, times: dict):

@@ -151,8 +151,9 @@ def sequence_rewards(batch, cfg) -> Tensor:
 def token_rewards(batch, cfg, score: Tensor | None = None) -> Tensor:
     """Per-token rewards (B, C): the score (B,) (default: batch.rewards) on the last completion token, plus
     the per-token KL penalty when it sits in the reward. Multi-turn episodes (batch.turn_rewards) keep each
-    turn's reward on that turn's last model token; a score other than batch.rewards (a baseline-centred one)
-    moves the difference onto the last model token, so each row still sums to the score."""
+    turn's reward on that turn's last model token, per-step rewards each step's on the step's last token; a score
+    other than batch.rewards (a baseline-centred one) moves the difference onto the last model token, so each row
+    still sums to the score."""
     mask = batch.completion_mask
     score = batch.rewards.float() if score is None else score
     # the last model token: in a multi-turn episode observation tokens (mask 0) sit between the turns

@@ -14,13 +14,19 @@ the ratio is 1 and the gradient is exactly REINFORCE with the group-mean baselin
 The std is the unbiased one (like torch.std, TRL and verl), and the group statistics are taken in float64
 around the group's first reward: a group whose rewards are all equal gets exactly zero advantage.
 Metrics: clip_frac (ratio outside the range) and clip_frac_cut (gradient removed): see algos/common.py.
+Per-step (process) rewards (docs/rewards.md), algo.step_rewards:
+    sum       r_i is the sample's summed steps: the formula above, as for any reward
+    per_step  DeepSeekMath's process supervision: every step reward r_i,k of the group's samples is normalised
+              over the group's step rewards, r~ = (r - mean(R_group)) / (std(R_group) + eps) (no std for dr_grpo),
+              and A_t = sum of r~_i,k over the steps k ending at or after token t. A scalar reward is one step at
+              the last token; kl_in_reward's summed KL joins the last step. One step per sample is plain GRPO.
 """
 from functools import partial
 
 import torch
 from torch import Tensor
 
-from algos.common import Algorithm, clipped_policy_loss, sequence_rewards  # noqa: F401  (clipped_policy_loss re-exported)
+from algos.common import Algorithm, clipped_policy_loss, kl_in_reward, sequence_rewards  # noqa: F401
 from registry import register
 
 
@@ -51,8 +57,31 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, scale: bool = True, eps
     return (centred / (std + eps) if scale else centred).to(rewards.dtype)
 
 
+def step_group_advantages(batch, scale: bool, kl: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """(B, C): each step reward normalised over its group's step rewards, summed from the token's step to the end.
+    The steps are batch.turn_rewards at batch.step_mask, or one per sample (batch.rewards) at its last token;
+    kl (B,) is added to the last step's reward."""
+    mask = batch.completion_mask
+    C = mask.shape[1]
+    last = (torch.arange(C, device=mask.device) * (mask > 0)).argmax(-1)                   # (B,)
+    if batch.step_mask is not None and batch.turn_rewards is not None:
+        values, ends = batch.turn_rewards.double(), batch.step_mask > 0                     # (B, C) each
+    else:
+        values = torch.zeros_like(mask, dtype=torch.float64).scatter(1, last[:, None], batch.rewards.double()[:, None])
+        ends = torch.zeros_like(mask, dtype=torch.bool).scatter(1, last[:, None], True)
+    if kl is not None:
+        values = values.scatter_add(1, last[:, None], kl.double()[:, None])
+    rows, cols = ends.nonzero(as_tuple=True)                                                # (S,) each: every step
+    _, centred, std = group_stats(values[rows, cols], batch.group_ids[rows])                 # (S,)
+    normed = torch.zeros_like(values)
+    normed[rows, cols] = centred / (std + eps) if scale else centred
+    return (normed.flip(-1).cumsum(-1).flip(-1) * mask).to(mask.dtype)                      # (B, C) steps to go
+
+
 def grpo_advantages(batch, cfg, sum_over=None, scale: bool | None = None) -> Tensor:
     scale = cfg.scale_rewards if scale is None else scale
+    if cfg.step_rewards == "per_step":
+        return step_group_advantages(batch, scale, kl_in_reward(batch, cfg).sum(-1))
     adv = group_advantages(sequence_rewards(batch, cfg), batch.group_ids, scale=scale)      # (B,)
     return adv[:, None] * batch.completion_mask                                             # (B, C)
 

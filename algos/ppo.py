@@ -1,6 +1,7 @@
 """PPO for language models (Schulman et al. 2017; Ouyang et al. 2022): actor + critic, GAE over tokens.
 
     r_t   = score * [t = last] - kl_coef * KL_t                   (KL in the reward when algo.kl_in_reward)
+          per-step (process) rewards: each step's score at its last token instead (batch.turn_rewards)
     d_t   = r_t + gamma * V_{t+1} - V_t,   V after the last token = 0   (the episode ends there)
     A_t   = d_t + gamma * lambda * A_{t+1}                        GAE;  returns R_t = A_t + V_t
     loss  = agg( max(-A' * ratio, -A' * clip(ratio)) + kl_coef * KL )        A' = whitened A (optional)

@@ -1,6 +1,7 @@
 """REINFORCE++ (Hu et al. 2025): REINFORCE with per-token returns normalised over the whole batch.
 
     r_t   = score * [t = last] - kl_coef * KL_t             (KL in the reward when algo.kl_in_reward)
+          per-step (process) rewards: each step's score at its last token instead (batch.turn_rewards)
     G_t   = sum_{s >= t} r_s                                 reward-to-go, gamma = 1
     A_t   = (G_t - mean(G)) / std(G)                         mean/std over every token of the batch (all ranks;
                                                              biased variance, eps inside the root: masked_whiten)

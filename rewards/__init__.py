@@ -11,6 +11,7 @@ Each module below registers its functions on import; a new reward family is one 
     math.py           reward math: the final answer equals the row's (math-verify)
     reward_model.py   reward reward_model: a learned sequence-classification model (batched, on a thread)
     judge.py          reward judge: an LLM reads a rubric and scores the completion (batched; docs/rewards.md)
+    prm.py            reward prm: a process reward model scores each step (a list per sample; batched)
     vision.py         reward vision: answers to picture questions (counts, option letters; tasks/shapes.py)
     pool.py           (runs them in killable worker processes, overlapped with the trainer's forwards)
     (the embedded task's verifier, reward arithmetic, lives with its task in tasks/arithmetic.py)
@@ -21,6 +22,7 @@ A reward that declares `completion_tokens` or `max_new_tokens` in its signature 
 from registry import RegistryError
 from rewards import code, format, k12, math, reward_model, vision  # noqa: F401  (each registers its rewards)
 from rewards import judge  # noqa: F401  (the generative judge: rewards/judge.py)
+from rewards import prm  # noqa: F401  (the process reward model: rewards/prm.py)
 
 
 def parse_spec(spec: str) -> list[tuple[str, float]]:

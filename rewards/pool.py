@@ -32,11 +32,18 @@ process instead; a timeout there also scores 0, though the thread itself cannot 
 A reward may return a `rewards.score.Score` instead of a float: a float that also carries
 [(category, reason)], the failures behind its value (the code reward's failed test cases). The pool counts samples per category
 (CATEGORIES) for each reward, its own failures included (a call past its deadline counts as a timeout).
+A reward may also return a list (or tuple) of numbers, one per step of the completion (a process reward; a batched
+one, such a list for each sample): the steps are rewards/score.py's `step_ends` of the completion, cut at the
+row's `step_separator`, the reward's own attribute of that name, or line ends. Its value in `rewards` and
+`per_reward` is their sum (what accuracy reads); `info["steps"]` keeps them. A list of the wrong length, or
+holding a non-finite number, is a failure like a raise: 0, recorded with the reason, never cut to fit.
 
 info = {"names": [...], "per_reward": {name: tensor (B,)}, "failures": {name: failed calls},
         "failed": [{"reward", "sample", "category", "reason"}, ...],      # reward failures + Score failures
         "failure_counts": {name: {category: samples}},
         "reasons": ["code[3]: timeout after 30s", ...],                   # the same, one line each
+        "steps": {name: [[(end, score), ...] or None per sample]},  # only rewards that returned step lists: each
+                                                   # step's score and its end in the completion (a character offset)
         "metrics": {"reward/code": mean, "reward_fail/code": failed calls, "reward_fail/code/timeout": samples}}
 The per-category metrics appear for a reward from the first step it reports a failure, every category
 from then on. `write_reasons(path, step, info["failed"])` appends a sample of them to a jsonl file.
@@ -59,7 +66,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 
-from rewards.score import CATEGORIES, Score  # noqa: F401  (Score re-exported: rewards return it)
+from rewards.score import CATEGORIES, Score, read_value, step_ends, step_separator  # noqa: F401  (Score re-exported)
 from workers import start_worker
 
 WORKER_PREFIX = "reward-worker-"     # reward-worker-<trainer pid>-XXXX under the temp dir
@@ -194,15 +201,16 @@ def _serve(conn: Connection):
         failures = []
         config_only = getattr(fns[j], "config_only", ())    # e.g. the code sandbox's limits: config, never data
         fields = {k: v for k, v in fields.items() if k not in config_only and k not in asked}
+        steps = None
         try:
             out = fns[j](prompt, completion, **fields, **asked, **kwargs[j])
-            value, failures = float(out), list(getattr(out, "failures", ()))
-            err = None if math.isfinite(value) else f"non-finite value {value}"
+            value, steps, err = read_value(out)
+            failures = list(getattr(out, "failures", ()))
         except _Stop:
             raise
         except BaseException as e:      # noqa: BLE001  a reward must never take the worker down quietly
             value, err = 0.0, f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        conn.send(("done", value if err is None else 0.0, err, failures))
+        conn.send(("done", value if err is None else 0.0, err, failures, steps))
 
 
 class _Worker:
@@ -218,10 +226,12 @@ class _Worker:
 
 
 class RewardHandle:
-    def __init__(self, pool, n: int):
+    def __init__(self, pool, n: int, completions: list[str] = (), fields: list[dict] = ()):
         self.pool, self.n = pool, n
+        self.completions, self.fields = list(completions), list(fields)   # to count the steps of a step reward
         R = len(pool.specs)
         self.values = [[0.0] * R for _ in range(n)]   # (B, R)
+        self.steps: dict[tuple[int, int], list] = {}  # (sample, reward) -> [(end, score)] of a step reward
         self.errors: list[tuple[int, int, str]] = []
         self.failed: list[tuple[int, int, str, str]] = []   # (sample, reward, category, reason)
         self.remaining = n * R
@@ -230,7 +240,9 @@ class RewardHandle:
         if self.remaining == 0:
             self.done_event.set()
 
-    def _set(self, i: int, j: int, value: float, err: str | None, category: str = "error", failures=()):
+    def _set(self, i: int, j: int, value: float, err: str | None, category: str = "error", failures=(), steps=None):
+        if steps is not None and err is None:
+            value, err = self._check_steps(i, j, steps)
         with self.pool.lock:
             self.values[i][j] = value
             if err:
@@ -240,6 +252,18 @@ class RewardHandle:
             self.remaining -= 1
             if self.remaining == 0:
                 self.done_event.set()
+
+    def _check_steps(self, i: int, j: int, steps: list[float]) -> tuple[float, str | None]:
+        """A step list of the right length is kept with its steps' ends -> (value, None); else (0, the reason)."""
+        try:
+            sep = step_separator(self.fields[i] if self.fields else {}, self.pool.specs[j][2])
+        except ValueError as e:
+            return 0.0, str(e)
+        ends = step_ends(self.completions[i] if self.completions else "", sep)
+        if len(steps) != len(ends):
+            return 0.0, f"returned {len(steps)} step scores for a completion of {len(ends)} steps (separator {sep!r})"
+        self.steps[(i, j)] = list(zip(ends, steps))
+        return math.fsum(steps), None
 
     def done(self) -> bool:
         return self.done_event.is_set()
@@ -251,9 +275,9 @@ class RewardHandle:
         for j, fut, deadline in futures:
             try:
                 out = list(fut.result(timeout=max(0.0, deadline - time.monotonic())))
-                vals, carried = [float(v) for v in out], [getattr(v, "failures", ()) for v in out]
-                if len(vals) != self.n:
-                    raise ValueError(f"returned {len(vals)} values for {self.n} samples")
+                if len(out) != self.n:
+                    raise ValueError(f"returned {len(out)} values for {self.n} samples")
+                vals, carried = [read_value(v) for v in out], [getattr(v, "failures", ()) for v in out]
             except BaseException as e:  # noqa: BLE001  including the timeout
                 timeout = isinstance(e, TimeoutError)
                 why = f"timeout after {self.pool.timeout_s:g}s" if timeout else f"{type(e).__name__}: {e}"
@@ -263,8 +287,8 @@ class RewardHandle:
                 if isinstance(v, str):
                     self._set(i, j, 0.0, v, category)
                 else:
-                    finite = math.isfinite(v)
-                    self._set(i, j, v if finite else 0.0, None if finite else f"non-finite value {v}", failures=fails)
+                    value, steps, err = v
+                    self._set(i, j, 0.0 if err else value, err, failures=fails, steps=None if err else steps)
         self.done_event.wait()
         names = [s[0] for s in self.pool.specs]
         weights = torch.tensor([s[1] for s in self.pool.specs], dtype=torch.float32)      # (R,)
@@ -287,6 +311,9 @@ class RewardHandle:
                 "failed": [{"reward": names[j], "sample": i, "category": c, "reason": r} for i, j, c, r in failed],
                 "failure_counts": counts, "reasons": [f"{names[j]}[{i}]: {r}" for i, j, _, r in failed],
                 "metrics": metrics}
+        stepped = sorted({j for _, j in self.steps})
+        if stepped:
+            info["steps"] = {names[j]: [self.steps.get((i, j)) for i in range(self.n)] for j in stepped}
         return values @ weights, info                                                   # (B,)
 
 
@@ -338,7 +365,7 @@ class RewardPool:
             raise RuntimeError("submit on a closed RewardPool")
         sampled = {"completion_tokens": [int(n) for n in completion_tokens or ()],
                    "max_new_tokens": self.max_new_tokens}
-        h = RewardHandle(self, len(prompts))
+        h = RewardHandle(self, len(prompts), completions, fields)
         for j, (_, _, fn, kw) in enumerate(self.specs):
             if j not in self.per_sample and len(prompts):
                 asked = {a: sampled[a] for a in self.asks[j]}     # completion_tokens as a list (B,)
@@ -460,7 +487,7 @@ class RewardPool:
                     elif w.job is not None:
                         h, i, j = w.job
                         w.job, w.deadline = None, math.inf
-                        h._set(i, j, msg[1], msg[2], failures=msg[3])
+                        h._set(i, j, msg[1], msg[2], failures=msg[3], steps=msg[4])
                 elif w.job is not None and time.monotonic() > w.deadline:
                     self._replace(k, f"timeout after {self.timeout_s:g}s", "timeout")
             self.workers = [w for w in self.workers if w is not None]

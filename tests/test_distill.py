@@ -112,3 +112,62 @@ def test_without_a_teacher_it_is_grpo_and_needs_no_reference():
     cfg = algo_cfg(teacher="", coef=1.0, task_coef=1.0)
     assert torch.equal(algo.advantages(batch(), cfg), grpo_advantages(batch(), cfg))
     assert algo.needs_ref(algo_cfg()) and not algo.needs_ref(cfg)
+
+
+def test_gradient_matches_trls_on_policy_gkd(monkeypatch):
+    """TRL's GKD loss (GKDTrainer.generalized_jsd_loss) at beta=1, which its code computes as
+    kl_div(input=log p_teacher, target=log p_student) = sum_v p_s (log p_s - log p_t): the reverse KL, token mean over
+    the labelled positions. On the same logits it must equal (value and gradient) kernels/fused_kl.py's torch twin
+    (the full-distribution form), and its gradient must equal the expectation over the student's own tokens of
+    algos/distill.py's sampled form (the advantage log p_t - log p_s in the clipped policy loss)."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    gkd = pytest.importorskip("trl.experimental.gkd")
+    from kernels.fused_kl import fused_kl
+    B, T, H, V = 2, 4, 8, 11
+    g = torch.Generator().manual_seed(0)
+    h_s, h_t = torch.randn(B * T, H, generator=g), torch.randn(B * T, H, generator=g)
+    w_s, w_t = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)
+    real = torch.tensor([1, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)            # (N,): sample 0 ends after 3 tokens
+    labels = torch.where(real, 0, -100).view(B, T)                             # TRL ignores -100
+    worst = {}
+    for temperature in (1.0, 0.7):
+        def trl_loss(hs, ws):
+            return gkd.GKDTrainer.generalized_jsd_loss((hs @ ws.T).view(B, T, V), (h_t @ w_t.T).view(B, T, V),
+                                                       labels=labels, beta=1.0, temperature=temperature)
+
+        def fused_loss(hs, ws):
+            return fused_kl(hs, ws, h_t, w_t, temperature=temperature, use_triton=False)[real].mean()
+
+        def sampled_loss(hs, ws):   # every token of every position as a one-token sample, weighted by p_s
+            logp = torch.log_softmax(hs @ ws.T / temperature, -1)                             # (N, V)
+            teacher = torch.log_softmax(h_t @ w_t.T / temperature, -1)
+            mask = real.float()[:, None].expand(-1, V).reshape(-1, 1)                           # (N * V, 1)
+            b = batch(completion_mask=mask, sample_logprobs=logp.detach().reshape(-1, 1),
+                      ref_logprobs=teacher.reshape(-1, 1), rewards=torch.zeros(B * T * V),
+                      group_ids=torch.zeros(B * T * V, dtype=torch.long),
+                      input_ids=torch.zeros(B * T * V, 2, dtype=torch.long),
+                      attention_mask=torch.ones(B * T * V, 2, dtype=torch.long),
+                      versions=torch.zeros(B * T * V, dtype=torch.long),
+                      truncated=torch.zeros(B * T * V, dtype=torch.bool))
+            cfg = algo_cfg(coef=1.0, task_coef=0.0)
+            # the token mean over N * V rows, each weighted by p_s * V: the expectation per position
+            b.advantages = distill.distill_advantages(b, cfg) * logp.exp().detach().reshape(-1, 1) * V
+            loss, _ = distill.distill_loss({"logprobs": logp.reshape(-1, 1), "entropy": torch.zeros_like(mask)}, b, cfg)
+            return loss
+
+        results = {}
+        for name, fn in [("trl", trl_loss), ("fused", fused_loss), ("sampled", sampled_loss)]:
+            hs, ws = h_s.clone().requires_grad_(), w_s.clone().requires_grad_()
+            loss = fn(hs, ws)
+            results[name] = (loss.detach(), *torch.autograd.grad(loss, (hs, ws)))
+        trl_value, *trl_grads = results["trl"]
+        hand = torch.log_softmax(h_s @ w_s.T / temperature, -1), torch.log_softmax(h_t @ w_t.T / temperature, -1)
+        reverse = (hand[0].exp() * (hand[0] - hand[1])).sum(-1)[real].mean()
+        assert trl_value.item() == pytest.approx(reverse.item(), rel=1e-5) and trl_value > 0.1   # beta=1: reverse KL
+        assert torch.allclose(results["fused"][0], trl_value, rtol=1e-5, atol=1e-6)
+        for name in ("fused", "sampled"):
+            for ours, theirs in zip(results[name][1:], trl_grads):
+                assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-6), (name, (ours - theirs).abs().max())
+                worst[name] = max(worst.get(name, 0.0), (ours - theirs).abs().max().item())
+        assert trl_grads[0].abs().max() > 1e-2
+    print(f"max |gradient - TRL's|: {worst}")
