@@ -14,7 +14,11 @@ How (each rule: docs/exact.md):
   the same token's row in a full-sequence forward over a shorter one.
 - LoRA: each projection applies W + (B @ A) * scale, the same expression (autograd's in the trainer).
 
-What it does not cover (config_checks.check_exact refuses these): routed experts, FSDP, lora dropout.
+- Routed experts (qwen3_moe): routing per row, each expert's tokens in ROWS-row chunks, a token's top_k outputs
+  added in its own slot order (`experts`).
+
+Families: those engines/families.py describes (FAMILIES), dense and MoE; `Exact` refuses any other model with the
+reason. Where exactness cannot hold, `check_config` refuses the option before any work.
 """
 import torch
 import torch.nn.functional as F
@@ -75,8 +79,8 @@ class Exact:
         self.arch, why = arch_of(self.model)
         if self.arch is None:
             raise ValueError(f"exact_logprobs does not cover this model: {why}")
-        if any(s.moe for s in self.arch.layers):
-            raise ValueError("exact_logprobs does not cover routed experts (moe) yet")
+        if any(s.moe for s in self.arch.layers) and any("experts" in n and "lora_" in n for n, _ in model.named_parameters()):
+            raise ValueError("exact_logprobs does not cover LoRA adapters on routed experts (lora.targets without them)")
         c = self.model.config
         self.nh, self.nkv = c.num_attention_heads, c.num_key_value_heads
         self.D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -121,10 +125,16 @@ class Exact:
                 cache[i] = (kc, vc)
             o = self._attend(q, rows, pos, kc, vc, spec.window, layer.self_attn.scaling)   # (N, nh D)
             x = x + _norm(post_a, linear(o.to(x.dtype), g_o))
-            gate, up = linear(_norm(pre_m, x), g_gu).chunk(2, dim=-1)                 # (N, I) each
-            act = getattr(layer.mlp, "act_fn", None) or layer.mlp.activation_fn
-            x = x + _norm(post_m, linear(rowwise(act, gate) * up, g_down))
+            x = x + _norm(post_m, self._mlp(layer.mlp, spec, _norm(pre_m, x), g_gu, g_down))
         return rowwise(m.norm, x)
+
+    def _mlp(self, mlp, spec, x: Tensor, g_gu: list, g_down: list) -> Tensor:
+        """x (N, H) through the layer's dense MLP or its routed experts -> (N, H)."""
+        if spec.moe:
+            return experts(mlp, x)
+        gate, up = linear(x, g_gu).chunk(2, dim=-1)                                    # (N, I) each
+        act = getattr(mlp, "act_fn", None) or mlp.activation_fn
+        return linear(rowwise(act, gate) * up, g_down)
 
     def logits(self, h: Tensor) -> Tensor:
         """(N, H) final hidden states -> (N, V) logits (soft-capped where the family does)."""
@@ -171,6 +181,36 @@ class Exact:
         idx = torch.cat([qi, qi.new_zeros(pad)]) if pad else qi
         o = torch.cat([one(c) for c in idx.split(QUERIES)])[:len(qi)]                  # (N nh, D)
         return o.reshape(N, nh * D)
+
+
+def experts(mlp, x: Tensor) -> Tensor:
+    """A sparse-MoE block (qwen3_moe's: .gate router, .experts with (E, 2I, H) and (E, H, I) weights) on x (N, H).
+    Routing is per row (`rowwise`); each expert runs its tokens in ROWS-row chunks whatever their number; a token's
+    top_k outputs are added in its own slot order (not expert order): elementwise, so no row depends on another."""
+    e, router = mlp.experts, mlp.gate
+    k = getattr(router, "top_k", None) or mlp.top_k
+    norm = getattr(router, "norm_topk_prob", getattr(mlp, "norm_topk_prob", True))
+
+    def route(c: Tensor) -> Tensor:      # (ROWS, H) -> (ROWS, 2k): top_k weights, then their experts (as floats)
+        w, idx = F.linear(c, router.weight).float().softmax(-1).topk(k, dim=-1)
+        if norm:
+            w = w / w.sum(-1, keepdim=True)
+        return torch.cat([w, idx.float()], -1)
+
+    r = rowwise(route, x)                                                              # (N, 2k) float32
+    weight, idx = r[:, :k].to(x.dtype), r[:, k:].long()                                # (N, k) each
+    slots = x.new_zeros(x.shape[0], k, x.shape[1])                                     # (N, k, H)
+    for i in range(e.gate_up_proj.shape[0]):
+        tok, slot = (idx == i).nonzero(as_tuple=True)                                  # (n,) each
+        if not len(tok):
+            continue
+        gate, up = rowwise(lambda c: F.linear(c, e.gate_up_proj[i]), x[tok]).chunk(2, dim=-1)   # (n, I) each
+        y = rowwise(lambda c: F.linear(c, e.down_proj[i]), rowwise(e.act_fn, gate) * up)        # (n, H)
+        slots = slots.index_put((tok, slot), y * weight[tok, slot][:, None])
+    out = slots[:, 0]
+    for j in range(1, k):                # slot order: the same additions for a token in any call
+        out = out + slots[:, j]
+    return out                                                                         # (N, H)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -230,7 +270,9 @@ class ExactDecoder:
 
     def __init__(self, model, use_graph: bool | None = None):
         self.ex = exact_of(model)
-        self.use_graph = self._device().type == "cuda" if use_graph is None else use_graph
+        # routed experts pick their tokens on the host (nonzero), which a CUDA graph cannot hold: those decode eagerly
+        graphable = self._device().type == "cuda" and not any(s.moe for s in self.ex.arch.layers)
+        self.use_graph = graphable if use_graph is None else use_graph
         self.states: dict[tuple[int, int], dict] = {}        # (B, S) -> cache, static inputs, graph, logits
 
     def _device(self):
