@@ -25,13 +25,50 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engines.decode_weights import groups
-from engines.families import arch_of, rotary_tables
+from engines.families import FAMILIES, arch_of, rotary_tables
 from engines.fast_decode import base_of
 from models import position_ids
+
+def check_config(cfg):
+    """Refuse exact_logprobs=true in one line, before any work, where the engine cannot sample from the trainer's
+    own distribution with the trainer's own weights and forward (train.prepare calls it; docs/exact.md)."""
+    import json
+    import os
+
+    from config import UserError
+    if not cfg.exact_logprobs:
+        return
+    lab = [("top_k", cfg.top_k > 0), ("logprobs_mode", cfg.logprobs_mode != "raw"), ("engine_lag", cfg.engine_lag > 0),
+           ("engine_dtype", cfg.engine_dtype != "auto"), ("train_temperature", cfg.train_temperature > 0)]
+    off = [k for k, bad in [("engine=builtin", cfg.engine != "builtin"),
+                            ("mode=sync or max_staleness=0", cfg.mode == "async" and cfg.max_staleness > 0),
+                            ("top_p=1", cfg.top_p < 1), ("lora.dropout=0", cfg.lora.dropout > 0),
+                            *[(f"{k} at its default", on) for k, on in lab]] if bad]
+    if off:
+        raise UserError(f"exact_logprobs=true needs {', '.join(off)} (docs/exact.md: where exactness cannot hold)")
+    path = os.path.join(cfg.model, "config.json")    # a local model: its family is known before it loads
+    kind = json.load(open(path)).get("model_type") if os.path.isfile(path) else None
+    if kind is not None and kind not in FAMILIES:
+        raise UserError(f"exact_logprobs=true covers the model families {', '.join(FAMILIES)}; {cfg.model} is "
+                        f"{kind!r} (docs/exact.md: checking a new model)")
+
 
 ROWS = 256     # rows per call of every op: a fixed shape, hence a fixed kernel
 BLOCK = 64     # keys per attention block
 QUERIES = 1024  # (token, head) pairs per attention call: fixed as ROWS is, larger (fewer Python-issued calls)
+
+
+def through(module, fn, *args):
+    """fn(*args), run as module's forward where FSDP2 shards the module: its hooks gather the unit's weights for fn
+    (which reads them off the submodules) and, in the backward, reduce-scatter their gradients. Else fn(*args)."""
+    from torch.distributed.fsdp import FSDPModule
+    if not isinstance(module, FSDPModule):
+        return fn(*args)
+    module.forward = fn            # an instance attribute: nn.Module.__call__ runs the hooks around it
+    try:
+        return module(*args)
+    finally:
+        del module.forward
 
 
 def rowwise(fn, x: Tensor) -> Tensor:
@@ -104,29 +141,34 @@ class Exact:
         """ids, rows, pos (N,): tokens, their sequence and position; writes their K/V at (row, pos) of cache
         (inplace: into its tensors; else new tensors, for autograd) and returns their last hidden states (N, H)
         after the final norm."""
-        m, arch = self.model.model, self.arch
+        m = self.model.model
         cos, sin = self.rotary(ids.device, m.embed_tokens.weight.dtype)
         x = F.embedding(ids, m.embed_tokens.weight)                                    # (N, H)
-        if arch.embed_scale:
+        if self.arch.embed_scale:
             x = x * m.embed_tokens.embed_scale.to(x.dtype)
-        for i, (layer, spec) in enumerate(zip(m.layers, arch.layers)):
-            pre_a, post_a, pre_m, post_m = spec.norms
-            g_qkv, g_gu, g_o, g_down = groups(layer)
-            q, k, v = self._qkv(layer.self_attn, spec, linear(_norm(pre_a, x), g_qkv))  # (N, nh|nkv, D)
-            c, s = cos[spec.rope][pos][:, None], sin[spec.rope][pos][:, None]          # (N, 1, D)
-            q, k = _rotate(q, c, s), _rotate(k, c, s)
-            kc, vc = cache[i]                                                          # (B, nkv, L, D) each
-            if inplace:
-                kc.transpose(1, 2).index_put_((rows, pos), k.to(kc.dtype))
-                vc.transpose(1, 2).index_put_((rows, pos), v.to(vc.dtype))
-            else:   # new tensors, for autograd
-                kc = kc.transpose(1, 2).index_put((rows, pos), k.to(kc.dtype)).transpose(1, 2)
-                vc = vc.transpose(1, 2).index_put((rows, pos), v.to(vc.dtype)).transpose(1, 2)
-                cache[i] = (kc, vc)
-            o = self._attend(q, rows, pos, kc, vc, spec.window, layer.self_attn.scaling)   # (N, nh D)
-            x = x + _norm(post_a, linear(o.to(x.dtype), g_o))
-            x = x + _norm(post_m, self._mlp(layer.mlp, spec, _norm(pre_m, x), g_gu, g_down))
+        for i, layer in enumerate(m.layers):
+            x = through(layer, lambda x, i=i, layer=layer: self._layer(i, layer, x, rows, pos, cos, sin, cache, inplace), x)
         return rowwise(m.norm, x)
+
+    def _layer(self, i: int, layer, x: Tensor, rows, pos, cos, sin, cache: list, inplace: bool) -> Tensor:
+        """Decoder layer i on x (N, H) -> (N, H); writes its K/V into cache[i] (see forward)."""
+        spec = self.arch.layers[i]
+        pre_a, post_a, pre_m, post_m = spec.norms
+        g_qkv, g_gu, g_o, g_down = groups(layer)
+        q, k, v = self._qkv(layer.self_attn, spec, linear(_norm(pre_a, x), g_qkv))      # (N, nh|nkv, D)
+        c, s = cos[spec.rope][pos][:, None], sin[spec.rope][pos][:, None]              # (N, 1, D)
+        q, k = _rotate(q, c, s), _rotate(k, c, s)
+        kc, vc = cache[i]                                                              # (B, nkv, L, D) each
+        if inplace:
+            kc.transpose(1, 2).index_put_((rows, pos), k.to(kc.dtype))
+            vc.transpose(1, 2).index_put_((rows, pos), v.to(vc.dtype))
+        else:   # new tensors, for autograd
+            kc = kc.transpose(1, 2).index_put((rows, pos), k.to(kc.dtype)).transpose(1, 2)
+            vc = vc.transpose(1, 2).index_put((rows, pos), v.to(vc.dtype)).transpose(1, 2)
+            cache[i] = (kc, vc)
+        o = self._attend(q, rows, pos, kc, vc, spec.window, layer.self_attn.scaling)   # (N, nh D)
+        x = x + _norm(post_a, linear(o.to(x.dtype), g_o))
+        return x + _norm(post_m, self._mlp(layer.mlp, spec, _norm(pre_m, x), g_gu, g_down))
 
     def _mlp(self, mlp, spec, x: Tensor, g_gu: list, g_down: list) -> Tensor:
         """x (N, H) through the layer's dense MLP or its routed experts -> (N, H)."""
@@ -242,18 +284,21 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int
     real = attention_mask.bool()
     rows, cols = real.nonzero(as_tuple=True)                                           # (N,) each, row-major
     pos = position_ids(attention_mask)[rows, cols]
-    dtype = ex.model.model.embed_tokens.weight.dtype
-    cache = ex.new_cache(B, int(pos.max()) + 1, input_ids.device, dtype)
-    h = ex.forward(input_ids[rows, cols], rows, pos, cache, inplace=False)             # (N, H)
-    # the predecessors of the last C columns: column t predicts t + 1
-    at = (cols >= T - C - 1) & (cols < T - 1)
-    lp = token_logprobs(ex.logits(h[at]), temperature)                                # (M, V)
+    at = (cols >= T - C - 1) & (cols < T - 1)        # the predecessors of the last C columns: t predicts t + 1
     r, c = rows[at], cols[at] - (T - C - 1)
-    tgt = input_ids[r, c + T - C]
-    logp = lp.gather(-1, tgt[:, None]).squeeze(-1)                                    # (M,)
-    ent = -rowwise(lambda z: (z.exp() * z).sum(-1, keepdim=True), lp).squeeze(-1)     # (M,)
-    zeros = lp.new_zeros(B, C)
-    return zeros.index_put((r, c), logp), zeros.index_put((r, c), ent)
+    tgt = input_ids[r, c + T - C]                                                      # (M,)
+
+    def run(ids: Tensor) -> tuple[Tensor, Tensor]:   # inside the root's forward under FSDP: its weights gathered
+        dtype = ex.model.model.embed_tokens.weight.dtype
+        cache = ex.new_cache(B, int(pos.max()) + 1, ids.device, dtype)
+        h = ex.forward(ids, rows, pos, cache, inplace=False)                          # (N, H)
+        lp = token_logprobs(ex.logits(h[at]), temperature)                            # (M, V)
+        logp = lp.gather(-1, tgt[:, None]).squeeze(-1)                                # (M,)
+        ent = -rowwise(lambda z: (z.exp() * z).sum(-1, keepdim=True), lp).squeeze(-1) # (M,)
+        zeros = lp.new_zeros(B, C)
+        return zeros.index_put((r, c), logp), zeros.index_put((r, c), ent)
+
+    return through(model, run, input_ids[rows, cols])
 
 
 def sample(ex: Exact, logits: Tensor, temperature: float, generator) -> tuple[Tensor, Tensor]:
