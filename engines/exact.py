@@ -276,9 +276,11 @@ def exact_of(model) -> Exact:
 
 
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int,
-                        temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+                        temperature: float = 1.0, images=None) -> tuple[Tensor, Tensor]:
     """models.completion_logprobs through the exact forward: (B, T) ids -> log-probs and entropies (B, C); the
-    gradient is autograd's. Tokens the mask hides get log-prob 0."""
+    gradient is autograd's. Tokens the mask hides get log-prob 0. No pictures (images must be None)."""
+    if images is not None:
+        raise ValueError("exact_logprobs does not cover prompts with pictures yet (docs/exact.md)")
     ex = exact_of(model)
     B, T = input_ids.shape
     real = attention_mask.bool()

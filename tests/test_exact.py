@@ -162,7 +162,7 @@ def test_fsdp2_trainer_on_two_ranks_equals_the_engine(tmp_path, random_model_dir
     assert [p.exitcode for p in procs] == [0, 0] and all(os.path.exists(f"{out}.{r}") for r in range(2))
 
 
-@pytest.mark.parametrize("extra", [[], ["lora.r=4", "lr=1e-2"],
+@pytest.mark.parametrize("extra", [["algo.epochs=2", "algo.tis=token"], ["lora.r=4", "lr=1e-2"],
                                    ["--config", os.path.join(ROOT, "configs/multiturn.yaml"), "samples_per_prompt=2",
                                     f"model={os.path.join(ROOT, 'assets/hilo-model')}"]], ids=["single", "lora", "hilo"])
 def test_a_training_run_has_zero_mismatch_at_every_step(tmp_path, extra):
@@ -176,6 +176,8 @@ def test_a_training_run_has_zero_mismatch_at_every_step(tmp_path, extra):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if row["step"] > 0]
     assert len(steps) == 3 and all(row["logprob_mismatch/max"] == 0.0 for row in steps), steps
+    if "algo.tis=token" in extra:   # a second epoch weighs by old (trainer) over sample (engine) log-probs: equal bits
+        assert all(row["tis_weight"] == 1.0 for row in steps), steps
     if "hilo" in str(extra):
         assert all(row["episode/turns"] > 1 and row["tokens/out_of_loss"] > 0 for row in steps)
 
