@@ -55,7 +55,8 @@ def check_config(cfg):
 
 ROWS = 256     # rows per call of every op: a fixed shape, hence a fixed kernel
 BLOCK = 64     # keys per attention block
-QUERIES = 1024  # (token, head) pairs per attention call: fixed as ROWS is, larger (fewer Python-issued calls)
+TQ = 16        # queries of one (row, KV head) per attention tile
+TILES = 256    # tiles per attention call: fixed as ROWS is
 
 
 def through(module, fn, *args):
@@ -194,35 +195,44 @@ class Exact:
         return q.reshape(N, nh, D), k.reshape(N, nkv, D), v.reshape(N, nkv, D)
 
     def _attend(self, q: Tensor, rows: Tensor, pos: Tensor, kc: Tensor, vc: Tensor, window, scale: float) -> Tensor:
-        """q (N, nh, D) of tokens at (rows, pos) over caches kc, vc (B, nkv, L, D) -> (N, nh D), in float32."""
+        """q (N, nh, D) of tokens at (rows, pos) over caches kc, vc (B, nkv, L, D) -> (N, nh D), in float32.
+        Queries of one (row, KV head) go in tiles of TQ rows; TILES tiles per call, each a fixed-shape bmm against
+        a key block gathered once per tile: a query's row never depends on its tile-mates (as in `rowwise`)."""
         N, nh, D = q.shape
         B, nkv, L, _ = kc.shape
-        qi = torch.arange(N * nh, device=q.device)
-        r, p = rows[qi // nh], pos[qi // nh]                                            # (N nh,) each
-        seq = r * nkv + (qi % nh) // (nh // nkv)                                        # (N nh,) its (row, KV head)
-        qs = q.reshape(N * nh, D)
+        dev = q.device
+        qi = torch.arange(N * nh, device=dev)
+        seq = rows[qi // nh] * nkv + (qi % nh) // (nh // nkv)                          # (N nh,) its (row, KV head)
+        order = torch.argsort(seq, stable=True)                                        # queries grouped by seq
+        s = seq[order]
+        rank = qi - torch.searchsorted(s, s)                                           # (N nh,) place in its group
+        tile, slot = torch.cumsum((rank % TQ == 0).long(), 0) - 1, rank % TQ            # (N nh,) each
+        # tiles: at most one partial tile per (row, KV head) beyond the full ones; a bound read off the shapes,
+        # so no host sync (the CUDA-graphed decode step holds this)
+        T = -(-(N * nh // TQ + min(N * nh, B * nkv)) // TILES) * TILES
+        Q = q.new_zeros(T, TQ, D, dtype=torch.float32).index_put((tile, slot), q.reshape(N * nh, D)[order].float())
+        P = torch.full((T, TQ), L - 1, device=dev).index_put((tile, slot), pos[qi // nh][order])   # (T, TQ)
+        S = torch.zeros(T, dtype=torch.long, device=dev).index_put((tile,), s)                      # (T,) its seq
         kt, vt = kc.reshape(B * nkv, L, D).float(), vc.reshape(B * nkv, L, D).float()   # (B nkv, L, D) each
 
-        def one(idx: Tensor) -> Tensor:      # idx (QUERIES,) query indices (padding: index 0, dropped after)
-            qq, pp, ss = qs[idx].float(), p[idx][:, None], seq[idx]
+        def one(qq: Tensor, pp: Tensor, ss: Tensor) -> Tensor:     # (TILES, TQ, D), (TILES, TQ, 1), (TILES,)
             scores = []
             for j in range(0, L, BLOCK):
-                slot = torch.arange(j, j + BLOCK, device=q.device)[None]                # (1, BLOCK)
-                sc = torch.bmm(kt[:, j:j + BLOCK].index_select(0, ss), qq[:, :, None])[..., 0] * scale  # (QUERIES, BLOCK)
-                ok = slot <= pp if not window else (slot <= pp) & (pp - slot < window)
+                at = torch.arange(j, j + BLOCK, device=dev)[None, None]                # (1, 1, BLOCK)
+                sc = torch.bmm(qq, kt[:, j:j + BLOCK].index_select(0, ss).transpose(1, 2)) * scale  # (TILES, TQ, BLOCK)
+                ok = at <= pp if not window else (at <= pp) & (pp - at < window)
                 scores.append(sc.masked_fill(~ok, float("-inf")))
-            mx = torch.stack([sc.amax(-1) for sc in scores]).amax(0)[:, None]         # (QUERIES, 1): order-free
-            total, out = qq.new_zeros(len(idx), 1), qq.new_zeros(len(idx), D)
+            mx = torch.stack([sc.amax(-1) for sc in scores]).amax(0)[..., None]       # (TILES, TQ, 1): order-free
+            total, out = qq.new_zeros(len(qq), TQ, 1), qq.new_zeros(len(qq), TQ, D)
             for j, sc in zip(range(0, L, BLOCK), scores):
-                e = torch.exp(sc - mx)                                                 # (QUERIES, BLOCK); masked: 0
+                e = torch.exp(sc - mx)                                                 # (TILES, TQ, BLOCK); masked: 0
                 total = total + e.sum(-1, keepdim=True)
-                out = out + torch.bmm(e[:, None], vt[:, j:j + BLOCK].index_select(0, ss))[:, 0]   # (QUERIES, D)
+                out = out + torch.bmm(e, vt[:, j:j + BLOCK].index_select(0, ss))     # (TILES, TQ, D)
             return out / total
 
-        pad = -len(qi) % QUERIES
-        idx = torch.cat([qi, qi.new_zeros(pad)]) if pad else qi
-        o = torch.cat([one(c) for c in idx.split(QUERIES)])[:len(qi)]                  # (N nh, D)
-        return o.reshape(N, nh * D)
+        o = torch.cat([one(Q[c:c + TILES], P[c:c + TILES, :, None], S[c:c + TILES]) for c in range(0, T, TILES)])
+        o = o[tile, slot]                                                              # (N nh, D) in sorted order
+        return o.new_empty(o.shape).index_put((order,), o).reshape(N, nh * D)
 
 
 def experts(mlp, x: Tensor) -> Tensor:
