@@ -8,17 +8,18 @@ How (each rule: docs/exact.md):
 - Every op that is not a plain add or multiply (matmul, norm, activation, softmax, exp) runs on chunks of exactly
   ROWS rows (`rowwise`; the last chunk padded with zeros): the library sees one shape, so it takes one kernel,
   one reduction order and one vector/tail split for every row, whatever the batch.
-- K/V live in a per-row cache at slot = position. Attention runs per (token, head) over blocks of BLOCK keys in
-  slot order: scores, one max over all blocks, then exp, sums and p @ V accumulated block after block from zero.
+- K/V live in a per-row cache at slot = position. Attention runs on tiles of TQ queries of one (row, KV head),
+  TILES tiles per call, over blocks of BLOCK keys in slot order: scores, one max over all blocks, then exp, sums
+  and p @ V accumulated block after block from zero.
   A block past a row's position adds exact zeros, so a one-token decode step over a long cache gives the bits of
   the same token's row in a full-sequence forward over a shorter one.
 - LoRA: each projection applies W + (B @ A) * scale, the same expression (autograd's in the trainer).
-
 - Routed experts (qwen3_moe): routing per row, each expert's tokens in ROWS-row chunks, a token's top_k outputs
   added in its own slot order (`experts`).
 
 Families: those engines/families.py describes (FAMILIES), dense and MoE; `Exact` refuses any other model with the
-reason. Where exactness cannot hold, `check_config` refuses the option before any work.
+reason. Where exactness cannot hold, `check_config` refuses the option before any work. Under FSDP2 the
+trainer's forward runs inside each unit's hooks (`through`).
 """
 import torch
 import torch.nn.functional as F
