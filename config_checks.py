@@ -56,7 +56,6 @@ def validate(cfg: Config, world: int = 1):
                         "'replay.max_staleness' >= 0 and 'replay.decay' in (0, 1]")
     check_partial(cfg)
     check_mismatch_sources(cfg, world)
-    check_exact(cfg, world)
     if cfg.mode == "async":   # from here on, `world` counts the ranks that train
         world = validate_async(cfg, world, algo)
     # distributed: every rank must run the same number of forward/backward passes (FSDP's collectives pair up
@@ -165,15 +164,6 @@ def check_mismatch_sources(cfg: Config, world: int):
     if on and (cfg.engine != "builtin" or cfg.env.name or cfg.mode != "sync" or world > 1 or cfg.lora.r):
         raise UserError(f"{', '.join(on)} (the mismatch lab's options) need engine=builtin, single-turn rollouts "
                         "(no env.name), mode=sync, one process and no LoRA")
-
-
-def check_exact(cfg: Config, world: int):
-    """exact_logprobs holds only where the engine samples from the trainer's own distribution with its own forward."""
-    off = [k for k, bad in [("engine=builtin", cfg.engine != "builtin"), ("mode=sync", cfg.mode != "sync"),
-                            ("one process", world > 1), ("top_p=1", cfg.top_p < 1), ("lora.dropout=0", cfg.lora.dropout),
-                            *[(f"{k} off", True) for k in mismatch_sources(cfg)]] if bad]
-    if cfg.exact_logprobs and off:
-        raise UserError(f"exact_logprobs=true needs {', '.join(off)} (docs/exact.md: where exactness cannot hold)")
 
 
 def check_batch_split(cfg: Config, world: int):

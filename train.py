@@ -221,8 +221,8 @@ def extra_logprobs(run: Run, rollout, images: dict | None = None) -> dict:
     # forward (logp detached) at no cost, also when the samples are stale: pi_prox is the policy before the update
     # The KL in the reward is the trainer's too (verl, TRL): the engine's log-probs carry the rollout mismatch
     if updates_per_step > 1 or cfg.replay.enabled or (cfg.algo.kl_in_reward and cfg.algo.kl_coef > 0):
-        out["old_logprobs"] = completion_logprobs(learner.policy, ids, attn, C, trainer_temperature(cfg),
-                                                  images)[0].cpu()
+        old = engines.exact.completion_logprobs if cfg.exact_logprobs else completion_logprobs   # the engine's bits
+        out["old_logprobs"] = old(learner.policy, ids, attn, C, trainer_temperature(cfg), images)[0].cpu()
     if run.reference is not None:
         with offload.visit(run.reference, device, cfg.offload_models):   # on the GPU for this forward only
             out["ref_logprobs"] = completion_logprobs(run.reference, ids, attn, C, trainer_temperature(cfg),
@@ -432,6 +432,7 @@ def prepare(argv: list[str]) -> tuple[Config, str | None]:
     # every cross-option check before the ranks meet: a bad value ends each rank alone, with no collective hanging
     run_dir.Logger.check(cfg.logger)                   # logger=wandb without wandb installed: refused now
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
+    engines.exact.check_config(cfg)                    # exact_logprobs=true where exactness cannot hold: refused now
     kernels.choose(**vars(cfg.kernels))                # the implementation of each kernel op (kernels/__init__.py)
     check_reward_args(parse_reward_args(cfg.reward_args, parse_spec(cfg.rewards)))
     accuracy_name(cfg)                                 # accuracy_reward names one of the rewards

@@ -8,26 +8,69 @@ How (each rule: docs/exact.md):
 - Every op that is not a plain add or multiply (matmul, norm, activation, softmax, exp) runs on chunks of exactly
   ROWS rows (`rowwise`; the last chunk padded with zeros): the library sees one shape, so it takes one kernel,
   one reduction order and one vector/tail split for every row, whatever the batch.
-- K/V live in a per-row cache at slot = position. Attention runs per (token, head) over blocks of BLOCK keys in
-  slot order: scores, one max over all blocks, then exp, sums and p @ V accumulated block after block from zero.
+- K/V live in a per-row cache at slot = position. Attention runs on tiles of TQ queries of one (row, KV head),
+  TILES tiles per call, over blocks of BLOCK keys in slot order: scores, one max over all blocks, then exp, sums
+  and p @ V accumulated block after block from zero.
   A block past a row's position adds exact zeros, so a one-token decode step over a long cache gives the bits of
   the same token's row in a full-sequence forward over a shorter one.
 - LoRA: each projection applies W + (B @ A) * scale, the same expression (autograd's in the trainer).
+- Routed experts (qwen3_moe): routing per row, each expert's tokens in ROWS-row chunks, a token's top_k outputs
+  added in its own slot order (`experts`).
 
-What it does not cover (config_checks.check_exact refuses these): routed experts, FSDP, lora dropout.
+Families: those engines/families.py describes (FAMILIES), dense and MoE; `Exact` refuses any other model with the
+reason. Where exactness cannot hold, `check_config` refuses the option before any work. Under FSDP2 the
+trainer's forward runs inside each unit's hooks (`through`).
 """
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from engines.decode_weights import groups
-from engines.families import arch_of, rotary_tables
+from engines.families import FAMILIES, arch_of, rotary_tables
 from engines.fast_decode import base_of
 from models import position_ids
 
+def check_config(cfg):
+    """Refuse exact_logprobs=true in one line, before any work, where the engine cannot sample from the trainer's
+    own distribution with the trainer's own weights and forward (train.prepare calls it; docs/exact.md)."""
+    import json
+    import os
+
+    from config import UserError
+    if not cfg.exact_logprobs:
+        return
+    lab = [("top_k", cfg.top_k > 0), ("logprobs_mode", cfg.logprobs_mode != "raw"), ("engine_lag", cfg.engine_lag > 0),
+           ("engine_dtype", cfg.engine_dtype != "auto"), ("train_temperature", cfg.train_temperature > 0)]
+    off = [k for k, bad in [("engine=builtin", cfg.engine != "builtin"),
+                            ("mode=sync or max_staleness=0", cfg.mode == "async" and cfg.max_staleness > 0),
+                            ("top_p=1", cfg.top_p < 1), ("lora.dropout=0", cfg.lora.dropout > 0),
+                            *[(f"{k} at its default", on) for k, on in lab]] if bad]
+    if off:
+        raise UserError(f"exact_logprobs=true needs {', '.join(off)} (docs/exact.md: where exactness cannot hold)")
+    path = os.path.join(cfg.model, "config.json")    # a local model: its family is known before it loads
+    kind = json.load(open(path)).get("model_type") if os.path.isfile(path) else None
+    if kind is not None and kind not in FAMILIES:
+        raise UserError(f"exact_logprobs=true covers the model families {', '.join(FAMILIES)}; {cfg.model} is "
+                        f"{kind!r} (docs/exact.md: checking a new model)")
+
+
 ROWS = 256     # rows per call of every op: a fixed shape, hence a fixed kernel
 BLOCK = 64     # keys per attention block
-QUERIES = 1024  # (token, head) pairs per attention call: fixed as ROWS is, larger (fewer Python-issued calls)
+TQ = 16        # queries of one (row, KV head) per attention tile
+TILES = 256    # tiles per attention call: fixed as ROWS is
+
+
+def through(module, fn, *args):
+    """fn(*args), run as module's forward where FSDP2 shards the module: its hooks gather the unit's weights for fn
+    (which reads them off the submodules) and, in the backward, reduce-scatter their gradients. Else fn(*args)."""
+    from torch.distributed.fsdp import FSDPModule
+    if not isinstance(module, FSDPModule):
+        return fn(*args)
+    module.forward = fn            # an instance attribute: nn.Module.__call__ runs the hooks around it
+    try:
+        return module(*args)
+    finally:
+        del module.forward
 
 
 def rowwise(fn, x: Tensor) -> Tensor:
@@ -75,8 +118,8 @@ class Exact:
         self.arch, why = arch_of(self.model)
         if self.arch is None:
             raise ValueError(f"exact_logprobs does not cover this model: {why}")
-        if any(s.moe for s in self.arch.layers):
-            raise ValueError("exact_logprobs does not cover routed experts (moe) yet")
+        if any(s.moe for s in self.arch.layers) and any("experts" in n and "lora_" in n for n, _ in model.named_parameters()):
+            raise ValueError("exact_logprobs does not cover LoRA adapters on routed experts (lora.targets without them)")
         c = self.model.config
         self.nh, self.nkv = c.num_attention_heads, c.num_key_value_heads
         self.D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -100,31 +143,42 @@ class Exact:
         """ids, rows, pos (N,): tokens, their sequence and position; writes their K/V at (row, pos) of cache
         (inplace: into its tensors; else new tensors, for autograd) and returns their last hidden states (N, H)
         after the final norm."""
-        m, arch = self.model.model, self.arch
+        m = self.model.model
         cos, sin = self.rotary(ids.device, m.embed_tokens.weight.dtype)
         x = F.embedding(ids, m.embed_tokens.weight)                                    # (N, H)
-        if arch.embed_scale:
+        if self.arch.embed_scale:
             x = x * m.embed_tokens.embed_scale.to(x.dtype)
-        for i, (layer, spec) in enumerate(zip(m.layers, arch.layers)):
-            pre_a, post_a, pre_m, post_m = spec.norms
-            g_qkv, g_gu, g_o, g_down = groups(layer)
-            q, k, v = self._qkv(layer.self_attn, spec, linear(_norm(pre_a, x), g_qkv))  # (N, nh|nkv, D)
-            c, s = cos[spec.rope][pos][:, None], sin[spec.rope][pos][:, None]          # (N, 1, D)
-            q, k = _rotate(q, c, s), _rotate(k, c, s)
-            kc, vc = cache[i]                                                          # (B, nkv, L, D) each
-            if inplace:
-                kc.transpose(1, 2).index_put_((rows, pos), k.to(kc.dtype))
-                vc.transpose(1, 2).index_put_((rows, pos), v.to(vc.dtype))
-            else:   # new tensors, for autograd
-                kc = kc.transpose(1, 2).index_put((rows, pos), k.to(kc.dtype)).transpose(1, 2)
-                vc = vc.transpose(1, 2).index_put((rows, pos), v.to(vc.dtype)).transpose(1, 2)
-                cache[i] = (kc, vc)
-            o = self._attend(q, rows, pos, kc, vc, spec.window, layer.self_attn.scaling)   # (N, nh D)
-            x = x + _norm(post_a, linear(o.to(x.dtype), g_o))
-            gate, up = linear(_norm(pre_m, x), g_gu).chunk(2, dim=-1)                 # (N, I) each
-            act = getattr(layer.mlp, "act_fn", None) or layer.mlp.activation_fn
-            x = x + _norm(post_m, linear(rowwise(act, gate) * up, g_down))
+        for i, layer in enumerate(m.layers):
+            x = through(layer, lambda x, i=i, layer=layer: self._layer(i, layer, x, rows, pos, cos, sin, cache, inplace), x)
         return rowwise(m.norm, x)
+
+    def _layer(self, i: int, layer, x: Tensor, rows, pos, cos, sin, cache: list, inplace: bool) -> Tensor:
+        """Decoder layer i on x (N, H) -> (N, H); writes its K/V into cache[i] (see forward)."""
+        spec = self.arch.layers[i]
+        pre_a, post_a, pre_m, post_m = spec.norms
+        g_qkv, g_gu, g_o, g_down = groups(layer)
+        q, k, v = self._qkv(layer.self_attn, spec, linear(_norm(pre_a, x), g_qkv))      # (N, nh|nkv, D)
+        c, s = cos[spec.rope][pos][:, None], sin[spec.rope][pos][:, None]              # (N, 1, D)
+        q, k = _rotate(q, c, s), _rotate(k, c, s)
+        kc, vc = cache[i]                                                              # (B, nkv, L, D) each
+        if inplace:
+            kc.transpose(1, 2).index_put_((rows, pos), k.to(kc.dtype))
+            vc.transpose(1, 2).index_put_((rows, pos), v.to(vc.dtype))
+        else:   # new tensors, for autograd
+            kc = kc.transpose(1, 2).index_put((rows, pos), k.to(kc.dtype)).transpose(1, 2)
+            vc = vc.transpose(1, 2).index_put((rows, pos), v.to(vc.dtype)).transpose(1, 2)
+            cache[i] = (kc, vc)
+        o = self._attend(q, rows, pos, kc, vc, spec.window, layer.self_attn.scaling)   # (N, nh D)
+        x = x + _norm(post_a, linear(o.to(x.dtype), g_o))
+        return x + _norm(post_m, self._mlp(layer.mlp, spec, _norm(pre_m, x), g_gu, g_down))
+
+    def _mlp(self, mlp, spec, x: Tensor, g_gu: list, g_down: list) -> Tensor:
+        """x (N, H) through the layer's dense MLP or its routed experts -> (N, H)."""
+        if spec.moe:
+            return experts(mlp, x)
+        gate, up = linear(x, g_gu).chunk(2, dim=-1)                                    # (N, I) each
+        act = getattr(mlp, "act_fn", None) or mlp.activation_fn
+        return linear(rowwise(act, gate) * up, g_down)
 
     def logits(self, h: Tensor) -> Tensor:
         """(N, H) final hidden states -> (N, V) logits (soft-capped where the family does)."""
@@ -142,35 +196,74 @@ class Exact:
         return q.reshape(N, nh, D), k.reshape(N, nkv, D), v.reshape(N, nkv, D)
 
     def _attend(self, q: Tensor, rows: Tensor, pos: Tensor, kc: Tensor, vc: Tensor, window, scale: float) -> Tensor:
-        """q (N, nh, D) of tokens at (rows, pos) over caches kc, vc (B, nkv, L, D) -> (N, nh D), in float32."""
+        """q (N, nh, D) of tokens at (rows, pos) over caches kc, vc (B, nkv, L, D) -> (N, nh D), in float32.
+        Queries of one (row, KV head) go in tiles of TQ rows; TILES tiles per call, each a fixed-shape bmm against
+        a key block gathered once per tile: a query's row never depends on its tile-mates (as in `rowwise`)."""
         N, nh, D = q.shape
         B, nkv, L, _ = kc.shape
-        qi = torch.arange(N * nh, device=q.device)
-        r, p = rows[qi // nh], pos[qi // nh]                                            # (N nh,) each
-        seq = r * nkv + (qi % nh) // (nh // nkv)                                        # (N nh,) its (row, KV head)
-        qs = q.reshape(N * nh, D)
+        dev = q.device
+        qi = torch.arange(N * nh, device=dev)
+        seq = rows[qi // nh] * nkv + (qi % nh) // (nh // nkv)                          # (N nh,) its (row, KV head)
+        order = torch.argsort(seq, stable=True)                                        # queries grouped by seq
+        s = seq[order]
+        rank = qi - torch.searchsorted(s, s)                                           # (N nh,) place in its group
+        tile, slot = torch.cumsum((rank % TQ == 0).long(), 0) - 1, rank % TQ            # (N nh,) each
+        # tiles: at most one partial tile per (row, KV head) beyond the full ones; a bound read off the shapes,
+        # so no host sync (the CUDA-graphed decode step holds this)
+        T = -(-(N * nh // TQ + min(N * nh, B * nkv)) // TILES) * TILES
+        Q = q.new_zeros(T, TQ, D, dtype=torch.float32).index_put((tile, slot), q.reshape(N * nh, D)[order].float())
+        P = torch.full((T, TQ), L - 1, device=dev).index_put((tile, slot), pos[qi // nh][order])   # (T, TQ)
+        S = torch.zeros(T, dtype=torch.long, device=dev).index_put((tile,), s)                      # (T,) its seq
         kt, vt = kc.reshape(B * nkv, L, D).float(), vc.reshape(B * nkv, L, D).float()   # (B nkv, L, D) each
 
-        def one(idx: Tensor) -> Tensor:      # idx (QUERIES,) query indices (padding: index 0, dropped after)
-            qq, pp, ss = qs[idx].float(), p[idx][:, None], seq[idx]
+        def one(qq: Tensor, pp: Tensor, ss: Tensor) -> Tensor:     # (TILES, TQ, D), (TILES, TQ, 1), (TILES,)
             scores = []
             for j in range(0, L, BLOCK):
-                slot = torch.arange(j, j + BLOCK, device=q.device)[None]                # (1, BLOCK)
-                sc = torch.bmm(kt[:, j:j + BLOCK].index_select(0, ss), qq[:, :, None])[..., 0] * scale  # (QUERIES, BLOCK)
-                ok = slot <= pp if not window else (slot <= pp) & (pp - slot < window)
+                at = torch.arange(j, j + BLOCK, device=dev)[None, None]                # (1, 1, BLOCK)
+                sc = torch.bmm(qq, kt[:, j:j + BLOCK].index_select(0, ss).transpose(1, 2)) * scale  # (TILES, TQ, BLOCK)
+                ok = at <= pp if not window else (at <= pp) & (pp - at < window)
                 scores.append(sc.masked_fill(~ok, float("-inf")))
-            mx = torch.stack([sc.amax(-1) for sc in scores]).amax(0)[:, None]         # (QUERIES, 1): order-free
-            total, out = qq.new_zeros(len(idx), 1), qq.new_zeros(len(idx), D)
+            mx = torch.stack([sc.amax(-1) for sc in scores]).amax(0)[..., None]       # (TILES, TQ, 1): order-free
+            total, out = qq.new_zeros(len(qq), TQ, 1), qq.new_zeros(len(qq), TQ, D)
             for j, sc in zip(range(0, L, BLOCK), scores):
-                e = torch.exp(sc - mx)                                                 # (QUERIES, BLOCK); masked: 0
+                e = torch.exp(sc - mx)                                                 # (TILES, TQ, BLOCK); masked: 0
                 total = total + e.sum(-1, keepdim=True)
-                out = out + torch.bmm(e[:, None], vt[:, j:j + BLOCK].index_select(0, ss))[:, 0]   # (QUERIES, D)
+                out = out + torch.bmm(e, vt[:, j:j + BLOCK].index_select(0, ss))     # (TILES, TQ, D)
             return out / total
 
-        pad = -len(qi) % QUERIES
-        idx = torch.cat([qi, qi.new_zeros(pad)]) if pad else qi
-        o = torch.cat([one(c) for c in idx.split(QUERIES)])[:len(qi)]                  # (N nh, D)
-        return o.reshape(N, nh * D)
+        o = torch.cat([one(Q[c:c + TILES], P[c:c + TILES, :, None], S[c:c + TILES]) for c in range(0, T, TILES)])
+        o = o[tile, slot]                                                              # (N nh, D) in sorted order
+        return o.new_empty(o.shape).index_put((order,), o).reshape(N, nh * D)
+
+
+def experts(mlp, x: Tensor) -> Tensor:
+    """A sparse-MoE block (qwen3_moe's: .gate router, .experts with (E, 2I, H) and (E, H, I) weights) on x (N, H).
+    Routing is per row (`rowwise`); each expert runs its tokens in ROWS-row chunks whatever their number; a token's
+    top_k outputs are added in its own slot order (not expert order): elementwise, so no row depends on another."""
+    e, router = mlp.experts, mlp.gate
+    k = getattr(router, "top_k", None) or mlp.top_k
+    norm = getattr(router, "norm_topk_prob", getattr(mlp, "norm_topk_prob", True))
+
+    def route(c: Tensor) -> Tensor:      # (ROWS, H) -> (ROWS, 2k): top_k weights, then their experts (as floats)
+        w, idx = F.linear(c, router.weight).float().softmax(-1).topk(k, dim=-1)
+        if norm:
+            w = w / w.sum(-1, keepdim=True)
+        return torch.cat([w, idx.float()], -1)
+
+    r = rowwise(route, x)                                                              # (N, 2k) float32
+    weight, idx = r[:, :k].to(x.dtype), r[:, k:].long()                                # (N, k) each
+    slots = x.new_zeros(x.shape[0], k, x.shape[1])                                     # (N, k, H)
+    for i in range(e.gate_up_proj.shape[0]):
+        tok, slot = (idx == i).nonzero(as_tuple=True)                                  # (n,) each
+        if not len(tok):
+            continue
+        gate, up = rowwise(lambda c: F.linear(c, e.gate_up_proj[i]), x[tok]).chunk(2, dim=-1)   # (n, I) each
+        y = rowwise(lambda c: F.linear(c, e.down_proj[i]), rowwise(e.act_fn, gate) * up)        # (n, H)
+        slots = slots.index_put((tok, slot), y * weight[tok, slot][:, None])
+    out = slots[:, 0]
+    for j in range(1, k):                # slot order: the same additions for a token in any call
+        out = out + slots[:, j]
+    return out                                                                         # (N, H)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -194,26 +287,31 @@ def exact_of(model) -> Exact:
 
 
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int,
-                        temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+                        temperature: float = 1.0, images=None) -> tuple[Tensor, Tensor]:
     """models.completion_logprobs through the exact forward: (B, T) ids -> log-probs and entropies (B, C); the
-    gradient is autograd's. Tokens the mask hides get log-prob 0."""
+    gradient is autograd's. Tokens the mask hides get log-prob 0. No pictures (images must be None)."""
+    if images is not None:
+        raise ValueError("exact_logprobs does not cover prompts with pictures yet (docs/exact.md)")
     ex = exact_of(model)
     B, T = input_ids.shape
     real = attention_mask.bool()
     rows, cols = real.nonzero(as_tuple=True)                                           # (N,) each, row-major
     pos = position_ids(attention_mask)[rows, cols]
-    dtype = ex.model.model.embed_tokens.weight.dtype
-    cache = ex.new_cache(B, int(pos.max()) + 1, input_ids.device, dtype)
-    h = ex.forward(input_ids[rows, cols], rows, pos, cache, inplace=False)             # (N, H)
-    # the predecessors of the last C columns: column t predicts t + 1
-    at = (cols >= T - C - 1) & (cols < T - 1)
-    lp = token_logprobs(ex.logits(h[at]), temperature)                                # (M, V)
+    at = (cols >= T - C - 1) & (cols < T - 1)        # the predecessors of the last C columns: t predicts t + 1
     r, c = rows[at], cols[at] - (T - C - 1)
-    tgt = input_ids[r, c + T - C]
-    logp = lp.gather(-1, tgt[:, None]).squeeze(-1)                                    # (M,)
-    ent = -rowwise(lambda z: (z.exp() * z).sum(-1, keepdim=True), lp).squeeze(-1)     # (M,)
-    zeros = lp.new_zeros(B, C)
-    return zeros.index_put((r, c), logp), zeros.index_put((r, c), ent)
+    tgt = input_ids[r, c + T - C]                                                      # (M,)
+
+    def run(ids: Tensor) -> tuple[Tensor, Tensor]:   # inside the root's forward under FSDP: its weights gathered
+        dtype = ex.model.model.embed_tokens.weight.dtype
+        cache = ex.new_cache(B, int(pos.max()) + 1, ids.device, dtype)
+        h = ex.forward(ids, rows, pos, cache, inplace=False)                          # (N, H)
+        lp = token_logprobs(ex.logits(h[at]), temperature)                            # (M, V)
+        logp = lp.gather(-1, tgt[:, None]).squeeze(-1)                                # (M,)
+        ent = -rowwise(lambda z: (z.exp() * z).sum(-1, keepdim=True), lp).squeeze(-1) # (M,)
+        zeros = lp.new_zeros(B, C)
+        return zeros.index_put((r, c), logp), zeros.index_put((r, c), ent)
+
+    return through(model, run, input_ids[rows, cols])
 
 
 def sample(ex: Exact, logits: Tensor, temperature: float, generator) -> tuple[Tensor, Tensor]:
@@ -230,7 +328,9 @@ class ExactDecoder:
 
     def __init__(self, model, use_graph: bool | None = None):
         self.ex = exact_of(model)
-        self.use_graph = self._device().type == "cuda" if use_graph is None else use_graph
+        # routed experts pick their tokens on the host (nonzero), which a CUDA graph cannot hold: those decode eagerly
+        graphable = self._device().type == "cuda" and not any(s.moe for s in self.ex.arch.layers)
+        self.use_graph = graphable if use_graph is None else use_graph
         self.states: dict[tuple[int, int], dict] = {}        # (B, S) -> cache, static inputs, graph, logits
 
     def _device(self):

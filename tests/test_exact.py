@@ -11,7 +11,6 @@ import torch
 
 import engines.exact as exact
 from config import Config, UserError
-from config_checks import validate
 from engines.base import SamplingParams
 from engines.builtin import BuiltinEngine
 
@@ -84,19 +83,86 @@ def test_lora_adapters_reach_both_sides(random_model_dir, monkeypatch):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
 
 
-def test_the_option_is_refused_where_exactness_cannot_hold():
-    for key, value in [("engine_lag", 1), ("top_p", 0.9), ("engine_dtype", "bfloat16"), ("mode", "async")]:
-        cfg = Config()
-        cfg.exact_logprobs = True
-        setattr(cfg, key, value)
-        with pytest.raises(UserError, match="exact_logprobs=true needs"):
-            validate(cfg, world=2 if key == "mode" else 1)
+@pytest.mark.parametrize("key,value", [("engine", "vllm"), ("engine_lag", 1), ("top_k", 2), ("logprobs_mode", "processed"),
+                                       ("top_p", 0.9), ("engine_dtype", "bfloat16"), ("max_staleness", 1)])
+def test_the_option_is_refused_where_exactness_cannot_hold(key, value):
     cfg = Config()
-    cfg.exact_logprobs = True
-    validate(cfg)
+    cfg.exact_logprobs, cfg.mode = True, "async"        # async itself is fine at max_staleness=0
+    setattr(cfg, key, value)
+    if key != "max_staleness":
+        cfg.max_staleness = 0
+    with pytest.raises(UserError, match=f"exact_logprobs=true needs .*{key.split('_')[0]}"):
+        exact.check_config(cfg)
 
 
-@pytest.mark.parametrize("extra", [[], ["lora.r=4", "lr=1e-2"],
+def test_a_model_outside_the_families_is_refused_by_name(tmp_path):
+    cfg = Config()
+    cfg.exact_logprobs, cfg.max_staleness = True, 0
+    exact.check_config(cfg)                              # the shipped model: a covered family
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "granite"}))
+    cfg.model = str(tmp_path)
+    with pytest.raises(UserError, match="covers the model families qwen2, llama.*qwen3_moe; .* is 'granite'"):
+        exact.check_config(cfg)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_moe"])
+def test_other_families_sliding_windows_and_routed_experts(family, monkeypatch):
+    """gemma3 (sliding and global layers, soft-capped logits, its norms) and qwen3_moe (routed experts): the
+    engine's log-probs equal the trainer's bits, and transformers' forward up to rounding."""
+    from test_architectures import tiny_model
+    monkeypatch.setattr(exact, "BLOCK", 8)     # the tiny models' windows (4) cross key blocks
+    model = tiny_model(family)
+    r = generate(model, n=2, max_new=10)
+    m = r.completion_mask.bool()
+    assert torch.equal(trainer_logprobs(model, r, torch.arange(len(m)).flip(0))[m], r.logprobs[m])
+    from models import completion_logprobs
+    ref = completion_logprobs(model, r.input_ids, r.attention_mask, m.shape[1], 0.9)[0].detach().float()
+    assert (ref[m] - r.logprobs[m]).abs().max() < 1e-4
+
+
+def _fsdp_rank(rank: int, world: int, port: int, model_dir: str, out: str):
+    """One of two forked ranks: the engine (a plain copy) samples; the FSDP2-sharded trainer recomputes the same
+    log-probs, and its gradient equals the plain model's."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import distributed
+    from models import load_model
+    distributed.init()
+    plain, _ = load_model(model_dir, torch.device("cpu"), torch.float32)
+    sharded, _ = load_model(model_dir, torch.device("cpu"), torch.float32)
+    distributed.shard(sharded, torch.device("cpu"), torch.float32)
+    r = generate(plain, n=2, max_new=8)                  # the same seed on both ranks: the same samples
+    m = r.completion_mask.bool()
+    got = exact.completion_logprobs(sharded, r.input_ids, r.attention_mask, m.shape[1], 0.9)[0]
+    assert torch.equal(got.detach()[m], r.logprobs[m])
+    got[m].sum().backward()
+    exact.completion_logprobs(plain, r.input_ids, r.attention_mask, m.shape[1], 0.9)[0][m].sum().backward()
+    for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    open(f"{out}.{rank}", "w").write("ok")
+
+
+def test_fsdp2_trainer_on_two_ranks_equals_the_engine(tmp_path, random_model_dir, monkeypatch):
+    """FSDP2 under gloo with 2 ranks (forked from this process: no second import of torch): the sharded trainer's
+    log-probs equal the engine's bit for bit and its gradients reach every shard as one process computes them."""
+    import multiprocessing
+    import socket
+    monkeypatch.setattr(exact, "BLOCK", 8)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "rank")
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_fsdp_rank, args=(r, 2, port, random_model_dir, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0] and all(os.path.exists(f"{out}.{r}") for r in range(2))
+
+
+@pytest.mark.parametrize("extra", [["algo.epochs=2", "algo.tis=token"], ["lora.r=4", "lr=1e-2"],
                                    ["--config", os.path.join(ROOT, "configs/multiturn.yaml"), "samples_per_prompt=2",
                                     f"model={os.path.join(ROOT, 'assets/hilo-model')}"]], ids=["single", "lora", "hilo"])
 def test_a_training_run_has_zero_mismatch_at_every_step(tmp_path, extra):
@@ -110,6 +176,8 @@ def test_a_training_run_has_zero_mismatch_at_every_step(tmp_path, extra):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if row["step"] > 0]
     assert len(steps) == 3 and all(row["logprob_mismatch/max"] == 0.0 for row in steps), steps
+    if "algo.tis=token" in extra:   # a second epoch weighs by old (trainer) over sample (engine) log-probs: equal bits
+        assert all(row["tis_weight"] == 1.0 for row in steps), steps
     if "hilo" in str(extra):
         assert all(row["episode/turns"] > 1 and row["tokens/out_of_loss"] > 0 for row in steps)
 

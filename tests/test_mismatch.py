@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import config
 import config_checks
+import engines.exact as exact
 import registry
 from algos.common import clipped_policy_loss, tis_weights
 from buffer import Experience
@@ -116,6 +117,34 @@ def test_masked_importance_sampling_zeroes_exactly_the_out_of_band_tokens():
     assert float(m["tis_masked_frac"]) == pytest.approx(0.5)
 
 
+def test_tis_is_a_no_op_under_exact_logprobs(policy, monkeypatch):
+    """exact_logprobs: every importance weight is exactly 1, so each repair gives the loss, metrics and gradient of
+    tis=off, bit for bit (docs/mismatch.md: the exact row)."""
+    monkeypatch.setattr(exact, "BLOCK", 8)
+    r = BuiltinEngine(policy, eos_id=1, pad_id=0, exact=True).generate(
+        [[2, 3, 4], [5, 6]], 4, SamplingParams(max_new_tokens=6), torch.Generator().manual_seed(0))
+    mask = r.completion_mask
+    batch = Experience(input_ids=r.input_ids, attention_mask=r.attention_mask, completion_mask=mask,
+                       sample_logprobs=r.logprobs, rewards=torch.zeros(8), group_ids=torch.zeros(8, dtype=torch.long),
+                       versions=torch.zeros(8, dtype=torch.long), truncated=torch.zeros(8, dtype=torch.bool),
+                       advantages=torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)))
+    out = {}
+    for tis in ("off", "token", "seq", "mask"):
+        policy.zero_grad()
+        logp, ent = exact.completion_logprobs(policy, r.input_ids, r.attention_mask, mask.shape[1])
+        loss, m = clipped_policy_loss({"logprobs": logp, "entropy": ent}, batch, config.AlgoConfig(tis=tis))
+        loss.backward()
+        out[tis] = loss.detach(), m, [p.grad.clone() for p in policy.parameters()]
+        if tis != "off":
+            assert float(m["tis_weight"]) == 1.0 and float(m.get("tis_masked_frac", 0.0)) == 0.0
+    loss, m, grads = out["off"]
+    assert mask.sum() > 10 and loss != 0 and any(g.abs().sum() > 0 for g in grads)
+    for tis in ("token", "seq", "mask"):
+        assert torch.equal(out[tis][0], loss) and all(torch.equal(a, b) for a, b in zip(out[tis][2], grads))
+        assert all(torch.equal(torch.as_tensor(out[tis][1][k]), torch.as_tensor(v)) for k, v in m.items())
+    policy.zero_grad()
+
+
 @pytest.mark.parametrize("args, message", [
     (["top_k=-1"], "config key 'top_k' must be >= 0"),
     (["logprobs_mode=full"], "config key 'logprobs_mode' must be one of raw, processed"),
@@ -142,5 +171,7 @@ def test_the_lab_has_one_valid_command_per_experiment(capsys):
     for source in mismatch_lab.SOURCES:   # every source is a one-line change that validates, with every repair
         for repair in mismatch_lab.REPAIRS:
             args = mismatch_lab.command(source, repair, []).split()[2:]
-            config_checks.validate(config.fill_defaults(config.parse(args)))
-            assert config_checks.mismatch_sources(config.parse(args)) or source == "none"
+            cfg = config.fill_defaults(config.parse(args))
+            config_checks.validate(cfg)
+            exact.check_config(cfg)
+            assert config_checks.mismatch_sources(cfg) or source in ("none", "exact")

@@ -28,6 +28,7 @@ SOURCES = {   # each a one-line change of the default run; "none" is the referen
     "top_p": ["top_p=0.8", "logprobs_mode=processed"],
     "stale": ["engine_lag=4"],                               # samples from the weights of 4 steps ago
     "temperature": ["train_temperature=0.7"],                # sampled at 1.0, trained at 0.7
+    "exact": ["exact_logprobs=true"],                        # the opposite: no mismatch at all (docs/exact.md)
 }
 REPAIRS = {"off": [], "token": ["algo.tis=token"], "seq": ["algo.tis=seq"], "mask": ["algo.tis=mask"]}
 
