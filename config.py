@@ -214,15 +214,6 @@ class RewardSections:
 
 
 @dataclass
-class VLLMConfig:
-    gpu_memory_utilization: float = opt(0.4, "GPU memory share for vLLM (weights + KV cache); the trainer shares the card")
-    kv_cache_memory_bytes: int = opt(0, "KV cache size in bytes; 0 = 1 GiB on CPU, gpu_memory_utilization on GPU")
-    max_model_len: int = opt(0, "context length for vLLM; 0 = the model's")
-    enforce_eager: bool = opt(True, "no CUDA graphs / torch.compile: fast start")
-    sleep_level: int = opt(1, "vLLM sleep level on GPU: 1 = weights to CPU, 2 = discard (sync after wake)")
-
-
-@dataclass
 class LoRAConfig:
     r: int = opt(0, "LoRA rank: 0 = full fine-tuning; > 0 trains only peft LoRA adapters (lora.py), the frozen base "
                     "is the reference model; adapters usually want a higher lr (e.g. 1e-3)")
@@ -263,7 +254,6 @@ class Config:
                                    "gives it 1 ('' = the task's own reward, the first in rewards)")
     engine: str = opt("builtin", "rollout engine, by registered name (vllm: pip install -r requirements-vllm.txt)",
                       "engine")
-    vllm: VLLMConfig = opt(VLLMConfig(), "settings of engine=vllm")
     algo: AlgoConfig = opt(AlgoConfig(), "algorithm settings")
     reward_args: str = opt("", "keyword arguments for reward plugins: 'code.wall_s=5,reward_model.path=/x'")
     reward: RewardSections = opt(RewardSections(), "the rewards' own options (each reward's file declares its "
