@@ -95,9 +95,9 @@ def section(path: str, help: str):
         parent = _field_type(parent_path) if parent_path else Config
         if not (dataclasses.is_dataclass(parent) and dataclasses.is_dataclass(cls)):
             raise TypeError(f"section {path!r}: a dataclass inside a section of the tree (got {parent_path!r})")
-        registry.register("section", path)(cls)    # a second declaration of the path raises here
-        if name in {f.name for f in dataclasses.fields(parent)}:
+        if name in {f.name for f in dataclasses.fields(parent)} and path not in registry.names("section"):
             raise registry.RegistryError(f"section {path!r} is a core option already (config.py)")
+        registry.register("section", path)(cls)    # a second declaration of the path raises here
         _add_field(parent, name, cls, opt(cls(), help))
         return cls
     return deco
@@ -127,8 +127,8 @@ def sections(cfg) -> list[tuple[str, object]]:
 
 
 def plugin_args(cfg, path: str) -> dict:
-    """The keyword arguments that a reward's or an environment's own section gives it ("reward.judge" ->
-    {"path": ...}); {} for a plugin that declares none."""
+    """The keyword arguments that a reward's or an environment's own section gives it ("reward.<name>" -> its
+    fields as a dict); {} for a plugin that declares none."""
     return next((dataclasses.asdict(s) for p, s in sections(cfg) if p == path), {})
 
 
