@@ -4,7 +4,8 @@ combination of options lives here, each a one-line UserError naming the problem 
     cfg = config.fill_defaults(config.parse(argv))
     config_checks.validate(cfg, world)      # train.py and train_dpo.py, before loading anything
 
-The options themselves (defaults, help texts, the valid choices, key=value parsing) are in config.py. Checks that
+The options themselves (defaults, help texts, the valid choices, key=value parsing) are in config.py, and a plugin's
+own options in its file with their range rules (the section's check, applied here by section_ranges). Checks that
 need files or folders stay with what reads them (run_dir.check, checkpoint.resolve_resume, models.load_model).
 """
 import dataclasses
