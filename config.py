@@ -1,4 +1,5 @@
-"""The one typed config. Every default and every help text lives in these dataclasses.
+"""The one typed config: the core options here, each plugin's own options in its own file. Every default and every
+help text lives in these dataclasses.
 
     python train.py --help                                  # every option with its help
     python train.py --config configs/x.yaml steps=50 algo.kl_coef=0.01
@@ -6,6 +7,11 @@
 A YAML file and `key=value` overrides (dotted for nested sections) map onto `Config`; an unknown key
 or a value of the wrong type is a one-line error that names the key. The checks that span options (ranges,
 combinations, the world size) are in config_checks.py: `config_checks.validate(cfg, world)` after parsing.
+
+A plugin (algorithm, task, reward, environment) declares its options beside its code with `@section`
+(algos/dapo.py: `algo.dapo.*`); importing the plugin adds the section to this tree, so the tree is whole once the
+entry script has imported the plugin packages, as the registry is. A choice option lists its valid values once,
+in `opt(..., choices=)`; config_checks.validate checks every such option of the tree.
 """
 import dataclasses
 import os
@@ -17,19 +23,9 @@ import yaml
 
 import registry
 
-# the valid values of the options that name a choice (the algorithms, engines, tasks and rewards: the registry)
+# a choice shared with the code that implements it (algos/common.py aggregates by it)
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-TIS_MODES = ("off", "token", "seq", "mask", "mask_high")
-STEP_MODES = ("sum", "per_step")   # algo.step_rewards: how the GRPO family reads per-step rewards (algos/grpo.py)
-LOGPROBS_MODES = ("raw", "processed")
-DPO_LOSSES = ("sigmoid", "ipo", "simpo")
-PARALLEL_MODES = ("fsdp", "replicate")
 DTYPES = ("auto", "float32", "bfloat16")
-DECODE_WEIGHTS = ("fused", "in_place")   # engines/decode_weights.py WEIGHTS
-REPLAY_PRIORITIES = ("uniform", "advantage", "recency")
-MODES = ("sync", "async")
-PARTIAL_OLD = ("weight", "mask")
 
 
 class UserError(Exception):
@@ -68,14 +64,72 @@ def load_yaml(text):
     return yaml.load(text, Loader=_UniqueKeys)
 
 
-def opt(default, help: str, registered: str = ""):
+def opt(default, help: str, registered: str = "", choices: tuple = ()):
     """A config field with its help text. Sections (dataclass defaults) get a fresh instance per Config.
     `registered`: the registry kind the option names ("algo", "task", ...); --help lists that kind's names as they
-    are registered, so a new plugin shows up there without an edit here."""
-    meta = {"help": help, "registered": registered}
+    are registered, so a new plugin shows up there without an edit here. `choices`: the valid values of an option
+    that names one (config_checks.validate refuses any other with the list)."""
+    meta = {"help": help, "registered": registered, "choices": tuple(choices)}
     if dataclasses.is_dataclass(default):
         return field(default_factory=type(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def section(path: str, help: str):
+    """Class decorator: a plugin's own options, declared in the plugin's file, become the section `path` of the
+    one tree (a field of the core section that `path` names the parent of: "algo.dapo" -> AlgoConfig.dapo,
+    "arithmetic" -> Config.arithmetic, "reward.x" -> a reward's keyword arguments, "env.x" -> an environment's).
+
+        @section("algo.dapo", "DAPO (algo.name=dapo)")
+        @dataclass
+        class DAPOConfig:
+            overlong_buffer: int = opt(2, "...")
+            def check(self, cfg) -> list:        # optional: (field, in range?, the valid range) rules
+                return [("overlong_buffer", self.overlong_buffer >= 0, ">= 0")]
+
+    --help, YAML, key=value and to_dict then see it as any core option; config_checks.validate applies its
+    choices and its check(cfg) before any work. The path is registered (kind "section"): declared twice is an error."""
+    parent_path, _, name = path.rpartition(".")
+
+    def deco(cls):
+        parent = _field_type(parent_path) if parent_path else Config
+        if not (dataclasses.is_dataclass(parent) and dataclasses.is_dataclass(cls)):
+            raise TypeError(f"section {path!r}: a dataclass inside a section of the tree (got {parent_path!r})")
+        if name in {f.name for f in dataclasses.fields(parent)} and path not in registry.names("section"):
+            raise registry.RegistryError(f"section {path!r} is a core option already (config.py)")
+        registry.register("section", path)(cls)    # a second declaration of the path raises here
+        _add_field(parent, name, cls, opt(cls(), help))
+        return cls
+    return deco
+
+
+def _add_field(cls, name: str, t: type, f: dataclasses.Field):
+    """cls (a dataclass) with one more field, changed in place so that every holder of cls (Config's default
+    factories, `from config import AlgoConfig`) sees it: dataclasses regenerates the methods that list fields."""
+    kept = [(g.name, g.type, field(default=g.default, default_factory=g.default_factory, metadata=g.metadata))
+            for g in dataclasses.fields(cls)]
+    made = dataclasses.make_dataclass(cls.__name__, kept + [(name, t, f)])
+    for attr in ("__init__", "__repr__", "__eq__", "__dataclass_fields__", "__match_args__"):
+        setattr(cls, attr, getattr(made, attr))
+    cls.__annotations__ = {**cls.__annotations__, name: t}
+
+
+def sections(cfg) -> list[tuple[str, object]]:
+    """(path, section object) of every plugin section declared so far, in the order of their paths."""
+    out = []
+    for path in registry.names("section"):
+        obj = cfg
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None:
+            out.append((path, obj))
+    return out
+
+
+def plugin_args(cfg, path: str) -> dict:
+    """The keyword arguments that a reward's or an environment's own section gives it ("reward.<name>" -> its
+    fields as a dict); {} for a plugin that declares none."""
+    return next((dataclasses.asdict(s) for p, s in sections(cfg) if p == path), {})
 
 
 def help_of(f: dataclasses.Field) -> str:
@@ -86,36 +140,6 @@ def help_of(f: dataclasses.Field) -> str:
 
 
 @dataclass
-class ArithmeticConfig:
-    digits: int = opt(3, "operands are uniform integers in [0, 10**digits)")
-    n_train: int = opt(20000, "distinct training problems (RL prompts)")
-    n_eval: int = opt(500, "distinct held-out problems for evaluation")
-    heldout_percent: int = opt(10, "percent of all problems reserved for held-out (stable hash)")
-    seed: int = opt(0, "seed for drawing the train and held-out samples")
-
-
-@dataclass
-class DataFilesConfig:
-    train_path: str = opt("", ".jsonl/.json/.parquet file, glob, or datasets.save_to_disk folder")
-    eval_path: str = opt("", "held-out prompts, same kinds ('' = hold out eval_size train rows)")
-    split: str = opt("train", "split of a DatasetDict folder used for training")
-    eval_split: str = opt("test", "split of a DatasetDict folder used for evaluation")
-    eval_size: int = opt(200, "rows held out from train when there is no eval_path")
-    prompt_field: str = opt("question", "column holding the prompt text")
-    answer_field: str = opt("answer", "column given to rewards as 'answer' ('' = none)")
-    answer_regex: str = opt("", "keep the first group of this regex in the answer, e.g. '####\\s*(.+)'")
-    fields: str = opt("", "extra sample fields for rewards: 'name:column,name:column'")
-    prompt_template: str = opt("{prompt}", "Python format string; {prompt} is the prompt column")
-    system_prompt: str = opt("", "system message when a chat template is applied")
-    chat_template: str = opt("", "model/tokenizer folder whose chat template renders prompts ('' = none)")
-    max_prompt_chars: int = opt(0, "drop rendered prompts longer than this (0 = no limit)")
-    max_prompt_tokens: int = opt(0, "drop prompts longer than this in tokens (needs chat_template)")
-    dedupe: bool = opt(True, "drop repeated prompts and train prompts that are also eval prompts")
-    seed: int = opt(0, "shuffle seed")
-    limit: int = opt(0, "keep at most this many training prompts (0 = all)")
-
-
-@dataclass
 class ReplayConfig:
     enabled: bool = opt(False, "keep experiences across steps, reuse them (off = on-policy)")
     capacity: int = opt(1024, "samples held; the oldest are evicted first (FIFO)")
@@ -123,7 +147,8 @@ class ReplayConfig:
     max_staleness: int = opt(4, "evict samples generated more than this many policy "
                                                             "versions ago")
     priority: str = opt("uniform", "sampling weight: uniform, advantage (|A|^alpha) or "
-                                                                "recency (decay^age)")
+                                                                "recency (decay^age)",
+                        choices=("uniform", "advantage", "recency"))
     alpha: float = opt(1.0, "exponent on |advantage| for priority=advantage")
     decay: float = opt(0.5, "weight per policy version of age for priority=recency")
     log: bool = opt(True, "append every experience to <out_dir>/replay.jsonl")
@@ -134,13 +159,15 @@ class PartialConfig:
     budget_tokens: int = opt(0, "mode=async: new tokens per trajectory per rollout iteration; an unfinished one is "
                                 "kept and continued next iteration under newer weights (0 = off, docs/async.md)")
     old_segments: str = opt("weight", "a partial trajectory's segments older than its last: weight (importance "
-                                      "weight from each token's own behaviour log-prob) or mask (out of the loss)")
+                                      "weight from each token's own behaviour log-prob) or mask (out of the loss)",
+                            choices=("weight", "mask"))
 
 
 @dataclass
 class EnvConfig:
     name: str = opt("", "multi-turn environment, by registered name (see envs/); '' = single-turn rollouts", "env")
-    args: str = opt("", "keyword arguments for the environment: 'max_guesses=4,digit_reward=0.1'")
+    args: str = opt("", "keyword arguments for the environment: 'max_guesses=4,digit_reward=0.1' (over those of "
+                        "its own section env.<name>, where its file declares one)")
     tools: str = opt("", "tools the model may call, by registered name: 'calculator,python' (see envs/tools.py)", "tool")
     parser: str = opt("tag", "how tool calls are written: tag (<calculator>2+3</calculator>) or hermes "
                              "(<tool_call>{json}</tool_call>, the Qwen/Hermes chat-template convention)")
@@ -154,58 +181,6 @@ class EnvConfig:
 
 
 @dataclass
-class HiloConfig:
-    digits: int = opt(3, "length of the secret code (each digit 0-9)")
-    n_eval: int = opt(100, "held-out secret codes for evaluation")
-    heldout_percent: int = opt(10, "percent of all codes reserved for held-out (stable hash)")
-    seed: int = opt(0, "seed for drawing the codes")
-
-
-@dataclass
-class PPOConfig:
-    gamma: float = opt(1.0, "discount of the per-token return")
-    gae_lambda: float = opt(0.95, "GAE lambda: 1 = Monte-Carlo return minus value, 0 = one-step TD")
-    vf_coef: float = opt(0.5, "weight of the value loss")
-    value_clip: float = opt(0.2, "clip of the new value around the rollout value (0 = off)")
-    whiten: bool = opt(True, "normalise advantages to mean 0, std 1 over each mini-batch's tokens (needs the "
-                             "mini-batch in one pass: false for micro_batch_size > 0 or torchrun)")
-    critic_lr: float = opt(1e-4, "AdamW learning rate of the critic (its own optimizer)")
-
-
-@dataclass
-class DPOConfig:
-    loss: str = opt("sigmoid", "preference loss: sigmoid (DPO), ipo, or simpo (reference-free, length-normalised)")
-    beta: float = opt(0.1, "DPO/IPO inverse temperature; SimPO's reward scale")
-    simpo_gamma: float = opt(0.5, "SimPO's target margin")
-    data: str = opt("assets/arithmetic_prefs.jsonl", "preference file for offline DPO (train_dpo.py): jsonl of "
-                                                   "{prompt, chosen, rejected}")
-
-
-@dataclass
-class DAPOConfig:
-    clip_eps_high: float = opt(0.28, "clip-higher: the ratio may rise to 1 + this (the low side uses algo.clip_eps)")
-    overlong_buffer: int = opt(2, "soft overlong penalty starts this many tokens before max_new_tokens (0 = off)")
-    overlong_penalty: float = opt(1.0, "penalty at max_new_tokens; falls linearly to 0 over the buffer")
-    dynamic_sampling: bool = opt(True, "train only on groups whose rewards differ (equal ones carry no signal), "
-                                       "sampling more prompts until prompts_per_step such groups are found")
-    max_rounds: int = opt(3, "dynamic sampling's rollout rounds per step at most (each of prompts_per_step prompts); "
-                             "a step that runs out trains on the groups it found")
-
-
-@dataclass
-class GSPOConfig:
-    clip_eps: float = opt(3e-4, "lower clip of the sequence-level (length-normalised) ratio")
-    clip_eps_high: float = opt(4e-4, "upper clip of the sequence-level ratio")
-
-
-@dataclass
-class DistillConfig:
-    teacher: str = opt("", "teacher model folder, loaded in the reference model's place ('' = no teacher: GRPO)")
-    coef: float = opt(1.0, "weight of the per-token advantage log p_teacher - log p_student")
-    task_coef: float = opt(1.0, "weight of GRPO's group advantage of the task reward (0 = pure distillation)")
-
-
-@dataclass
 class AlgoConfig:
     name: str = opt("grpo", "algorithm, by registered name (see algos/ and README's table)", "algo")
     clip_eps: float = opt(0.2, "PPO-style ratio clip: ratio is kept in [1 - clip_eps, 1 + clip_eps_high]")
@@ -213,36 +188,32 @@ class AlgoConfig:
     dual_clip: float = opt(0.0, "dual-clip PPO: with a negative advantage the loss stops growing once the ratio "
                                 "passes this (> 1; verl's default is 3; 0 = off; the token-level clipped losses)")
     kl_coef: float = opt(0.0, "weight of the KL penalty to the reference model (0 = no reference model)")
-    kl_estimator: str = opt("k3", "KL estimator: k1, k2 or k3 (Schulman's approximations)")
+    kl_estimator: str = opt("k3", "KL estimator: k1, k2 or k3 (Schulman's approximations)",
+                            choices=("k1", "k2", "k3"))
     kl_in_reward: bool = opt(False, "put the KL penalty in the reward (per token, no gradient) instead of the loss")
     loss_agg: str = opt("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, "
-                                      "seq-mean-token-sum-norm")
+                                      "seq-mean-token-sum-norm", choices=AGG_MODES)
     norm_len: int = opt(0, "constant divisor of seq-mean-token-sum-norm (0 = max_new_tokens)")
     max_new_tokens: int = opt(0, "not an option: copied from max_new_tokens at start (algorithms see only this section)")
     scale_rewards: bool = opt(True, "divide group-centred rewards by the group's std (GRPO); off = Dr. GRPO style")
     step_rewards: str = opt("sum", "per-step rewards in grpo/dr_grpo: sum (one score per sample) or per_step (each "
-                                   "step normalised over its group, summed from the token's step on; docs/rewards.md)")
+                                   "step normalised over its group, summed from the token's step on; docs/rewards.md)",
+                            choices=("sum", "per_step"))
     tis: str = opt("off", "importance sampling against rollout/train log-prob mismatch: off, token or seq (the "
                           "weight pi_train / pi_sample truncated at tis_cap), mask (a token whose weight leaves "
                           "[1/tis_cap, tis_cap] gets no loss, the others their full weight; docs/mismatch.md), "
-                          "mask_high (only weights above tis_cap: AReaL's decoupled loss, docs/async.md)")
+                          "mask_high (only weights above tis_cap: AReaL's decoupled loss, docs/async.md)",
+                   choices=("off", "token", "seq", "mask", "mask_high"))
     tis_cap: float = opt(2.0, "truncation of the importance weight pi_train / pi_sample (tis=mask: the band's edge)")
     epochs: int = opt(1, "passes over each rollout batch (PPO epochs); >1 reuses samples off-policy")
     minibatch_size: int = opt(0, "samples per optimizer step; 0 = the whole rollout batch (one step, on-policy)")
-    ppo: PPOConfig = opt(PPOConfig(), "PPO (algo.name=ppo): critic and GAE")
-    dpo: DPOConfig = opt(DPOConfig(), "DPO family (algo.name=online_dpo, and train_dpo.py)")
-    dapo: DAPOConfig = opt(DAPOConfig(), "DAPO (algo.name=dapo)")
-    gspo: GSPOConfig = opt(GSPOConfig(), "GSPO (algo.name=gspo)")
-    distill: DistillConfig = opt(DistillConfig(), "on-policy distillation (algo.name=distill; docs/distill.md)")
+    # each algorithm's own options follow, declared in its file: algos/ppo.py's @section("algo.ppo", ...)
 
 
 @dataclass
-class VLLMConfig:
-    gpu_memory_utilization: float = opt(0.4, "GPU memory share for vLLM (weights + KV cache); the trainer shares the card")
-    kv_cache_memory_bytes: int = opt(0, "KV cache size in bytes; 0 = 1 GiB on CPU, gpu_memory_utilization on GPU")
-    max_model_len: int = opt(0, "context length for vLLM; 0 = the model's")
-    enforce_eager: bool = opt(True, "no CUDA graphs / torch.compile: fast start")
-    sleep_level: int = opt(1, "vLLM sleep level on GPU: 1 = weights to CPU, 2 = discard (sync after wake)")
+class RewardSections:
+    """reward.<name>: the options of a reward that declares them in its own file (@section("reward.<name>", ...));
+    each field is a keyword argument of that reward, as `reward_args` sets one (which wins over it)."""
 
 
 @dataclass
@@ -286,16 +257,14 @@ class Config:
                                    "gives it 1 ('' = the task's own reward, the first in rewards)")
     engine: str = opt("builtin", "rollout engine, by registered name (vllm: pip install -r requirements-vllm.txt)",
                       "engine")
-    vllm: VLLMConfig = opt(VLLMConfig(), "settings of engine=vllm")
     algo: AlgoConfig = opt(AlgoConfig(), "algorithm settings")
-    arithmetic: ArithmeticConfig = opt(ArithmeticConfig(), "settings of the embedded arithmetic task")
-    files: DataFilesConfig = opt(DataFilesConfig(), "settings of the file-based task (task=files: jsonl, parquet, HF folder)")
     reward_args: str = opt("", "keyword arguments for reward plugins: 'code.wall_s=5,reward_model.path=/x'")
+    reward: RewardSections = opt(RewardSections(), "the rewards' own options (each reward's file declares its "
+                                                   "section reward.<name>)")
     reward_workers: int = opt(2, "reward worker processes (rewards run there, overlapped with the log-prob forwards)")
     reward_timeout_s: float = opt(30.0, "per-call reward time limit; a call past it scores 0 with a recorded reason")
     replay: ReplayConfig = opt(ReplayConfig(), "replay buffer (off by default: on-policy)")
     env: EnvConfig = opt(EnvConfig(), "multi-turn episodes with an environment and tools (off by default)")
-    hilo: HiloConfig = opt(HiloConfig(), "settings of the embedded multi-turn task (task=hilo, env.name=hilo)")
     lora: LoRAConfig = opt(LoRAConfig(), "LoRA adapters through peft (lora.r > 0; lora.py)")
     vision: VisionConfig = opt(VisionConfig(), "vision-language models and image tasks (vision.py, docs/vision.md)")
     # how long and how big
@@ -309,9 +278,10 @@ class Config:
     top_k: int = opt(0, "sample each rollout token from the k most likely only (0 = off)")
     logprobs_mode: str = opt("raw", "rollout log-probs the engine reports: raw (the whole distribution at "
                                     "temperature, before top_p / top_k) or processed (of the truncated, "
-                                    "renormalised distribution actually sampled from, as vLLM's processed_logprobs)")
+                                    "renormalised distribution actually sampled from, as vLLM's processed_logprobs)",
+                             choices=("raw", "processed"))
     engine_dtype: str = opt("auto", "dtype the rollout engine samples in: auto (the trainer's) or float32 / bfloat16 "
-                                    "(a copy of the policy in that dtype, synced after each step)")
+                                    "(a copy of the policy in that dtype, synced after each step)", choices=DTYPES)
     engine_lag: int = opt(0, "the engine samples with the weights of this many RL steps ago (a stale policy; "
                              "0 = the current ones; a resumed run starts the lag afresh)")
     exact_logprobs: bool = opt(False, "engine and trainer compute a sampled token's log-prob through one batch-"
@@ -358,12 +328,13 @@ class Config:
     out_dir: str = opt("", "run directory (default: runs/<algo>-<time>)")
     seed: int = opt(0, "seed for data order, sampling and init")
     device: str = opt("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = opt("auto", "model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16")
+    dtype: str = opt("auto", "model dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16", choices=DTYPES)
     threads: int = opt(0, "torch CPU threads (0 = chosen from the model: 1 for a model under 100M parameters on the "
                           "CPU, where more threads mostly wait on each other on a busy machine; else torch's default)")
     parallel: str = opt("fsdp", "under torchrun, how ranks hold the policy: fsdp (sharded with FSDP2: memory "
                                 "first) or replicate (each rank the whole model, gradients averaged by one "
-                                "all-reduce per optimizer step: speed first, for models that fit one GPU)")
+                                "all-reduce per optimizer step: speed first, for models that fit one GPU)",
+                        choices=("fsdp", "replicate"))
     offload: bool = opt(False, "keep FSDP shards, gradients and AdamW state in CPU memory (torchrun only; "
                                "see distributed.py)")
     # per-stage memory (offload.py): each moves something out of GPU memory while a stage does not need it
@@ -376,10 +347,11 @@ class Config:
     decode_weights: str = opt("fused", "how the built-in engine's GPU decoder reads the weights: fused (q/k/v and "
                                        "gate/up concatenated, LoRA merged, per rollout: fastest) or in_place (no "
                                        "copy: one GEMM per projection, LoRA as its low-rank product; the copies "
-                                       "are 12 GiB at a 7B LoRA, docs/lora.md)")
+                                       "are 12 GiB at a 7B LoRA, docs/lora.md)", choices=("fused", "in_place"))
     # asynchronous RL (async_rl.py, docs/async.md)
     mode: str = opt("sync", "sync: every rank generates and trains in turn; async (torchrun): the last rollout_ranks "
-                            "ranks only generate, the others only train, overlapped (docs/async.md)")
+                            "ranks only generate, the others only train, overlapped (docs/async.md)",
+                    choices=("sync", "async"))
     rollout_ranks: int = opt(1, "mode=async: how many ranks only generate (the last ones); the rest train")
     max_staleness: int = opt(1, "mode=async: step s trains on samples of the policy after step s-1-max_staleness "
                                 "(0 = the synchronous run exactly; >0 needs algo.tis for the correction)")
@@ -459,7 +431,8 @@ def help_text(cfg=None, prefix: str = "", script: str = "train.py") -> str:
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
             lines.append(f"  [{prefix}{f.name}]  {help_of(f)}")
-            lines.append(help_text(value, prefix=f"{prefix}{f.name}.").rstrip("\n"))
+            inner = help_text(value, prefix=f"{prefix}{f.name}.").rstrip("\n")
+            lines += [inner] if inner else []
         else:
             lines.append(f"  {prefix}{f.name}={value!r:<22} ({_type_name(hints[f.name])}) {help_of(f)}")
     return "\n".join(lines) + "\n"
@@ -538,7 +511,7 @@ def fill_defaults(cfg: Config) -> Config:
     """The defaults that depend on other options, filled once after parsing."""
     cfg.algo.norm_len = cfg.algo.norm_len or cfg.max_new_tokens   # Dr. GRPO's constant: the length limit
     cfg.algo.max_new_tokens = cfg.max_new_tokens                  # the limit itself (DAPO's overlong penalty)
-    cfg.model, cfg.algo.dpo.data = repo_path(cfg.model), repo_path(cfg.algo.dpo.data)   # from any directory
+    cfg.model = repo_path(cfg.model)                              # the embedded model, from any directory
     return cfg
 
 

@@ -4,19 +4,19 @@ combination of options lives here, each a one-line UserError naming the problem 
     cfg = config.fill_defaults(config.parse(argv))
     config_checks.validate(cfg, world)      # train.py and train_dpo.py, before loading anything
 
-The options themselves (defaults, help texts, the valid choices, key=value parsing) are in config.py. Checks that
+The options themselves (defaults, help texts, the valid choices, key=value parsing) are in config.py, and a plugin's
+own options in its file with their range rules (the section's check, applied here by section_ranges). Checks that
 need files or folders stay with what reads them (run_dir.check, checkpoint.resolve_resume, models.load_model).
 """
+import dataclasses
 import inspect
 import math
 import os
-import re
 
 import torch
 
 import registry
-from config import (AGG_MODES, DECODE_WEIGHTS, DPO_LOSSES, DTYPES, KL_ESTIMATORS, LOGPROBS_MODES, MODES, PARALLEL_MODES,
-                    PARTIAL_OLD, REPLAY_PRIORITIES, REPO, STEP_MODES, TIS_MODES, Config, UserError)
+from config import REPO, Config, UserError, plugin_args, sections
 
 MAX_EVAL_K = 1024   # eval_k samples of one prompt go through the engine together
 MIN_WORKER_MB = 64  # an environment worker (Python + envs/) starts within about half of it
@@ -26,21 +26,8 @@ def validate(cfg: Config, world: int = 1):
     """Every check that spans options, before any work starts: a bad value is a one-line UserError naming the
     option and its valid choices. Plugin names (algo, engine, task) are checked against the registry, so the
     entry script imports the plugin packages first; reward names are checked where the reward pool is built."""
-    for key, value, known in [("algo.loss_agg", cfg.algo.loss_agg, AGG_MODES),
-                              ("algo.kl_estimator", cfg.algo.kl_estimator, KL_ESTIMATORS),
-                              ("algo.tis", cfg.algo.tis, TIS_MODES),
-                              ("algo.step_rewards", cfg.algo.step_rewards, STEP_MODES),
-                              ("logprobs_mode", cfg.logprobs_mode, LOGPROBS_MODES),
-                              ("engine_dtype", cfg.engine_dtype, DTYPES),
-                              ("decode_weights", cfg.decode_weights, DECODE_WEIGHTS),
-                              ("algo.dpo.loss", cfg.algo.dpo.loss, DPO_LOSSES),
-                              ("parallel", cfg.parallel, PARALLEL_MODES),
-                              ("mode", cfg.mode, MODES),
-                              ("dtype", cfg.dtype, DTYPES),
-                              ("replay.priority", cfg.replay.priority, REPLAY_PRIORITIES)]:
-        if value not in known:
-            raise UserError(f"config key '{key}' must be one of {', '.join(known)}; got {value!r}")
-    for key, value, ok, valid in ranges(cfg):
+    check_choices(cfg)
+    for key, value, ok, valid in ranges(cfg) + section_ranges(cfg):
         if not ok:
             raise UserError(f"config key '{key}' must be {valid}; got {value!r}")
     algo = registry.get("algo", cfg.algo.name)
@@ -49,7 +36,6 @@ def validate(cfg: Config, world: int = 1):
         raise UserError(f"algo '{cfg.algo.name}' compares the samples of one prompt (a group baseline or a pair): "
                         f"samples_per_prompt must be >= 2; got {cfg.samples_per_prompt}")
     check_device(cfg.device)
-    check_task(cfg)
     r = cfg.replay
     if r.enabled and (r.capacity < 1 or r.max_uses < 1 or r.max_staleness < 0 or not 0 < r.decay <= 1):
         raise UserError("config keys 'replay.capacity' and 'replay.max_uses' must be >= 1, "
@@ -108,7 +94,7 @@ def ranges(cfg: Config) -> list:
     at_least_1 = [("samples_per_prompt", c.samples_per_prompt), ("prompts_per_step", c.prompts_per_step),
                   ("max_new_tokens", c.max_new_tokens), ("steps", c.steps), ("eval_every", c.eval_every),
                   ("reward_workers", c.reward_workers), ("max_bad_updates", c.max_bad_updates),
-                  ("algo.epochs", a.epochs), ("algo.dapo.max_rounds", a.dapo.max_rounds)]
+                  ("algo.epochs", a.epochs)]
     # 0 keeps the meaning each help text gives it (torch's default, keep all, one pass, ...)
     at_least_0 = [("threads", c.threads, "torch's default"), ("keep_checkpoints", c.keep_checkpoints, "keep all"),
                   ("micro_batch_size", c.micro_batch_size, "the whole mini-batch in one pass"),
@@ -122,20 +108,10 @@ def ranges(cfg: Config) -> list:
     env = c.env
     at_least_1 += [("env.workers", env.workers), ("env.max_turns", env.max_turns), ("env.max_tokens", env.max_tokens),
                    ("env.max_obs_chars", env.max_obs_chars)]
-    unit = lambda k, v: (k, v, 0 <= v <= 1, "in [0, 1]")
     positive = lambda k, v: (k, v, v > 0, "> 0")
     return [("lr", c.lr, math.isfinite(c.lr) and c.lr > 0, "a finite number > 0"),
             ("algo.clip_eps", a.clip_eps, 0 < a.clip_eps <= 1, "in (0, 1] (the ratio's lower bound is 1 - clip_eps)"),
-            positive("algo.clip_eps_high", a.clip_eps_high), positive("algo.dpo.beta", a.dpo.beta),
-            positive("algo.gspo.clip_eps", a.gspo.clip_eps), positive("algo.gspo.clip_eps_high", a.gspo.clip_eps_high),
-            unit("algo.ppo.gamma", a.ppo.gamma), unit("algo.ppo.gae_lambda", a.ppo.gae_lambda),
-            ("algo.ppo.vf_coef", a.ppo.vf_coef, a.ppo.vf_coef >= 0, ">= 0"),
-            ("algo.ppo.value_clip", a.ppo.value_clip, a.ppo.value_clip >= 0, ">= 0 (0 = off)"),
-            ("algo.ppo.critic_lr", a.ppo.critic_lr, math.isfinite(a.ppo.critic_lr) and a.ppo.critic_lr > 0,
-             "a finite number > 0"),
-            ("algo.dapo.clip_eps_high", a.dapo.clip_eps_high, a.dapo.clip_eps_high >= 0, ">= 0"),
-            ("algo.dapo.overlong_buffer", a.dapo.overlong_buffer, a.dapo.overlong_buffer >= 0, ">= 0 (0 = off)"),
-            ("algo.dapo.overlong_penalty", a.dapo.overlong_penalty, a.dapo.overlong_penalty >= 0, ">= 0"),
+            positive("algo.clip_eps_high", a.clip_eps_high),
             ("replay.alpha", c.replay.alpha, c.replay.alpha >= 0, ">= 0 (0 = uniform)"),
             positive("env.timeout_s", env.timeout_s),
             ("env.memory_mb", env.memory_mb, env.memory_mb >= MIN_WORKER_MB,
@@ -149,6 +125,23 @@ def ranges(cfg: Config) -> list:
             ("weight_decay", c.weight_decay, c.weight_decay >= 0, ">= 0"),
             *[(k, v, v >= 1, ">= 1") for k, v in at_least_1],
             *[(k, v, v >= 0, f">= 0 (0 = {zero})") for k, v, zero in at_least_0]]
+
+
+def check_choices(section, prefix: str = ""):
+    """Every option declared with choices= (config.opt), core or a plugin's, holds one of them."""
+    for f in dataclasses.fields(section):
+        value, known = getattr(section, f.name), f.metadata.get("choices")
+        if dataclasses.is_dataclass(value):
+            check_choices(value, f"{prefix}{f.name}.")
+        elif known and value not in known:
+            raise UserError(f"config key '{prefix}{f.name}' must be one of {', '.join(known)}; got {value!r}")
+
+
+def section_ranges(cfg: Config) -> list:
+    """The rules of each plugin's own section (its check(cfg), in the plugin's file), as ranges() gives them; a
+    check may also raise its own UserError for a rule that is no range."""
+    return [(f"{path}.{name}", getattr(sec, name), ok, valid) for path, sec in sections(cfg) if hasattr(sec, "check")
+            for name, ok, valid in sec.check(cfg)]
 
 
 def mismatch_sources(cfg: Config) -> list[str]:
@@ -199,38 +192,6 @@ def check_model(model: str):
         raise UserError(f"model '{model}' is not a folder here or in the repository (a hub id looks like org/name)")
 
 
-def check_task(cfg: Config):
-    """The embedded tasks' settings, and files.*'s template and regex, before a file is read."""
-    if cfg.task == "arithmetic":
-        a = cfg.arithmetic
-        for key, ok, valid in [("digits", 1 <= a.digits <= 9, "1..9"), ("heldout_percent", 0 < a.heldout_percent < 100,
-                                "1..99"), ("n_train", a.n_train >= 1, ">= 1"), ("n_eval", a.n_eval >= 1, ">= 1")]:
-            if not ok:
-                raise UserError(f"config key 'arithmetic.{key}' must be {valid}; got {getattr(a, key)}")
-    if cfg.task == "hilo":
-        h = cfg.hilo
-        for key, ok, valid in [("digits", 1 <= h.digits <= 6, "1..6 (10**digits codes are listed)"),
-                               ("heldout_percent", 0 < h.heldout_percent < 100, "1..99"), ("n_eval", h.n_eval >= 1, ">= 1")]:
-            if not ok:
-                raise UserError(f"config key 'hilo.{key}' must be {valid}; got {getattr(h, key)}")
-    if cfg.task != "files":
-        return
-    f = cfg.files
-    try:
-        f.prompt_template.format(prompt="")
-    except (KeyError, IndexError, ValueError) as e:
-        raise UserError(f"config key 'files.prompt_template' must be a format string whose only field is {{prompt}} "
-                        f"(write {{{{ and }}}} for braces); {f.prompt_template!r} fails: {type(e).__name__} {e}")
-    if f.answer_regex:
-        try:
-            groups = re.compile(f.answer_regex).groups
-        except re.error as e:
-            raise UserError(f"config key 'files.answer_regex' is not a regular expression: {e}; got {f.answer_regex!r}")
-        if not groups:
-            raise UserError(f"config key 'files.answer_regex' needs a group, (...), around the answer; got "
-                            f"{f.answer_regex!r}")
-
-
 def parse_kwargs(spec: str, key: str) -> dict:
     """'a=1,b=x' -> {'a': 1, 'b': 'x'} (values read as YAML), or a UserError naming the option."""
     import yaml
@@ -264,15 +225,15 @@ def check_env(cfg: Config):
     if not cfg.env.name:
         return
     env = registry.get("env", cfg.env.name)
-    check_keywords(env, parse_kwargs(cfg.env.args, "env.args"), f"env.args: environment '{cfg.env.name}'",
-                   rest_takes_any=True)
+    args = {**plugin_args(cfg, f"env.{cfg.env.name}"), **parse_kwargs(cfg.env.args, "env.args")}
+    check_keywords(env, args, f"env.args: environment '{cfg.env.name}'", rest_takes_any=True)
     if cfg.env.name in registry.names("task") and cfg.task != cfg.env.name:
         raise UserError(f"env.name={cfg.env.name} plays the rows of task={cfg.env.name}; task={cfg.task} has "
                         f"other fields: use task={cfg.env.name}")
 
 
 def check_reward_args(reward_args: dict[str, dict]):
-    """reward_args (rewards.parse_reward_args' dict): each argument is a parameter its reward names."""
+    """reward_args (rewards.reward_kwargs' dict): each argument is a parameter its reward names."""
     for name, kwargs in reward_args.items():
         check_keywords(registry.get("reward", name), kwargs, f"reward_args: reward '{name}'")
 
@@ -328,9 +289,6 @@ def check_partial(cfg: Config):
     p = cfg.partial
     if p.budget_tokens < 0:
         raise UserError(f"config key 'partial.budget_tokens' must be >= 0 (0 = off); got {p.budget_tokens}")
-    if p.old_segments not in PARTIAL_OLD:
-        raise UserError(f"config key 'partial.old_segments' must be one of {', '.join(PARTIAL_OLD)}; "
-                        f"got {p.old_segments!r}")
     if p.budget_tokens and cfg.mode != "async":
         raise UserError(f"partial.budget_tokens={p.budget_tokens} continues trajectories under newer weights, which "
                         "only mode=async has: use mode=async (torchrun) or partial.budget_tokens=0")

@@ -9,9 +9,10 @@ A plugin registers itself when its module is imported. The entry scripts (train.
 plugin packages explicitly (`import algos, engines, envs, rewards, tasks`), so every registered name can be found
 with go-to-definition and a newcomer sees every plugin module in those packages' __init__.py lists.
 Kinds "env" (multi-turn environments) and "tool" (what a model may call inside an episode) live in envs/; "kernel"
-(one implementation of a kernel op, named "<op>.<implementation>") in kernels/.
+(one implementation of a kernel op, named "<op>.<implementation>") in kernels/; "section" (a plugin's own config
+options, named by their dotted path "algo.dapo") is filled by config.section in the plugin's file.
 """
-KINDS = ("algo", "reward", "engine", "task", "env", "tool", "kernel")
+KINDS = ("algo", "reward", "engine", "task", "env", "tool", "kernel", "section")
 _REGISTRY: dict[str, dict[str, object]] = {kind: {} for kind in KINDS}
 
 

@@ -393,14 +393,14 @@ def main(argv: list[str]) -> dict:
     from config import fill_defaults, parse
     from config_checks import check_reward_args, validate
     from models import load_model, setup_device
-    from rewards import parse_reward_args
+    from rewards import reward_kwargs
     from rewards.pool import RewardPool
     argv, n, split = split_args(argv)
     cfg = fill_defaults(parse(argv, script="rollout.py"))
     cfg.out_dir = cfg.out_dir or os.path.join("runs", f"rollout-{time.strftime('%Y%m%d-%H%M%S')}")
     validate(cfg, 1)
     specs = parse_spec(cfg.rewards)
-    reward_args = parse_reward_args(cfg.reward_args, specs)
+    reward_args = reward_kwargs(cfg, specs)
     check_reward_args(reward_args)
     name = accuracy_name(cfg)
     if cfg.env.name:

@@ -41,7 +41,7 @@ from critic import Critic
 from distributed import print0
 from engines.base import SamplingParams
 from models import completion_logprobs, load_model, setup_device
-from rewards import parse_reward_args, parse_spec
+from rewards import parse_spec, reward_kwargs
 from rewards.pool import RewardPool
 from rollout import (accuracy, accuracy_name, broken, build_data, check_broken, eval_line, experience, make_engine,
                      make_sampler, record_failures)
@@ -135,7 +135,7 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
     if cfg.memory_budget_gib:   # micro_batch_size and grad_checkpointing from each stage's predicted peak (memory.py)
         print0(memory_plan(cfg, dtype, algo))
     specs = parse_spec(cfg.rewards)
-    reward_args = parse_reward_args(cfg.reward_args, specs)
+    reward_args = reward_kwargs(cfg, specs)
     pool = RewardPool([(name, weight, reward_args.get(name, {})) for name, weight in specs],
                       workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,   # unknown reward -> error here
                       max_new_tokens=cfg.max_new_tokens)
@@ -434,7 +434,7 @@ def prepare(argv: list[str]) -> tuple[Config, str | None]:
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
     engines.exact.check_config(cfg)                    # exact_logprobs=true where exactness cannot hold: refused now
     kernels.choose(**vars(cfg.kernels))                # the implementation of each kernel op (kernels/__init__.py)
-    check_reward_args(parse_reward_args(cfg.reward_args, parse_spec(cfg.rewards)))
+    check_reward_args(reward_kwargs(cfg, parse_spec(cfg.rewards)))
     accuracy_name(cfg)                                 # accuracy_reward names one of the rewards
     cfg.threads = cfg.threads or default_threads(cfg)   # threads=0: chosen from the model's size
     return cfg, resume_from

@@ -28,12 +28,12 @@ import kernels
 import registry
 import run_dir as rundir
 from algos.dpo import pair_loss
-from config import UserError, fill_defaults, parse
+from config import UserError, fill_defaults, parse, repo_path
 from config_checks import check_reward_args, default_threads, validate
 from distributed import print0
 from engines.base import left_pad
 from models import completion_logprobs, encode_prompts, load_model, setup_device
-from rewards import parse_reward_args, parse_spec
+from rewards import parse_spec, reward_kwargs
 from rewards.pool import RewardPool
 from rollout import evaluate
 
@@ -75,9 +75,10 @@ def pack(tok, pairs: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, to
 
 def main(argv: list[str]) -> dict:
     cfg = fill_defaults(parse(argv, script="train_dpo.py"))
+    cfg.algo.dpo.data = repo_path(cfg.algo.dpo.data)   # the embedded preference file, from any directory
     validate(cfg)
     specs = parse_spec(cfg.rewards)
-    check_reward_args(parse_reward_args(cfg.reward_args, specs))
+    check_reward_args(reward_kwargs(cfg, specs))
     cfg.out_dir = cfg.out_dir or os.path.join("runs", f"dpo-{cfg.algo.dpo.loss}-{time.strftime('%Y%m%d-%H%M%S')}")
     rundir.check(cfg.out_dir, resuming=False)   # a used or unwritable out_dir is refused before any work
     rundir.Logger.check(cfg.logger)
@@ -86,7 +87,7 @@ def main(argv: list[str]) -> dict:
     torch.manual_seed(cfg.seed)
     device, dtype = setup_device(cfg)
     pairs = read_pairs(cfg.algo.dpo.data)
-    pool = RewardPool([(name, weight, parse_reward_args(cfg.reward_args, specs).get(name, {})) for name, weight in specs],
+    pool = RewardPool([(name, weight, reward_kwargs(cfg, specs).get(name, {})) for name, weight in specs],
                       workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s,   # scores the held-out evaluation
                       max_new_tokens=cfg.max_new_tokens)
     _, eval_set = registry.get("task", cfg.task)(getattr(cfg, cfg.task, None))

@@ -16,6 +16,7 @@ signal (it samples on, or stops with an error after max_num_gen_batches); the pa
 algo.kl_coef still works if you set it. keep judges the raw rewards (verl's filter_groups.metric=acc), not
 the overlong-shaped ones: a group whose answers are all right or all wrong is dropped whatever their lengths.
 """
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -23,7 +24,25 @@ from torch import Tensor
 
 from algos.common import Algorithm, clipped_policy_loss, sequence_rewards
 from algos.grpo import group_advantages, group_stats
+from config import opt, section
 from registry import register
+
+
+@section("algo.dapo", "DAPO (algo.name=dapo)")
+@dataclass
+class DAPOConfig:
+    clip_eps_high: float = opt(0.28, "clip-higher: the ratio may rise to 1 + this (the low side uses algo.clip_eps)")
+    overlong_buffer: int = opt(2, "soft overlong penalty starts this many tokens before max_new_tokens (0 = off)")
+    overlong_penalty: float = opt(1.0, "penalty at max_new_tokens; falls linearly to 0 over the buffer")
+    dynamic_sampling: bool = opt(True, "train only on groups whose rewards differ (equal ones carry no signal), "
+                                       "sampling more prompts until prompts_per_step such groups are found")
+    max_rounds: int = opt(3, "dynamic sampling's rollout rounds per step at most (each of prompts_per_step prompts); "
+                             "a step that runs out trains on the groups it found")
+
+    def check(self, cfg) -> list:
+        return [("clip_eps_high", self.clip_eps_high >= 0, ">= 0"),
+                ("overlong_buffer", self.overlong_buffer >= 0, ">= 0 (0 = off)"),
+                ("overlong_penalty", self.overlong_penalty >= 0, ">= 0"), ("max_rounds", self.max_rounds >= 1, ">= 1")]
 
 
 def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:

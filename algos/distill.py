@@ -24,12 +24,23 @@ the vocabulary per position, from both models' hidden states) is kernels/fused_k
 hidden states in the update, which this file does not wire.
 Metric: distill_kl, the token mean of log pi_student - log pi_teacher (the k1 estimate of the reverse KL).
 """
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from algos.common import Algorithm, clipped_policy_loss, masked_mean
 from algos.grpo import grpo_advantages
+from config import opt, section
 from registry import register
+
+
+@section("algo.distill", "on-policy distillation (algo.name=distill; docs/distill.md)")
+@dataclass
+class DistillConfig:
+    teacher: str = opt("", "teacher model folder, loaded in the reference model's place ('' = no teacher: GRPO)")
+    coef: float = opt(1.0, "weight of the per-token advantage log p_teacher - log p_student")
+    task_coef: float = opt(1.0, "weight of GRPO's group advantage of the task reward (0 = pure distillation)")
 
 
 def student_logprobs(batch) -> Tensor:

@@ -13,15 +13,32 @@ DPO fits the same contract as the policy-gradient algorithms; a mini-batch keeps
 both halves of a pair are always in it. Simplified: IPO uses summed (not length-averaged) log-ratios;
 online pairs use one pair per group (best vs worst), not all pairs.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from algos.common import Algorithm, masked_mean
-from config import DPO_LOSSES as LOSSES
 from algos.grpo import group_stats
+from config import opt, section
 from registry import register
 
+LOSSES = ("sigmoid", "ipo", "simpo")
+
+
+@section("algo.dpo", "DPO family (algo.name=online_dpo, and train_dpo.py)")
+@dataclass
+class DPOConfig:
+    loss: str = opt("sigmoid", "preference loss: sigmoid (DPO), ipo, or simpo (reference-free, length-normalised)",
+                    choices=LOSSES)
+    beta: float = opt(0.1, "DPO/IPO inverse temperature; SimPO's reward scale")
+    simpo_gamma: float = opt(0.5, "SimPO's target margin")
+    data: str = opt("assets/arithmetic_prefs.jsonl", "preference file for offline DPO (train_dpo.py): jsonl of "
+                                                   "{prompt, chosen, rejected}")
+
+    def check(self, cfg) -> list:
+        return [("beta", self.beta > 0, "> 0")]
 
 
 def sequence_scores(logp: Tensor, ref_logp: Tensor | None, mask: Tensor, kind: str) -> Tensor:

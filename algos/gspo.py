@@ -12,11 +12,24 @@ with seq-mean-token-mean aggregation. Simplified: no GSPO-token variant (per-tok
 token mean whatever the policy term's aggregation (verl aggregates it as the policy term: docs/conventions.md);
 algo.dual_clip does not apply here (nor in verl's GSPO).
 """
+from dataclasses import dataclass
+
 import torch
 
 from algos.common import Algorithm, clip_cuts, kl_in_loss, masked_mean, tis_weights
 from algos.grpo import grpo_advantages
+from config import opt, section
 from registry import register
+
+
+@section("algo.gspo", "GSPO (algo.name=gspo)")
+@dataclass
+class GSPOConfig:
+    clip_eps: float = opt(3e-4, "lower clip of the sequence-level (length-normalised) ratio")
+    clip_eps_high: float = opt(4e-4, "upper clip of the sequence-level ratio")
+
+    def check(self, cfg) -> list:
+        return [("clip_eps", self.clip_eps > 0, "> 0"), ("clip_eps_high", self.clip_eps_high > 0, "> 0")]
 
 
 def gspo_loss(new: dict, batch, cfg):

@@ -15,13 +15,32 @@ needs the whole mini-batch in one pass: with micro_batch_size > 0 or under torch
 (the loop refuses the split otherwise: a micro-batch's own mean and std would change the gradient).
 Simplified: no reward model (the verifier's score is the reward), no value-head warm-up phase.
 """
-from dataclasses import replace
+import math
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from algos.common import Algorithm, clipped_policy_loss, masked_mean, masked_whiten, token_rewards
+from config import opt, section
 from registry import register
+
+
+@section("algo.ppo", "PPO (algo.name=ppo): critic and GAE")
+@dataclass
+class PPOConfig:
+    gamma: float = opt(1.0, "discount of the per-token return")
+    gae_lambda: float = opt(0.95, "GAE lambda: 1 = Monte-Carlo return minus value, 0 = one-step TD")
+    vf_coef: float = opt(0.5, "weight of the value loss")
+    value_clip: float = opt(0.2, "clip of the new value around the rollout value (0 = off)")
+    whiten: bool = opt(True, "normalise advantages to mean 0, std 1 over each mini-batch's tokens (needs the "
+                             "mini-batch in one pass: false for micro_batch_size > 0 or torchrun)")
+    critic_lr: float = opt(1e-4, "AdamW learning rate of the critic (its own optimizer)")
+
+    def check(self, cfg) -> list:
+        return [("gamma", 0 <= self.gamma <= 1, "in [0, 1]"), ("gae_lambda", 0 <= self.gae_lambda <= 1, "in [0, 1]"),
+                ("vf_coef", self.vf_coef >= 0, ">= 0"), ("value_clip", self.value_clip >= 0, ">= 0 (0 = off)"),
+                ("critic_lr", math.isfinite(self.critic_lr) and self.critic_lr > 0, "a finite number > 0")]
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> Tensor:

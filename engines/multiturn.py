@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 import distributed
-from config import UserError
+from config import UserError, plugin_args
 from engines.base import Rollout, SamplingParams, left_pad, top_p_filter
 from engines.builtin import _cache_kw, _cache_of
 from engines.exact import ExactDecoder
@@ -135,7 +135,7 @@ class MultiTurn:
         tools = [t for t in (s.strip() for s in cfg.env.tools.split(",")) if t]
         try:
             check_tools(tools, cfg.env.parser)                   # unknown tool or parser: the known ones
-            args = parse_args(cfg.env.args)
+            args = {**plugin_args(cfg, f"env.{cfg.env.name}"), **parse_args(cfg.env.args)}   # env.args over its section
         except ValueError as e:
             raise UserError(str(e))
         env_cls = get("env", cfg.env.name)                       # unknown environment: the known ones

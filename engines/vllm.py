@@ -33,11 +33,12 @@ import logging
 import os
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from config import UserError
+from config import UserError, opt, section
 from lora import engine_weights
 from registry import register
 from engines.base import Rollout, SamplingParams, left_pad
@@ -45,6 +46,16 @@ from engines.base import Rollout, SamplingParams, left_pad
 # The loop's greedy evaluation asks for max(eval_temperature, 1e-5) (rollout.evaluate), since the built-in engine
 # divides by the temperature; any temperature this small is greedy in effect
 GREEDY_BELOW = 1e-4
+
+
+@section("vllm", "settings of engine=vllm")
+@dataclass
+class VLLMConfig:
+    gpu_memory_utilization: float = opt(0.4, "GPU memory share for vLLM (weights + KV cache); the trainer shares the card")
+    kv_cache_memory_bytes: int = opt(0, "KV cache size in bytes; 0 = 1 GiB on CPU, gpu_memory_utilization on GPU")
+    max_model_len: int = opt(0, "context length for vLLM; 0 = the model's")
+    enforce_eager: bool = opt(True, "no CUDA graphs / torch.compile: fast start")
+    sleep_level: int = opt(1, "vLLM sleep level on GPU: 1 = weights to CPU, 2 = discard (sync after wake)")
 
 
 def vllm_temperature(temperature: float) -> float:

@@ -20,9 +20,25 @@ buckets (as tasks/arithmetic.py splits problems), so training never sees a held-
 """
 import hashlib
 import random
+from dataclasses import dataclass
 
-from config import HiloConfig
+from config import opt, section
 from registry import register
+
+
+@section("hilo", "settings of the embedded multi-turn task (task=hilo, env.name=hilo)")
+@dataclass
+class HiloConfig:
+    digits: int = opt(3, "length of the secret code (each digit 0-9)")
+    n_eval: int = opt(100, "held-out secret codes for evaluation")
+    heldout_percent: int = opt(10, "percent of all codes reserved for held-out (stable hash)")
+    seed: int = opt(0, "seed for drawing the codes")
+
+    def check(self, cfg) -> list:
+        if cfg.task != "hilo":
+            return []
+        return [("digits", 1 <= self.digits <= 6, "1..6 (10**digits codes are listed)"),
+                ("heldout_percent", 0 < self.heldout_percent < 100, "1..99"), ("n_eval", self.n_eval >= 1, ">= 1")]
 
 
 def is_heldout(code: str, heldout_percent: int) -> bool:

@@ -17,8 +17,10 @@ Each module below registers its functions on import; a new reward family is one 
     (the embedded task's verifier, reward arithmetic, lives with its task in tasks/arithmetic.py)
 
 A reward that declares `completion_tokens` or `max_new_tokens` in its signature gets them from the pool
-(rewards/pool.py: SAMPLING_ARGS), e.g. a length penalty.
+(rewards/pool.py: SAMPLING_ARGS), e.g. a length penalty. A reward's own options are a dataclass in its file under
+`@config.section("reward.<name>", ...)`: each field reaches the reward as a keyword argument (reward_kwargs).
 """
+from config import plugin_args
 from registry import RegistryError
 from rewards import code, format, k12, math, reward_model, vision  # noqa: F401  (each registers its rewards)
 from rewards import judge  # noqa: F401  (the generative judge: rewards/judge.py)
@@ -53,3 +55,10 @@ def parse_reward_args(spec: str, rewards: list[tuple[str, float]]) -> dict[str, 
             raise RegistryError(f"reward_args names reward {name!r}, which is not in rewards ({', '.join(sorted(names))})")
         out.setdefault(name, {})[arg] = yaml.safe_load(value)
     return out
+
+
+def reward_kwargs(cfg, rewards: list[tuple[str, float]]) -> dict[str, dict]:
+    """Each reward's keyword arguments: its own section reward.<name> (where its file declares one), then
+    cfg.reward_args over it."""
+    given = parse_reward_args(cfg.reward_args, rewards)
+    return {name: {**plugin_args(cfg, f"reward.{name}"), **given.get(name, {})} for name, _ in rewards}

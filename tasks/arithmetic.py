@@ -24,9 +24,26 @@ tools/make_tiny_model.py) draws from the train side only, so nothing held out is
 """
 import hashlib
 import random
+from dataclasses import dataclass
 
-from config import ArithmeticConfig
+from config import opt, section
 from registry import register
+
+
+@section("arithmetic", "settings of the embedded arithmetic task")
+@dataclass
+class ArithmeticConfig:
+    digits: int = opt(3, "operands are uniform integers in [0, 10**digits)")
+    n_train: int = opt(20000, "distinct training problems (RL prompts)")
+    n_eval: int = opt(500, "distinct held-out problems for evaluation")
+    heldout_percent: int = opt(10, "percent of all problems reserved for held-out (stable hash)")
+    seed: int = opt(0, "seed for drawing the train and held-out samples")
+
+    def check(self, cfg) -> list:
+        if cfg.task != "arithmetic":
+            return []
+        return [("digits", 1 <= self.digits <= 9, "1..9"), ("heldout_percent", 0 < self.heldout_percent < 100, "1..99"),
+                ("n_train", self.n_train >= 1, ">= 1"), ("n_eval", self.n_eval >= 1, ">= 1")]
 
 # The tiny model's character vocabulary (tools/make_tiny_model.py): every prompt and answer character is one
 # token. The special tokens are spelled here so that the verifier can strip them from decoded text.

@@ -1,8 +1,7 @@
 """Prompts from files (task "files") and the task data processor.
 
     python train.py --config configs/gsm8k.yaml          # task: files, settings in the `files:` section
-    from config import DataFilesConfig
-    from tasks.files import files_task
+    from tasks.files import DataFilesConfig, files_task
     train, held_out = files_task(DataFilesConfig(train_path="gsm8k/train.parquet", eval_path="gsm8k/test.parquet"))
     train[0]   # {"prompt": "...rendered prompt...", "answer": "72", ...extra fields for the rewards}
 
@@ -29,8 +28,58 @@ import json
 import os
 import random
 import re
-from config import DataFilesConfig
+from dataclasses import dataclass
+
+from config import UserError, opt, section
 from registry import register
+
+
+@section("files", "settings of the file-based task (task=files: jsonl, parquet, HF folder)")
+@dataclass
+class DataFilesConfig:
+    train_path: str = opt("", ".jsonl/.json/.parquet file, glob, or datasets.save_to_disk folder")
+    eval_path: str = opt("", "held-out prompts, same kinds ('' = hold out eval_size train rows)")
+    split: str = opt("train", "split of a DatasetDict folder used for training")
+    eval_split: str = opt("test", "split of a DatasetDict folder used for evaluation")
+    eval_size: int = opt(200, "rows held out from train when there is no eval_path")
+    prompt_field: str = opt("question", "column holding the prompt text")
+    answer_field: str = opt("answer", "column given to rewards as 'answer' ('' = none)")
+    answer_regex: str = opt("", "keep the first group of this regex in the answer, e.g. '####\\s*(.+)'")
+    fields: str = opt("", "extra sample fields for rewards: 'name:column,name:column'")
+    prompt_template: str = opt("{prompt}", "Python format string; {prompt} is the prompt column")
+    system_prompt: str = opt("", "system message when a chat template is applied")
+    chat_template: str = opt("", "model/tokenizer folder whose chat template renders prompts ('' = none)")
+    max_prompt_chars: int = opt(0, "drop rendered prompts longer than this (0 = no limit)")
+    max_prompt_tokens: int = opt(0, "drop prompts longer than this in tokens (needs chat_template)")
+    dedupe: bool = opt(True, "drop repeated prompts and train prompts that are also eval prompts")
+    seed: int = opt(0, "shuffle seed")
+    limit: int = opt(0, "keep at most this many training prompts (0 = all)")
+
+    def check(self, cfg) -> list:
+        """The template and the regex, before a file is read."""
+        if cfg.task == "files":
+            check_template(self.prompt_template)
+            check_regex(self.answer_regex)
+        return []
+
+
+def check_template(template: str):
+    try:
+        template.format(prompt="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise UserError(f"config key 'files.prompt_template' must be a format string whose only field is {{prompt}} "
+                        f"(write {{{{ and }}}} for braces); {template!r} fails: {type(e).__name__} {e}")
+
+
+def check_regex(regex: str):
+    if not regex:
+        return
+    try:
+        groups = re.compile(regex).groups
+    except re.error as e:
+        raise UserError(f"config key 'files.answer_regex' is not a regular expression: {e}; got {regex!r}")
+    if not groups:
+        raise UserError(f"config key 'files.answer_regex' needs a group, (...), around the answer; got {regex!r}")
 
 
 # ----------------------------------------------------------------------------------------- reading

@@ -1,10 +1,13 @@
 """Tier-1 unit tests: hand-derived values for the registry, config, advantages, losses and the engine."""
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+import algos, tasks  # noqa: F401,E401  (the plugin packages: their own option sections are part of the tree)
 import config
 import registry
 from algos.common import aggregate, kl_estimate
@@ -64,6 +67,49 @@ def test_help_lists_every_option():
     text = config.help_text()
     for key in ["steps=", "algo.kl_coef=", "arithmetic.digits=", "samples_per_prompt="]:
         assert key in text
+
+
+SECTION_PLUGIN = """
+import dataclasses, sys
+import algos, config, config_checks
+from config import opt, section
+
+@section("algo.my_variant", "my variant's options")
+@dataclasses.dataclass
+class MyConfig:
+    mode: str = opt("a", "which form", choices=("a", "b"))
+    coef: float = opt(0.5, "a coefficient")
+
+    def check(self, cfg):
+        return [("coef", self.coef >= 0, ">= 0")]
+
+cfg = config.parse(["--config", sys.argv[1], "algo.my_variant.coef=0.25"])
+assert (cfg.algo.my_variant.mode, cfg.algo.my_variant.coef, config.AlgoConfig().my_variant.coef) == ("b", 0.25, 0.5)
+assert "algo.my_variant.mode='a'" in config.help_text() and config.to_dict(cfg)["algo"]["my_variant"]["mode"] == "b"
+for argv in (["algo.my_variant.mode=c"], ["algo.my_variant.coef=-1"]):
+    try:
+        config_checks.validate(config.fill_defaults(config.parse(argv)))
+    except config.UserError as e:
+        print(e)
+try:
+    section("algo.my_variant", "again")(MyConfig)
+except KeyError as e:
+    print(e)
+"""
+
+
+def test_a_plugin_declares_its_own_section(tmp_path):
+    """A section declared in a plugin's own file joins the one tree (YAML, key=value, --help, to_dict); its choices
+    and its check apply before any work; a path declared twice is refused. In a fresh process: declaring one
+    changes the core dataclasses for the rest of the process."""
+    (tmp_path / "c.yaml").write_text("algo:\n  my_variant:\n    mode: b\n")
+    out = subprocess.run([sys.executable, "-c", SECTION_PLUGIN, str(tmp_path / "c.yaml")], capture_output=True,
+                         text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["config key 'algo.my_variant.mode' must be one of a, b; got 'c'",
+                                       "config key 'algo.my_variant.coef' must be >= 0; got -1.0",
+                                       "section 'algo.my_variant' is registered twice"]
 
 
 def test_help_lists_the_names_registered_for_a_choice():

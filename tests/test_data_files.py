@@ -7,7 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from config import DataFilesConfig  # noqa: E402
+from tasks.files import DataFilesConfig  # noqa: E402
 from tasks.files import files_task, read_rows  # noqa: E402
 
 GSM = [{"question": f"Tom has {i} apples and buys {i + 1} more. How many apples?",

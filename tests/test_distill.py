@@ -16,7 +16,7 @@ from tests.conftest import make_random_model, step_rows  # noqa: E402
 
 
 def algo_cfg(**distill_kw) -> config.AlgoConfig:
-    cfg = config.AlgoConfig(name="distill", distill=config.DistillConfig(**{"teacher": "/t", **distill_kw}))
+    cfg = config.AlgoConfig(name="distill", distill=distill.DistillConfig(**{"teacher": "/t", **distill_kw}))
     cfg.norm_len = cfg.max_new_tokens = 3
     return cfg
 

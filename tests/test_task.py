@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from config import ArithmeticConfig  # noqa: E402
+from tasks.arithmetic import ArithmeticConfig  # noqa: E402
 from tasks.arithmetic import arithmetic_task, is_heldout  # noqa: E402
 from tools.make_tiny_model import carryless_answer  # noqa: E402
 from registry import get  # noqa: E402

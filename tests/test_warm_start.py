@@ -170,7 +170,7 @@ def test_bad_input_is_refused_before_training(tmp_path, overrides, message):
 def test_hilo_scripted_player_keeps_to_the_feedback():
     """Every guess lies inside the ranges the feedback left, and the player wins some episodes but not all."""
     from envs.hilo import Hilo, hilo_task
-    from config import HiloConfig
+    from envs.hilo import HiloConfig
     rng, wins = random.Random(0), 0
     for row in hilo_task(HiloConfig())[0][:200]:
         env, history = Hilo(), []

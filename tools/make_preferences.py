@@ -17,7 +17,7 @@ import sys
 import random
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root: tools/ import the project
-from config import ArithmeticConfig  # noqa: E402
+from tasks.arithmetic import ArithmeticConfig  # noqa: E402
 from tasks.arithmetic import arithmetic_task  # noqa: E402
 
 

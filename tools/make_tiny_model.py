@@ -37,7 +37,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
-from config import ArithmeticConfig  # noqa: E402
+from tasks.arithmetic import ArithmeticConfig  # noqa: E402
 from engines.base import SamplingParams  # noqa: E402
 from engines.builtin import BuiltinEngine  # noqa: E402
 from tasks.arithmetic import CHARS, EOS_TEXT, PAD_TEXT, arithmetic_task, make_sample, sample_problems  # noqa: E402

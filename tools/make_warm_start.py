@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import envs, tasks  # noqa: F401,E401,E402  (register the environments and tasks)
 import registry  # noqa: E402
-from config import UserError, fill_defaults, parse  # noqa: E402
+from config import UserError, fill_defaults, parse, plugin_args  # noqa: E402
 from engines.base import SamplingParams  # noqa: E402
 from engines.builtin import BuiltinEngine  # noqa: E402
 from engines.multiturn import MultiTurn, Renderer, parse_args as env_args  # noqa: E402
@@ -101,7 +101,7 @@ class Source:
                                 "leave env.tools empty")
             self.env = registry.get("env", cfg.env.name)
             try:
-                self.env_args = env_args(cfg.env.args)
+                self.env_args = {**plugin_args(cfg, f"env.{cfg.env.name}"), **env_args(cfg.env.args)}
                 self.env(**self.env_args)
             except (ValueError, TypeError) as e:   # a malformed entry, or a keyword the environment does not take
                 raise UserError(f"env.args={cfg.env.args!r}: {e}")
