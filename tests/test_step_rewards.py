@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 import registry  # noqa: E402
+from algos.ppo import PPOConfig  # noqa: E402
 from buffer import Experience  # noqa: E402
 from rewards.pool import RewardPool  # noqa: E402
 from rewards.score import split_steps, step_ends, step_separator  # noqa: E402
@@ -120,7 +121,7 @@ def two_step_batch(**kw) -> Experience:
 
 def test_ppo_gae_over_two_steps_by_hand():
     algo = registry.get("algo", "ppo")
-    cfg = config.AlgoConfig(name="ppo", ppo=config.PPOConfig(gamma=0.9, gae_lambda=0.8))
+    cfg = config.AlgoConfig(name="ppo", ppo=PPOConfig(gamma=0.9, gae_lambda=0.8))
     values = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
     adv = algo.advantages(two_step_batch(values=values), cfg)
     # d_t = r_t + 0.9 V_{t+1} - V_t (V_4 = 0), A_t = d_t + 0.72 A_{t+1}
