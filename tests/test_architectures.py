@@ -112,6 +112,22 @@ def test_family_specs_read_off_the_config():
     assert none is None and "granite" in why
 
 
+def test_qwen3_head_norms_go_into_the_decode_kernel():
+    """qwen3's per-head q/k RMSNorm is applied by the decode-attention kernel's prologue (one kernel and one copy of
+    q/k/v fewer per layer); gemma3's (1 + w) norms stay the model's modules, and a norm in another dtype than the
+    activations (what the kernel rounds to) is not fused."""
+    from engines.decode_step import _fusable_norm
+    from engines.families import arch_of
+    for family in ("qwen3", "qwen3_moe"):
+        model = tiny_model(family)
+        a, spec = model.model.layers[0].self_attn, arch_of(model)[0].layers[0]
+        qw, kw, eps = _fusable_norm(a, spec, torch.float32)
+        assert qw is a.q_norm.weight and kw is a.k_norm.weight and eps == a.q_norm.variance_epsilon
+        assert _fusable_norm(a, spec, torch.bfloat16) is None
+    gemma = tiny_model("gemma3_text")
+    assert _fusable_norm(gemma.model.layers[0].self_attn, arch_of(gemma)[0].layers[0], torch.float32) is None
+
+
 @pytest.mark.parametrize("grouped", [True, False])
 def test_grouped_experts_equal_transformers_loop(grouped):
     from engines.moe import grouped_ok, moe_block, routed_experts
