@@ -72,8 +72,8 @@ if HAS_TRITON:
         k_new = tl.load(kr + d, mask=dm, other=0.0)[None, :].to(tl.float32)            # (1, DP)
         k2 = tl.load(kr + partner, mask=dm, other=0.0)[None, :].to(tl.float32)
         if QK_NORM:   # qwen3's RMSNorm of each head before rotary; q2, k2 hold the same values permuted
-            q, q2 = _head_norm(q, q2, qn_ptr, d, partner, dm, eps, D, qkv_ptr.dtype.element_ty)
-            k_new, k2 = _head_norm(k_new, k2, kn_ptr, d, partner, dm, eps, D, qkv_ptr.dtype.element_ty)
+            q, q2 = _head_norm(q, q2, qn_ptr, d, partner, dm, eps, D)
+            k_new, k2 = _head_norm(k_new, k2, kn_ptr, d, partner, dm, eps, D)
         q = (q * cos[None, :] + q2 * sin[None, :]).to(k_ptr.dtype.element_ty)
         k_new = tl.sum(k_new * cos[None, :] + k2 * sin[None, :], 0).to(k_ptr.dtype.element_ty)   # (DP,)
         v_new = tl.load(row + (NH + NKV) * D + h * D + d, mask=dm, other=0.0).to(k_ptr.dtype.element_ty)
@@ -116,9 +116,11 @@ if HAS_TRITON:
                      pm_ptr, ps_ptr, pa_ptr, tick_ptr + b * NKV + h, GP, DP, SPLITS)
 
     @triton.jit
-    def _head_norm(x, x2, w_ptr, d, partner, dm, eps, D: tl.constexpr, dt: tl.constexpr):
+    def _head_norm(x, x2, w_ptr, d, partner, dm, eps, D: tl.constexpr):
         # transformers' Qwen3RMSNorm per row of x (rows, DP) float32, and of x2 (x's columns at their rotary
-        # partners): w * (x * rsqrt(mean(x^2) + eps)) with its roundings to the activations' dtype
+        # partners): w * (x * rsqrt(mean(x^2) + eps)) with its roundings to the activations' dtype, which is the
+        # weight's (decode_attention checks)
+        dt = w_ptr.dtype.element_ty
         r = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)                 # (rows,)
         w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + partner, mask=dm, other=0.0).to(tl.float32)
