@@ -53,11 +53,12 @@ class Step:
     self.head_dim, self.splits and self.moe_grouped (engines/moe.py: grouped GEMMs or the dense form)."""
 
     def _forward(self, ids: Tensor, pos: Tensor, slots: Tensor, key_ok: Tensor, ks: list[Tensor], vs: list[Tensor],
-                 cos: Tensor, sin: Tensor, kpos: Tensor | None = None) -> Tensor:
+                 cos: Tensor, sin: Tensor, kpos: Tensor | None = None, routes: list | None = None) -> Tensor:
         """ids, pos (B, T); writes these T tokens' K/V at cache slots (T,), or (B, T) per row, of ks, vs (per layer
         (B, nkv, S, D)); key_ok (B, 1, T, S) says which slots each query may see; cos, sin (R, S, D) rotary tables,
         a row per kind of layer (or (S, D): one); kpos (B, S): each slot's position, updated here (needed only
-        for sliding windows). Returns the last token's logits (B, V)."""
+        for sliding windows); routes: per MoE layer a (B, S, k) buffer that gets each token's experts at its slot
+        (routing replay). Returns the last token's logits (B, V)."""
         m, arch = self.model.model, self.arch
         if cos.dim() == 2:
             cos, sin = cos[None], sin[None]
@@ -74,6 +75,7 @@ class Step:
                 kpos.scatter_(1, slots, pos)
             for w in {s.window for s in arch.layers if s.window}:
                 windowed[w] = key_ok & (kpos[:, None, None, :] > pos[:, None, :, None] - w)
+        n_moe = 0
         for i, (layer, spec) in enumerate(zip(m.layers, arch.layers)):
             ok = windowed.get(spec.window, key_ok)
             pre_a, post_a, pre_m, post_m = spec.norms
@@ -82,8 +84,9 @@ class Step:
             x = x + _norm(post_a, project(self._attention(qkv, pos, slots, ok, ks[i], vs[i], cos[spec.rope],
                                                           sin[spec.rope], layer.self_attn, spec), p_o))
             h = _norm(pre_m, x)
-            if spec.moe:
-                y = moe_block(layer.mlp, h, self.moe_grouped)
+            if spec.moe:   # routes: routing replay's record (engines/moe.py), one (B, S, k) buffer per MoE layer
+                y = moe_block(layer.mlp, h, self.moe_grouped, None if routes is None else routes[n_moe], slots)
+                n_moe += 1
             else:
                 gate, up = project(h, p_gu).chunk(2, dim=-1)                 # (B, T, I) each
                 act = getattr(layer.mlp, "act_fn", None) or layer.mlp.activation_fn

@@ -309,3 +309,61 @@ def test_multi_turn_fast_path_per_family(tmp_path, family, window, compact):
     assert fast.completion_mask.shape[1] > 8                                   # several turns: past a window of 4
     if window != 4:
         assert torch.equal(slow.input_ids, fast.input_ids) and torch.equal(slow.completion_mask, fast.completion_mask)
+
+
+def _teacher_routes(model, rollout):
+    """The experts transformers' full forward over the rollout's tokens picks: (B, T, L, k)."""
+    from engines.moe import Recorder
+    rec = Recorder(model)
+    try:
+        with torch.no_grad():
+            model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
+                  position_ids=(rollout.attention_mask.cumsum(-1) - 1).clamp(min=0))
+    finally:
+        rec.close()
+    return rec.routes(*rollout.input_ids.shape)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_routing_replay_records_and_replays(fast):
+    """moe.routing_replay: the engine (portable loop, or the fast step's in-graph record) returns each token's experts
+    per MoE layer at its input_ids column, -1 only where it never forwarded a token; under replay the trainer's
+    routers take exactly those experts, their weights keep a gradient, and without routes they route freely."""
+    from engines.builtin import BuiltinEngine
+    from engines.moe import Recorder, replay, set_routes
+    from models import completion_logprobs
+    model = tiny_model("qwen3_moe", seed=5)
+    engine = BuiltinEngine(model, EOS, PAD, fast=fast, routing_replay=True)
+    r = engine.generate(prompts(), 2, SamplingParams(max_new_tokens=8), torch.Generator().manual_seed(0))
+    B, T = r.input_ids.shape
+    k = model.config.num_experts_per_tok
+    assert r.routes.shape == (B, T, 1, k) and r.routes.dtype == torch.int16   # layer 0 is MoE, layer 1 dense
+    assert (r.routes[:, :-1] >= 0).all()          # the last token: forwarded by the loop, not by the fast step
+    assert (r.routes[:, -1] == -1).all() if fast else (r.routes[:, -1] >= 0).all()
+    teacher = _teacher_routes(model, r)
+    same = (teacher[:, :-1].sort(-1).values == r.routes[:, :-1].sort(-1).values).all(-1).float().mean()
+    assert same > 0.9, same                       # the engine's record sits at the right columns (float32: ~all)
+    # replay: move the recorded experts to the least likely ones, so that replay visibly overrides the router
+    forced = r.routes.clone()
+    forced[:, :-1] = teacher[:, :-1].new_tensor(list(range(model.config.num_experts - k, model.config.num_experts)))
+    forced[:, -1] = -1
+    replay(model)
+    set_routes(model, forced)
+    rec = Recorder(model)                         # registered after replay's hook: sees the replayed output
+    try:
+        logp, _ = completion_logprobs(model, r.input_ids, r.attention_mask, r.completion_mask.shape[1])
+    finally:
+        rec.close()
+    got = rec.routes(B, T)
+    assert torch.equal(got[:, :-1], forced[:, :-1])
+    assert torch.equal(got[:, -1], teacher[:, -1])              # -1: the router's own choice
+    logp.sum().backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0   # the gating weights come from its logits
+    set_routes(model, None)
+    assert torch.equal(_teacher_routes(model, r), teacher)
+
+
+def test_routing_replay_refused_for_dense_models():
+    from engines.moe import why_no_replay
+    assert "no routed experts" in why_no_replay(tiny_model("qwen3"))
+    assert why_no_replay(tiny_model("qwen3_moe")) is None
