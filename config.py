@@ -273,6 +273,14 @@ class VisionConfig:
 
 
 @dataclass
+class MoEConfig:   # engines/moe.py (arch helper, #32): move beside it as @section("moe") once sections land
+    routing_replay: bool = opt(False, "R3: the rollout records each token's experts per MoE layer and the trainer's "
+                                      "forwards reuse them (gating weights from the trainer's router over those "
+                                      "experts), so training log-probs follow the sampled routing; MoE models, "
+                                      "engine=builtin (engines/moe.py, docs/architectures.md)")
+
+
+@dataclass
 class Config:
     # what to train
     model: str = opt("assets/tiny-model", "local folder or hub id of a transformers causal LM")
@@ -295,6 +303,7 @@ class Config:
     hilo: HiloConfig = opt(HiloConfig(), "settings of the embedded multi-turn task (task=hilo, env.name=hilo)")
     lora: LoRAConfig = opt(LoRAConfig(), "LoRA adapters through peft (lora.r > 0; lora.py)")
     vision: VisionConfig = opt(VisionConfig(), "vision-language models and image tasks (vision.py, docs/vision.md)")
+    moe: MoEConfig = opt(MoEConfig(), "mixture-of-experts models (engines/moe.py)")
     # how long and how big
     steps: int = opt(60, "RL steps (one step = rollout + score + update + sync)")
     prompts_per_step: int = opt(32, "prompts sampled per step")

@@ -194,3 +194,22 @@ def set_routes(model, routes: Tensor | None):
         if hasattr(r, "_r3_routes"):
             r._r3_routes = None if routes is None else \
                 routes[:, :, i].reshape(-1, routes.shape[-1]).to(r.weight.device, torch.long)
+
+
+def setup_replay(cfg, model):
+    """train.py's setup: with moe.routing_replay on, refuse (one line, before any step) what it does not cover,
+    then install replay on the policy's routers. Off: nothing."""
+    if not cfg.moe.routing_replay:
+        return
+    from config import UserError
+    why = why_no_replay(model)
+    if why:
+        raise UserError(f"moe.routing_replay=true needs a mixture-of-experts model: {why}")
+    off = [name for name, on in (("engine=builtin", cfg.engine != "builtin"), ("pack=false", cfg.pack),
+                                 ("exact_logprobs=false", cfg.exact_logprobs), ("mode=sync", cfg.mode != "sync"),
+                                 ("no env.name (single-turn)", bool(cfg.env.name)),
+                                 ("replay.enabled=false", cfg.replay.enabled)) if on]
+    if off:
+        raise UserError(f"moe.routing_replay=true needs {', '.join(off)} (the routes are recorded by the built-in "
+                        "engine's single-turn decode and replayed on the padded layout)")
+    replay(model)
