@@ -88,8 +88,8 @@ class Experience:
                 pad = pad_id if f.name == "input_ids" else 0
                 parts = [_pad_prompt_and_completion(p, b.prompt_len, P, C, pad) for p, b in zip(parts, batches)]
             elif f.name == "routes":        # re-padded as input_ids, with -1 (route freely)
-                parts = [_pad_prompt_and_completion(p.flatten(2).transpose(1, 2), b.prompt_len, P, C, -1)
-                         .transpose(1, 2).unflatten(2, p.shape[2:]) for p, b in zip(parts, batches)]
+                parts = [_pad_prompt_and_completion(p.permute(0, 2, 3, 1).flatten(0, 2), b.prompt_len, P, C, -1)
+                         .view(*p.shape[:1], *p.shape[2:], P + C).permute(0, 3, 1, 2) for p, b in zip(parts, batches)]
             elif f.name == "image_index":   # into the concatenated picture table
                 offsets = torch.tensor([0] + [len(b.pixel_values) for b in batches]).cumsum(0)
                 parts = [p + o for p, o in zip(parts, offsets.tolist())]

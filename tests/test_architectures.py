@@ -367,3 +367,28 @@ def test_routing_replay_refused_for_dense_models():
     from engines.moe import why_no_replay
     assert "no routed experts" in why_no_replay(tiny_model("qwen3"))
     assert why_no_replay(tiny_model("qwen3_moe")) is None
+
+
+def test_routes_follow_input_ids_through_cat_and_trim():
+    """Experience.routes (B, T, L, k) is re-padded as input_ids when batches of other widths are joined (-1: route
+    freely) and trimmed with it into micro-batches, so each token keeps its own recorded experts."""
+    from buffer import Experience
+    from microbatch import trim
+
+    def batch(P, C, base):
+        B = 2
+        ids = torch.arange(B * (P + C)).view(B, P + C) + base                 # a token's id names its routes
+        return Experience(input_ids=ids, attention_mask=torch.ones_like(ids), completion_mask=torch.ones(B, C),
+                          sample_logprobs=torch.zeros(B, C), rewards=torch.zeros(B), group_ids=torch.arange(B),
+                          versions=torch.zeros(B, dtype=torch.long), truncated=torch.zeros(B, dtype=torch.bool),
+                          routes=ids[:, :, None, None].expand(B, P + C, 3, 2).to(torch.int16))
+    whole = Experience.cat([batch(3, 2, 0), batch(5, 4, 100)], pad_id=-7)
+    real = whole.input_ids != -7
+    assert whole.routes.shape == (4, 9, 3, 2)
+    assert torch.equal(whole.routes[real], whole.input_ids[real][:, None, None].expand(-1, 3, 2).to(torch.int16))
+    assert (whole.routes[~real] == -1).all()
+    whole.attention_mask = real.long()
+    whole.completion_mask = real[:, -4:].float()
+    piece = trim(whole.select(torch.tensor([0, 1])))                           # the narrow rows: padding dropped
+    assert piece.routes.shape[1] == piece.input_ids.shape[1] == 5
+    assert torch.equal(piece.routes[:, :, 0, 0].long(), piece.input_ids)
