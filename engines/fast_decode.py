@@ -195,7 +195,7 @@ class FastDecoder(Step):
                 "gen": zeros(B, dtype=torch.bool), "left": zeros(B, dtype=torch.long), "turns": turns,
                 # routing replay: per MoE layer, each slot's experts (B, S, k); -1 where nothing was forwarded
                 "routes": [zeros(B, S, self._top_k(), dtype=torch.int16) for s in self.arch.layers if s.moe]
-                if self.record_routes else None,
+                if getattr(self, "record_routes", False) else None,
                 "graph_sampling": graph_sampling, "graph": None, "logits": None}
         return self.states[key]
 
