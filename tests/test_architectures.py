@@ -392,3 +392,37 @@ def test_routes_follow_input_ids_through_cat_and_trim():
     piece = trim(whole.select(torch.tensor([0, 1])))                           # the narrow rows: padding dropped
     assert piece.routes.shape[1] == piece.input_ids.shape[1] == 5
     assert torch.equal(piece.routes[:, :, 0, 0].long(), piece.input_ids)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 GPUs: tools/gpu_tests.sh's dist stage (on a 2-core "
+                    "CPU its four torchrun runs take minutes, past CI's budget)")
+def test_fsdp2_trains_qwen3_and_moe_like_one_process(tmp_path):
+    """FSDP2 (2 ranks under torchrun) for the new families: tests/dist_worker.py's two GRPO updates on fixed batches
+    over a tiny qwen3 and a tiny qwen3_moe (3-D expert weights sharded along the experts) give one process's
+    gradient norms and weights (the step's loss, at ratio 1, is the batch's alone). All four runs side by side."""
+    import subprocess
+    import sys
+    from conftest import make_random_model
+    from test_distributed import ROOT, TORCHRUN, run
+    dirs = {}
+    for family in ("qwen3", "qwen3_moe"):
+        d = tmp_path / family
+        make_random_model(str(d))                               # its character tokenizer (ids < 14)
+        tiny_model(family).save_pretrained(str(d))              # the family's model in its place
+        dirs[family] = d
+        for n in ("one", "two"):
+            (d / n).mkdir()
+    run(*[cmd for d in dirs.values() for cmd in ([sys.executable, "tests/dist_worker.py", str(d), str(d / "one")],
+                                                 [*TORCHRUN, "tests/dist_worker.py", str(d), str(d / "two")])],
+        logs=tmp_path)
+    for family, d in dirs.items():
+        a, b = (torch.load(d / n / "result.pt") for n in ("one", "two"))
+        assert (a["world"], b["world"]) == (1, 2)
+        for step in (1, 2):
+            assert b["loss"][step] == pytest.approx(a["loss"][step], rel=1e-5, abs=1e-7), family
+            assert b["grad_norm"][step] == pytest.approx(a["grad_norm"][step], rel=1e-4), family
+        init = tiny_model(family).state_dict()
+        assert max((a["weights"][k] - init[k]).abs().max().item() for k in init) > 1e-3   # the updates moved them
+        for k in init:   # AdamW turns float noise in near-zero gradients into ~1e-5 (CPU, gloo): 1e-4 of ~2e-3 moved
+            torch.testing.assert_close(b["weights"][k].cpu(), a["weights"][k].cpu(), rtol=0, atol=1e-4,
+                                       msg=f"{family} {k}")
