@@ -218,10 +218,11 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
 
 # unsplit launch settings (block, warps, stages) by head_dim. 64: the fastest of 48 at W1's decode shape, timed
 # over 24 layers' caches so that each read comes from memory, as in the decode step (docs/kernels.md, "Decode
-# attention"); 256: 32-slot tiles, since 128-slot K and V tiles, double-buffered, would pass an H100's 228 KB of
-# shared memory; 128: see docs/kernels.md ("Decode attention at head_dim 128"). FAST_DECODE_ATTN="128=64x4x2,..."
-# overrides entries (tools/decode_kernel_bench.py --shape qwen3 times the candidates)
-SETTINGS = {64: (128, 4, 2), 128: (128, 4, 2), 256: (32, 4, 2)}
+# attention"); 128: the fastest of 9 at qwen3's decode shape, timed the same way (docs/kernels.md, "Decode
+# attention at head_dim 128"); 256: 32-slot tiles, since 128-slot K and V tiles, double-buffered, would pass an
+# H100's 228 KB of shared memory. FAST_DECODE_ATTN="128=64x4x2,..." overrides entries for a run
+# (tools/decode_kernel_bench.py --shape qwen3 times the candidates)
+SETTINGS = {64: (128, 4, 2), 128: (32, 4, 2), 256: (32, 4, 2)}
 for _item in filter(None, os.environ.get("FAST_DECODE_ATTN", "").split(",")):
     _d, _s = _item.split("=")
     SETTINGS[int(_d)] = tuple(int(x) for x in _s.split("x"))
