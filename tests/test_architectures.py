@@ -426,3 +426,43 @@ def test_fsdp2_trains_qwen3_and_moe_like_one_process(tmp_path):
         for k in init:   # AdamW turns float noise in near-zero gradients into ~1e-5 (CPU, gloo): 1e-4 of ~2e-3 moved
             torch.testing.assert_close(b["weights"][k].cpu(), a["weights"][k].cpu(), rtol=0, atol=1e-4,
                                        msg=f"{family} {k}")
+
+
+def test_routing_replay_setup_refuses_what_it_does_not_cover():
+    """train.py's setup (engines.moe.setup_replay): one line naming what to change, before any step; off: nothing."""
+    from config import Config, UserError
+    from engines.moe import setup_replay
+    cfg, moe_model = Config(), tiny_model("qwen3_moe")
+    setup_replay(cfg, tiny_model("qwen3"))                     # off: a dense model is fine
+    cfg.moe.routing_replay = True
+    with pytest.raises(UserError, match="needs a mixture-of-experts model: model_type 'qwen3'"):
+        setup_replay(cfg, tiny_model("qwen3"))
+    cfg.pack, cfg.engine = True, "vllm"
+    with pytest.raises(UserError, match="needs engine=builtin, pack=false"):
+        setup_replay(cfg, moe_model)
+    cfg.pack, cfg.engine = False, "builtin"
+    setup_replay(cfg, moe_model)
+    from engines.moe import routers
+    assert all(r._r3_routes is None for r in routers(moe_model))   # installed, idle until set_routes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_routing_replay_recorded_inside_the_graph():
+    """On a GPU the fast step is compiled and captured: its routes are written by the graph's replays at each
+    token's slot. They match the teacher-forced forward's experts (float32; TF32 may flip a near tie) and the
+    never-forwarded last column is -1."""
+    import engines.fast_decode as fast_decode
+    from engines.builtin import BuiltinEngine
+    model = tiny_model("qwen3_moe", seed=5).cuda()
+    engine = BuiltinEngine(model, EOS, PAD, fast=True, routing_replay=True)
+    sampler, fast_decode.SAMPLER = fast_decode.SAMPLER, "gumbel"     # as _gpu_check: tiny vocabularies
+    try:
+        r = engine.generate(prompts(), 2, SamplingParams(top_p=1.0, max_new_tokens=24), torch.Generator().manual_seed(0))
+    finally:
+        fast_decode.SAMPLER = sampler
+    assert engine.decoder.use_graph and engine.decoder.captured
+    assert (r.routes[:, -1] == -1).all() and (r.routes[:, :-1] >= 0).all()
+    teacher = _teacher_routes(model, type(r)(**{**vars(r), "input_ids": r.input_ids.cuda(),
+                                                "attention_mask": r.attention_mask.cuda()}))
+    same = (teacher[:, :-1].sort(-1).values == r.routes[:, :-1].sort(-1).values).all(-1).float().mean()
+    assert same > 0.9, same
