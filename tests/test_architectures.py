@@ -457,7 +457,8 @@ def test_gpu_routing_replay_recorded_inside_the_graph():
     engine = BuiltinEngine(model, EOS, PAD, fast=True, routing_replay=True)
     sampler, fast_decode.SAMPLER = fast_decode.SAMPLER, "gumbel"     # as _gpu_check: tiny vocabularies
     try:
-        r = engine.generate(prompts(), 2, SamplingParams(top_p=1.0, max_new_tokens=24), torch.Generator().manual_seed(0))
+        sp = SamplingParams(top_p=1.0, max_new_tokens=24)
+        r = engine.generate(prompts(), 2, sp, torch.Generator().manual_seed(0))
     finally:
         fast_decode.SAMPLER = sampler
     assert engine.decoder.use_graph and engine.decoder.captured

@@ -63,7 +63,8 @@ sanitize() {   # name gpu uncached families: the sweep's sanitizer size under me
 
 dist_stage() {   # name -k expression [file]: part of tests/test_distributed.py (or the file) on GPUs 0 and 1
     CUDA_VISIBLE_DEVICES=0,1 timeout -k 15 "$T_DIST" python3 -m pytest -q -p no:cacheprovider \
-        "${3:-tests/test_distributed.py}" -k "$2" --basetemp="$tmp/$1" --junitxml="$out/junit-$1.xml" >"$out/$1.log" 2>&1
+        "${3:-tests/test_distributed.py}" -k "$2" --basetemp="$tmp/$1" --junitxml="$out/junit-$1.xml" \
+        >"$out/$1.log" 2>&1
     echo $? >"$out/$1.rc"
 }
 

@@ -40,7 +40,8 @@ def measure(model, fast: bool, rows: int, new: int, eos: int, pad: int, vocab: i
     from engines.moe import Recorder, replay, set_routes
     from models import completion_logprobs
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(8, 24, (rows,), generator=g)]
+    lengths = torch.randint(8, 24, (rows,), generator=g)
+    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in lengths]
     engine = BuiltinEngine(model, eos + vocab, pad, fast=fast, routing_replay=True)   # EOS out of reach: full length
     r = engine.generate(prompts, 1, SamplingParams(max_new_tokens=new), g)
     C, mask = r.completion_mask.shape[1], r.completion_mask
@@ -83,7 +84,8 @@ def main():
         print(json.dumps({path: rows[path]}), flush=True)
     print(f"\nqwen3_moe {SHAPE['num_hidden_layers']} layers, {SHAPE['num_experts']} experts top-"
           f"{SHAPE['num_experts_per_tok']}, bf16, CPU; {a.rows} rows x {a.new} new tokens; torch {torch.__version__}\n")
-    print("| engine path | routing differs (token, layer) | mismatch max free | max replayed | mean free | mean replayed |")
+    print("| engine path | routing differs (token, layer) | mismatch max free | max replayed | mean free | "
+          "mean replayed |")
     print("|---|---|---|---|---|---|")
     for path, r in rows.items():
         print(f"| {path} | {r['routing_differs']:.2%} | {r['free']['max']:.4f} | {r['replayed']['max']:.4f} | "
