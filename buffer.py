@@ -45,6 +45,8 @@ class Experience:
     pixel_values: Tensor | None = None   # (U, N, D) float, a picture's patches (padded to the widest picture)
     image_grid_thw: Tensor | None = None # (U, 3) long, its patch grid (t, h, w): N real patches = t * h * w
     image_index: Tensor | None = None    # (B,) long, which picture row b shows
+    # moe.routing_replay (engines/moe.py): each token's experts per MoE layer in the rollout, -1 = none recorded
+    routes: Tensor | None = None         # (B, T, L, k) int16
 
     @property
     def prompt_len(self) -> int:
@@ -87,6 +89,9 @@ class Experience:
             if f.name in ("input_ids", "attention_mask"):
                 pad = pad_id if f.name == "input_ids" else 0
                 parts = [_pad_prompt_and_completion(p, b.prompt_len, P, C, pad) for p, b in zip(parts, batches)]
+            elif f.name == "routes":        # re-padded as input_ids, with -1 (route freely)
+                parts = [_pad_prompt_and_completion(p.permute(0, 2, 3, 1).flatten(0, 2), b.prompt_len, P, C, -1)
+                         .view(*p.shape[:1], *p.shape[2:], P + C).permute(0, 3, 1, 2) for p, b in zip(parts, batches)]
             elif f.name == "image_index":   # into the concatenated picture table
                 offsets = torch.tensor([0] + [len(b.pixel_values) for b in batches]).cumsum(0)
                 parts = [p + o for p, o in zip(parts, offsets.tolist())]

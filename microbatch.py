@@ -42,7 +42,9 @@ def trim(batch: Experience) -> Experience:
     c = int((torch.arange(C, device=used.device) * used).argmax()) + 1 if bool(used.any()) else 1
     out = {}
     for name, t in vars(batch).items():
-        if t is None or not torch.is_tensor(t) or t.dim() != 2 or name in IMAGE_FIELDS:   # pictures: per picture
+        if name == "routes" and t is not None:                                     # (B, T, L, k): as input_ids
+            out[name] = t[:, first:P + c]
+        elif t is None or not torch.is_tensor(t) or t.dim() != 2 or name in IMAGE_FIELDS:   # pictures: per picture
             out[name] = t
         elif t.shape[1] == P + C:                                                  # (B, T): input_ids, attention
             out[name] = t[:, first:P + c]

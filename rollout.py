@@ -70,7 +70,8 @@ def make_engine(cfg, model, tok, **extra):
     extra: the caller's own keywords (train.py: sample_dtype, lag; a rollout rank: keep_cache)."""
     return registry.get("engine", cfg.engine)(model=model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                                               model_path=cfg.model, seed=cfg.seed, decode_weights=cfg.decode_weights,
-                                              exact=cfg.exact_logprobs, **to_dict(cfg.vllm), **extra)
+                                              exact=cfg.exact_logprobs, routing_replay=cfg.moe.routing_replay,
+                                              **to_dict(cfg.vllm), **extra)
 
 
 def make_sampler(cfg, engine, model, tok, pool):
@@ -231,7 +232,7 @@ def experience(rollout, rewards: torch.Tensor, version: int, extra: dict, info: 
     return Experience(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
                       completion_mask=rollout.completion_mask, sample_logprobs=rollout.logprobs, rewards=rewards,
                       group_ids=rollout.group_ids, versions=torch.full_like(rewards, version, dtype=torch.long),
-                      truncated=rollout.truncated, **steps, **extra)
+                      truncated=rollout.truncated, routes=getattr(rollout, "routes", None), **steps, **extra)
 
 
 # ------------------------------------------------------------------------------------------------ evaluation

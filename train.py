@@ -39,6 +39,7 @@ from config import Config, UserError, fill_defaults, parse, trainer_temperature
 from config_checks import check_reward_args, default_threads, validate
 from critic import Critic
 from distributed import print0
+from engines import moe
 from engines.base import SamplingParams
 from models import completion_logprobs, load_model, setup_device
 from rewards import parse_spec, reward_kwargs
@@ -141,6 +142,7 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
                       max_new_tokens=cfg.max_new_tokens)
     fsdp = (distributed.world() > 1 and cfg.parallel == "fsdp") or cfg.offload
     policy, tok, engine_model = build_models(cfg, device, dtype, fsdp)
+    moe.setup_replay(cfg, policy)   # moe.routing_replay (arch, #32): refused for dense models; hooks the routers
     train_set, eval_set, train_ids, eval_ids = build_data(cfg, tok, policy)
     reference = None
     teacher = cfg.algo.distill.teacher   # on-policy distillation: the teacher's forward is the reference's (algos/distill.py)
@@ -222,7 +224,9 @@ def extra_logprobs(run: Run, rollout, images: dict | None = None) -> dict:
     # The KL in the reward is the trainer's too (verl, TRL): the engine's log-probs carry the rollout mismatch
     if updates_per_step > 1 or cfg.replay.enabled or (cfg.algo.kl_in_reward and cfg.algo.kl_coef > 0):
         old = engines.exact.completion_logprobs if cfg.exact_logprobs else completion_logprobs   # the engine's bits
+        moe.set_routes(learner.policy, getattr(rollout, "routes", None))   # moe.routing_replay (arch, #32)
         out["old_logprobs"] = old(learner.policy, ids, attn, C, trainer_temperature(cfg), images)[0].cpu()
+        moe.set_routes(learner.policy, None)
     if run.reference is not None:
         with offload.visit(run.reference, device, cfg.offload_models):   # on the GPU for this forward only
             out["ref_logprobs"] = completion_logprobs(run.reference, ids, attn, C, trainer_temperature(cfg),

@@ -27,6 +27,7 @@ import torch
 import checkpoint
 import distributed
 import engines.exact as exact
+import engines.moe as moe
 from config import trainer_temperature
 from kernels import linear_logprob_loss_kernel, linear_logprobs, token_logprobs
 from microbatch import Packed, micro_batches, pack, packed_micro_batches, split_weight
@@ -204,6 +205,7 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
         for micro, weight in distributed.accumulate(learner.trained, pieces, cfg.offload):   # one reduce-scatter
             packed = pack(micro).to(learner.device) if packs else None   # index math on the host: no device sync
             micro = micro.to(learner.device)
+            moe.set_routes(learner.policy, micro.routes)   # moe.routing_replay: its backward's recompute too
             loss, logp, metrics = micro_loss(learner, micro, packed)
             (loss * (weight * scale)).backward()
             if measure_mismatch:
@@ -211,6 +213,7 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
             # x scale as for the loss, so that the plain mean over ranks (distributed.reduce_metrics) is the global one
             for k, v in {**metrics, "loss": loss.detach()}.items():
                 m[k] = m.get(k, 0.0) + weight * scale * v
+    moe.set_routes(learner.policy, None)   # the engine shares the policy's modules: it routes freely
     return m
 
 

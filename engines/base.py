@@ -39,6 +39,9 @@ class Rollout:
     # multi-turn (engines/multiturn.py): the completion holds model and observation tokens, completion_mask and
     # logprobs cover the model's only, attention_mask all of them; each turn's reward sits on its last model token
     turn_rewards: Tensor | None = None   # (B, C)
+    # routing replay (engines/moe.py, moe.routing_replay): each token's experts per MoE layer, -1 where the engine
+    # never forwarded the token (the last sampled one)
+    routes: Tensor | None = None         # (B, P + C, L, k) int16
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:

@@ -22,6 +22,7 @@ from engines.base import Rollout, SamplingParams, left_pad, make_rollout, sample
 from engines.exact import ExactDecoder
 from engines.fast_decode import FastDecoder, supported
 from engines.generic_decode import GenericDecoder
+from engines.moe import Recorder
 from models import position_ids
 from registry import register
 import vision
@@ -43,7 +44,8 @@ class BuiltinEngine:
     """Sampling with transformers' KV cache, batched over all prompts x n samples."""
 
     def __init__(self, model, eos_id: int, pad_id: int, fast: bool | None = None, keep_cache: bool = False,
-                 sample_dtype: str = "auto", lag: int = 0, decode_weights: str = "fused", exact: bool = False, **_):
+                 sample_dtype: str = "auto", lag: int = 0, decode_weights: str = "fused", exact: bool = False,
+                 routing_replay: bool = False, **_):
         self.model = model          # the policy itself on one device: sync is free
         dtype = next(model.parameters()).dtype if sample_dtype == "auto" else getattr(torch, sample_dtype)
         # the mismatch lab: training rollouts sample with a copy in another dtype and/or with stale weights
@@ -58,6 +60,8 @@ class BuiltinEngine:
         self.decode_weights = decode_weights   # fused or in_place (engines/decode_weights.py: refresh)
         self.decoder = None
         self.exact = exact     # exact_logprobs: engines/exact.py decodes (the trainer's bits, docs/exact.md)
+        # moe.routing_replay: each rollout records its tokens' experts (Rollout.routes; engines/moe.py)
+        self.routing_replay = routing_replay
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
@@ -72,6 +76,9 @@ class BuiltinEngine:
         images = vision.batch_images(prompts, n) or None   # pictures: the portable loop encodes them (vision.py)
         plain = (model is not self.model or sampling.top_k > 0 or sampling.logprobs_mode != "raw"   # the lab's options
                  or images is not None)
+        if self.routing_replay and (self.exact or images is not None):
+            raise ValueError("moe.routing_replay covers the fast and the portable decode, not exact_logprobs or "
+                             "pictures: turn one of them off")
         if self.exact:
             if images is not None:
                 raise ValueError("exact_logprobs does not cover prompts with pictures yet (docs/exact.md)")
@@ -88,7 +95,7 @@ class BuiltinEngine:
                     completion, alive, logprobs, done = self.decoder.sample(ids, mask, sampling, self.eos_id,
                                                                             self.pad_id, generator)
             except Exception as e:
-                if type(self.decoder) is not GenericDecoder or self.fast:
+                if type(self.decoder) is not GenericDecoder or self.fast or self.routing_replay:
                     raise
                 # a model whose forward does not take a StaticCache: the portable loop, from now on
                 print(f"builtin engine: the generic decoder failed ({type(e).__name__}: {str(e)[:200]}); "
@@ -96,7 +103,9 @@ class BuiltinEngine:
                 self.fast, self.decoder = False, None
                 return self.generate(prompts, n, sampling, generator)
             model.train(was_training)
-            return make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
+            out = make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
+            out.routes = self.decoder.last_routes if self.routing_replay else None
+            return out
         # layers compiled for training (compile=true) would recompile at every new cache length: run them eagerly
         with torch.compiler.set_stance("force_eager"):
             return self._plain_loop(model, ids, mask, B, device, sampling, generator, len(prompts), n, was_training,
@@ -105,7 +114,11 @@ class BuiltinEngine:
     def _decoder(self, model):
         """The hand-written step where engines/families.py covers the model, else the generic graphed one."""
         if supported(model):
-            return FastDecoder(model, keep_cache=self.keep_cache, weights=self.decode_weights)
+            return FastDecoder(model, keep_cache=self.keep_cache, weights=self.decode_weights,
+                               record_routes=self.routing_replay)
+        if self.routing_replay:
+            raise ValueError("moe.routing_replay: this model takes the generic decode path, which does not record "
+                             "routes; turn moe.routing_replay off")
         return GenericDecoder(model, keep_cache=self.keep_cache)
 
     def _plain_loop(self, model, ids, mask, B, device, sampling, generator, n_prompts, n, was_training,
@@ -113,6 +126,17 @@ class BuiltinEngine:
         """The portable loop (CPU, or models engines/fast_decode.py does not cover): transformers' KV cache, a token a step.
         The prefill places the pictures (vision.embed: once per prompt); the decode is text."""
         first = dict(input_ids=ids) if images is None else dict(inputs_embeds=vision.embed(model, ids, images))
+        recorder = Recorder(model) if self.routing_replay else None     # each forward's experts (engines/moe.py)
+        try:
+            return self._loop(model, first, ids, mask, B, device, sampling, generator, n_prompts, n, was_training,
+                              recorder)
+        finally:
+            if recorder is not None:
+                recorder.close()
+
+    def _loop(self, model, first, ids, mask, B, device, sampling, generator, n_prompts, n, was_training,
+              recorder) -> Rollout:
+        """_plain_loop's decode; recorder (routing replay) sees every forward's experts."""
         out = model(**first, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
         cache_kw = _cache_kw(model)
         cache, logits = _cache_of(out), out.logits[:, -1]                        # (B, V)
@@ -134,8 +158,11 @@ class BuiltinEngine:
             cache, logits, next_pos = _cache_of(out), out.logits[:, -1], next_pos + 1
         model.train(was_training)
         cmask = torch.stack(alive, 1).float()                                    # (B, C)
-        return make_rollout(ids, mask, torch.stack(tokens, 1), cmask, torch.stack(logps, 1) * cmask, done,
-                            n_prompts, n)
+        rollout = make_rollout(ids, mask, torch.stack(tokens, 1), cmask, torch.stack(logps, 1) * cmask, done,
+                               n_prompts, n)
+        if recorder is not None:
+            rollout.routes = recorder.routes(B, rollout.input_ids.shape[1])        # (B, P + C, L, k)
+        return rollout
 
     def load_weights(self, named_tensors):
         """Copy weights in place. A no-op for tensors that already are the engine's own parameters."""

@@ -12,8 +12,8 @@ from torch import Tensor
 
 from engines.decode_weights import project
 from engines.moe import moe_block
-from kernels import decode_attention_kernel, use_triton
-from kernels.decode_attention import decode_attention, rotate
+from kernels import decode_attention_kernel
+from kernels.decode_attention import rotate
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -32,16 +32,33 @@ def _norm(m, x: Tensor) -> Tensor:
     return x if m is None else m(x)
 
 
+# per-head q/k norms whose formula the decode-attention kernel applies itself (kernels/decode_attention.py:
+# head_norm), saving a kernel and a copy of q/k/v per layer; others (gemma3's 1 + w) run as their own modules
+KERNEL_NORMS = ("Qwen3RMSNorm", "Qwen3MoeRMSNorm")
+
+
+def _fusable_norm(a, spec, dtype) -> tuple | None:
+    """(q weight, k weight, eps) when the kernel can apply this layer's q/k norm, else None."""
+    if spec.qk_norm != "head" or type(a.q_norm).__name__ not in KERNEL_NORMS \
+            or type(a.k_norm).__name__ not in KERNEL_NORMS:
+        return None
+    qw, kw = a.q_norm.weight, a.k_norm.weight
+    if qw.dtype != dtype or kw.dtype != dtype or a.q_norm.variance_epsilon != a.k_norm.variance_epsilon:
+        return None
+    return qw, kw, a.q_norm.variance_epsilon
+
+
 class Step:
     """Mixed into FastDecoder: needs self.model, self.arch, self.fused, self.attention, self.n_heads, self.n_kv,
     self.head_dim, self.splits and self.moe_grouped (engines/moe.py: grouped GEMMs or the dense form)."""
 
     def _forward(self, ids: Tensor, pos: Tensor, slots: Tensor, key_ok: Tensor, ks: list[Tensor], vs: list[Tensor],
-                 cos: Tensor, sin: Tensor, kpos: Tensor | None = None) -> Tensor:
+                 cos: Tensor, sin: Tensor, kpos: Tensor | None = None, routes: list | None = None) -> Tensor:
         """ids, pos (B, T); writes these T tokens' K/V at cache slots (T,), or (B, T) per row, of ks, vs (per layer
         (B, nkv, S, D)); key_ok (B, 1, T, S) says which slots each query may see; cos, sin (R, S, D) rotary tables,
         a row per kind of layer (or (S, D): one); kpos (B, S): each slot's position, updated here (needed only
-        for sliding windows). Returns the last token's logits (B, V)."""
+        for sliding windows); routes: per MoE layer a (B, S, k) buffer that gets each token's experts at its slot
+        (routing replay). Returns the last token's logits (B, V)."""
         m, arch = self.model.model, self.arch
         if cos.dim() == 2:
             cos, sin = cos[None], sin[None]
@@ -58,16 +75,18 @@ class Step:
                 kpos.scatter_(1, slots, pos)
             for w in {s.window for s in arch.layers if s.window}:
                 windowed[w] = key_ok & (kpos[:, None, None, :] > pos[:, None, :, None] - w)
+        n_moe = 0
         for i, (layer, spec) in enumerate(zip(m.layers, arch.layers)):
             ok = windowed.get(spec.window, key_ok)
             pre_a, post_a, pre_m, post_m = spec.norms
             p_qkv, p_gu, p_o, p_down = self.fused[i]
-            qkv = self._qk_norm(layer.self_attn, spec, project(_norm(pre_a, x), p_qkv))   # (B, T, (nh + 2 nkv) D)
+            qkv = project(_norm(pre_a, x), p_qkv)                            # (B, T, (nh + 2 nkv) D)
             x = x + _norm(post_a, project(self._attention(qkv, pos, slots, ok, ks[i], vs[i], cos[spec.rope],
-                                                          sin[spec.rope], layer.self_attn.scaling), p_o))
+                                                          sin[spec.rope], layer.self_attn, spec), p_o))
             h = _norm(pre_m, x)
-            if spec.moe:
-                y = moe_block(layer.mlp, h, self.moe_grouped)
+            if spec.moe:   # routes: routing replay's record (engines/moe.py), one (B, S, k) buffer per MoE layer
+                y = moe_block(layer.mlp, h, self.moe_grouped, None if routes is None else routes[n_moe], slots)
+                n_moe += 1
             else:
                 gate, up = project(h, p_gu).chunk(2, dim=-1)                 # (B, T, I) each
                 act = getattr(layer.mlp, "act_fn", None) or layer.mlp.activation_fn
@@ -92,17 +111,19 @@ class Step:
         return torch.cat([q, k, v], dim=-1)
 
     def _attention(self, qkv: Tensor, pos: Tensor, slots: Tensor, key_ok: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   cos: Tensor, sin: Tensor, scale: float) -> Tensor:
-        """qkv (B, T, (nh + 2 nkv) D) -> (B, T, nh D): rotary (tables cos, sin (S, D)), the cache write and attention."""
+                   cos: Tensor, sin: Tensor, a, spec) -> Tensor:
+        """qkv (B, T, (nh + 2 nkv) D) -> (B, T, nh D): the q/k norm of the family (a: the layer's attention module),
+        rotary (tables cos, sin (S, D)), the cache write and attention."""
         B, T, _ = qkv.shape
         if self.attention == "kernel" and T == 1 and slots.dim() == 1:      # decode: one kernel does all three
-            args = (qkv.reshape(B, -1), cos, sin, pos.view(B), k_cache, v_cache, key_ok[:, 0, 0], slots, scale)
-            if self.head_dim > 128 and use_triton(qkv):
-                # gemma3's 256-wide heads: 128-slot tiles of K and V, double-buffered, would pass the shared
-                # memory of an H100 (228 KB); 32-slot tiles fit
-                return decode_attention(*args, block=32, splits=self.splits).view(B, T, -1)
-            return decode_attention_kernel(*args, splits=self.splits).view(B, T, -1)
-        return self._attend(qkv, (cos[pos][:, None], sin[pos][:, None]), k_cache, v_cache, slots, key_ok, scale)
+            fused = _fusable_norm(a, spec, qkv.dtype)
+            if spec.qk_norm and fused is None:
+                qkv = self._qk_norm(a, spec, qkv)
+            return decode_attention_kernel(qkv.reshape(B, -1), cos, sin, pos.view(B), k_cache, v_cache,
+                                           key_ok[:, 0, 0], slots, a.scaling, splits=self.splits,
+                                           qk_norm=fused).view(B, T, -1)
+        qkv = self._qk_norm(a, spec, qkv)
+        return self._attend(qkv, (cos[pos][:, None], sin[pos][:, None]), k_cache, v_cache, slots, key_ok, a.scaling)
 
     def _attend(self, qkv: Tensor, rot: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                 key_ok: Tensor, scale: float) -> Tensor:

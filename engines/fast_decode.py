@@ -127,7 +127,8 @@ SAMPLER = os.environ.get("FAST_DECODE_SAMPLER", "cdf")
 
 class FastDecoder(Step):
     def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
-                 attention: str = "kernel", keep_cache: bool = False, weights: str = "fused"):
+                 attention: str = "kernel", keep_cache: bool = False, weights: str = "fused",
+                 record_routes: bool = False):
         if attention not in ("matmul", "sdpa", "kernel"):
             raise ValueError(f"attention must be 'matmul', 'sdpa' or 'kernel', got {attention!r}")
         if weights not in WEIGHTS:
@@ -153,7 +154,13 @@ class FastDecoder(Step):
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self._step = torch.compile(self._forward, dynamic=False, fullgraph=True) if self.compile else self._forward
         self.compact_always = False   # tests: take feed's compaction route every time
+        # routing replay (engines/moe.py): each token's experts per MoE layer, kept by sample() as last_routes
+        self.record_routes, self.last_routes = record_routes and any(s.moe for s in self.arch.layers), None
         self.captured = False   # once warm, a re-capture needs 1 warm-up step, not 3 (measured: docs/speed.md)
+
+    def _top_k(self) -> int:
+        mlp = next(layer.mlp for layer, s in zip(self.model.model.layers, self.arch.layers) if s.moe)
+        return getattr(mlp.gate, "top_k", None) or mlp.top_k
 
     @property
     def splits(self) -> int:       # read at each step: tools set ATTENTION_SPLITS between rollouts
@@ -186,6 +193,9 @@ class FastDecoder(Step):
                 "logprobs": zeros(B, N, dtype=torch.float32), "done": zeros(B, dtype=torch.bool),
                 # multi-turn: which rows still write this turn, and how many tokens each may still write
                 "gen": zeros(B, dtype=torch.bool), "left": zeros(B, dtype=torch.long), "turns": turns,
+                # routing replay: per MoE layer, each slot's experts (B, S, k); -1 where nothing was forwarded
+                "routes": [zeros(B, S, self._top_k(), dtype=torch.int16) for s in self.arch.layers if s.moe]
+                if getattr(self, "record_routes", False) else None,
                 "graph_sampling": graph_sampling, "graph": None, "logits": None}
         return self.states[key]
 
@@ -207,7 +217,7 @@ class FastDecoder(Step):
         sample the next one. Everything it touches is a buffer in st, so a graph of it replays correctly."""
         st["key_ok"].index_fill_(3, st["slot"], True)                       # the new token's slot is visible
         logits = self._step(st["tok"], st["pos"], st["slot"], st["key_ok"], st["k"], st["v"], st["cos"], st["sin"],
-                            st["kpos"])
+                            st["kpos"], st["routes"])
         st["pos"] += 1
         st["slot"] += 1
         if st["graph_sampling"]:
@@ -299,8 +309,10 @@ class FastDecoder(Step):
         key_ok = (causal & real[:, None]) | (slots[:P, None] == slots[None])[None]  # a pad query sees itself: no nan
         # eager: compiling it (dynamic shapes) costs far more on the first call than it saves per rollout
         # (measured: docs/speed.md, "Third session")
+        for r in st["routes"] or []:
+            r.fill_(-1)
         logits = self._forward(ids, (mask.cumsum(-1) - 1).clamp(min=0), slots[:P], key_ok[:, None], st["k"], st["v"],
-                               st["cos"], st["sin"], st["kpos"])
+                               st["cos"], st["sin"], st["kpos"], st["routes"])
         st["key_ok"].copy_(real[:, None, None])
         st["pos"].copy_(mask.sum(-1, keepdim=True))
         st["slot"].fill_(P)
@@ -331,6 +343,8 @@ class FastDecoder(Step):
         C = int(alive.any(0).sum())          # columns up to the last live token (one sync)
         clock.lap("decode")
         out = (st["completion"][:, :C], alive[:, :C], st["logprobs"][:, :C], st["done"])
+        if st["routes"] is not None:   # (B, P + C, L, k): column j holds the experts of input_ids' column j
+            self.last_routes = torch.stack([r[:, :P + C] for r in st["routes"]], 2).cpu()
         if not self.keep_cache:
             self.release()                   # the views above keep only these small buffers alive
             return out
@@ -343,6 +357,8 @@ class FastDecoder(Step):
         """Allocate the cache for B episodes (prompt b plus room[b] more tokens each, N per turn at most) and
         prefill the prompts. Then decode_turn() and feed() alternate; finish() frees the cache."""
         B, device = len(prompts), next(self.model.parameters()).device
+        if self.record_routes:
+            raise ValueError("moe.routing_replay does not cover multi-turn episodes yet (env.name): turn it off")
         R = max(len(p) + r for p, r in zip(prompts, room))
         # + N: a turn decodes at shared slots after the longest row; + 1: the spare slot padding writes to
         S = -(-(R + N + 1) // 64) * 64

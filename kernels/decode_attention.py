@@ -21,6 +21,9 @@ the layer-by-layer computation does.
 The kernel is wrapped as a torch custom op (mutating k and v), so the decode step that calls it still compiles
 as one graph.
 """
+import os
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -45,9 +48,10 @@ if HAS_TRITON:
     @triton.jit
     def _decode_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, ok_ptr, last_ptr, o_ptr, scale,
                           s_qkv, s_cs, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, sok_b, pm_ptr, ps_ptr, pa_ptr, tick_ptr,
+                          qn_ptr, kn_ptr, eps,
                           NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                           D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
-                          SPLITS: tl.constexpr):
+                          SPLITS: tl.constexpr, QK_NORM: tl.constexpr):
         b, h, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)   # sequence, KV head, split
         gi = tl.arange(0, GP)                                          # query heads of this group (padded)
         d = tl.arange(0, DP)
@@ -64,10 +68,14 @@ if HAS_TRITON:
         qh = (h * G + gi)[:, None] * D                                 # (GP, 1) offsets of this group's heads
         q = tl.load(row + qh + d[None, :], mask=qm, other=0.0).to(tl.float32)          # (GP, DP)
         q2 = tl.load(row + qh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
-        q = (q * cos[None, :] + q2 * sin[None, :]).to(k_ptr.dtype.element_ty)
         kr = row + NH * D + h * D
-        k_new = tl.load(kr + d, mask=dm, other=0.0).to(tl.float32)                      # (DP,)
-        k_new = (k_new * cos + tl.load(kr + partner, mask=dm, other=0.0).to(tl.float32) * sin).to(k_ptr.dtype.element_ty)
+        k_new = tl.load(kr + d, mask=dm, other=0.0)[None, :].to(tl.float32)            # (1, DP)
+        k2 = tl.load(kr + partner, mask=dm, other=0.0)[None, :].to(tl.float32)
+        if QK_NORM:   # qwen3's RMSNorm of each head before rotary; q2, k2 hold the same values permuted
+            q, q2 = _head_norm(q, q2, qn_ptr, d, partner, dm, eps, D)
+            k_new, k2 = _head_norm(k_new, k2, kn_ptr, d, partner, dm, eps, D)
+        q = (q * cos[None, :] + q2 * sin[None, :]).to(k_ptr.dtype.element_ty)
+        k_new = tl.sum(k_new * cos[None, :] + k2 * sin[None, :], 0).to(k_ptr.dtype.element_ty)   # (DP,)
         v_new = tl.load(row + (NH + NKV) * D + h * D + d, mask=dm, other=0.0).to(k_ptr.dtype.element_ty)
         last = tl.load(last_ptr)
         # split `part` reads slots [lo, hi) of [0, last): chunks of whole blocks, so the grid stays fixed while
@@ -108,6 +116,19 @@ if HAS_TRITON:
                      pm_ptr, ps_ptr, pa_ptr, tick_ptr + b * NKV + h, GP, DP, SPLITS)
 
     @triton.jit
+    def _head_norm(x, x2, w_ptr, d, partner, dm, eps, D: tl.constexpr):
+        # transformers' Qwen3RMSNorm per row of x (rows, DP) float32, and of x2 (x's columns at their rotary
+        # partners): w * (x * rsqrt(mean(x^2) + eps)) with its roundings to the activations' dtype, which is the
+        # weight's (decode_attention checks)
+        dt = w_ptr.dtype.element_ty
+        r = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)                 # (rows,)
+        w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + partner, mask=dm, other=0.0).to(tl.float32)
+        x = (w[None, :] * (x * r[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2[None, :] * (x2 * r[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        return x, x2
+
+    @triton.jit
     def _combine(o_ptrs, qm, m, s, acc, base, part, pm_ptr, ps_ptr, pa_ptr, tick_ptr,
                  GP: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr):
         # flash-decoding's reduction, in the kernel: each split stores its (max, sum, output) partials, then
@@ -140,7 +161,7 @@ if HAS_TRITON:
     @torch.library.custom_op("rlhack::decode_attention", mutates_args=("k", "v"))
     def _decode_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
                              key_ok: Tensor, last: Tensor, scale: float, block: int, warps: int, stages: int,
-                             splits: int) -> Tensor:
+                             splits: int, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float) -> Tensor:
         B, nkv, _, D = k.shape
         nh = qkv.shape[1] // D - 2 * nkv
         out = torch.empty(B, nh * D, dtype=qkv.dtype, device=qkv.device)
@@ -153,17 +174,19 @@ if HAS_TRITON:
             qkv, cos, sin, pos, k, v, key_ok, last, out, scale, qkv.stride(0), cos.stride(0),
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0),
             key_ok.stride(0), pm, ps, pa, _tickets(B * nkv if splits > 1 else 1, qkv.device),
+            cos if q_norm is None else q_norm, cos if k_norm is None else k_norm, eps,
             NH=nh, NKV=nkv, G=G, GP=GP, D=D, DP=DP, BLOCK=block,
             PRECISION="ieee" if k.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
-            SPLITS=splits, num_warps=warps, num_stages=stages)
+            SPLITS=splits, QK_NORM=q_norm is not None, num_warps=warps, num_stages=stages)
         return out
 
     @_decode_attention_op.register_fake
-    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages, splits):
+    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages, splits, q_norm, k_norm, eps):
         return qkv.new_empty(qkv.shape[0], qkv.shape[1] - 2 * k.shape[1] * k.shape[3])
 
 
-def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor, last: Tensor):
+def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor, last: Tensor,
+           qk_norm: tuple | None = None):
     if k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"k, v must be (B, kv_heads, S, head_dim), got k {tuple(k.shape)}, v {tuple(v.shape)}")
     B, nkv, S, D = k.shape
@@ -186,25 +209,50 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
                          f"{tuple(k.shape)}")
     if len({t.device for t in (qkv, cos, sin, pos, k, v, key_ok, last)}) > 1:
         raise ValueError("qkv, cos, sin, pos, k, v, key_ok and last must be on one device")
+    if qk_norm is not None:
+        qw, kw, _ = qk_norm
+        if any(w.shape != (D,) or w.dtype != qkv.dtype or w.device != qkv.device or w.stride(0) != 1 for w in (qw, kw)):
+            raise ValueError(f"qk_norm's weights must be contiguous ({D},) tensors of qkv's dtype and device, got "
+                             f"{tuple(qw.shape)} {qw.dtype}, {tuple(kw.shape)} {kw.dtype}")
+
+
+# unsplit launch settings (block, warps, stages) by head_dim. 64: the fastest of 48 at W1's decode shape, timed
+# over 24 layers' caches so that each read comes from memory, as in the decode step (docs/kernels.md, "Decode
+# attention"); 128: the fastest of 9 at qwen3's decode shape, timed the same way (docs/kernels.md, "Decode
+# attention at head_dim 128"); 256: 32-slot tiles, since 128-slot K and V tiles, double-buffered, would pass an
+# H100's 228 KB of shared memory. FAST_DECODE_ATTN="128=64x4x2,..." overrides entries for a run
+# (tools/decode_kernel_bench.py --shape qwen3 times the candidates)
+SETTINGS = {64: (128, 4, 2), 128: (32, 4, 2), 256: (32, 4, 2)}
+for _item in filter(None, os.environ.get("FAST_DECODE_ATTN", "").split(",")):
+    _d, _s = _item.split("=")
+    SETTINGS[int(_d)] = tuple(int(x) for x in _s.split("x"))
+
+
+def settings(D: int) -> tuple[int, int, int]:
+    """(block, warps, stages) of the unsplit kernel at head_dim D: the entry of SETTINGS at the next power of two."""
+    at = max(16, 1 << (D - 1).bit_length())
+    return SETTINGS.get(at) or (SETTINGS[64] if at < 64 else (32, 4, 2))
 
 
 def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor,
-                     last: Tensor, scale: float, block: int | None = None, warps: int = 4, stages: int = 2,
-                     splits: int = 1) -> Tensor:
+                     last: Tensor, scale: float, block: int | None = None, warps: int | None = None,
+                     stages: int | None = None, splits: int = 1, qk_norm: tuple | None = None) -> Tensor:
     """See the module's docstring. The Triton kernel (CUDA, or TRITON_INTERPRET=1); block, warps, stages: the
-    kernel's settings. The defaults were the fastest of those tried at W1's decode shape, timed over 24 layers'
-    caches so that each read comes from memory, as in the decode step, not from L2 (measured: docs/kernels.md,
-    "Decode attention"). splits > 1: flash-decoding, each (sequence, KV head)'s filled slots cut into `splits`
-    chunks of whole blocks, one program each (the grid is fixed; the chunk follows `last`), merged in the kernel
-    by the last split to finish. block: 128 unsplit, 32 split (chunks of whole blocks: small blocks let short
-    caches use several splits; not yet tuned on a GPU)."""
-    block = block or (128 if splits == 1 else 32)
+    kernel's settings, by default SETTINGS' for this head_dim (`settings`). splits > 1: flash-decoding, each
+    (sequence, KV head)'s filled slots cut into `splits` chunks of whole blocks, one program each (the grid is
+    fixed; the chunk follows `last`), merged in the kernel by the last split to finish; block 32 by default
+    (chunks of whole blocks: small blocks let short caches use several splits). qk_norm (q weight (D,), k weight
+    (D,), eps): RMSNorm each head of q and k before the rotation, as transformers' Qwen3RMSNorm does."""
+    b, w, st = settings(k.shape[-1]) if k.dim() == 4 else (128, 4, 2)
+    block, warps, stages = block or (b if splits == 1 else 32), warps or w, stages or st
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two >= 1, got {splits}")
     if block < 16 or block & (block - 1):   # tl.dot takes no dimension under 16
         raise ValueError(f"block must be a power of two >= 16, got {block}")
-    _check(qkv, cos, sin, pos, k, v, key_ok, last)
-    return _decode_attention_op(qkv, cos, sin, pos, k, v, key_ok, last, float(scale), block, warps, stages, splits)
+    _check(qkv, cos, sin, pos, k, v, key_ok, last, qk_norm)
+    qw, kw, eps = qk_norm or (None, None, 0.0)
+    return _decode_attention_op(qkv, cos, sin, pos, k, v, key_ok, last, float(scale), block, warps, stages, splits,
+                                qw, kw, float(eps))
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -213,12 +261,23 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def head_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """transformers' Qwen3RMSNorm over the last dimension of x, op for op."""
+    h = x.to(torch.float32)
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def decode_attention_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
-                               key_ok: Tensor, last: Tensor, scale: float) -> Tensor:
+                               key_ok: Tensor, last: Tensor, scale: float, qk_norm: tuple | None = None) -> Tensor:
     """The torch twin: the same contract, in float32 (the slots after `last` are masked, not skipped)."""
-    _check(qkv, cos, sin, pos, k, v, key_ok, last)
+    _check(qkv, cos, sin, pos, k, v, key_ok, last, qk_norm)
     B, nkv, S, D = k.shape
     nh = qkv.shape[1] // D - 2 * nkv
+    if qk_norm is not None:
+        qw, kw, eps = qk_norm
+        q, kn, vn = qkv.split([nh * D, nkv * D, nkv * D], dim=-1)
+        q, kn = head_norm(q.view(B, nh, D), qw, eps).view(B, -1), head_norm(kn.view(B, nkv, D), kw, eps).view(B, -1)
+        qkv = torch.cat([q, kn, vn], dim=-1)
     q, kn, vn = qkv.float().split([nh * D, nkv * D, nkv * D], dim=-1)
     c, s_ = cos[pos].float()[:, None], sin[pos].float()[:, None]        # (B, 1, D)
     q = rotate(q.view(B, nh, D), c, s_).to(k.dtype)                    # (B, nh, D)

@@ -112,6 +112,22 @@ def test_family_specs_read_off_the_config():
     assert none is None and "granite" in why
 
 
+def test_qwen3_head_norms_go_into_the_decode_kernel():
+    """qwen3's per-head q/k RMSNorm is applied by the decode-attention kernel's prologue (one kernel and one copy of
+    q/k/v fewer per layer); gemma3's (1 + w) norms stay the model's modules, and a norm in another dtype than the
+    activations (what the kernel rounds to) is not fused."""
+    from engines.decode_step import _fusable_norm
+    from engines.families import arch_of
+    for family in ("qwen3", "qwen3_moe"):
+        model = tiny_model(family)
+        a, spec = model.model.layers[0].self_attn, arch_of(model)[0].layers[0]
+        qw, kw, eps = _fusable_norm(a, spec, torch.float32)
+        assert qw is a.q_norm.weight and kw is a.k_norm.weight and eps == a.q_norm.variance_epsilon
+        assert _fusable_norm(a, spec, torch.bfloat16) is None
+    gemma = tiny_model("gemma3_text")
+    assert _fusable_norm(gemma.model.layers[0].self_attn, arch_of(gemma)[0].layers[0], torch.float32) is None
+
+
 @pytest.mark.parametrize("grouped", [True, False])
 def test_grouped_experts_equal_transformers_loop(grouped):
     from engines.moe import grouped_ok, moe_block, routed_experts
@@ -293,3 +309,161 @@ def test_multi_turn_fast_path_per_family(tmp_path, family, window, compact):
     assert fast.completion_mask.shape[1] > 8                                   # several turns: past a window of 4
     if window != 4:
         assert torch.equal(slow.input_ids, fast.input_ids) and torch.equal(slow.completion_mask, fast.completion_mask)
+
+
+def _teacher_routes(model, rollout):
+    """The experts transformers' full forward over the rollout's tokens picks: (B, T, L, k)."""
+    from engines.moe import Recorder
+    rec = Recorder(model)
+    try:
+        with torch.no_grad():
+            model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
+                  position_ids=(rollout.attention_mask.cumsum(-1) - 1).clamp(min=0))
+    finally:
+        rec.close()
+    return rec.routes(*rollout.input_ids.shape)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_routing_replay_records_and_replays(fast):
+    """moe.routing_replay: the engine (portable loop, or the fast step's in-graph record) returns each token's experts
+    per MoE layer at its input_ids column, -1 only where it never forwarded a token; under replay the trainer's
+    routers take exactly those experts, their weights keep a gradient, and without routes they route freely."""
+    from engines.builtin import BuiltinEngine
+    from engines.moe import Recorder, replay, set_routes
+    from models import completion_logprobs
+    model = tiny_model("qwen3_moe", seed=5)
+    engine = BuiltinEngine(model, EOS, PAD, fast=fast, routing_replay=True)
+    r = engine.generate(prompts(), 2, SamplingParams(max_new_tokens=8), torch.Generator().manual_seed(0))
+    B, T = r.input_ids.shape
+    k = model.config.num_experts_per_tok
+    assert r.routes.shape == (B, T, 1, k) and r.routes.dtype == torch.int16   # layer 0 is MoE, layer 1 dense
+    assert (r.routes[:, :-1] >= 0).all()          # the last token: forwarded by the loop, not by the fast step
+    assert (r.routes[:, -1] == -1).all() if fast else (r.routes[:, -1] >= 0).all()
+    teacher = _teacher_routes(model, r)
+    same = (teacher[:, :-1].sort(-1).values == r.routes[:, :-1].sort(-1).values).all(-1).float().mean()
+    assert same > 0.9, same                       # the engine's record sits at the right columns (float32: ~all)
+    # replay: move the recorded experts to the least likely ones, so that replay visibly overrides the router
+    forced = r.routes.clone()
+    forced[:, :-1] = teacher[:, :-1].new_tensor(list(range(model.config.num_experts - k, model.config.num_experts)))
+    forced[:, -1] = -1
+    replay(model)
+    set_routes(model, forced)
+    rec = Recorder(model)                         # registered after replay's hook: sees the replayed output
+    try:
+        logp, _ = completion_logprobs(model, r.input_ids, r.attention_mask, r.completion_mask.shape[1])
+    finally:
+        rec.close()
+    got = rec.routes(B, T)
+    assert torch.equal(got[:, :-1], forced[:, :-1])
+    assert torch.equal(got[:, -1], teacher[:, -1])              # -1: the router's own choice
+    logp.sum().backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0   # the gating weights come from its logits
+    set_routes(model, None)
+    assert torch.equal(_teacher_routes(model, r), teacher)
+
+
+def test_routing_replay_refused_for_dense_models():
+    from engines.moe import why_no_replay
+    assert "no routed experts" in why_no_replay(tiny_model("qwen3"))
+    assert why_no_replay(tiny_model("qwen3_moe")) is None
+
+
+def test_routes_follow_input_ids_through_cat_and_trim():
+    """Experience.routes (B, T, L, k) is re-padded as input_ids when batches of other widths are joined (-1: route
+    freely) and trimmed with it into micro-batches, so each token keeps its own recorded experts."""
+    from buffer import Experience
+    from microbatch import trim
+
+    def batch(P, C, base):
+        B = 2
+        ids = torch.arange(B * (P + C)).view(B, P + C) + base                 # a token's id names its routes
+        return Experience(input_ids=ids, attention_mask=torch.ones_like(ids), completion_mask=torch.ones(B, C),
+                          sample_logprobs=torch.zeros(B, C), rewards=torch.zeros(B), group_ids=torch.arange(B),
+                          versions=torch.zeros(B, dtype=torch.long), truncated=torch.zeros(B, dtype=torch.bool),
+                          routes=ids[:, :, None, None].expand(B, P + C, 3, 2).to(torch.int16))
+    whole = Experience.cat([batch(3, 2, 0), batch(5, 4, 100)], pad_id=-7)
+    real = whole.input_ids != -7
+    assert whole.routes.shape == (4, 9, 3, 2)
+    assert torch.equal(whole.routes[real], whole.input_ids[real][:, None, None].expand(-1, 3, 2).to(torch.int16))
+    assert (whole.routes[~real] == -1).all()
+    whole.attention_mask = real.long()
+    whole.completion_mask = real[:, -4:].float()
+    piece = trim(whole.select(torch.tensor([0, 1])))                           # the narrow rows: padding dropped
+    assert piece.routes.shape[1] == piece.input_ids.shape[1] == 5
+    assert torch.equal(piece.routes[:, :, 0, 0].long(), piece.input_ids)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 GPUs: tools/gpu_tests.sh's dist stage (on a 2-core "
+                    "CPU its four torchrun runs take minutes, past CI's budget)")
+def test_fsdp2_trains_qwen3_and_moe_like_one_process(tmp_path):
+    """FSDP2 (2 ranks under torchrun) for the new families: tests/dist_worker.py's two GRPO updates on fixed batches
+    over a tiny qwen3 and a tiny qwen3_moe (3-D expert weights sharded along the experts) give one process's
+    gradient norms and weights (the step's loss, at ratio 1, is the batch's alone). All four runs side by side."""
+    import subprocess
+    import sys
+    from conftest import make_random_model
+    from test_distributed import ROOT, TORCHRUN, run
+    dirs = {}
+    for family in ("qwen3", "qwen3_moe"):
+        d = tmp_path / family
+        make_random_model(str(d))                               # its character tokenizer (ids < 14)
+        tiny_model(family).save_pretrained(str(d))              # the family's model in its place
+        dirs[family] = d
+        for n in ("one", "two"):
+            (d / n).mkdir()
+    run(*[cmd for d in dirs.values() for cmd in ([sys.executable, "tests/dist_worker.py", str(d), str(d / "one")],
+                                                 [*TORCHRUN, "tests/dist_worker.py", str(d), str(d / "two")])],
+        logs=tmp_path)
+    for family, d in dirs.items():
+        a, b = (torch.load(d / n / "result.pt") for n in ("one", "two"))
+        assert (a["world"], b["world"]) == (1, 2)
+        for step in (1, 2):
+            assert b["loss"][step] == pytest.approx(a["loss"][step], rel=1e-5, abs=1e-7), family
+            assert b["grad_norm"][step] == pytest.approx(a["grad_norm"][step], rel=1e-4), family
+        init = tiny_model(family).state_dict()
+        assert max((a["weights"][k] - init[k]).abs().max().item() for k in init) > 1e-3   # the updates moved them
+        for k in init:   # AdamW turns float noise in near-zero gradients into ~1e-5 (CPU, gloo): 1e-4 of ~2e-3 moved
+            torch.testing.assert_close(b["weights"][k].cpu(), a["weights"][k].cpu(), rtol=0, atol=1e-4,
+                                       msg=f"{family} {k}")
+
+
+def test_routing_replay_setup_refuses_what_it_does_not_cover():
+    """train.py's setup (engines.moe.setup_replay): one line naming what to change, before any step; off: nothing."""
+    from config import Config, UserError
+    from engines.moe import setup_replay
+    cfg, moe_model = Config(), tiny_model("qwen3_moe")
+    setup_replay(cfg, tiny_model("qwen3"))                     # off: a dense model is fine
+    cfg.moe.routing_replay = True
+    with pytest.raises(UserError, match="needs a mixture-of-experts model: model_type 'qwen3'"):
+        setup_replay(cfg, tiny_model("qwen3"))
+    cfg.pack, cfg.engine = True, "vllm"
+    with pytest.raises(UserError, match="needs engine=builtin, pack=false"):
+        setup_replay(cfg, moe_model)
+    cfg.pack, cfg.engine = False, "builtin"
+    setup_replay(cfg, moe_model)
+    from engines.moe import routers
+    assert all(r._r3_routes is None for r in routers(moe_model))   # installed, idle until set_routes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_routing_replay_recorded_inside_the_graph():
+    """On a GPU the fast step is compiled and captured: its routes are written by the graph's replays at each
+    token's slot. They match the teacher-forced forward's experts (float32; TF32 may flip a near tie) and the
+    never-forwarded last column is -1."""
+    import engines.fast_decode as fast_decode
+    from engines.builtin import BuiltinEngine
+    model = tiny_model("qwen3_moe", seed=5).cuda()
+    engine = BuiltinEngine(model, EOS, PAD, fast=True, routing_replay=True)
+    sampler, fast_decode.SAMPLER = fast_decode.SAMPLER, "gumbel"     # as _gpu_check: tiny vocabularies
+    try:
+        sp = SamplingParams(top_p=1.0, max_new_tokens=24)
+        r = engine.generate(prompts(), 2, sp, torch.Generator().manual_seed(0))
+    finally:
+        fast_decode.SAMPLER = sampler
+    assert engine.decoder.use_graph and engine.decoder.captured
+    assert (r.routes[:, -1] == -1).all() and (r.routes[:, :-1] >= 0).all()
+    teacher = _teacher_routes(model, type(r)(**{**vars(r), "input_ids": r.input_ids.cuda(),
+                                                "attention_mask": r.attention_mask.cuda()}))
+    same = (teacher[:, :-1].sort(-1).values == r.routes[:, :-1].sort(-1).values).all(-1).float().mean()
+    assert same > 0.9, same

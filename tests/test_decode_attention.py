@@ -14,7 +14,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+from kernels.decode_attention import decode_attention, decode_attention_reference, head_norm  # noqa: E402
 from tests.interpret import run_interpreted  # noqa: E402
 
 
@@ -59,8 +59,38 @@ def check_attention(fn, device="cpu", B=3, nh=6, nkv=2, S=150, D=40, last=97, dt
     assert torch.equal(k_big[:, :, S:], cast(k)) and torch.equal(v_big[:, :, S:], cast(v))   # beyond S: untouched
 
 
+def check_norm(fn, device="cpu", B=3, nh=4, nkv=2, S=40, D=16, last=20, dtype=torch.float32, tol=1e-5):
+    """With qk_norm, fn equals the reference run on q/k/v whose heads were normed beforehand by transformers'
+    Qwen3RMSNorm formula (kernels.decode_attention.head_norm), cache write included. Both outputs are rounded to
+    dtype: in bf16 they may differ by an ulp of the larger values, hence a relative part of 2 bf16 ulps."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    cast = lambda t: t.to(device=device, dtype=dtype)
+    qkv = cast(torch.randn(B, (nh + 2 * nkv) * D, generator=g) * 3)
+    qw, kw = cast(torch.rand(D, generator=g) + 0.5), cast(torch.rand(D, generator=g) + 0.5)
+    k, v = cast(torch.randn(B, nkv, S, D, generator=g)), cast(torch.randn(B, nkv, S, D, generator=g))
+    cos, sin = cast(torch.randn(S, D, generator=g)), cast(torch.randn(S, D, generator=g))
+    pos, ok = torch.randint(0, S, (B,), generator=g).to(device), (torch.rand(B, S, generator=g) > 0.3).to(device)
+    q_, k_, v_ = qkv.split([nh * D, nkv * D, nkv * D], -1)
+    normed = torch.cat([head_norm(q_.view(B, nh, D), qw, 1e-6).view(B, -1),
+                        head_norm(k_.view(B, nkv, D), kw, 1e-6).view(B, -1), v_], -1)
+    k2, v2 = k.clone(), v.clone()
+    want = decode_attention_reference(normed, cos, sin, pos, k2, v2, ok, torch.tensor([last], device=device), 0.3)
+    got = fn(qkv, cos, sin, pos, k, v, ok, torch.tensor([last], device=device), 0.3, qk_norm=(qw, kw, 1e-6))
+    rtol = 2 ** -7 if dtype == torch.bfloat16 else 0.0
+    torch.testing.assert_close(got.double(), want.double(), rtol=rtol, atol=tol)
+    torch.testing.assert_close(k.double(), k2.double(), rtol=tol, atol=tol)
+    assert torch.equal(v, v2)
+
+
 def test_reference_matches_sdpa():
     check_attention(decode_attention_reference)
+
+
+def test_reference_qk_norm():
+    """The twin's fused norm is the norm module's ops, so it equals norming first exactly (tol 0)."""
+    check_norm(decode_attention_reference, tol=0.0)
+    with pytest.raises(ValueError, match="qk_norm"):
+        check_norm(lambda *a, qk_norm: decode_attention_reference(*a, qk_norm=(qk_norm[0][:-1], *qk_norm[1:])))
 
 
 def test_bad_shapes_are_named():
@@ -87,6 +117,9 @@ split = functools.partial(decode_attention, splits=4, block=16)    # flash-decod
 check_attention(split, B=2, nh=6, nkv=2, S=150, D=40, last=97)     # row 0: only split 0 sees a key
 check_attention(split, B=2, nh=6, nkv=2, S=150, D=40, last=20)     # splits past the filled length
 check_attention(split, B=1, nh=14, nkv=2, S=64, D=64, last=0)
+from tests.test_decode_attention import check_norm
+check_norm(decode_attention)                                       # qwen3's q/k norm in the prologue, GQA 2
+check_norm(decode_attention, B=2, nh=3, nkv=3, S=40, D=24, last=39)   # D not a power of two: padded columns
 print("ok")
 """)
 
@@ -97,6 +130,11 @@ def test_kernel_cuda():
         check_attention(decode_attention, "cuda", B=128, nh=14, nkv=2, S=320, D=64, last=last, dtype=torch.bfloat16,
                         tol=3e-2)
     check_attention(decode_attention, "cuda", B=5, nh=6, nkv=2, S=150, D=40, last=97)   # float32, odd sizes
+    for last in (0, 200, 319):                                         # qwen3's decode shape
+        check_attention(decode_attention, "cuda", B=128, nh=16, nkv=8, S=320, D=128, last=last, dtype=torch.bfloat16,
+                        tol=3e-2)
+    check_norm(decode_attention, "cuda", B=128, nh=16, nkv=8, S=320, D=128, last=200, dtype=torch.bfloat16, tol=3e-2)
+    check_norm(decode_attention, "cuda", B=5, nh=6, nkv=2, S=150, D=40, last=97)   # float32, odd sizes
     for splits, last in ((4, 0), (4, 130), (8, 319), (16, 200)):
         check_attention(functools.partial(decode_attention, splits=splits, block=32), "cuda", B=128, nh=14, nkv=2,
                         S=320, D=64, last=last, dtype=torch.bfloat16, tol=3e-2)

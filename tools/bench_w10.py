@@ -107,6 +107,18 @@ def timed(fn, repeats: int) -> tuple[float, float]:
     return times[0], statistics.median(times[1:])
 
 
+def profile(fn, out: str) -> str:
+    """One more rollout under torch.profiler: its CUDA kernels by total time (a CUDA graph's replays are reported
+    kernel by kernel) written to `out`; returns the path."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    with prof(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
+        fn()
+        sync()
+    with open(out, "w") as f:
+        f.write(p.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+    return out
+
+
 def run_model(name: str, a, work: dict, device, dtype) -> dict:
     from engines.base import SamplingParams
     from engines.builtin import BuiltinEngine
@@ -115,7 +127,11 @@ def run_model(name: str, a, work: dict, device, dtype) -> dict:
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, min(V, 1000), (work["prompts"], work["prompt_len"]), generator=g).tolist()
-    row = {"model": name, "model_type": model_type, "params_read": params_read(model)}
+    c = model.config
+    D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    # K and V bytes per cached position of one sequence: what a decode token reads besides the weights
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * D * torch.finfo(dtype).bits // 8
+    row = {"model": name, "model_type": model_type, "params_read": params_read(model), "kv_bytes_per_position": kv}
     engine = BuiltinEngine(model, eos_id=V, pad_id=0, fast=True)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=work["new"])
     gen = torch.Generator(device=device).manual_seed(0)
@@ -124,7 +140,9 @@ def run_model(name: str, a, work: dict, device, dtype) -> dict:
     row["path"] = type(engine.decoder).__name__ if engine.decoder is not None else "portable loop"
     if getattr(engine.decoder, "use_graph", False) is False and device.type == "cuda":
         row["path"] += " (no graph)"
-    if not a.no_hf:
+    if a.profile == name and device.type == "cuda":
+        row["profile"] = profile(lambda: engine.generate(prompts, work["samples"], sampling, gen), a.profile_out)
+    if not a.no_hf and (not a.hf or name in a.hf.split(",")):
         ids = torch.tensor(prompts, device=device).repeat_interleave(work["samples"], 0)
         fn = lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                     temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=work["new"],
@@ -163,7 +181,10 @@ def main():
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     p.add_argument("--repeats", type=int, default=3, help="timed rollouts after the warm-up one (median)")
     p.add_argument("--budget", type=float, default=300.0, help="seconds; models not started by then are skipped")
-    p.add_argument("--json", default="", help="also write the rows here")
+    p.add_argument("--json", default="", help="also write the rows here (after each model)")
+    p.add_argument("--hf", default="", help="comma-separated models to run transformers' generate for (default: all)")
+    p.add_argument("--profile", default="", help="one model whose engine rollout is profiled once more (GPU)")
+    p.add_argument("--profile-out", default="w10_profile.txt", help="where --profile writes its kernel table")
     a = p.parse_args()
     names = [n.strip() for n in a.only.split(",") if n.strip()] or list(MODELS)
     unknown = [n for n in names if n not in MODELS]
@@ -177,6 +198,7 @@ def main():
     if a.tiny:
         a.repeats = min(a.repeats, 1)
     start, rows = time.perf_counter(), []
+    dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     for name in names:
         if time.perf_counter() - start > a.budget:
             rows.append({"model": name, "error": f"skipped: the {a.budget:.0f} s budget was spent"})
@@ -188,11 +210,11 @@ def main():
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(table(rows, name).format(**work))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"device": name, "work": work, "rows": rows}, f, indent=1)
+        if a.json:   # after each model: a run cut short still leaves the rows it measured
+            with open(a.json, "w") as f:
+                json.dump({"device": dev_name, "work": work, "rows": rows, "argv": sys.argv[1:],
+                           "FAST_DECODE_ATTN": os.environ.get("FAST_DECODE_ATTN", "")}, f, indent=1)
+    print(table(rows, dev_name).format(**work))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ to OUT/decode_kernels.md and prints it; also checks each variant against the old
 sampler: logp equals log_softmax at the drawn token).
 """
 import argparse
+import json
 import os
 import sys
 
@@ -45,8 +46,14 @@ def graph_us(fn, calls: int, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def attention_rows(reps: int, variants: list[tuple[int, int]]) -> list[str]:
-    B, nh, nkv, S, D, L = 128, 14, 2, 320, 64, 24
+# decode shapes (batch, query heads, KV heads, cache slots, head_dim, layers): W1's (Qwen2.5-0.5B) and W10's qwen3
+SHAPES = {"w1": (128, 14, 2, 320, 64, 24), "qwen3": (128, 16, 8, 320, 128, 28)}
+
+
+def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: dict | None = None) -> list[str]:
+    """variants: (splits, block) or (splits, block, warps, stages). found: filled with {variant name: [us at each
+    fill]} for --json."""
+    B, nh, nkv, S, D, L = SHAPES[shape]
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     qkv = [torch.randn(B, (nh + 2 * nkv) * D, device=dev, dtype=dt, generator=g) for _ in range(L)]
@@ -58,16 +65,33 @@ def attention_rows(reps: int, variants: list[tuple[int, int]]) -> list[str]:
     rows = []
     for filled in (64, 192, 318):
         last = torch.tensor([filled], device=dev)
-        want = decode_attention(qkv[0], cos, sin, pos, ks[0], vs[0], ok, last, 0.125)
-        for splits, block in variants:
-            got = decode_attention(qkv[0], cos, sin, pos, ks[0], vs[0], ok, last, 0.125, splits=splits, block=block)
-            err = (got.float() - want.float()).abs().max().item()
-            def run(splits=splits, block=block):
+        want = decode_attention(qkv[0], cos, sin, pos, ks[0], vs[0], ok, last, 0.125, block=128, warps=4, stages=2)
+        for var in variants:
+            splits, block, warps, stages = (*var, None, None)[:4]
+            kw = dict(splits=splits, block=block, warps=warps, stages=stages)
+            name = ("1 program per (seq, head)" if splits == 1 else f"split {splits}") + f", block {block}" + (
+                f", {warps} warps, {stages} stages" if warps else "")
+            def run(kw=kw):
                 for i in range(L):
-                    decode_attention(qkv[i], cos, sin, pos, ks[i], vs[i], ok, last, 0.125, splits=splits, block=block)
-            us = graph_us(run, 1, reps) / L
-            name = "old (1 program per seq, head)" if splits == 1 else f"split {splits}"
-            rows.append(f"| attention | {filled} slots | {name}, block {block} | {us:.2f} | max diff vs old {err:.1e} |")
+                    decode_attention(qkv[i], cos, sin, pos, ks[i], vs[i], ok, last, 0.125, **kw)
+            try:   # a setting past the card's shared memory fails at launch: a row, not the end of the sweep
+                got = decode_attention(qkv[0], cos, sin, pos, ks[0], vs[0], ok, last, 0.125, **kw)
+                err = (got.float() - want.float()).abs().max().item()
+                us = graph_us(run, 1, reps) / L
+            except Exception as e:
+                rows.append(f"| attention {shape} | {filled} slots | {name} | failed | {type(e).__name__} |")
+                continue
+            if found is not None:
+                found.setdefault(name, {"splits": splits, "block": block, "warps": warps, "stages": stages, "us": []})
+                found[name]["us"].append(us)
+            rows.append(f"| attention {shape} | {filled} slots | {name} | {us:.2f} | max diff vs 128x4x2 {err:.1e} |")
+    if shape == "qwen3":                                               # the q/k norm fused into the prologue
+        qw, kw_ = torch.rand(D, device=dev, dtype=dt) + 0.5, torch.rand(D, device=dev, dtype=dt) + 0.5
+        def normed():
+            for i in range(L):
+                decode_attention(qkv[i], cos, sin, pos, ks[i], vs[i], ok, last, 0.125, qk_norm=(qw, kw_, 1e-6))
+        rows.append(f"| attention {shape} | {filled} slots | default settings, with qk_norm | "
+                    f"{graph_us(normed, 1, reps) / L:.2f} | |")
     return rows
 
 
@@ -98,7 +122,12 @@ def main():
     ap.add_argument("--out", required=True, help="folder for decode_kernels.md")
     ap.add_argument("--reps", type=int, default=50, help="graph replays per measurement (median)")
     ap.add_argument("--calls", type=int, default=10, help="sampler calls per graph")
-    ap.add_argument("--splits", default="1:128,4:32,4:64,8:32,8:64,16:16,16:32", help="attention splits:block")
+    ap.add_argument("--splits", default="1:128,4:32,4:64,8:32,8:64,16:16,16:32",
+                    help="attention splits:block[:warps:stages], comma-separated")
+    ap.add_argument("--shape", default="w1", choices=list(SHAPES), help="the attention's decode shape (SHAPES)")
+    ap.add_argument("--attention-only", action="store_true", help="skip the sampler rows")
+    ap.add_argument("--json", default="", help="also write each attention variant's times and the fastest unsplit "
+                    "one (mean over the fills) here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_kernel_bench needs a CUDA GPU")
@@ -108,9 +137,18 @@ def main():
     samplers = [("gumbel (today: split 64, block 4096, 4 warps)", gumbel_sample)]
     samplers += [(f"cdf: block {blk}, {wp} warps, split {sp}", part(cdf_sample, split=sp, block=blk, warps=wp))
                  for sp, blk, wp in ((64, 4096, 8), (64, 4096, 4), (64, 2048, 4), (128, 2048, 8), (32, 8192, 8))]
-    rows = attention_rows(args.reps, variants) + sampler_rows(args.reps, args.calls, samplers)
+    found = {}
+    rows = attention_rows(args.reps, variants, args.shape, found)
+    if not args.attention_only:
+        rows += sampler_rows(args.reps, args.calls, samplers)
+    if args.json:
+        mean = lambda v: sum(v["us"]) / len(v["us"])
+        best = min((v for v in found.values() if v["splits"] == 1 and v["warps"] and len(v["us"]) == 3), key=mean,
+                   default=None)
+        with open(args.json, "w") as f:
+            json.dump({"shape": SHAPES[args.shape], "variants": found, "best_unsplit": best}, f, indent=1)
     text = (f"Decode kernels on {torch.cuda.get_device_name()} (torch {torch.__version__}); "
-            f"`python tools/decode_kernel_bench.py --out {args.out}`\n\n"
+            f"`python tools/decode_kernel_bench.py {' '.join(sys.argv[1:])}`\n\n"
             "| kernel | shape | variant | us per call (attention: per layer) | check |\n|---|---|---|---|---|\n"
             + "\n".join(rows) + "\n")
     with open(os.path.join(args.out, "decode_kernels.md"), "w") as f:

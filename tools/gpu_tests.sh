@@ -61,9 +61,10 @@ sanitize() {   # name gpu uncached families: the sweep's sanitizer size under me
     echo $? >"$out/$name.rc"
 }
 
-dist_stage() {   # name -k expression: part of tests/test_distributed.py on GPUs 0 and 1
+dist_stage() {   # name -k expression [file]: part of tests/test_distributed.py (or the file) on GPUs 0 and 1
     CUDA_VISIBLE_DEVICES=0,1 timeout -k 15 "$T_DIST" python3 -m pytest -q -p no:cacheprovider \
-        tests/test_distributed.py -k "$2" --basetemp="$tmp/$1" --junitxml="$out/junit-$1.xml" >"$out/$1.log" 2>&1
+        "${3:-tests/test_distributed.py}" -k "$2" --basetemp="$tmp/$1" --junitxml="$out/junit-$1.xml" \
+        >"$out/$1.log" 2>&1
     echo $? >"$out/$1.rc"
 }
 
@@ -71,12 +72,13 @@ pytest_stage tests 0 "$T_TESTS" tests/test_lora.py tests/test_multiturn.py &
 pytest_stage kernels "$g1" "$T_TESTS" tests --ignore=tests/test_lora.py --ignore=tests/test_multiturn.py \
     --ignore=tests/test_distributed.py --ignore=tests/test_architectures.py &
 # every model family graphed and compiled: mostly compile time, so in two processes of their own
-pytest_stage arch-decode "$g2" "$T_TESTS" tests/test_architectures.py -k "not compiled_layers" &
+pytest_stage arch-decode "$g2" "$T_TESTS" tests/test_architectures.py -k "not compiled_layers and not fsdp2" &
 pytest_stage arch-train "$g3" "$T_TESTS" tests/test_architectures.py -k "compiled_layers" &
 if [ "$ngpu" -ge 2 ]; then   # as tools/gpu_dist.sh: they mostly wait on imports and compiles, so side by side
     groups=(fsdp_update train_under_torchrun train_on_two_gpus ppo_critic reinforce_pp)
     for k in "${groups[@]}"; do dist_stage "dist-$k" "$k" & done
     dist_stage dist-rest "not ($(printf '%s or ' "${groups[@]}" | sed 's/ or $//'))" &
+    dist_stage dist-arch-fsdp2 fsdp2 tests/test_architectures.py &   # qwen3 and qwen3_moe under FSDP2 (#32)
 fi
 (CUDA_VISIBLE_DEVICES=0 timeout -k 15 "$T_SWEEP" python3 tools/kernel_sweep.py --size gpu >"$out/sweep.log" 2>&1
  echo $? >"$out/sweep.rc") &
