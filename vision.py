@@ -109,10 +109,28 @@ def save_processor(model, model_path: str, out: str):
         image_processor(model_path).save_pretrained(out)
 
 
+def base_model(model):
+    """The transformers model under peft's wrappers (a LoRA policy, lora.AdaptersOff): its tower and embeddings carry
+    no adapter, so the picture's features are the same through either."""
+    model = getattr(model, "peft", model)                              # lora.AdaptersOff
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def tower(model):
     """The vision encoder (Qwen2-VL: model.model.visual)."""
-    inner = getattr(model, "model", model)
+    base = base_model(model)
+    inner = getattr(base, "model", base)
     return getattr(inner, "visual", None) or getattr(inner, "vision_tower", None)
+
+
+def tower_linears(model) -> list[str]:
+    """Full names of the vision encoder's Linear layers ([] for a text model): lora.wrap puts no adapter there, so
+    LoRA on a VLM adapts the language model only (peft freezes every base weight, the tower's too)."""
+    t = tower(model)
+    if t is None:
+        return []
+    prefix = next(name for name, m in model.named_modules() if m is t)
+    return [f"{prefix}.{name}" for name, m in t.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
 def freeze_tower(model, train_tower: bool):
@@ -125,6 +143,7 @@ def embed(model, input_ids: Tensor, images: dict, prompt_len: int | None = None)
     """(B, T) ids -> (B, T, H) input embeddings: the image pads of the first prompt_len columns (the prompt; all
     when None) replaced by the features of the row's picture. The encoder runs once per distinct picture."""
     pv, grid, index = images["pixel_values"], images["image_grid_thw"], images["image_index"]
+    model = base_model(model)
     lengths = grid.prod(-1).tolist()                                                     # patches per picture
     flat = torch.cat([p[:n] for p, n in zip(pv, lengths)])                               # (sum N, D)
     weight = next(tower(model).parameters())

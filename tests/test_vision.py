@@ -200,3 +200,28 @@ def test_train_py_runs_replay_and_resume_on_the_vision_task(vlm, tmp_path):
     assert (out / "final" / "preprocessor_config.json").exists()
     model, _ = load_model(str(out / "final"), torch.device("cpu"), torch.float32)   # the final policy loads
     assert vision.tower(model) is not None
+
+
+def test_lora_adapts_the_language_model_only(tmp_path):
+    """lora.r=4 on the warm-started tiny VLM, 2 steps of train.py: the adapter holds language-model modules only,
+    they trained (B starts at zero), and the merged policy differs from the base in those layers alone: the tower,
+    the embeddings and the norms are the base's bit for bit."""
+    import subprocess
+    from safetensors.torch import load_file
+    out = tmp_path / "run"
+    args = [sys.executable, "train.py", "--config", "configs/vision.yaml", "steps=2", "eval_size=4", "eval_every=100",
+            "prompts_per_step=4", "samples_per_prompt=8", "lora.r=4", "lora.save_merged=true", "lr=1e-2",
+            f"out_dir={out}", "progress=false"]
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
+    assert adapter and all(".lora_" in k and "visual" not in k for k in adapter), sorted(adapter)[:4]
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if ".lora_B" in k)          # the adapters learned
+    base = load_file(os.path.join(ROOT, "assets", "tiny-vlm", "model.safetensors"))
+    merged = load_file(str(out / "final" / "merged" / "model.safetensors"))
+    # module names as the checkpoint writes them (transformers saves Qwen2-VL's text layers as model.layers.N)
+    adapted = {k.split(".lora_")[0].split("base_model.model.", 1)[-1].replace("language_model.", "") for k in adapter}
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert changed and all(k.rsplit(".", 1)[0] in adapted for k in changed), sorted(changed)[:4]
+    assert not any("visual" in k for k in changed)
