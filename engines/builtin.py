@@ -22,7 +22,6 @@ from engines.base import Rollout, SamplingParams, left_pad, make_rollout, sample
 from engines.exact import ExactDecoder
 from engines.fast_decode import FastDecoder, supported
 from engines.generic_decode import GenericDecoder
-from models import position_ids
 from registry import register
 import vision
 
@@ -113,10 +112,11 @@ class BuiltinEngine:
         """The portable loop (CPU, or models engines/fast_decode.py does not cover): transformers' KV cache, a token a step.
         The prefill places the pictures (vision.embed: once per prompt); the decode is text."""
         first = dict(input_ids=ids) if images is None else dict(inputs_embeds=vision.embed(model, ids, images))
-        out = model(**first, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
+        pos = vision.positions(model, ids, mask, images)          # (B, T); (3, B, T) for M-RoPE (vision.py)
+        out = model(**first, attention_mask=mask, position_ids=pos, use_cache=True)
         cache_kw = _cache_kw(model)
         cache, logits = _cache_of(out), out.logits[:, -1]                        # (B, V)
-        next_pos = mask.sum(-1, keepdim=True)                                    # (B, 1)
+        next_pos = pos.reshape(-1, *mask.shape).amax(dim=(0, 2))[:, None] + 1  # (B, 1): one past the largest
         done = torch.zeros(B, dtype=torch.bool, device=device)
         tokens, logps, alive = [], [], []
         for _ in range(sampling.max_new_tokens):
