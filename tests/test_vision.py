@@ -145,9 +145,9 @@ def test_mrope_positions_are_the_models_own_and_engine_and_trainer_agree(vlm, ro
     ids[:, -C:][ids[:, -C:] == model.config.image_token_id] = tok.pad_token_id   # none sampled, in any case
     with torch.no_grad():
         own = model(input_ids=ids, attention_mask=ro.attention_mask, pixel_values=flat, image_grid_thw=grid,
-                    mm_token_type_ids=(ids == model.config.image_token_id).int(), use_cache=False).logits[:, -C - 1:-1].log_softmax(-1)                        # (B, C, V)
+                    mm_token_type_ids=(ids == model.config.image_token_id).int(), use_cache=False).logits
         ours, _ = completion_logprobs(model, ids, ro.attention_mask, C, 1.0, images)
-    own = own.gather(-1, ids[:, -C:, None])[..., 0]
+    own = own[:, -C - 1:-1].log_softmax(-1).gather(-1, ids[:, -C:, None])[..., 0]           # (B, C)
     m = ro.completion_mask.bool()
     assert (ours - own)[m].abs().max() < 1e-4
     engine = BuiltinEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)

@@ -3,6 +3,7 @@ train.py against TRL's GRPOTrainer on the same model, one GPU, one command.
 
     python tools/bench_w8.py --out bench-w8                          # GPU: ours, then TRL; prints a markdown table
     python tools/bench_w8.py --wheels .whl --out bench-w8             # first installs TRL from the wheels in .whl
+                                                                      # (without --wheels: .whl, shared/wheels, ...)
     python tools/bench_w8.py --tiny --out /tmp/w8                     # CPU smoke run of the same code at toy shapes
 
 Workload: Qwen2VLForConditionalGeneration built here from a Qwen2VLConfig at Qwen2-VL-2B's shape (text: hidden 1536,
@@ -14,7 +15,8 @@ runs to full length and the work is fixed; the reward is a cheap function of the
 between samples (the shapes answers of a random model would all score 0, and GRPO would have nothing to do).
 Parts, each in its own process (clean peak-memory counters):
   ours  train.main itself (the real loop) for 1 warm-up + N measured steps, once per --ours variant
-        MICRO[:ckpt] (micro_batch_size, grad_checkpointing); the split comes from its metrics.jsonl
+        MICRO[:ckpt] (micro_batch_size, grad_checkpointing; default 16 without and with checkpointing: 64 rows of
+        ~400 tokens at once would not fit an H100 without it); the split comes from its metrics.jsonl
   trl   TRL's GRPOTrainer with W1's peer settings (docs/benchmarks.md: batch 16 x 4 accumulation steps, beta 0, bf16,
         its default gradient checkpointing) and the model's processor (Qwen2VLProcessor: the same image processor
         and tokenizer), conversational prompts with the picture in an `image` column, as TRL's VLM docs ask
@@ -25,6 +27,7 @@ reserved on the card (ours: the largest phase's peak from train.py's mem/ metric
 """
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import statistics
@@ -57,6 +60,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['co
                  "{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
                  "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{% endfor %}")
 WHEELS = ("trl", "datasets", "dill", "multiprocess", "xxhash", "pyarrow", "fsspec")
+WHEEL_FOLDERS = (".whl", "shared/wheels", "/opt/pypi/files")   # where --wheels looks when not given
 
 
 def shapes_rows(_cfg=None):
@@ -161,7 +165,8 @@ def part_ours(a) -> dict:
     train.main(argv)
     mem = cuda_info()
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    stages = {k: max(r[k] for r in rows if k in r) for k in sorted({k for r in rows for k in r if k.startswith("mem/")})}
+    names = sorted({k for r in rows for k in r if k.startswith("mem/")})
+    stages = {k: max(r[k] for r in rows if k in r) for k in names}
     if stages:   # train.py resets the peak counters per phase: the run's peak is the largest
         mem["peak_alloc_gib"] = max([mem["peak_alloc_gib"]] + [v for k, v in stages.items() if "reserved" not in k])
         mem["peak_reserved_gib"] = max([mem["peak_reserved_gib"]] + [v for k, v in stages.items() if "reserved" in k])
@@ -221,7 +226,6 @@ def install_wheels(folder: str, target: str) -> str:
     """pip install --no-deps --target target the wheels found in folder of TRL and those of its dependencies that
     this Python cannot import yet (an installed pyarrow stays: datasets' fingerprinting failed to pickle a type of
     another pyarrow version); -> '' or why not."""
-    import importlib.util
     needed = [n for n in WHEELS if n == "trl" or importlib.util.find_spec(n) is None]
     found = [w for name in needed for w in sorted(glob.glob(os.path.join(folder, f"{name}-*.whl")))[-1:]]
     if not any(os.path.basename(w).startswith("trl-") for w in found):
@@ -235,7 +239,8 @@ def table(results: dict, a) -> str:
     trl, errors = results.get("trl", {}), results.get("_errors", {})
     dev = next((r["device"] for k, r in results.items() if k != "_errors" and "device" in r), "?")
     lines = [f"# W8 on {dev} (torch {torch.__version__}; {'tiny shapes' if a.tiny else 'Qwen2-VL-2B shape'}, "
-             f"{W['prompts']} prompts x {W['samples']} samples, {W['new']} new tokens, one {W['image_px']} px picture each; "
+             f"{W['prompts']} prompts x {W['samples']} samples, {W['new']} new tokens, "
+             f"one {W['image_px']} px picture each; "
              f"{a.steps} measured steps after 1 warm-up)", "",
              "| | step (median) | steps | peak alloc | peak reserved |", "|---|---|---|---|---|"]
     ours = {k: r for k, r in results.items() if k.startswith("ours") and "step_s" in r}
@@ -248,11 +253,13 @@ def table(results: dict, a) -> str:
                    else "n/a (CPU) | n/a (CPU)")
             lines.append(f"| {name} | {r['step_s']:.3f} s | {', '.join(f'{x:.2f}' for x in r['steps_s'])} | {mem} |")
     lines += [f"| {name} | failed: {err} | | | |" for name, err in errors.items()]
-    fits = [r for r in ours.values() if "step_s" in trl and r.get("peak_alloc_gib", 0) <= trl.get("peak_alloc_gib", 0)]
+    cuda = "peak_alloc_gib" in trl
+    fits = [r for r in ours.values() if cuda and r.get("peak_alloc_gib", 1e9) <= trl["peak_alloc_gib"]]
     best = min(fits or list(ours.values()) or [{}], key=lambda r: r.get("step_s", 1e9))
     if "step_s" in best and "step_s" in trl:
         lines += ["", f"ratio ours / TRL step time: **{best['step_s'] / trl['step_s']:.3f}** (goal <= 0.25; fastest of "
-                      f"ours {'within' if fits else 'OVER'} TRL's peak memory)"]
+                      f"ours {'within' if fits else 'OVER' if cuda else '(no CUDA memory figures) at'} "
+                      "TRL's peak memory)"]
     if "split_s" in best:
         lines += ["", "split of that step of ours (medians, s): " + ", ".join(
             f"{k.split('/')[1]} {v:.3f}" for k, v in best["split_s"].items()),
@@ -264,11 +271,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench-w8", help="folder for w8.json, w8.md and each part's log")
     p.add_argument("--parts", default="ours,trl", help="comma list of: " + ", ".join(PARTS))
-    p.add_argument("--ours", default="64,16:ckpt", help="comma list of variants MICRO[:ckpt] for ours")
+    p.add_argument("--ours", default="16,16:ckpt", help="comma list of variants MICRO[:ckpt] for ours")
     p.add_argument("--steps", type=int, default=4, help="measured steps (after one warm-up step)")
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (smoke run)")
-    p.add_argument("--image-px", type=int, default=0, help="picture side after resizing (0 = the shape's: 448, tiny 56)")
-    p.add_argument("--wheels", default="", help="folder of TRL's wheels to install first (pip --no-deps --target)")
+    p.add_argument("--image-px", type=int, default=0,
+                   help="picture side after resizing (0 = the shape's: 448, tiny 56)")
+    p.add_argument("--wheels", default="", help="folder of TRL's wheels to install first (pip --no-deps --target); "
+                   f"when trl is not importable and this is not given: the first of {', '.join(WHEEL_FOLDERS)} "
+                   "that holds a trl wheel")
     p.add_argument("--set", default="", help="more train.py settings for ours, e.g. 'algo.kl_coef=0.0'")
     p.add_argument("--part", help=argparse.SUPPRESS)        # internal: run one part in this process
     p.add_argument("--variant", default="", help=argparse.SUPPRESS)
@@ -285,6 +295,8 @@ def main():
         p.error(f"unknown part(s) {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
     if not a.tiny and not torch.cuda.is_available():
         p.error("W8 needs a CUDA device; --tiny runs the toy CPU version")
+    if not a.wheels and "trl" in a.parts.split(",") and importlib.util.find_spec("trl") is None:
+        a.wheels = next((d for d in WHEEL_FOLDERS if glob.glob(os.path.join(d, "trl-*.whl"))), "")
     if a.wheels and not os.path.isdir(a.wheels):
         p.error(f"--wheels {a.wheels!r} is not a folder")
     if a.part:                                             # child: one part, result as JSON on the last line
