@@ -35,6 +35,7 @@ import warnings
 import torch
 from torch import Tensor
 
+import vision
 from config import UserError
 
 
@@ -83,7 +84,7 @@ def wrap(model, section, model_name: str):
             raise UserError(f"lora.targets {','.join(missing) or repr(section.targets)} match no module; the model's "
                             f"linear layers are: {', '.join(known)} (or lora.targets=all-linear)")
     config = LoraConfig(r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout, target_modules=targets,
-                        bias="none", task_type="CAUSAL_LM")
+                        bias="none", task_type="CAUSAL_LM", exclude_modules=vision.tower_linears(model) or None)
     with warnings.catch_warnings():   # peft 0.21 reads a transformers attribute that 5.x marks deprecated
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return get_peft_model(model, config)

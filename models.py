@@ -131,7 +131,8 @@ def _inputs(input_ids: Tensor, attention_mask: Tensor, C: int, model=None, image
     # pictures: their features replace the prompt's image tokens (the completion's C columns are text)
     ids = dict(input_ids=input_ids) if images is None else \
         dict(inputs_embeds=vision.embed(model, input_ids, images, prompt_len=input_ids.shape[1] - C))
-    return dict(**ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+    pos = vision.positions(model, input_ids, attention_mask, images, input_ids.shape[1] - C)   # M-RoPE: (3, B, T)
+    return dict(**ids, attention_mask=attention_mask, position_ids=pos,
                 logits_to_keep=C + 1, use_cache=False)        # position t predicts token t + 1
 
 

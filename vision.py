@@ -11,10 +11,9 @@ evaluation pass it along as any prompt. An experience batch holds one row of pix
 n samples of a prompt share one. `embed` runs the vision encoder once per distinct picture and scatters its
 features over the image-pad tokens of every row that shows it.
 
-What it simplifies: positions. The whole sequence, image pads included, takes the text positions the rest of the
-project uses (models.position_ids), not Qwen2-VL's 3-D M-RoPE positions; rollout and training agree (both go
-through `embed`), and the tiny VLM is trained that way, but a pretrained Qwen2-VL sees positions unlike its
-pretraining. One picture per prompt, in the prompt only (none in completions or observations).
+Positions: a Qwen2-VL reading pictures gets its M-RoPE positions (`positions`), the same in the engine and the
+trainer; a model trained on text positions says so in its config (`text_positions`, the tiny VLM).
+What it simplifies: one picture per prompt, in the prompt only (none in completions or observations), no videos.
 """
 import io
 import os
@@ -109,10 +108,28 @@ def save_processor(model, model_path: str, out: str):
         image_processor(model_path).save_pretrained(out)
 
 
+def base_model(model):
+    """The transformers model under peft's wrappers (a LoRA policy, lora.AdaptersOff): its tower and embeddings carry
+    no adapter, so the picture's features are the same through either."""
+    model = getattr(model, "peft", model)                              # lora.AdaptersOff
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def tower(model):
     """The vision encoder (Qwen2-VL: model.model.visual)."""
-    inner = getattr(model, "model", model)
+    base = base_model(model)
+    inner = getattr(base, "model", base)
     return getattr(inner, "visual", None) or getattr(inner, "vision_tower", None)
+
+
+def tower_linears(model) -> list[str]:
+    """Full names of the vision encoder's Linear layers ([] for a text model): lora.wrap puts no adapter there, so
+    LoRA on a VLM adapts the language model only (peft freezes every base weight, the tower's too)."""
+    t = tower(model)
+    if t is None:
+        return []
+    prefix = next(name for name, m in model.named_modules() if m is t)
+    return [f"{prefix}.{name}" for name, m in t.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
 def freeze_tower(model, train_tower: bool):
@@ -121,10 +138,52 @@ def freeze_tower(model, train_tower: bool):
         tower(model).requires_grad_(False)
 
 
+def uses_mrope(model, images: dict | None) -> bool:
+    """Qwen2-VL's 3-D positions for a batch with pictures, unless the model was trained on text positions
+    (config `text_positions`: the tiny VLM of tools/make_tiny_vlm.py)."""
+    if not images:
+        return False
+    cfg = base_model(model).config
+    rope = getattr(getattr(cfg, "text_config", cfg), "rope_parameters", None) or {}
+    return "mrope_section" in rope and not getattr(cfg, "text_positions", False)
+
+
+def positions(model, input_ids: Tensor, attention_mask: Tensor, images: dict | None,
+              prompt_len: int | None = None) -> Tensor:
+    """Position ids of a batch: (B, T) text positions (models.position_ids), or for a Qwen2-VL reading pictures
+    (uses_mrope) its M-RoPE positions (3, B, T): text tokens count on (the three rows equal), a picture's image
+    tokens take (start, start + row, start + column) over its merged patch grid and move the count on by the
+    grid's longer side. Only the first prompt_len columns hold pictures (as in embed); padding takes 0. A decode
+    step's position is then one past the row's largest (engines/builtin.py), the three rows equal again."""
+    text = (attention_mask.cumsum(-1) - 1).clamp(min=0)                                  # (B, T)
+    if not uses_mrope(model, images):
+        return text
+    cfg = base_model(model).config
+    merge = cfg.vision_config.spatial_merge_size
+    slots = input_ids == cfg.image_token_id                                              # (B, T)
+    if prompt_len is not None:
+        slots[:, prompt_len:] = False
+    out = text[None].repeat(3, 1, 1)                                                     # (3, B, T)
+    grids = images["image_grid_thw"][images["image_index"]].tolist()                     # the row's picture
+    for b, (t, h, w) in enumerate(grids):
+        cols = slots[b].nonzero().flatten()
+        if len(cols) == 0:
+            continue
+        start, (H, W) = int(text[b, cols[0]]), (h // merge, w // merge)
+        k = torch.arange(len(cols), device=input_ids.device)
+        out[0, b, cols] = start
+        out[1, b, cols], out[2, b, cols] = start + k // W, start + k % W
+        after = cols[-1] + 1          # text after the picture: moved by the grid's longer side, not its token count
+        real = attention_mask[b, after:].bool()
+        out[:, b, after:][:, real] = (start + max(H, W) + torch.arange(int(real.sum()), device=input_ids.device))
+    return out
+
+
 def embed(model, input_ids: Tensor, images: dict, prompt_len: int | None = None) -> Tensor:
     """(B, T) ids -> (B, T, H) input embeddings: the image pads of the first prompt_len columns (the prompt; all
     when None) replaced by the features of the row's picture. The encoder runs once per distinct picture."""
     pv, grid, index = images["pixel_values"], images["image_grid_thw"], images["image_index"]
+    model = base_model(model)
     lengths = grid.prod(-1).tolist()                                                     # patches per picture
     flat = torch.cat([p[:n] for p, n in zip(pv, lengths)])                               # (sum N, D)
     weight = next(tower(model).parameters())

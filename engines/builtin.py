@@ -23,7 +23,6 @@ from engines.exact import ExactDecoder
 from engines.fast_decode import FastDecoder, supported
 from engines.generic_decode import GenericDecoder
 from engines.moe import Recorder
-from models import position_ids
 from registry import register
 import vision
 
@@ -126,21 +125,23 @@ class BuiltinEngine:
         """The portable loop (CPU, or models engines/fast_decode.py does not cover): transformers' KV cache, a token a step.
         The prefill places the pictures (vision.embed: once per prompt); the decode is text."""
         first = dict(input_ids=ids) if images is None else dict(inputs_embeds=vision.embed(model, ids, images))
+        pos = vision.positions(model, ids, mask, images)          # (B, T); (3, B, T) for M-RoPE (vision.py)
         recorder = Recorder(model) if self.routing_replay else None     # each forward's experts (engines/moe.py)
         try:
-            return self._loop(model, first, ids, mask, B, device, sampling, generator, n_prompts, n, was_training,
-                              recorder)
+            return self._loop(model, first, pos, ids, mask, B, device, sampling, generator, n_prompts, n,
+                              was_training, recorder)
         finally:
             if recorder is not None:
                 recorder.close()
 
-    def _loop(self, model, first, ids, mask, B, device, sampling, generator, n_prompts, n, was_training,
+    def _loop(self, model, first, pos, ids, mask, B, device, sampling, generator, n_prompts, n, was_training,
               recorder) -> Rollout:
-        """_plain_loop's decode; recorder (routing replay) sees every forward's experts."""
-        out = model(**first, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
+        """_plain_loop's decode from its prefill inputs and positions pos; recorder (routing replay) sees every
+        forward's experts."""
+        out = model(**first, attention_mask=mask, position_ids=pos, use_cache=True)
         cache_kw = _cache_kw(model)
         cache, logits = _cache_of(out), out.logits[:, -1]                        # (B, V)
-        next_pos = mask.sum(-1, keepdim=True)                                    # (B, 1)
+        next_pos = pos.reshape(-1, *mask.shape).amax(dim=(0, 2))[:, None] + 1  # (B, 1): one past the largest
         done = torch.zeros(B, dtype=torch.bool, device=device)
         tokens, logps, alive = [], [], []
         for _ in range(sampling.max_new_tokens):

@@ -9,6 +9,8 @@ Two kinds of question, drawn half and half:
                                     Answer: the digit.
     larger  "<image>larger? a circle b square"   one circle and one square of different sizes: which is larger
                                     (by area)? Answer: the letter (multiple choice, reward `vision`).
+Shapes sit in the cells of a 4 x 4 grid, one per cell: a cell is one image token of the tiny VLM (16 x 16 pixels,
+its patch 8 and 2 x 2 merge), which it learns to see far sooner than shapes that straddle tokens.
 `<image>` marks where the picture sits in the prompt; vision.py replaces it with the model family's image tokens
 (Qwen2-VL: <|vision_start|>, one <|image_pad|> per merged patch, <|vision_end|>). A row carries its picture as PNG
 bytes in `image`: what a jsonl / parquet row would hold (a path to a file works too: vision.load_image).
@@ -37,10 +39,14 @@ def png(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
+GRID = 4                       # cells per side; a cell is CELL x CELL pixels
+CELL = SIZE // GRID            # 16: one merged patch of the tiny VLM (patch 8, 2 x 2 merge), so one image token
+
+
 def _cells(rng: random.Random, k: int) -> list[tuple[int, int]]:
-    """k distinct cells of a 3 x 3 grid over the picture, as top-left pixel corners (shapes never overlap)."""
-    step = SIZE // 3
-    return [(c % 3 * step, c // 3 * step) for c in rng.sample(range(9), k)]
+    """k distinct cells of the GRID x GRID grid, as top-left pixel corners (shapes never overlap). A cell is one
+    image token of the tiny VLM: each token shows at most one whole shape, which a tiny tower learns to see fast."""
+    return [(c % GRID * CELL, c // GRID * CELL) for c in rng.sample(range(GRID * GRID), k)]
 
 
 def draw_count(rng: random.Random) -> tuple[dict, str]:
@@ -53,7 +59,7 @@ def draw_count(rng: random.Random) -> tuple[dict, str]:
 
 def draw_larger(rng: random.Random) -> tuple[dict, str]:
     """A circle and a square of different sizes. -> (scene, "a" if the circle's area is larger else "b")."""
-    small, big = rng.choice([(6, 14), (6, 18), (8, 18), (10, 20), (6, 10), (8, 14)])
+    small, big = rng.choice([(4, 10), (4, 12), (6, 12), (6, 14), (4, 14), (8, 14)])
     circle_big = rng.random() < 0.5
     r, side = (big, small) if circle_big else (small, big)
     # the sizes are the circle's diameter and the square's side: with the pairs above the larger size always has
@@ -65,15 +71,14 @@ def draw_larger(rng: random.Random) -> tuple[dict, str]:
 def render(scene: dict) -> Image.Image:
     img = Image.new("RGB", (SIZE, SIZE), "white")
     d = ImageDraw.Draw(img)
-    step = SIZE // 3
     if scene["kind"] == "count":
         for kind, (x, y) in scene["items"]:
-            box = (x + 3, y + 3, x + step - 3, y + step - 3)
+            box = (x + 2, y + 2, x + CELL - 3, y + CELL - 3)
             color = "red" if kind.startswith("red") else "blue"
             (d.ellipse if kind.endswith("circle") else d.rectangle)(box, fill=color)
     else:
         for (shape, half), (x, y) in zip(scene["items"], scene["at"]):
-            cx, cy = x + step // 2, y + step // 2
+            cx, cy = x + CELL // 2, y + CELL // 2
             box = (cx - half // 2, cy - half // 2, cx + half // 2, cy + half // 2)
             (d.ellipse if shape == "circle" else d.rectangle)(box, fill="green")
     return img

@@ -121,6 +121,43 @@ def test_engine_and_trainer_agree_and_the_picture_matters(vlm, rollout):
     assert (other - logp)[m].abs().max() > 1e-4                               # the picture reaches the tokens
 
 
+@pytest.fixture
+def mrope(vlm):
+    """The tiny VLM read with Qwen2-VL's M-RoPE positions (it was built for text positions: config.text_positions)."""
+    model = vlm[0]
+    model.config.text_positions = False
+    yield model
+    model.config.text_positions = True
+
+
+def test_mrope_positions_are_the_models_own_and_engine_and_trainer_agree(vlm, rollout, mrope):
+    """vision.positions gives the log-probs transformers' Qwen2-VL computes with its own M-RoPE positions (from the
+    ids and the picture grid), and the engine's decode continues them as the trainer's teacher forcing does."""
+    model, tok, _ = vlm
+    ro, images, prompts = rollout
+    C = ro.completion_mask.shape[1]
+    pos = vision.positions(model, ro.input_ids, ro.attention_mask, images, ro.input_ids.shape[1] - C)
+    assert pos.shape == (3, *ro.input_ids.shape) and not torch.equal(pos[1], pos[2])        # a 2-D grid
+    index = images["image_index"]
+    grid = images["image_grid_thw"][index]                                                    # (B, 3)
+    flat = torch.cat([images["pixel_values"][i][:int(g.prod())] for i, g in zip(index.tolist(), grid)])
+    ids = ro.input_ids.clone()
+    ids[:, -C:][ids[:, -C:] == model.config.image_token_id] = tok.pad_token_id   # none sampled, in any case
+    with torch.no_grad():
+        own = model(input_ids=ids, attention_mask=ro.attention_mask, pixel_values=flat, image_grid_thw=grid,
+                    mm_token_type_ids=(ids == model.config.image_token_id).int(), use_cache=False).logits
+        ours, _ = completion_logprobs(model, ids, ro.attention_mask, C, 1.0, images)
+    own = own[:, -C - 1:-1].log_softmax(-1).gather(-1, ids[:, -C:, None])[..., 0]           # (B, C)
+    m = ro.completion_mask.bool()
+    assert (ours - own)[m].abs().max() < 1e-4
+    engine = BuiltinEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    again = engine.generate(prompts, 4, SamplingParams(1.0, 1.0, 4), torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        forced, _ = completion_logprobs(model, again.input_ids, again.attention_mask, C, 1.0, images)
+    m = again.completion_mask.bool()
+    assert (forced - again.logprobs)[m].abs().max() < 1e-4
+
+
 def test_an_image_token_sampled_in_a_completion_is_text(vlm, rollout):
     """Only the prompt's image tokens take picture features: a sampled one in the completion is a token."""
     model, _, _ = vlm
@@ -200,3 +237,28 @@ def test_train_py_runs_replay_and_resume_on_the_vision_task(vlm, tmp_path):
     assert (out / "final" / "preprocessor_config.json").exists()
     model, _ = load_model(str(out / "final"), torch.device("cpu"), torch.float32)   # the final policy loads
     assert vision.tower(model) is not None
+
+
+def test_lora_adapts_the_language_model_only(tmp_path):
+    """lora.r=4 on the warm-started tiny VLM, 2 steps of train.py: the adapter holds language-model modules only,
+    they trained (B starts at zero), and the merged policy differs from the base in those layers alone: the tower,
+    the embeddings and the norms are the base's bit for bit."""
+    import subprocess
+    from safetensors.torch import load_file
+    out = tmp_path / "run"
+    args = [sys.executable, "train.py", "--config", "configs/vision.yaml", "steps=2", "eval_size=4", "eval_every=100",
+            "prompts_per_step=4", "samples_per_prompt=8", "lora.r=4", "lora.save_merged=true", "lr=1e-2",
+            f"out_dir={out}", "progress=false"]
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
+    assert adapter and all(".lora_" in k and "visual" not in k for k in adapter), sorted(adapter)[:4]
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if ".lora_B" in k)          # the adapters learned
+    base = load_file(os.path.join(ROOT, "assets", "tiny-vlm", "model.safetensors"))
+    merged = load_file(str(out / "final" / "merged" / "model.safetensors"))
+    # module names as the checkpoint writes them (transformers saves Qwen2-VL's text layers as model.layers.N)
+    adapted = {k.split(".lora_")[0].split("base_model.model.", 1)[-1].replace("language_model.", "") for k in adapter}
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert changed and all(k.rsplit(".", 1)[0] in adapted for k in changed), sorted(changed)[:4]
+    assert not any("visual" in k for k in changed)
