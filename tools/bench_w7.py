@@ -2,7 +2,7 @@
 length-bucketed micro-batches, timed in one command.
 
     python tools/bench_w7.py --out w7-out                     # GPU: bucketed, packed (pack=true's attention), packed sdpa
-    python tools/bench_w7.py --out w7-out --packed-attn auto,flex_attention,flash_attention_2   # other packed rows
+    python tools/bench_w7.py --out w7-out --packed-attn auto,flex_attention,packed_varlen   # other packed rows
     python tools/bench_w7.py --tiny --out /tmp/w7             # CPU smoke run of the same code at toy shapes
 
 Workload: W1's model (tools/bench_workload.py: a random Qwen2 at Qwen2.5-0.5B shape) and 16 prompts x 8 samples,
@@ -121,8 +121,7 @@ def run(a) -> dict:
             print(f"{name}: {res['variants'][name]['error']}", flush=True)
             continue
         res["variants"][name] = {"first_s": first, "times_s": times, "median_s": statistics.median(times),
-                                 "attention": chosen if attn is None or chosen not in ("sdpa", "eager")
-                                 else f"{chosen} + transformers' packed mask", "loss": stats.get("loss"),
+                                 "attention": attention_label(chosen, attn is None, gpu), "loss": stats.get("loss"),
                                  **cuda_info()}
     update.packed_attention_name = auto
     base = res["variants"]["bucketed"].get("median_s")
@@ -130,6 +129,15 @@ def run(a) -> dict:
         if base and "median_s" in r:
             r["over_bucketed"] = r["median_s"] / base
     return res
+
+
+def attention_label(chosen: str, padded: bool, gpu: bool) -> str:
+    """What the row's attention is, in words."""
+    if not padded and chosen in ("sdpa", "eager"):
+        return f"{chosen} + transformers' packed mask"
+    if chosen == update.VARLEN:
+        return f"{chosen} (" + ("torch varlen_attn, flash" if gpu else "sdpa per sample") + ")"
+    return chosen
 
 
 def table(res: dict) -> str:
@@ -163,8 +171,8 @@ def main(argv=None):
     p.add_argument("--fused", action="store_true", help="fused_loss=true")
     p.add_argument("--attn", default="", help="the model's attn_implementation (sdpa, eager, flex_attention, ...)")
     p.add_argument("--packed-attn", default="auto,sdpa",
-                   help="comma list: one packed row per attention (auto = what pack=true picks: flash-attn, else "
-                        "flex_attention on a GPU, the model's own on a CPU; or sdpa, eager, flex_attention, ...)")
+                   help="comma list: one packed row per attention (auto = what pack=true picks: "
+                        "update.packed_attention_name; or packed_varlen, flex_attention, sdpa, eager, ...)")
     p.add_argument("--median", type=float, default=200.0, help="median completion length")
     p.add_argument("--sigma", type=float, default=0.75, help="lognormal sigma of the completion lengths")
     p.add_argument("--max-len", type=int, default=1024, help="longest completion")
