@@ -108,7 +108,7 @@ def packed_micro_batches(batch: Experience, size: int, loss_agg: str, norm_len: 
 class Packed:
     """A piece's real tokens as one sequence (what update.packed_completion feeds the policy)."""
     input_ids: Tensor      # (1, N) every real token (prompt, completion, observations), row after row
-    position_ids: Tensor   # (1, N) 0, 1, ... within each row: transformers reads the restarts as sample boundaries
+    position_ids: Tensor   # (1, N) 0, 1, ... within each row (rotary; mask-based attentions read the restarts)
     keep: Tensor           # (B, C) bool: the completion tokens in the loss (completion_mask 1)
     src: Tensor            # (M,) index into N of the token that predicts each kept one, in keep's row-major order
     cu_seqlens: Tensor     # (B + 1,) int32 where each row starts in N, then N: the varlen attention's sample bounds

@@ -163,10 +163,19 @@ def flash_attention() -> str | None:
 
 
 VARLEN = "packed_varlen"   # the packed forward's own attention, registered in transformers' AttentionInterface
-try:   # torch's varlen flash attention (CUDA, 16 bits) and its keyword names, which differ between torch versions;
-    # looked up once here, not in the attention, which a compiled layer traces
+
+
+def varlen_api(fn):
+    """(fn, takes window_size, takes scale, takes enable_gqa): varlen_attn's keywords differ between torch versions
+    (is_causal became window_size; scale and enable_gqa came later). Read once, at import: the attention that
+    uses them is traced by a compiled layer."""
+    names = inspect.signature(fn).parameters
+    return fn, "window_size" in names, "scale" in names, "enable_gqa" in names
+
+
+try:   # torch's varlen flash attention: CUDA, 16 bits
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-    TORCH_VARLEN = _varlen_attn, frozenset(inspect.signature(_varlen_attn).parameters)
+    TORCH_VARLEN = varlen_api(_varlen_attn)
 except ImportError:
     TORCH_VARLEN = None
 
@@ -228,15 +237,15 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
 def flash_varlen(q, k, v, cu, max_len: int, scale):
     """torch's varlen flash attention, causal, across the keyword names of the torch versions that have it:
     q (N, Hq, D), k / v (N, Hkv, D) -> (N, Hq, D)."""
-    fn, names = TORCH_VARLEN
-    kw = {"window_size": (-1, 0)} if "window_size" in names else {"is_causal": True}
-    if "scale" in names:
+    fn, window, takes_scale, gqa = TORCH_VARLEN
+    kw = {"window_size": (-1, 0)} if window else {"is_causal": True}
+    if takes_scale:
         kw["scale"] = scale
     elif scale is not None and not math.isclose(scale, q.shape[-1] ** -0.5):
         raise ValueError(f"this torch's varlen_attn has no scale argument and the model's is {scale}: set pack=false "
                          "or use flash-attn")
     if k.shape[1] != q.shape[1]:   # grouped-query attention: the kernel's own where it is exposed
-        if "enable_gqa" in names:
+        if gqa:
             kw["enable_gqa"] = True
         else:
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))

@@ -127,23 +127,30 @@ def reference_attention(q, k, v, bounds, scale=None):
         for a, b in zip(bounds, bounds[1:])])
 
 
-@pytest.mark.parametrize("names", [("is_causal",), ("window_size", "scale", "enable_gqa")])
-def test_flash_varlen_speaks_each_torch_versions_keywords(monkeypatch, names):
+def old_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, return_aux=None):
+    """A stand-in with the keywords of torch's first varlen_attn (equal head counts only)."""
+    assert is_causal and max_q == max_k == 7 and k.shape[1] == q.shape[1]
+    return reference_attention(q, k, v, cu_q.tolist())
+
+
+def new_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+               enable_gqa=False):
+    """A stand-in with the keywords of a later varlen_attn (windows, scale, grouped-query heads)."""
+    assert window_size == (-1, 0) and max_q == max_k == 7 and (enable_gqa or k.shape[1] == q.shape[1])
+    return reference_attention(q, k, v, cu_q.tolist(), scale)
+
+
+@pytest.mark.parametrize("fake", [old_varlen, new_varlen])
+def test_flash_varlen_speaks_each_torch_versions_keywords(monkeypatch, fake):
     """torch's varlen_attn changed keywords between versions (is_causal -> window_size; scale and enable_gqa came
-    later): flash_varlen must ask each for causal grouped-query attention. A fake with each signature checks it."""
-    def fake(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
-        assert set(kw) <= set(names) and max_q == max_k == 7
-        assert kw.get("is_causal") is True or kw.get("window_size") == (-1, 0)
-        if "enable_gqa" not in kw:
-            assert k.shape[1] == q.shape[1]                  # the old kernel wanted equal heads
-        return reference_attention(q, k, v, cu_q.tolist(), kw.get("scale"))
-    monkeypatch.setattr(update, "TORCH_VARLEN", (fake, frozenset(names)))
+    later): flash_varlen must ask each for causal grouped-query attention."""
+    monkeypatch.setattr(update, "TORCH_VARLEN", update.varlen_api(fake))
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(12, 4, 8, generator=g), torch.randn(12, 2, 8, generator=g), torch.randn(12, 2, 8, generator=g)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     out = update.flash_varlen(q, k, v, cu, 7, 8 ** -0.5)
     assert torch.allclose(out, reference_attention(q, k, v, [0, 5, 12]), atol=1e-6)
-    if "scale" not in names:
+    if fake is old_varlen:
         with pytest.raises(ValueError, match="no scale argument"):
             update.flash_varlen(q, k, v, cu, 7, 0.5)
 

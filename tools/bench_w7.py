@@ -97,7 +97,8 @@ def run(a) -> dict:
     res = {"workload": {"samples": n, "prompt_len": W["prompt_len"], "median": a.median, "sigma": a.sigma,
                         "max_len": a.max_len, "mean_completion": float(batch.completion_mask.sum(-1).mean()),
                         "longest": int(batch.completion_mask.sum(-1).max()), "micro_batch_size": a.micro,
-                        "grad_checkpointing": a.ckpt, "compile": a.compile, "fused_loss": a.fused},
+                        "grad_checkpointing": a.ckpt, "compile": a.compile, "fused_loss": a.fused,
+                        "torch": torch.__version__},
            "tokens": tokens, "variants": {}}
     rows = [("bucketed", None, policy.config._attn_implementation)]
     for attn in a.packed_attn.split(","):   # one row per distinct attention (on a CPU, auto is the model's own)
@@ -145,7 +146,8 @@ def table(res: dict) -> str:
     lines = [f"W7: {w['samples']} samples, prompts of {w['prompt_len']}, completions lognormal (median {w['median']}, "
              f"sigma {w['sigma']}, cut at {w['max_len']}): mean {w['mean_completion']:.0f}, longest {w['longest']}; "
              f"micro_batch_size={w['micro_batch_size']} grad_checkpointing={w['grad_checkpointing']} "
-             f"compile={w['compile']} fused_loss={w['fused_loss']}; device {v['bucketed'].get('device')}",
+             f"compile={w['compile']} fused_loss={w['fused_loss']}; device {v['bucketed'].get('device')}, "
+             f"torch {w.get('torch')}",
              "", "| update | median | / bucketed | runs | tokens: body (real {:,}) / head | attention | peak allocated |"
              .format(t["real"]), "|---|---|---|---|---|---|---|"]
     for name, r in v.items():
