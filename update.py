@@ -119,8 +119,8 @@ def packed_completion(model, micro, packed: Packed, temperature: float, loss_fn=
     """completion_logprobs (loss_fn None) or completion_loss of micro, from one forward over its packed tokens:
     no attention mask: the attention takes the samples' bounds (packed.cu_seqlens: VARLEN and flash-attn's varlen
     kernel) or reads them off the position restarts (a block-diagonal causal mask for sdpa / flex / eager), and
-    the head runs on the kept tokens only
-    (logits_to_keep = their predecessors). Tokens out of the loss (observations, padding) get log-prob 0.
+    the head runs on the kept tokens only (logits_to_keep = their predecessors). Tokens out of the loss
+    (observations, padding) get log-prob 0.
     Run it inside packed_attention(model), backward included (gradient checkpointing recomputes in backward).
     -> (logp, entropy), each (b, C); with loss_fn (loss, logp, entropy) as models.completion_loss returns them."""
     keep, C = packed.keep, micro.completion_mask.shape[1]
