@@ -22,8 +22,9 @@ size 0 means no split: the mini-batch itself with weight 1, untouched.
 pack=true (docs/packing.md) splits differently and lays each piece out without padding:
     packed_micro_batches   as many pieces as micro_batches makes, rows dealt longest first to the piece with the
                            fewest real tokens so far, so that the pieces cost about the same (the same weights)
-    pack                   a piece's real tokens as one (1, N) sequence whose positions restart at 0 per sample;
-                           update.packed_completion runs the policy over it
+    pack                   a piece's real tokens as one (1, N) sequence whose positions restart at 0 per sample,
+                           with the samples' bounds (cu_seqlens) for a varlen attention; update.packed_completion
+                           runs the policy over it
 """
 from dataclasses import dataclass
 
@@ -109,12 +110,14 @@ def packed_micro_batches(batch: Experience, size: int, loss_agg: str, norm_len: 
 class Packed:
     """A piece's real tokens as one sequence (what update.packed_completion feeds the policy)."""
     input_ids: Tensor      # (1, N) every real token (prompt, completion, observations), row after row
-    position_ids: Tensor   # (1, N) 0, 1, ... within each row: transformers reads the restarts as sample boundaries
+    position_ids: Tensor   # (1, N) 0, 1, ... within each row (rotary; mask-based attentions read the restarts)
     keep: Tensor           # (B, C) bool: the completion tokens in the loss (completion_mask 1)
     src: Tensor            # (M,) index into N of the token that predicts each kept one, in keep's row-major order
+    cu_seqlens: Tensor     # (B + 1,) int32 where each row starts in N, then N: the varlen attention's sample bounds
+    max_len: int           # the longest row's real tokens (a host int: the varlen kernel's tile count, no sync)
 
     def to(self, device) -> "Packed":
-        return Packed(*(t.to(device, non_blocking=True) for t in vars(self).values()))
+        return Packed(*(t.to(device, non_blocking=True) if torch.is_tensor(t) else t for t in vars(self).values()))
 
 
 def pack(batch: Experience) -> Packed:
@@ -132,4 +135,6 @@ def pack(batch: Experience) -> Packed:
         raise ValueError("a completion token in the loss follows a padding column (attention_mask 0): no real "
                          "token predicts it")
     pos = real.long().cumsum(-1) - 1                                               # (B, T)
-    return Packed(batch.input_ids[real][None], pos[real][None], keep, src)
+    lengths = real.sum(-1)                                                         # (B,)
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)      # (B + 1,)
+    return Packed(batch.input_ids[real][None], pos[real][None], keep, src, cu, int(lengths.max()))

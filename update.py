@@ -19,6 +19,7 @@ pack=true (docs/packing.md): each micro-batch's real tokens run through the poli
 restarting per sample (microbatch.pack; packed_completion below), with the same losses and gradients.
 """
 import contextlib
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -117,15 +118,20 @@ def micro_loss(learner: Learner, micro, packed: Packed | None = None):
 
 def packed_completion(model, micro, packed: Packed, temperature: float, loss_fn=None):
     """completion_logprobs (loss_fn None) or completion_loss of micro, from one forward over its packed tokens:
-    no attention mask, so transformers reads the samples' bounds off the position restarts (flash-attn's varlen
-    kernel, or a block-diagonal causal mask for sdpa / flex / eager), and the head runs on the kept tokens only
-    (logits_to_keep = their predecessors). Tokens out of the loss (observations, padding) get log-prob 0.
+    no attention mask: the attention takes the samples' bounds (packed.cu_seqlens: VARLEN and flash-attn's varlen
+    kernel) or reads them off the position restarts (a block-diagonal causal mask for sdpa / flex / eager), and
+    the head runs on the kept tokens only (logits_to_keep = their predecessors). Tokens out of the loss
+    (observations, padding) get log-prob 0.
     Run it inside packed_attention(model), backward included (gradient checkpointing recomputes in backward).
     -> (logp, entropy), each (b, C); with loss_fn (loss, logp, entropy) as models.completion_loss returns them."""
     keep, C = packed.keep, micro.completion_mask.shape[1]
     targets = torch.where(keep, micro.input_ids[:, -C:], -1)                       # (b, C); < 0: the kernels skip it
+    # the samples' bounds as transformers' flash-attention keywords: its flash paths and VARLEN read them (no
+    # bounds recomputed from the positions, no host sync), the others ignore them
+    bounds = dict(cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens, max_length_q=packed.max_len,
+                  max_length_k=packed.max_len)
     inputs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, logits_to_keep=packed.src,
-                  use_cache=False)
+                  use_cache=False, **bounds)
     if not plain_head(model):   # a head with a bias or scaling: logits of the M kept tokens, then log-probs
         lp, ent = token_logprobs(model(**inputs).logits[0], targets[keep], temperature)   # (M, V) -> (M,) x 2
         logp, entropy = (lp.new_zeros(keep.shape).index_put((keep,), x) for x in (lp, ent))   # (b, C) x 2
@@ -157,16 +163,36 @@ def flash_attention() -> str | None:
     return None
 
 
+VARLEN = "packed_varlen"   # the packed forward's own attention, registered in transformers' AttentionInterface
+
+
+def varlen_api(fn):
+    """(fn, takes window_size, takes scale, takes enable_gqa): varlen_attn's keywords differ between torch versions
+    (is_causal became window_size; scale and enable_gqa came later). Read once, at import: the attention that
+    uses them is traced by a compiled layer."""
+    names = inspect.signature(fn).parameters
+    return fn, "window_size" in names, "scale" in names, "enable_gqa" in names
+
+
+try:   # torch's varlen flash attention: CUDA, 16 bits
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    TORCH_VARLEN = varlen_api(_varlen_attn)
+except ImportError:
+    TORCH_VARLEN = None
+
+
 def packed_attention_name(model) -> str:
-    """The attention for a packed forward. On a GPU: flash-attn's varlen kernel where it is installed (16-bit
-    weights only), else FlexAttention, whose block mask skips the blocks between samples; sdpa and eager take the
-    packed mask whole ((N, N) for N tokens: fine at the CPU's sizes, quadratic work at a GPU's). Elsewhere the
-    model's own."""
-    own = model.config._attn_implementation
+    """The attention for a packed forward: flash-attn's varlen kernel where the package is installed (GPU, 16-bit
+    weights), else VARLEN (torch's own flash varlen kernel on a GPU in 16 bits; per-sample sdpa on a CPU), else,
+    on a GPU in float32 or with a torch that lacks torch.nn.attention.varlen, FlexAttention, whose block mask
+    skips the blocks between samples. sdpa and eager would take the packed mask whole ((N, N) for N tokens:
+    quadratic work)."""
+    half = model.dtype in (torch.bfloat16, torch.float16)
     if model.device.type != "cuda":
-        return own
-    fa = flash_attention() if model.dtype in (torch.bfloat16, torch.float16) else None
-    return fa or "flex_attention"
+        return VARLEN
+    if half and (fa := flash_attention()):
+        return fa
+    return VARLEN if half and TORCH_VARLEN is not None else "flex_attention"
 
 
 @contextlib.contextmanager
@@ -177,11 +203,54 @@ def packed_attention(model):
     if want == own:
         yield
         return
+    if want == VARLEN:
+        from transformers import AttentionInterface
+        AttentionInterface.register(VARLEN, varlen_attention)   # no mask: transformers builds none for it
     model.set_attn_implementation(want)
     try:
         yield
     finally:
         model.set_attn_implementation(own)
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                     softcap=None, cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """transformers' attention interface for VARLEN: causal attention within each packed sample, no mask.
+    query (1, Hq, N, D), key / value (1, Hkv, N, D), cu_seq_lens_q (S + 1,) int32 sample bounds, max_length_q the
+    longest sample -> ((1, N, Hq, D), None)."""
+    if cu_seq_lens_q is None or query.shape[0] != 1:
+        raise ValueError(f"{VARLEN} attention runs one packed sequence with its cu_seq_lens_q "
+                         "(update.packed_completion); use sdpa or eager elsewhere")
+    if sliding_window or softcap or (dropout and module.training):
+        raise ValueError(f"{VARLEN} attention has no sliding window, softcap or dropout: set pack=false for this "
+                         "model")
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))      # (N, H, D) each
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and TORCH_VARLEN is not None:
+        out = flash_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling)
+    else:   # CPU (and float32): sdpa per sample, so that no (N, N) mask exists
+        bounds = cu_seq_lens_q.tolist()
+        out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scaling,
+            enable_gqa=k.shape[1] != q.shape[1]).transpose(0, 1) for a, b in zip(bounds, bounds[1:])])
+    return out[None], None                                                          # (1, N, Hq, D)
+
+
+def flash_varlen(q, k, v, cu, max_len: int, scale):
+    """torch's varlen flash attention, causal, across the keyword names of the torch versions that have it:
+    q (N, Hq, D), k / v (N, Hkv, D) -> (N, Hq, D)."""
+    fn, window, takes_scale, gqa = TORCH_VARLEN
+    kw = {"window_size": (-1, 0)} if window else {"is_causal": True}
+    if takes_scale:
+        kw["scale"] = scale
+    elif scale is not None and not math.isclose(scale, q.shape[-1] ** -0.5):
+        raise ValueError(f"this torch's varlen_attn has no scale argument and the model's is {scale}: set pack=false "
+                         "or use flash-attn")
+    if k.shape[1] != q.shape[1]:   # grouped-query attention: the kernel's own where it is exposed
+        if gqa:
+            kw["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return fn(q, k, v, cu, cu, max_len, max_len, **kw)
 
 
 def add_mismatch(m: dict, micro, logp, version: int):

@@ -97,27 +97,93 @@ def test_packed_update_equals_padded_without_a_plain_head(model, algo_name, micr
     assert torch.allclose(grad, grad0, rtol=1e-5, atol=1e-5), (grad - grad0).abs().max()
 
 
-def test_packed_attention_holds_through_a_checkpointed_backward(model, monkeypatch):
-    """On a GPU the packed forward switches attention (flash-attn or flex); gradient checkpointing recomputes in
-    backward, which must see the same attention. Here the switch goes to eager, on a copy with checkpointing."""
+@pytest.mark.parametrize("attention", ["eager", update.VARLEN])
+def test_packed_attention_holds_through_a_checkpointed_backward(model, monkeypatch, attention):
+    """The packed forward switches attention (update.VARLEN, flash-attn or flex); gradient checkpointing recomputes
+    in backward, which must see the same attention and the same sample bounds. On a copy with checkpointing."""
     import copy
     m = copy.deepcopy(model)
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     m.train()
     batch = multiturn_batch(model.config.vocab_size, seed=4)
     loss0, _, grad0 = update_pass(m, "grpo", "token-mean", 0, batch)
-    seen = []
-    monkeypatch.setattr(update, "packed_attention_name", lambda model: seen.append(1) or "eager")
+    seen, calls, varlen = [], [], update.varlen_attention
+    monkeypatch.setattr(update, "packed_attention_name", lambda model: seen.append(1) or attention)
+    monkeypatch.setattr(update, "varlen_attention", lambda *a, **k: calls.append(a[4]) or varlen(*a, **k))
     loss, _, grad = update_pass(m, "grpo", "token-mean", 0, batch, pack=True, micro_batch_size=2)
     assert seen and m.config._attn_implementation == "sdpa"       # switched for the update, then back
+    layers = m.config.num_hidden_layers   # 3 pieces x layers x (forward + recompute); no mask ever built for it
+    assert calls == ([None] * (3 * layers * 2) if attention == update.VARLEN else []), len(calls)
     assert loss == pytest.approx(loss0, rel=1e-5, abs=1e-6)
     assert torch.allclose(grad, grad0, rtol=1e-5, atol=1e-5), (grad - grad0).abs().max()
+
+
+def reference_attention(q, k, v, bounds, scale=None):
+    """Causal attention within each sample, one sdpa per sample: q (N, Hq, D), k / v (N, Hkv, D) -> (N, Hq, D)."""
+    rep = q.shape[1] // k.shape[1]
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[a:b].transpose(0, 1), k[a:b].repeat_interleave(rep, 1).transpose(0, 1),
+        v[a:b].repeat_interleave(rep, 1).transpose(0, 1), is_causal=True, scale=scale).transpose(0, 1)
+        for a, b in zip(bounds, bounds[1:])])
+
+
+def old_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, return_aux=None):
+    """A stand-in with the keywords of torch's first varlen_attn (equal head counts only)."""
+    assert is_causal and max_q == max_k == 7 and k.shape[1] == q.shape[1]
+    return reference_attention(q, k, v, cu_q.tolist())
+
+
+def new_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+               enable_gqa=False):
+    """A stand-in with the keywords of a later varlen_attn (windows, scale, grouped-query heads)."""
+    assert window_size == (-1, 0) and max_q == max_k == 7 and (enable_gqa or k.shape[1] == q.shape[1])
+    return reference_attention(q, k, v, cu_q.tolist(), scale)
+
+
+@pytest.mark.parametrize("fake", [old_varlen, new_varlen])
+def test_flash_varlen_speaks_each_torch_versions_keywords(monkeypatch, fake):
+    """torch's varlen_attn changed keywords between versions (is_causal -> window_size; scale and enable_gqa came
+    later): flash_varlen must ask each for causal grouped-query attention."""
+    monkeypatch.setattr(update, "TORCH_VARLEN", update.varlen_api(fake))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(12, 4, 8, generator=g), torch.randn(12, 2, 8, generator=g), torch.randn(12, 2, 8, generator=g)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    out = update.flash_varlen(q, k, v, cu, 7, 8 ** -0.5)
+    assert torch.allclose(out, reference_attention(q, k, v, [0, 5, 12]), atol=1e-6)
+    if fake is old_varlen:
+        with pytest.raises(ValueError, match="no scale argument"):
+            update.flash_varlen(q, k, v, cu, 7, 0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or update.TORCH_VARLEN is None,
+                    reason="torch's varlen flash kernel needs CUDA")
+def test_varlen_attention_on_the_gpu_matches_per_sample_attention():
+    """update.VARLEN's GPU path (torch's flash varlen kernel, bf16, grouped-query) against sdpa sample by sample,
+    forward and backward."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bounds = [0, 70, 71, 300, 812]
+    q = torch.randn(1, 14, 812, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, 812, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+            for _ in range(2))
+    module = torch.nn.Module()
+    out, _ = update.varlen_attention(module, q, k, v, None, scaling=0.125,
+                                     cu_seq_lens_q=torch.tensor(bounds, dtype=torch.int32, device="cuda"),
+                                     max_length_q=512)
+    (out.float() ** 2).sum().backward()
+    got = [out[0]] + [t.grad for t in (q, k, v)]
+    exact = [t.detach().float().requires_grad_() for t in (q, k, v)]   # the reference in float32
+    ref = reference_attention(*(t[0].transpose(0, 1) for t in exact), bounds, 0.125)
+    (ref ** 2).sum().backward()
+    for a, b in zip(got, [ref] + [t.grad for t in exact]):
+        assert (a.float() - b).norm() / b.norm() < 1e-2, ((a.float() - b).norm() / b.norm())
 
 
 def test_pack_layout():
     batch = multiturn_batch(14)
     p = pack(batch)
     real = batch.attention_mask.bool()
+    lengths = batch.attention_mask.sum(-1)
+    assert p.cu_seqlens.tolist() == [0] + lengths.cumsum(0).tolist() and p.max_len == int(lengths.max())
     assert p.input_ids.shape == (1, int(real.sum())) and (p.input_ids[0] == batch.input_ids[real]).all()
     starts = (p.position_ids[0] == 0).nonzero().flatten()                           # one restart per sample
     assert starts.tolist() == [0] + batch.attention_mask.sum(-1).cumsum(0)[:-1].tolist()
@@ -150,7 +216,8 @@ def test_w7_bench_tiny(tmp_path):
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "tools/bench_w7.py", "--tiny", "--micro", "4", "--repeats", "1", "--threads",
-                        "1", "--out", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300)
+                        "1", "--packed-attn", "auto", "--out", str(tmp_path)], cwd=root, capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "w7.json").read_text())
     t, v = res["tokens"], res["variants"]

@@ -2,7 +2,7 @@
 length-bucketed micro-batches, timed in one command.
 
     python tools/bench_w7.py --out w7-out                     # GPU: bucketed, packed (pack=true's attention), packed sdpa
-    python tools/bench_w7.py --out w7-out --packed-attn auto,flex_attention,flash_attention_2   # other packed rows
+    python tools/bench_w7.py --out w7-out --packed-attn auto,sdpa-per-sample,flex_attention   # other packed rows
     python tools/bench_w7.py --tiny --out /tmp/w7             # CPU smoke run of the same code at toy shapes
 
 Workload: W1's model (tools/bench_workload.py: a random Qwen2 at Qwen2.5-0.5B shape) and 16 prompts x 8 samples,
@@ -32,6 +32,7 @@ from buffer import Experience, OnPolicyBuffer  # noqa: E402
 from microbatch import micro_batches, packed_micro_batches  # noqa: E402
 
 TINY = dict(SHAPES["small"], prompts=4, samples=4)   # 16 samples: enough rows for several micro-batches
+PER_SAMPLE = "sdpa-per-sample"   # --packed-attn row: packed_varlen without torch's varlen kernel
 
 
 def w7_batch(n: int, group: int, prompt_len: int, median: float, sigma: float, max_len: int, vocab: int,
@@ -97,16 +98,21 @@ def run(a) -> dict:
     res = {"workload": {"samples": n, "prompt_len": W["prompt_len"], "median": a.median, "sigma": a.sigma,
                         "max_len": a.max_len, "mean_completion": float(batch.completion_mask.sum(-1).mean()),
                         "longest": int(batch.completion_mask.sum(-1).max()), "micro_batch_size": a.micro,
-                        "grad_checkpointing": a.ckpt, "compile": a.compile, "fused_loss": a.fused},
+                        "grad_checkpointing": a.ckpt, "compile": a.compile, "fused_loss": a.fused,
+                        "torch": torch.__version__},
            "tokens": tokens, "variants": {}}
-    rows = [("bucketed", None, policy.config._attn_implementation)]
-    for attn in a.packed_attn.split(","):   # one row per distinct attention (on a CPU, auto is the model's own)
-        chosen = auto(policy) if attn == "auto" else attn
-        if chosen not in [c for name, _, c in rows if name != "bucketed"]:
+    rows, seen = [("bucketed", None, policy.config._attn_implementation)], set()
+    for attn in a.packed_attn.split(","):   # one row per distinct attention (on a CPU, auto runs sdpa per sample)
+        chosen = auto(policy) if attn == "auto" else update.VARLEN if attn == PER_SAMPLE else attn
+        what = (chosen, attn == PER_SAMPLE or (chosen == update.VARLEN and not (gpu and update.TORCH_VARLEN)))
+        if what not in seen:
+            seen.add(what)
             rows.append((f"packed, {attn}", attn, chosen))
+    kernel = update.TORCH_VARLEN
     for name, attn, chosen in rows:
         cfg.pack = attn is not None
         update.packed_attention_name = lambda model, chosen=chosen: chosen
+        update.TORCH_VARLEN = None if attn == PER_SAMPLE else kernel   # VARLEN's fallback: sdpa sample by sample
 
         def one():
             buf = OnPolicyBuffer()
@@ -120,11 +126,10 @@ def run(a) -> dict:
             res["variants"][name] = {"attention": chosen, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(f"{name}: {res['variants'][name]['error']}", flush=True)
             continue
+        label = attention_label(chosen, attn is None, gpu and update.TORCH_VARLEN is not None)
         res["variants"][name] = {"first_s": first, "times_s": times, "median_s": statistics.median(times),
-                                 "attention": chosen if attn is None or chosen not in ("sdpa", "eager")
-                                 else f"{chosen} + transformers' packed mask", "loss": stats.get("loss"),
-                                 **cuda_info()}
-    update.packed_attention_name = auto
+                                 "attention": label, "loss": stats.get("loss"), **cuda_info()}
+    update.packed_attention_name, update.TORCH_VARLEN = auto, kernel
     base = res["variants"]["bucketed"].get("median_s")
     for r in res["variants"].values():
         if base and "median_s" in r:
@@ -132,12 +137,22 @@ def run(a) -> dict:
     return res
 
 
+def attention_label(chosen: str, padded: bool, flash: bool) -> str:
+    """What the row's attention is, in words."""
+    if not padded and chosen in ("sdpa", "eager"):
+        return f"{chosen} + transformers' packed mask"
+    if chosen == update.VARLEN:
+        return f"{chosen} (" + ("torch varlen_attn, flash" if flash else "sdpa per sample") + ")"
+    return chosen
+
+
 def table(res: dict) -> str:
     w, t, v = res["workload"], res["tokens"], res["variants"]
     lines = [f"W7: {w['samples']} samples, prompts of {w['prompt_len']}, completions lognormal (median {w['median']}, "
              f"sigma {w['sigma']}, cut at {w['max_len']}): mean {w['mean_completion']:.0f}, longest {w['longest']}; "
              f"micro_batch_size={w['micro_batch_size']} grad_checkpointing={w['grad_checkpointing']} "
-             f"compile={w['compile']} fused_loss={w['fused_loss']}; device {v['bucketed'].get('device')}",
+             f"compile={w['compile']} fused_loss={w['fused_loss']}; device {v['bucketed'].get('device')}, "
+             f"torch {w.get('torch')}",
              "", "| update | median | / bucketed | runs | tokens: body (real {:,}) / head | attention | peak allocated |"
              .format(t["real"]), "|---|---|---|---|---|---|---|"]
     for name, r in v.items():
@@ -163,8 +178,9 @@ def main(argv=None):
     p.add_argument("--fused", action="store_true", help="fused_loss=true")
     p.add_argument("--attn", default="", help="the model's attn_implementation (sdpa, eager, flex_attention, ...)")
     p.add_argument("--packed-attn", default="auto,sdpa",
-                   help="comma list: one packed row per attention (auto = what pack=true picks: flash-attn, else "
-                        "flex_attention on a GPU, the model's own on a CPU; or sdpa, eager, flex_attention, ...)")
+                   help="comma list: one packed row per attention (auto = what pack=true picks: "
+                        "update.packed_attention_name; or packed_varlen, sdpa-per-sample (packed_varlen without "
+                        "torch's varlen kernel), flex_attention, sdpa, eager, ...)")
     p.add_argument("--median", type=float, default=200.0, help="median completion length")
     p.add_argument("--sigma", type=float, default=0.75, help="lognormal sigma of the completion lengths")
     p.add_argument("--max-len", type=int, default=1024, help="longest completion")
