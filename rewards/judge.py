@@ -163,7 +163,7 @@ def score_reply(reply: str, mode: str, verdicts: dict[str, float], lo, hi) -> Sc
 
 def judge_unique(texts: list[str], model, tok, engine, o) -> list[Score]:
     """Distinct rubric texts -> one Score each; o: the judge's options (mode, yes, no, min_mass, verdicts, lo, hi,
-    max_new_tokens, max_length, batch_size)."""
+    reply_tokens, max_length, batch_size)."""
     import torch
     ids = [tok(t, add_special_tokens=not getattr(tok, "chat_template", None)).input_ids for t in texts]
     fit = [i for i, x in enumerate(ids) if len(x) <= o.max_length]
@@ -177,7 +177,7 @@ def judge_unique(texts: list[str], model, tok, engine, o) -> list[Score]:
                 out[i] = Score(score) if mass >= o.min_mass else Score(
                     0.0, [("error", f"judge puts {mass:.3g} < min_mass={o.min_mass:g} on {o.yes!r}/{o.no!r}")])
         else:
-            for i, reply in zip(fit, replies(engine, tok, [ids[i] for i in fit], o.max_new_tokens, o.batch_size)):
+            for i, reply in zip(fit, replies(engine, tok, [ids[i] for i in fit], o.reply_tokens, o.batch_size)):
                 out[i] = score_reply(reply, o.mode, o.verdicts, o.lo, o.hi)
     return out
 
@@ -186,15 +186,17 @@ def judge_unique(texts: list[str], model, tok, engine, o) -> list[Score]:
 def judge(prompts: list[str], completions: list[str], fields: list[dict] | None = None, *, path: str = "",
           mode: str = "yes_prob", template: str = TEMPLATE, template_file: str = "", chat: bool | None = None,
           reference_field: str = "answer", yes: str = "YES", no: str = "NO", min_mass: float = 0.0,
-          verdicts="YES:1;NO:0", lo=None, hi=None, max_new_tokens: int = 16, max_length: int = 4096,
+          verdicts="YES:1;NO:0", lo=None, hi=None, reply_tokens: int = 16, max_length: int = 4096,
           batch_size: int = 16, device: str | None = None, dtype: str = "auto", fast: bool = False) -> list[Score]:
+    # the reply's length is reply_tokens, not max_new_tokens: a reward naming max_new_tokens gets the rollout's
+    # (rewards/pool.py SAMPLING_ARGS)
     if not path:
         raise ValueError("judge: set args {path: <folder of a causal LM>} (reward_args='judge.path=/x')")
     if template_file:
         with open(template_file) as f:
             template = f.read()
     check_args(mode, template, lo, hi)
-    o = SimpleNamespace(mode=mode, yes=yes, no=no, min_mass=min_mass, lo=lo, hi=hi, max_new_tokens=max_new_tokens,
+    o = SimpleNamespace(mode=mode, yes=yes, no=no, min_mass=min_mass, lo=lo, hi=hi, reply_tokens=reply_tokens,
                         max_length=max_length, batch_size=batch_size,
                         verdicts=parse_verdicts(verdicts) if mode == "verdict" else {})
     fields = fields if fields is not None else [{} for _ in prompts]

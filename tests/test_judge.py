@@ -63,7 +63,7 @@ def judge_dir(tmp_path_factory):
 
 
 def run(judge_dir, completions, **kw):
-    args = dict(path=judge_dir, template=TEMPLATE, device="cpu", dtype="float32", max_new_tokens=4)
+    args = dict(path=judge_dir, template=TEMPLATE, device="cpu", dtype="float32", reply_tokens=4)
     return jd.judge(["what is two plus two"] * len(completions), completions,
                     [{"answer": "four"}] * len(completions), **{**args, **kw})
 
@@ -119,7 +119,7 @@ def test_identical_pairs_are_judged_once(judge_dir, monkeypatch):
 def test_through_the_pool_mixed_with_a_rule_reward(judge_dir):
     from rewards.pool import RewardPool
     from tests.reward_fns import matches
-    args = {"path": judge_dir, "template": TEMPLATE, "device": "cpu", "mode": "verdict", "max_new_tokens": 4}
+    args = {"path": judge_dir, "template": TEMPLATE, "device": "cpu", "mode": "verdict", "reply_tokens": 4}
     with RewardPool([(matches, 1.0), ("judge", 0.5, args)], workers=1, timeout_s=120) as pool:
         rewards, info = pool.submit(["what is two"] * 2, ["four", "six"], [{"answer": "four"}] * 2).result()
     assert rewards.tolist() == pytest.approx([1.5, 0.0])     # matches: 1, 0; judge: YES, banana
@@ -134,3 +134,11 @@ def test_through_the_pool_mixed_with_a_rule_reward(judge_dir):
 def test_bad_options_are_named(judge_dir, kw, match):
     with pytest.raises(ValueError, match=match):
         run(judge_dir, ["four"], **kw)
+
+
+def test_the_rollouts_length_limit_never_reaches_the_judges_reply_length():
+    """A reward naming max_new_tokens gets the rollout's (rewards/pool.py SAMPLING_ARGS): the judge's own reply
+    length has another name, so a run's max_new_tokens=8 cannot cut its replies."""
+    from rewards.judge import judge
+    from rewards.pool import _asks
+    assert _asks(judge, {}) == ()
