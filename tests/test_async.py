@@ -7,7 +7,9 @@ engine), the bad-input errors, the decoupled loss by hand, and train.py end to e
   travel in the checkpoint), and the rollout ranks' death ends the run with a rank named and a checkpoint instead
   of a hang (two resumes from such a checkpoint are identical: the FSDP test). The run has two rollout ranks,
   max_staleness=3 and partial rollouts, so it also shows that two runs of one config give identical metrics (the
-  clock is logical, not wall time): that was a separate pair of runs before, the largest cost of this file.
+  clock is logical, not wall time): that was a separate pair of runs before, the largest cost of this file;
+- Ctrl-C (SIGINT to torchrun) finishes the step, saves, ends every rank cleanly and resumes exactly; a run whose
+  every reward breaks stops after 3 steps with the synchronous loop's line.
 The runs use the embedded tiny model (its rewards are not all zero, so the updates really move the weights).
 """
 import json
@@ -448,6 +450,40 @@ def test_kill_and_resume_is_exact(tmp_path):
     full = step_rows(base)
     assert ["logprob_mismatch/max" in r for r in full] == [r["staleness/max"] == 0 for r in full] == \
         [True] + [False] * 4
+
+
+def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(tmp_path):
+    """Ctrl-C at the terminal (torchrun passes SIGINT on to every rank) with max_staleness=1, so that a batch made
+    from older weights is in flight: the trainer finishes the step, writes its checkpoint, ends the rollout rank
+    (no error of its own) and prints the command that resumes; resumed, the run equals an uninterrupted one.
+    Beside it, a run whose every reward breaks (the code reward on arithmetic rows, which have no tests) stops
+    after 3 steps with the synchronous loop's one-line reason, its rollout rank ending cleanly too."""
+    import signal
+    import time
+    args = [*torchrun(2), *SMALL, "mode=async", "max_staleness=1", "algo.tis=token"]
+    base, cut, bad = tmp_path / "base", tmp_path / "cut", tmp_path / "bad"
+    procs = [subprocess.Popen([*args, f"out_dir={d}", *extra], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=ENV)
+             for d, extra in ((cut, []), (base, []), (bad, ["rewards=code"]))]
+    deadline = time.monotonic() + 240
+    while not (cut / "metrics.jsonl").exists() or '"step": 1,' not in (cut / "metrics.jsonl").read_text():
+        assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()[0][-3000:]
+        time.sleep(0.1)
+    procs[0].send_signal(signal.SIGINT)
+    (out, rc), (out_b, rc_b), (out_x, rc_x) = ((p.communicate(timeout=300)[0], p.returncode) for p in procs)
+    said = re.search(r"stopped by SIGINT after step (\d); checkpoint (\S+)\. To continue: torchrun <as before> "
+                     rf"train.py resume={re.escape(str(cut))}\n", out)
+    assert said and not re.search(r"\[rank\d\]:", out), out[-3000:]          # no rank's own traceback
+    step = int(said.group(1))
+    assert step < 4 and said.group(2) == str(cut / "checkpoints" / f"step_{step:06d}")
+    assert checkpoint.damage(said.group(2)) is None and len(step_rows(cut)) == step
+    assert rc_b == 0, out_b[-3000:]
+    ((rc, out),) = launch([*args, f"out_dir={cut}"])
+    assert rc == 0, out[-3000:]
+    assert untimed(cut) == untimed(base) and len(untimed(base)) == 4
+    assert rc_x != 0 and len(step_rows(bad)) == 2, out_x[-3000:]
+    assert re.search(r"error: every sample's reward or episode failed for 3 steps in a row \(step 3: code: "
+                     r"ValueError", out_x) and "did not answer" not in out_x, out_x[-3000:]
 
 
 def test_planner_by_hand():
