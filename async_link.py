@@ -18,14 +18,13 @@ Messages, made in the same order on both sides, so nothing can deadlock:
 Timeouts: every group has async_timeout_s (config); gloo's blocking recv waits forever whatever that is, so `receive`
 waits on an irecv with it.
 A dead rank is reported, not waited for: `_guard` turns a collective's error or timeout into one line naming the
-rank, RolloutDied for a rollout rank (the trainers answer it with a checkpoint: async_rl.Trainer.stop) or
+rank, RolloutDied for a rollout rank (the trainers answer it with a checkpoint: async_checkpoint.died) or
 UserError for a trainer rank. Trainer rank 0 remembers a rollout rank's failure (`dead`: `attempt`, `fetch`)
 instead of raising mid-step and hands it to the other trainers in place of the next batch (`share`), so every
-trainer stops at one point; SIGTERM (`on_signal`) is remembered too and ends the exchanges after the next whole
-one (`halt`).
+trainer stops at one point. Signals (Ctrl-C, SIGTERM) are train.Stop's on every rank: async_rl.end_rollouts ends
+the rollout ranks with a stop message (`stop_rollouts`) in place of the next weights.
 """
 import io
-import signal
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from config import UserError
 
 
 class RolloutDied(UserError):
-    """A rollout rank died or hangs, or the run was stopped (SIGTERM): the trainers end with a checkpoint."""
+    """A rollout rank died or hangs: the trainers end with a checkpoint."""
 
 
 @dataclass
@@ -94,13 +93,6 @@ class Link:
         self.sends = deque()            # rollout rank: sends in flight (their tensors must stay alive)
         self.names: list[str] = []      # rollout rank: the parameters in the order trainer 0 sends them
         self.dead: str | None = None    # trainer 0: why the rollout ranks can no longer be reached (RolloutDied)
-        self.stopped: str | None = None   # a trainer: the signal that asked it to stop (on_signal)
-
-    def on_signal(self, signum, frame):
-        """SIGTERM on a trainer: torchrun's agent sends it to every rank when one fails (and to all when it is itself
-        stopped), then SIGKILLs those still alive 30 s later (--shutdown-timeout). Remembered, not obeyed at once:
-        the trainers finish the step they are in, stop together at the next batch and write a checkpoint first."""
-        self.stopped = signal.Signals(signum).name
 
     # --- trainer -> rollout ranks
     def publish(self, t: int, version: int, prompts: dict, weights, names: list | None = None,
@@ -121,7 +113,6 @@ class Link:
             cuda = p.is_cuda
         if cuda:
             torch.cuda.synchronize()   # so that time/sync measures the transfer (NCCL returns at once), not its launch
-        self.halt()
         return idle
 
     def attempt(self, fn):
@@ -133,10 +124,18 @@ class Link:
             except RolloutDied as e:
                 self.dead = str(e)
 
+    def stop_rollouts(self):
+        """Trainer 0: the control message that ends the rollout ranks' loop, in place of the next weights."""
+        self.attempt(lambda: dist.broadcast_object_list([{"stop": True}], src=0, group=self.control))
+
     def receive_weights(self, params: dict) -> dict:
-        """Rollout rank: the control message, then each parameter in place, in the order trainer 0 sends them."""
+        """Rollout rank: the control message, then each parameter in place, in the order trainer 0 sends them
+        (none after a stop message)."""
         msg = [None]
-        dist.broadcast_object_list(msg, src=0, group=self.control)
+        self._guard(lambda: dist.broadcast_object_list(msg, src=0, group=self.control), "the next weights",
+                    who="trainer rank 0")
+        if msg[0].get("stop"):
+            return msg[0]
         self.names = msg[0]["names"] or self.names
         for name in self.names:
             dist.broadcast(params[name].data, src=0, group=self.weights)
@@ -175,18 +174,10 @@ class Link:
         that goes to the other trainers in place of the batch (share), so that every trainer stops at this point."""
         if self.dead is None:
             try:
-                msgs = [self.receive(step, self.T + j) for j in range(self.K)]
-                self.halt()
-                return msgs
+                return [self.receive(step, self.T + j) for j in range(self.K)]
             except RolloutDied as e:
                 self.dead = str(e)
         return self.dead
-
-    def halt(self):
-        """After a whole exchange with the rollout ranks: a stop signal (on_signal) ends the next one. Not before:
-        under torchrun the exchange is what names the rank that died (its peers only got the signal)."""
-        if self.stopped and self.dead is None:
-            self.dead = f"stopped by {self.stopped} (under torchrun: another rank failed, see its summary)"
 
     def share(self, msgs: list | str | None) -> list | str:
         """Trainer rank 0's messages from the rollout ranks, to every trainer rank (one gloo broadcast)."""

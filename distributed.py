@@ -35,11 +35,13 @@ SPMD: every rank runs the same loop. What world size > 1 means:
   weights and AdamW); fsdp keeps float32 masters.
 - `offload=true` keeps the shards, gradients and AdamW state in CPU memory (FSDP2 CPUOffloadPolicy); the
   optimizer step then runs on the CPU. It works at any world size under torchrun (also --nproc_per_node=1).
-- Metrics are reduced over ranks (`reduce_metrics`); rank 0 alone writes logs, plots and checkpoints.
+- Metrics are reduced over ranks (`reduce_metrics`), each as it declares (Sum, Max, Min, Mean, Ratio); rank 0
+  alone writes logs, plots and checkpoints.
   Checkpoints: `full_state` gathers model and optimizer state dicts keyed by parameter name (the same for
   any world size) and `load_full_state` puts them back, so a run can resume at another world size.
 """
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -103,31 +105,84 @@ def all_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-# totals over ranks (reward_fail/* are counts); time/* and */max take the largest; the rest: the mean
+# How a metric reduces over ranks, declared where it is made: row[key] = Sum(x), Max(x), Min(x), Mean(x) or
+# Ratio(numerator, denominator) (each summed over ranks, then divided: the right mean of a quantity whose count
+# differs by rank, e.g. the length of the correct answers). A plain number is a Mean, except for these names of
+# metrics made outside the row's code (rewards/pool.py's failure counts): SUMMED prefixes are summed, time/* and
+# */max take the largest.
+@dataclass(frozen=True)
+class Mean:
+    value: float
+
+
+@dataclass(frozen=True)
+class Sum:
+    value: float
+
+
+@dataclass(frozen=True)
+class Max:
+    value: float
+
+
+@dataclass(frozen=True)
+class Min:
+    value: float
+
+
+@dataclass(frozen=True)
+class Ratio:
+    num: float
+    den: float
+
+
 SUMMED = ("tokens_per_s", "reward_fail")
 
 
+def declared(key: str, value):
+    """value as its declared reduction (a plain number: by its name, as above)."""
+    if isinstance(value, (Mean, Sum, Max, Min, Ratio)) or not isinstance(value, (int, float)):
+        return value
+    if key.startswith(SUMMED):
+        return Sum(value)
+    return Max(value) if key.startswith("time/") or key.endswith("/max") else Mean(value)
+
+
+def combine(values: list):
+    """Every rank's declared value of one key (ranks where it was not measured left out) -> one number, or None
+    where nothing was measured (a Ratio whose denominators sum to 0: the key is left out)."""
+    kind = type(values[0])
+    if any(type(v) is not kind for v in values):
+        raise TypeError(f"a metric declared differently on different ranks: {values}")
+    if kind is Ratio:
+        den = sum(v.den for v in values)
+        return sum(v.num for v in values) / den if den else None
+    if len(values) == 1:   # one process: the number as it was made
+        return values[0].value
+    nums = [v.value for v in values]
+    return {Mean: lambda: sum(nums) / len(nums), Sum: lambda: sum(nums), Max: lambda: max(nums),
+            Min: lambda: min(nums)}[kind]()
+
+
 def reduce_metrics(row: dict) -> dict:
-    """One step's metrics over all ranks. Shares are equal in size, so a plain mean over ranks is the
-    global mean for per-sample averages (reward, accuracy, completion_len). The loss and the algorithm's
-    metrics (entropy, clip_frac, kl) come scaled by `loss_scale`, as the loss is, so their mean over ranks
-    is the global batch's wherever the metric's unit is the loss's (token means under token-mean, per-sequence
-    means under the seq-* modes). update.py sums logprob_mismatch/mean's parts over ranks before this."""
-    if world() == 1:
-        return row
-    rows: list[dict] = [None] * world()
-    dist.all_gather_object(rows, row, group=_group)     # keys can differ across ranks (reward_failures/* appear when they happen)
+    """One step's metrics over all ranks (the trainer group under mode=async), each by its declared reduction
+    (above); -> plain numbers. Ranks that did not measure a key are left out of it. A plain mean is right for
+    per-sample averages because shares are equal in size (reward, accuracy, completion_len); the loss and the
+    algorithm's metrics (entropy, clip_frac, kl) come scaled by `loss_scale`, as the loss is, so their mean over
+    ranks is the global batch's wherever the metric's unit is the loss's (token means under token-mean,
+    per-sequence means under the seq-* modes). A count that differs by rank needs Sum or Ratio."""
+    row = {k: v if k == "step" else declared(k, v) for k, v in row.items()}
+    rows = [row]
+    if world() > 1:
+        rows = [None] * world()
+        dist.all_gather_object(rows, row, group=_group)   # keys can differ across ranks (reward_fail/* when they happen)
     out = {}
     for key in dict.fromkeys(k for r in rows for k in r):     # every key once, in order of appearance
         vals = [r[key] for r in rows if key in r]
-        if key == "step" or not all(isinstance(v, (int, float)) for v in vals):
+        if not isinstance(vals[0], (Mean, Sum, Max, Min, Ratio)):   # step, and anything not a number
             out[key] = vals[0]
-        elif key.startswith(SUMMED):
-            out[key] = sum(vals)
-        elif key.startswith("time/") or key.endswith("/max"):
-            out[key] = max(vals)
-        else:
-            out[key] = sum(vals) / len(vals)
+        elif (value := combine(vals)) is not None:
+            out[key] = value
     return out
 
 

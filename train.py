@@ -318,7 +318,6 @@ def train_step(run: Run, step: int) -> dict:
     run.broken = []
     batch, reward_info, n_samples, rounds = draw(run, step, times)   # 1-3. rollout, scoring, log-probs
     check_broken(run, step)
-    rewards = batch.rewards
     batch.advantages = learner.algo.advantages(batch, cfg.algo, sum_over=distributed.all_sum)
     if run.logger:                                    # a few samples per step for tools/view.py
         run_dir.log_trajectories(run.run_dir, step, batch, run.tok, reward_info, cfg.env.name or cfg.task)
@@ -332,16 +331,28 @@ def train_step(run: Run, step: int) -> dict:
     with profiling.phase(times, "sync"):              # 5. the new weights into the engine, in place
         run.engine.load_weights(lora.engine_weights(learner.policy) if cfg.lora.r else
                                 distributed.sync_weights(learner.policy))
-    row = {"step": step, "reward": rewards.mean().item(), **accuracy(reward_info, cfg),   # 6. log
-           **stats, **kept, "completion_len": batch.completion_mask.sum(-1).mean().item(),
-           "truncated_frac": batch.truncated.float().mean().item(), "lr": learner.schedule.get_last_lr()[0],
-           **reward_info["metrics"], **rounds, **times}
-    row["tokens_per_s"] = int(batch.attention_mask.sum()) / sum(v for k, v in times.items() if k.startswith("time/"))
-    row = distributed.reduce_metrics(row)             # means over ranks (tokens_per_s: the sum)
+    row = metrics_row(run, step, batch, reward_info, {**stats, **kept}, times, **rounds)   # 6. log
     if step % cfg.eval_every == 0 or step == cfg.steps:
         row.update(run.sampler.evaluate(cfg, run.eval_set, run.eval_ids, run.specs, run.eval_gen()))
     log(run, row)
     return row
+
+
+def metrics_row(run: Run, step: int, batch: Experience, reward_info: dict, stats: dict, times: dict,
+                period: float | None = None, **more) -> dict:
+    """The step's metrics row, reduced over ranks: the one place both modes build it (mode=async's trainers call it
+    too, async_rl.train_step), so a metric added here (or to update.py's stats) is in both. A plain number is
+    averaged over ranks; distributed.Sum, Max, Min or Ratio (numerator and denominator summed, then divided: a
+    mean whose count differs by rank) declare another reduction. batch: the step's samples; stats: the update's
+    (and add_to_buffer's) metrics; more: the mode's own; period: the seconds the step's tokens took (default: the
+    sum of its time/* phases)."""
+    row = {"step": step, "reward": batch.rewards.mean().item(), **accuracy(reward_info, run.cfg), **stats,
+           "completion_len": batch.completion_mask.sum(-1).mean().item(),
+           "truncated_frac": batch.truncated.float().mean().item(), "lr": run.learner.schedule.get_last_lr()[0],
+           **reward_info["metrics"], **more, **{k: distributed.Max(v) for k, v in times.items()}}
+    period = period or sum(v for k, v in times.items() if k.startswith("time/"))
+    row["tokens_per_s"] = distributed.Sum(int(batch.attention_mask.sum()) / period)   # every rank's tokens
+    return distributed.reduce_metrics(row)
 
 
 def log(run: Run, row: dict):
@@ -421,7 +432,7 @@ def stopped(run: Run, step: int, why: str, saved: str | None) -> dict:
     run.pool.close(), run.sampler.close(), run.engine.close()
     if run.logger is not None:
         run.logger.close()
-    launcher = "torchrun <as before> train.py" if distributed.world() > 1 else "python train.py"
+    launcher = "torchrun <as before> train.py" if torch.distributed.is_initialized() else "python train.py"
     print0(f"stopped by {why} after step {step}; checkpoint {ckpt}. To continue: {launcher} resume={run.run_dir}")
     return {"stopped": why, "step": step, "run_dir": run.run_dir, "checkpoint": ckpt}
 

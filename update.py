@@ -3,6 +3,9 @@
     learner = Learner(policy, optimizer, schedule, algo, cfg, device, critic)
     stats = update(learner, buffer, generator, step, n_samples)   # -> {metric: mean over its optimizer steps}
 
+A new metric of the update goes into `update`'s stats (both modes' rows take them whole: train.metrics_row); a
+plain number is averaged over ranks, distributed.Sum / Max / Min / Ratio declare another reduction.
+
 Per mini-batch (one optimizer step):
   1. gradients accumulate over length-bucketed micro-batches (microbatch.py), each weighted so that their sum is
      the mini-batch's loss; under torchrun x `loss_scale`, this rank's share of the global batch, so that the
@@ -319,8 +322,9 @@ def minibatch_size(cfg, n_samples: int) -> int:
 
 def update(learner: Learner, buffer, generator: torch.Generator, step: int, n_samples: int) -> dict:
     """Every optimizer step of this RL step (n_samples: this rank's new samples); -> metrics (means over the
-    optimizer steps), skipped_updates and logprob_mismatch/{mean,max} (over every rank's tokens of the trainer's
-    current version; absent when there are none, as under mode=async with stale samples: docs/async.md)."""
+    optimizer steps), skipped_updates and logprob_mismatch/{mean,max} (declared to reduce over every rank's tokens
+    of the trainer's current version; absent when there are none, as under mode=async with stale samples:
+    docs/async.md)."""
     cfg = learner.cfg
     mb_size = minibatch_size(cfg, n_samples)
     stats: dict[str, list[float]] = {}
@@ -348,7 +352,8 @@ def update(learner: Learner, buffer, generator: torch.Generator, step: int, n_sa
     learner.version += applied > 0                  # a new policy exists only if some update went through
     out = {**{k: sum(v) / len(v) for k, v in stats.items()}, "skipped_updates": skipped}
     mis_sum, mis_n, mis_max = mismatch or (0.0, 0.0, 0.0)
-    mis_sum, mis_n = distributed.all_sum([mis_sum, mis_n])   # the gap's mean over every rank's tokens
     if mis_n > 0:   # no token of this version (stale samples under mode=async, nothing trained): not measured, absent
-        out.update({"logprob_mismatch/mean": mis_sum / mis_n, "logprob_mismatch/max": mis_max})
+        # over ranks: the gap's mean over every rank's tokens (a rank with none has no say), the largest gap
+        out.update({"logprob_mismatch/mean": distributed.Ratio(mis_sum, mis_n),
+                    "logprob_mismatch/max": distributed.Max(mis_max)})
     return out

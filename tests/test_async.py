@@ -7,7 +7,9 @@ engine), the bad-input errors, the decoupled loss by hand, and train.py end to e
   travel in the checkpoint), and the rollout ranks' death ends the run with a rank named and a checkpoint instead
   of a hang (two resumes from such a checkpoint are identical: the FSDP test). The run has two rollout ranks,
   max_staleness=3 and partial rollouts, so it also shows that two runs of one config give identical metrics (the
-  clock is logical, not wall time): that was a separate pair of runs before, the largest cost of this file.
+  clock is logical, not wall time): that was a separate pair of runs before, the largest cost of this file;
+- Ctrl-C (SIGINT to torchrun) finishes the step, saves, ends every rank cleanly and resumes exactly; a run whose
+  every reward breaks stops after 3 steps with the synchronous loop's line.
 The runs use the embedded tiny model (its rewards are not all zero, so the updates really move the weights).
 """
 import json
@@ -154,26 +156,25 @@ def test_old_segments_mask_or_weight_and_the_token_bound():
     only (rows=[1], one of two trainer ranks) logs the whole batch's numbers and masks its own row."""
     from types import SimpleNamespace
 
-    from async_rl import Trainer
-    t = Trainer.__new__(Trainer)
-    t.cfg, t.r = Config(), SimpleNamespace(learner=SimpleNamespace(version=5))
-    t.cfg.max_staleness, t.cfg.partial.budget_tokens = 2, 2
+    from async_rl import check_tokens
+    cfg = Config()
+    cfg.max_staleness, cfg.partial.budget_tokens = 2, 2
     versions, segs = torch.tensor([[3, 3, 4, 0], [3, 3, 3, 3]]), torch.tensor([2, 1])
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 1, 1]])
     batch = SimpleNamespace(completion_mask=mask.clone())
-    m = t.check_tokens(1, versions, segs, mask, batch)
+    m = check_tokens(cfg, 5, 1, versions, segs, mask, batch)
     assert torch.equal(batch.completion_mask, mask) and "partial/masked_frac" not in m
     assert m["partial/frac"] == 0.5 and m["partial/segments"] == 1.5
     assert m["staleness/token_mean"] == pytest.approx((2 + 2 + 1 + 2 * 4) / 7)
-    t.cfg.partial.old_segments = "mask"
-    whole = t.check_tokens(1, versions, segs, mask, batch)
+    cfg.partial.old_segments = "mask"
+    whole = check_tokens(cfg, 5, 1, versions, segs, mask, batch)
     assert batch.completion_mask.tolist() == [[0, 0, 1, 0], [1, 1, 1, 1]] and whole["partial/masked_frac"] == 2 / 7
     mine = SimpleNamespace(completion_mask=mask[1:].clone())
-    assert t.check_tokens(1, versions, segs, mask, mine, torch.tensor([1])) == whole
+    assert check_tokens(cfg, 5, 1, versions, segs, mask, mine, torch.tensor([1])) == whole
     assert mine.completion_mask.tolist() == [[1, 1, 1, 1]]
     versions[1, 0] = 2
     with pytest.raises(RuntimeError, match="a token is 3 versions old"):
-        t.check_tokens(1, versions, segs, mask, SimpleNamespace(completion_mask=mask.clone()))
+        check_tokens(cfg, 5, 1, versions, segs, mask, SimpleNamespace(completion_mask=mask.clone()))
 
 
 def test_the_clock_is_checked_in_versions():
@@ -181,23 +182,19 @@ def test_the_clock_is_checked_in_versions():
     2's weights and end on step 3's. In versions, not steps: an update skipped at step 1 makes versions 0, 0, 1, 2
     after steps 0..3. A token of a version no iteration of step 6 had stops the step; a lost step's batch, made
     again after a rollout rank died, may be fresher, never staler."""
-    from types import SimpleNamespace
-
-    from async_rl import Trainer
-    t = Trainer.__new__(Trainer)
-    t.link = SimpleNamespace(clock=Clock(staleness=3, steps=8, segments=2))
-    t.published, t.lost = {0: 0, 1: 0, 2: 1, 3: 2, 4: 3}, set()
+    from async_rl import check_clock
+    clock = Clock(staleness=3, steps=8, segments=2)
+    published = {0: 0, 1: 0, 2: 1, 3: 2, 4: 3}
     first, mask = torch.tensor([1, 1]), torch.tensor([[1, 1, 1], [1, 0, 0]])
     versions, newer = torch.tensor([[1, 1, 2], [1, 0, 0]]), torch.tensor([[1, 1, 3], [1, 0, 0]])   # (B, C)
-    t.check_clock(6, first, versions, mask)
+    check_clock(clock, published, set(), 6, first, versions, mask)
     with pytest.raises(RuntimeError, match="tokens of \\[1, 3\\]: not the weights the clock assigns"):
-        t.check_clock(6, first, newer, mask)                  # a token of step 4's weights
-    t.lost = {6}
-    t.check_clock(6, first, newer, mask)                      # remade after the death: fresher
+        check_clock(clock, published, set(), 6, first, newer, mask)          # a token of step 4's weights
+    check_clock(clock, published, {6}, 6, first, newer, mask)                # remade after the death: fresher
     with pytest.raises(RuntimeError, match="samples of versions \\[0, 1\\]"):
-        t.check_clock(6, torch.tensor([0, 1]), versions, mask)   # staler: never
-    t.published = {4: 3}                                      # a checkpoint from before the history: not checked
-    t.check_clock(6, torch.tensor([0, 1]), versions, mask)
+        check_clock(clock, published, {6}, 6, torch.tensor([0, 1]), versions, mask)   # staler: never
+    # a checkpoint from before the history: not checked
+    check_clock(clock, {4: 3}, {6}, 6, torch.tensor([0, 1]), versions, mask)
 
 
 def test_a_dead_trainer_rank_is_named(monkeypatch):
@@ -225,19 +222,19 @@ def test_a_dead_rollout_rank_stops_every_trainer_at_one_point(monkeypatch):
     (name, tensor) pair (under FSDP each is a gather the other trainers are in), remembers why, and hands that to
     the other trainers in place of the next batch (fetch, then share), where every trainer raises RolloutDied before
     any state changes. lost_steps (max_staleness=3, 2 segments, so iteration i runs on step i - 3's weights): after
-    step 3 with step 4 received, iteration 5 (step 2's weights) is gone, and with it step 6's first segments.
-    SIGTERM ends the exchanges after the whole step being received, not inside it."""
+    step 3 with step 4 received, iteration 5 (step 2's weights) is gone, and with it step 6's first segments."""
     import torch.distributed as dist
 
+    from async_checkpoint import Inflight, lost_steps
     from async_link import Link, RolloutDied
-    from async_rl import Trainer
+    from async_rl import Trainer, receive_until
 
     def dead(*a, **k):
         raise RuntimeError("Connection closed by peer")
     monkeypatch.setattr(dist, "broadcast_object_list", dead)
     monkeypatch.setattr(dist, "broadcast", lambda *a, **k: pytest.fail("a broadcast after the failure"))
     link = Link.__new__(Link)
-    link.cfg, link.T, link.K, link.dead, link.stopped = Config(), 2, 1, None, None
+    link.cfg, link.T, link.K, link.dead = Config(), 2, 1, None
     link.control = link.weights = None
     pulled = []
 
@@ -248,23 +245,18 @@ def test_a_dead_rollout_rank_stops_every_trainer_at_one_point(monkeypatch):
     link.publish(3, 3, {}, pairs())
     assert pulled == [0, 1, 2] and link.dead.startswith("rollout rank 2 did not answer a weight broadcast")
     assert link.fetch(4) == link.dead                                     # no receive tried: the marker at once
-    t = Trainer.__new__(Trainer)
-    t.link, t.rank, t.states = link, 1, ["state"]
-    t.pending, t.received = {s: [s] for s in (4, 5, 6, 7)}, {4: []}
+    s = Inflight(1, pending={p: [p] for p in (4, 5, 6, 7)}, received={4: []}, states=["state"])
+    t = Trainer(Config(), link, None, None, 1, s)
     link.share = lambda msgs: link.dead                                   # trainer rank 1 gets trainer 0's word
     with pytest.raises(RolloutDied, match="did not answer a weight broadcast"):
-        t.receive_until(5)
-    assert t.states == ["state"] and sorted(t.received) == [4]
-    link.clock = Clock(staleness=3, steps=8, segments=2)
-    assert t.lost_steps(3) == {5, 6}
-    t.received[5] = []
-    assert t.lost_steps(3) == set()                                       # what a periodic checkpoint holds
-    link.clock = Clock(staleness=0, steps=8)
-    t.pending, t.received = {4: [4]}, {}
-    assert t.lost_steps(3) == set()                                       # max_staleness=0: nothing is ever lost
-    link.dead, link.stopped = None, "SIGTERM"                             # torchrun's teardown, rollout ranks alive
-    link.receive = lambda step, src: {"step": step}
-    assert link.fetch(4) == [{"step": 4}] and link.fetch(5).startswith("stopped by SIGTERM")   # after a whole step
+        receive_until(t, 5)
+    assert s.states == ["state"] and sorted(s.received) == [4]
+    clock = Clock(staleness=3, steps=8, segments=2)
+    assert lost_steps(s, clock, 3) == {5, 6}
+    s.received[5] = []
+    assert lost_steps(s, clock, 3) == set()                               # what a periodic checkpoint holds
+    s.pending, s.received = {4: [4]}, {}
+    assert lost_steps(s, Clock(staleness=0, steps=8), 3) == set()        # max_staleness=0: nothing is ever lost
 
 
 def test_merge_pads_prompts_left_and_completions_right():
@@ -458,6 +450,40 @@ def test_kill_and_resume_is_exact(tmp_path):
     full = step_rows(base)
     assert ["logprob_mismatch/max" in r for r in full] == [r["staleness/max"] == 0 for r in full] == \
         [True] + [False] * 4
+
+
+def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(tmp_path):
+    """Ctrl-C at the terminal (torchrun passes SIGINT on to every rank) with max_staleness=1, so that a batch made
+    from older weights is in flight: the trainer finishes the step, writes its checkpoint, ends the rollout rank
+    (no error of its own) and prints the command that resumes; resumed, the run equals an uninterrupted one.
+    Beside it, a run whose every reward breaks (the code reward on arithmetic rows, which have no tests) stops
+    after 3 steps with the synchronous loop's one-line reason, its rollout rank ending cleanly too."""
+    import signal
+    import time
+    args = [*torchrun(2), *SMALL, "mode=async", "max_staleness=1", "algo.tis=token"]
+    base, cut, bad = tmp_path / "base", tmp_path / "cut", tmp_path / "bad"
+    procs = [subprocess.Popen([*args, f"out_dir={d}", *extra], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=ENV)
+             for d, extra in ((cut, []), (base, []), (bad, ["rewards=code"]))]
+    deadline = time.monotonic() + 240
+    while not (cut / "metrics.jsonl").exists() or '"step": 1,' not in (cut / "metrics.jsonl").read_text():
+        assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()[0][-3000:]
+        time.sleep(0.1)
+    procs[0].send_signal(signal.SIGINT)
+    (out, rc), (out_b, rc_b), (out_x, rc_x) = ((p.communicate(timeout=300)[0], p.returncode) for p in procs)
+    said = re.search(r"stopped by SIGINT after step (\d); checkpoint (\S+)\. To continue: torchrun <as before> "
+                     rf"train.py resume={re.escape(str(cut))}\n", out)
+    assert said and not re.search(r"\[rank\d\]:", out), out[-3000:]          # no rank's own traceback
+    step = int(said.group(1))
+    assert step < 4 and said.group(2) == str(cut / "checkpoints" / f"step_{step:06d}")
+    assert checkpoint.damage(said.group(2)) is None and len(step_rows(cut)) == step
+    assert rc_b == 0, out_b[-3000:]
+    ((rc, out),) = launch([*args, f"out_dir={cut}"])
+    assert rc == 0, out[-3000:]
+    assert untimed(cut) == untimed(base) and len(untimed(base)) == 4
+    assert rc_x != 0 and len(step_rows(bad)) == 2, out_x[-3000:]
+    assert re.search(r"error: every sample's reward or episode failed for 3 steps in a row \(step 3: code: "
+                     r"ValueError", out_x) and "did not answer" not in out_x, out_x[-3000:]
 
 
 def test_planner_by_hand():
