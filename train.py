@@ -426,9 +426,12 @@ class Stop:
             signal.signal(s, handler)
 
 
-def stopped(run: Run, step: int, why: str, saved: str | None) -> dict:
-    """After a signal: the step's checkpoint (if not saved yet), workers closed, one line with the resume command."""
-    ckpt = saved or save(run, step)
+def stopped(run: Run, step: int, why: str, saved: bool | str) -> dict:
+    """After a signal: the step's checkpoint (unless this step saved one: every rank decides alike, since a save is
+    collective under torchrun), workers closed, one line with the resume command."""
+    if not saved:
+        save(run, step)
+    ckpt = os.path.join(run.run_dir, "checkpoints", f"step_{step:06d}")
     run.pool.close(), run.sampler.close(), run.engine.close()
     if run.logger is not None:
         run.logger.close()
@@ -477,9 +480,9 @@ def main(argv: list[str]) -> dict:
                     tqdm.write(eval_line(row))
             bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{acc:.3f}")
             bad = run.learner.bad_updates >= cfg.max_bad_updates
-            saved = None
-            if bad or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-                saved = save(run, step)
+            saved, saved_now = None, bad or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)
+            if saved_now:
+                saved = save(run, step)   # its path on rank 0, None on the others
             if prof is not None:
                 profiling.mark("log")   # logging, evaluation, checkpoint
                 print0(f"profile of step {step}: {profiling.finish(prof, run.run_dir, rank, step)}")
@@ -488,7 +491,7 @@ def main(argv: list[str]) -> dict:
                                 f"at step {step}); stopped with a checkpoint in {saved}")
             if step < cfg.steps and stop.requested():
                 bar.close()
-                return stopped(run, step, stop.signal or "a signal to another rank", saved)
+                return stopped(run, step, stop.signal or "a signal to another rank", saved_now)
     finally:
         stop.restore()
     return finish(run, rank, time.perf_counter() - t_run)
