@@ -9,7 +9,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import algos, engines, rewards, tasks  # noqa: E402,F401,E401  (register every plugin, as the entry scripts do)
+import algos, engines, envs, rewards, tasks  # noqa: E402,F401,E401  (register every plugin and its config section)
 
 
 def make_random_model(path: str, seed: int = 0, vocab_chars: str = "0123456789+="):
