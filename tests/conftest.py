@@ -44,8 +44,30 @@ def logprob_mismatch(sample_logprobs, trainer_logprobs, mask) -> dict[str, float
     return {"logprob_mismatch/mean": diff.mean().item(), "logprob_mismatch/max": diff.max().item()}
 
 
+_saved_threads: dict = {}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: needs requirements-vllm.txt (tools/ci_vllm.sh); skipped without it")
+    # Under pytest-xdist (README's `-n 2`) each worker takes its share of the cores, for torch here and for the
+    # processes it starts (OMP_NUM_THREADS): one thread per core in every worker would oversubscribe the CPU, and
+    # threads that wait on each other are slower than fewer threads.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "PYTEST_XDIST_WORKER" in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        share = max(1, cores // workers)
+        _saved_threads.update(torch=torch.get_num_threads(), omp=os.environ.get("OMP_NUM_THREADS"))
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+
+
+def pytest_unconfigure(config):
+    if _saved_threads:
+        torch.set_num_threads(_saved_threads["torch"])
+        if _saved_threads["omp"] is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = _saved_threads["omp"]
 
 
 @pytest.fixture(scope="session")
