@@ -46,7 +46,8 @@ def logprob_mismatch(sample_logprobs, trainer_logprobs, mask) -> dict[str, float
 
 _saved_threads: dict = {}
 # The test files that take longest (many train.py or torchrun processes), run first: README's `--dist loadfile`
-# hands each file whole to one worker, and a long file started last would leave the other worker idle meanwhile.
+# hands each file whole to one worker, and a long file started last would leave the other worker idle meanwhile
+# (`--no-loadscope-reorder` keeps this order: xdist would otherwise start the files with the most tests first).
 SLOW_FILES = ("test_distributed.py", "test_checkpoint.py", "test_async.py", "test_train.py", "test_bad_input.py",
               "test_lora.py", "test_vision.py", "test_envs_hostile.py", "test_offline_and_ablate.py")
 
