@@ -44,8 +44,40 @@ def logprob_mismatch(sample_logprobs, trainer_logprobs, mask) -> dict[str, float
     return {"logprob_mismatch/mean": diff.mean().item(), "logprob_mismatch/max": diff.max().item()}
 
 
+_saved_threads: dict = {}
+# The test files that take longest (many train.py or torchrun processes), run first: README's `--dist loadfile`
+# hands each file whole to one worker, and a long file started last would leave the other worker idle meanwhile
+# (`--no-loadscope-reorder` keeps this order: xdist would otherwise start the files with the most tests first).
+SLOW_FILES = ("test_distributed.py", "test_checkpoint.py", "test_async.py", "test_train.py", "test_bad_input.py",
+              "test_lora.py", "test_vision.py", "test_envs_hostile.py", "test_offline_and_ablate.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(SLOW_FILES)))   # stable: files stay whole, in order
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: needs requirements-vllm.txt (tools/ci_vllm.sh); skipped without it")
+    # Under pytest-xdist (README's `-n 2`) each worker takes its share of the cores, for torch here and for the
+    # processes it starts (OMP_NUM_THREADS): one thread per core in every worker would oversubscribe the CPU, and
+    # threads that wait on each other are slower than fewer threads.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "PYTEST_XDIST_WORKER" in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        share = max(1, cores // workers)
+        _saved_threads.update(torch=torch.get_num_threads(), omp=os.environ.get("OMP_NUM_THREADS"))
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+
+
+def pytest_unconfigure(config):
+    if _saved_threads:
+        torch.set_num_threads(_saved_threads["torch"])
+        if _saved_threads["omp"] is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = _saved_threads["omp"]
 
 
 @pytest.fixture(scope="session")

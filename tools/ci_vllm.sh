@@ -3,6 +3,7 @@
 #
 #     bash tools/ci_vllm.sh                 # venv at .venv-vllm (reused if it already imports vllm)
 #     VENV=/tmp/v bash tools/ci_vllm.sh     # elsewhere
+#     bash tools/ci_vllm.sh --install-only  # only make the venv (.ci/run does this beside the main suite)
 #
 # Measured on a 2-core machine with an empty pip cache: install 85 s (227 s with other jobs running),
 # 3.6 GB venv; tests 2-3 min.
@@ -20,7 +21,8 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
     # pip picks CUDA builds of these; with them `from vllm import LLM` fails (torchvision::nms missing),
     # and text models need none of them
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
-    "$VENV/bin/pip" install -q -r requirements.txt pytest
+    "$VENV/bin/pip" install -q -r requirements.txt -r requirements-test.txt
 fi
 echo "vllm venv ready in $(( $(date +%s) - start )) s"
+[ "${1:-}" = "--install-only" ] && exit 0
 "$VENV/bin/python" -m pytest tests/test_vllm.py -q -p no:cacheprovider
