@@ -11,10 +11,11 @@ masks) never needs the host during a replay. The cache's layers are all full-len
 without sliding layers): the sliding windows live in the masks, as in the hand-written step. The masks come as
 a dict by layer type for models that have layer types (transformers' `causal_mask_mapping`), else one tensor.
 
-Compiled (torch.compile of `_forward`) by default on a GPU: the graph alone removes the launch cost but keeps
-the model's eager kernels, and ran slower than transformers' static-cache generate, which compiles its step
-(docs/benchmarks.md, W10); a compile that fails falls back to the uncompiled capture (FastDecoder._capture).
-Not covered: multi-turn (feed writes per-row slots, which StaticCache cannot). LoRA works as the model's own peft
+Not covered: multi-turn (feed writes per-row slots, which StaticCache cannot), and torch.compile (off: the
+graph alone removes the per-kernel launch cost; compile=True tries it, but BuiltinEngine runs this decoder under
+torch.compiler.set_stance("force_eager"), since the policy's layers compiled for training would recompile at
+every cache length: so on W10 the graphed step keeps the model's eager kernels and runs slower than transformers'
+compiled static-cache generate, docs/benchmarks.md). LoRA works as the model's own peft
 modules apply it. Correct on the CPU without a graph (tests/test_architectures.py); a capture that fails on a
 GPU (a host synchronisation inside some model's forward) leaves the eager static-cache loop, with the reason
 printed.
@@ -49,13 +50,12 @@ def windows(config) -> dict:
 
 
 class GenericDecoder(FastDecoder):
-    def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
+    def __init__(self, model, use_graph: bool | None = None, compile: bool = False, check_every: int = 16,
                  keep_cache: bool = False, **_):
         self.model = model = base_of(model)
         self.keep_cache, self.check_every = keep_cache, check_every
         device = next(model.parameters()).device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
-        compile = self.use_graph if compile is None else compile   # inside a graph only: eager calls would recompile
         self.compile, self.states, self.fused, self.packs = compile, {}, [], None
         self.arch, self.attention, self.weights = None, "model", "model"
         self.compact_always, self.captured = False, False
