@@ -29,6 +29,25 @@ def make_random_model(path: str, seed: int = 0, vocab_chars: str = "0123456789+=
     return path
 
 
+def make_word_classifier(path: str, words: list[str], num_labels: int, hidden: int, layers: int):
+    """A tiny LlamaForSequenceClassification over a whitespace word tokenizer (ids in the order of words; words
+    must hold <pad>, <eos>, <unk>), saved to path: the reward-model and process-reward-model tests' judge.
+    -> (path, the model in eval mode, the tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(words), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=hidden // 8, num_key_value_heads=hidden // 16,
+                      num_labels=num_labels, pad_token_id=words.index("<pad>"))
+    model = LlamaForSequenceClassification(cfg)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path), model.eval(), tok
+
+
 def step_rows(run_dir) -> list[dict]:
     """The per-step rows of a run's metrics.jsonl: step 0 (the held-out evaluation before training) left out."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

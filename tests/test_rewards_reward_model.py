@@ -7,24 +7,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rewards import reward_model as rm  # noqa: E402
+from tests.conftest import make_word_classifier  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
     words = "<pad> <eos> <unk> what is two plus two four five the answer".split()
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
-    model = LlamaForSequenceClassification(cfg)
-    path = tmp_path_factory.mktemp("rm")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path), model.eval(), tok
+    return make_word_classifier(tmp_path_factory.mktemp("rm"), words, num_labels=1, hidden=32, layers=2)
 
 
 def test_scores_match_the_model_and_do_not_depend_on_batching(rm_dir):

@@ -17,7 +17,7 @@ from buffer import Experience  # noqa: E402
 from rewards.pool import RewardPool  # noqa: E402
 from rewards.score import split_steps, step_ends, step_separator  # noqa: E402
 from tests import step_reward_fns as fns  # noqa: E402
-from tests.conftest import step_rows  # noqa: E402
+from tests.conftest import make_word_classifier, step_rows  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------ step boundaries
@@ -192,20 +192,8 @@ def test_a_bad_step_mode_is_refused_by_name():
 # ----------------------------------------------------------------------------------- process reward model
 @pytest.fixture(scope="module")
 def prm_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
     words = "<pad> <eos> <unk> two plus is four five".split()
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, num_labels=2, pad_token_id=0)
-    model = LlamaForSequenceClassification(cfg)
-    path = tmp_path_factory.mktemp("prm")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path), model.eval(), tok
+    return make_word_classifier(tmp_path_factory.mktemp("prm"), words, num_labels=2, hidden=16, layers=1)
 
 
 def test_prm_scores_each_prefix_and_goes_through_the_pool(prm_dir):
