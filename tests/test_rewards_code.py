@@ -20,17 +20,36 @@ CAPS = capabilities()
 ADD = [{"input": "1 2\n", "output": "3\n"}, {"input": "-10 4\n", "output": "-6"}, {"input": "0 0\n", "output": "0"}]
 
 
+def _status(pid, key: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _ours(pid: int) -> bool:
+    """pid is this test process or one of its descendants."""
+    while pid and pid != 1:
+        if pid == os.getpid():
+            return True
+        pid = _status(pid, "PPid") or 0
+    return False
+
+
 def sandbox_processes() -> list[int]:
-    """Host pids still running under a sandbox uid (there must be none after a run)."""
+    """Host pids still running under a sandbox uid (there must be none after a run). A sandbox's uid is
+    UID_BASE + its launcher's pid (rewards/sandbox_launch.py): one whose launcher still runs under another process
+    tree is another test process's live sandbox (pytest-xdist runs two at once), not a leftover of ours."""
     left = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
-        except (OSError, StopIteration):
+        uid = _status(pid, "Uid")
+        if uid is None or uid < UID_BASE:
             continue
-        if uid >= UID_BASE:
-            left.append(int(pid))
+        launcher = uid - UID_BASE
+        if os.path.exists(f"/proc/{launcher}") and not _ours(launcher):
+            continue
+        left.append(int(pid))
     return left
 
 
