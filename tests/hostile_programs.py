@@ -357,8 +357,29 @@ print('ok')
 # ------------------------------------------------------------------------------ what must not remain
 
 def sandbox_processes() -> list[int]:
-    """Host pids running under a sandbox uid."""
-    return [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _uid(pid) >= UID_BASE]
+    """Host pids running under a sandbox uid, less other process trees' live sandboxes. A sandbox's uid is
+    UID_BASE + its launcher's pid (rewards/sandbox_launch.py). A launcher that still runs under a parent other than
+    init, outside this process's tree, belongs to another test process (pytest-xdist runs two at once) or another
+    job: its sandbox is live, not a leftover of ours. An orphaned launcher (parent init) counts as a leftover."""
+    left = []
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        uid = _status(pid, "Uid")
+        if uid is None or uid < UID_BASE:
+            continue
+        launcher = uid - UID_BASE
+        if _status(launcher, "PPid") not in (None, 1) and not _ours(launcher):
+            continue
+        left.append(pid)
+    return left
+
+
+def _ours(pid: int) -> bool:
+    """pid is this process or one of its descendants."""
+    while pid and pid != 1:
+        if pid == os.getpid():
+            return True
+        pid = _status(pid, "PPid") or 0
+    return False
 
 
 def left_on_host() -> dict:
@@ -378,9 +399,13 @@ def left_on_host() -> dict:
     return {k: v for k, v in left.items() if v}
 
 
-def _uid(pid: int) -> int:
+def _status(pid: int, key: str) -> int | None:
     try:
         with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+            return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
     except (OSError, StopIteration):
-        return 0
+        return None
+
+
+def _uid(pid: int) -> int:
+    return _status(pid, "Uid") or 0

@@ -13,44 +13,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rewards.code import code_reward, evaluate, extract_code  # noqa: E402
-from rewards.sandbox import UID_BASE, Limits, capabilities, run  # noqa: E402
+from hostile_programs import sandbox_processes  # noqa: E402
+from rewards.sandbox import Limits, capabilities, run  # noqa: E402
 
 LIM = Limits(wall_s=3.0, cpu_s=2)
 CAPS = capabilities()
 ADD = [{"input": "1 2\n", "output": "3\n"}, {"input": "-10 4\n", "output": "-6"}, {"input": "0 0\n", "output": "0"}]
-
-
-def _status(pid, key: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
-    except (OSError, StopIteration):
-        return None
-
-
-def _ours(pid: int) -> bool:
-    """pid is this test process or one of its descendants."""
-    while pid and pid != 1:
-        if pid == os.getpid():
-            return True
-        pid = _status(pid, "PPid") or 0
-    return False
-
-
-def sandbox_processes() -> list[int]:
-    """Host pids still running under a sandbox uid (there must be none after a run). A sandbox's uid is
-    UID_BASE + its launcher's pid (rewards/sandbox_launch.py): one whose launcher still runs under another process
-    tree is another test process's live sandbox (pytest-xdist runs two at once), not a leftover of ours."""
-    left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        uid = _status(pid, "Uid")
-        if uid is None or uid < UID_BASE:
-            continue
-        launcher = uid - UID_BASE
-        if os.path.exists(f"/proc/{launcher}") and not _ours(launcher):
-            continue
-        left.append(int(pid))
-    return left
 
 
 def hostile(code: str, expected: str, max_s: float = LIM.wall_s + 2.0, asserts=None):
