@@ -13,7 +13,7 @@ LAYERS = [
     ["distributed", "models", "lora", "memory", "offload", "critic", "profiling", "checkpoint", "async_link",
      "workers", "vision"],
     ["engines", "tasks", "rewards", "envs"],
-    ["update", "rollout", "run_dir", "async_rl", "async_checkpoint"],
+    ["update", "rollout", "run_dir", "run_setup", "async_rl", "async_checkpoint"],
     ["train", "train_dpo", "tools"],
 ]
 
