@@ -154,9 +154,10 @@ def draw(run: Run, step: int, times: dict):
                for k in infos[0]["metrics"]}
     # each reward's scores of the rows kept (the batch's accuracy is its verifier's)
     per_reward = {k: torch.cat([i["per_reward"][k] for i in infos])[rows] for k in info.get("per_reward", {})}
-    return batch, {"metrics": metrics, "per_reward": per_reward}, want * n, {"dynamic_sampling/rounds": len(parts),
-                                                   "dynamic_sampling/groups_drawn": len(parts) * want,
-                                                   "dynamic_sampling/groups_with_signal": found}
+    # groups are this rank's counts: summed over ranks; every rank draws the same number of rounds (a plain mean)
+    return batch, {"metrics": metrics, "per_reward": per_reward}, want * n, {
+        "dynamic_sampling/rounds": len(parts), "dynamic_sampling/groups_drawn": distributed.Sum(len(parts) * want),
+        "dynamic_sampling/groups_with_signal": distributed.Sum(found)}
 
 
 def train_step(run: Run, step: int) -> dict:
