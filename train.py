@@ -7,8 +7,9 @@
     torchrun --nproc_per_node=2 train.py              # the same script under torchrun (distributed.py)
 
 `train_step` is the whole algorithm-independent step on one screen; each phase is a call. The set-up before the
-first step (options checked, models, engine, data, resume) is run_setup.py's. Where to edit: docs/architecture.md. Each run writes one directory (run_dir.py): config.yaml, metrics.jsonl (step 0 is the
-evaluation before training), tensorboard events, curve.png, checkpoints/ and the final policy in final/.
+first step (options checked, models, engine, data, resume) is run_setup.py's. Where to edit: docs/architecture.md.
+Each run writes one directory (run_dir.py): config.yaml, metrics.jsonl (step 0 is the evaluation before training),
+tensorboard events, curve.png, checkpoints/ and the final policy in final/.
 """
 import os
 import signal
@@ -40,7 +41,7 @@ from rollout import accuracy, broken, check_broken, eval_line, experience, recor
 from update import minibatch_size, update
 # the set-up: the command line's checks, then models, engine, data, pool, resume (run_setup.py); mode=async's
 # trainer reaches these through this module too (async_rl.main gets it as `phases`)
-from run_setup import Run, generators, log, prepare, setup  # noqa: F401  (generators: async_rl's, via this module)
+from run_setup import Run, generators, log, prepare, setup
 
 
 # --------------------------------------------------------------------------------------------- the phases
