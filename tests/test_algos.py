@@ -19,6 +19,7 @@ from algos.ppo import gae, ppo_advantages, ppo_loss, value_loss
 from algos.reinforce_pp import reinforce_pp_advantages, reward_to_go
 from algos.rloo import leave_one_out_advantages, rloo_advantages
 from buffer import Experience
+from distributed import Sum
 from conftest import step_rows  # noqa: E402
 
 
@@ -209,8 +210,8 @@ def test_dapo_dynamic_sampling_draws_until_the_batch_is_full_of_groups_with_sign
     # signal per group: round 1 [no, yes, no], round 2 [yes, no, no], round 3 [yes, yes, yes]
     rounds = [[1, 1, 0, 1, 0, 0], [1, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 1]]
     batch, info, n_samples, metrics, times, calls = fake_rounds(monkeypatch, rounds, "dapo")
-    assert metrics == {"dynamic_sampling/rounds": 3, "dynamic_sampling/groups_drawn": 9,
-                       "dynamic_sampling/groups_with_signal": 5}
+    assert metrics == {"dynamic_sampling/rounds": 3, "dynamic_sampling/groups_drawn": Sum(9),
+                       "dynamic_sampling/groups_with_signal": Sum(5)}
     # round 3's last two groups with signal are surplus: 9 groups drawn, 7 in the batch, 3 of them kept
     assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
     keep = registry.get("algo", "dapo").keep(batch, algo_cfg())
@@ -219,7 +220,7 @@ def test_dapo_dynamic_sampling_draws_until_the_batch_is_full_of_groups_with_sign
     assert info["metrics"] == {"reward/x": pytest.approx(sum(map(sum, rounds)) / 18), "reward_fail/x": 3.0}
     # full after round 2? no more rounds
     batch, _, _, metrics, _, calls = fake_rounds(monkeypatch, [rounds[1], rounds[2]], "dapo")
-    assert len(calls) == 2 and metrics["dynamic_sampling/groups_with_signal"] == 4 and len(batch) == 10
+    assert len(calls) == 2 and metrics["dynamic_sampling/groups_with_signal"] == Sum(4) and len(batch) == 10
     # max_rounds=1 (and dynamic_sampling=false): one round, as every other algorithm
     for kw in ({"max_rounds": 1}, {"dynamic_sampling": False}):
         batch, _, n_samples, metrics, _, calls = fake_rounds(monkeypatch, rounds, "dapo", **kw)

@@ -335,11 +335,11 @@ CORPUS = [
 
 @pytest.mark.parametrize("name, argv, message", CORPUS, ids=[c[0] for c in CORPUS])
 def test_corpus_each_bad_input_is_one_line_before_any_work(name, argv, message, tmp_path, monkeypatch):
-    import train
+    import run_setup
     if name.startswith("torchrun"):   # the checks run with the world size from torchrun's environment
         monkeypatch.setenv("RANK", "0"), monkeypatch.setenv("WORLD_SIZE", "2")
     before = snapshot(tmp_path)
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(run_setup, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises((UserError, registry.RegistryError)) as e:
         prepared(*setup_case(name, tmp_path), *argv)
     assert "\n" not in str(e.value) and message in str(e.value), str(e.value)

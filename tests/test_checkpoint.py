@@ -146,6 +146,7 @@ def test_resume_errors_are_one_line(tmp_path, random_model_dir):
 def test_a_checkpoint_that_does_not_load_changes_nothing_on_disk(tmp_path, random_model_dir, monkeypatch):
     """A checkpoint of another model: a one-line error, and the run directory exactly as it was (config.yaml used
     to be rewritten before the checkpoint loaded)."""
+    import run_setup
     import train
     from test_bad_input import snapshot, tiny_checkpoints
     run = tmp_path / "run"
@@ -154,7 +155,7 @@ def test_a_checkpoint_that_does_not_load_changes_nothing_on_disk(tmp_path, rando
     (run / "metrics.jsonl").write_text('{"step": 0}\n')
     before = snapshot(run)
     pools = []
-    monkeypatch.setattr(train, "RewardPool", lambda *a, **kw: pools.append(RewardPool(*a, **kw)) or pools[-1])
+    monkeypatch.setattr(run_setup, "RewardPool", lambda *a, **kw: pools.append(RewardPool(*a, **kw)) or pools[-1])
     try:
         with pytest.raises(UserError, match="does not fit this model"):
             train.main([f"resume={run}", f"model={random_model_dir}", "arithmetic.n_train=50", "arithmetic.n_eval=8",

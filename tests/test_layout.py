@@ -8,12 +8,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # lowest first; a module may import modules of its own layer or of a lower one (docs/architecture.md, "Layers")
 LAYERS = [
     ["registry"],
-    ["config", "config_checks"],
+    ["config", "config_tree", "config_checks"],
     ["buffer", "kernels", "algos", "microbatch"],
     ["distributed", "models", "lora", "memory", "offload", "critic", "profiling", "checkpoint", "async_link",
      "workers", "vision"],
     ["engines", "tasks", "rewards", "envs"],
-    ["update", "rollout", "run_dir", "async_rl", "async_checkpoint"],
+    ["update", "rollout", "run_dir", "run_setup", "async_rl", "async_checkpoint"],
     ["train", "train_dpo", "tools"],
 ]
 

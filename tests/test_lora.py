@@ -308,14 +308,14 @@ def test_streamed_optimizer_step_is_the_whole_step(fused):
 def test_tf32_is_set_for_adapters_on_a_gpu_only(random_model_dir, tf32):
     """lora.tf32 moves the adapters' float32 GEMMs to TF32 on a GPU; a CPU run keeps full float32 (what the
     exactness tests here rely on), and tf32=false keeps it everywhere."""
-    import train
+    import run_setup
     from config import Config
     before = torch.get_float32_matmul_precision()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         torch.set_float32_matmul_precision("highest")
         cfg = Config(model=random_model_dir, lora=LoRAConfig(r=4, tf32=tf32))
-        train.build_models(cfg, device, torch.float32, fsdp=False)
+        run_setup.build_models(cfg, device, torch.float32, fsdp=False)
         want = "high" if tf32 and device.type == "cuda" else "highest"
         assert torch.get_float32_matmul_precision() == want
     finally:
@@ -333,7 +333,7 @@ def test_tf32_precision_ends_with_the_run(random_model_dir, tmp_path, monkeypatc
     """lora.tf32 changes the float32 matmul precision for its own run only: after train.main it is what it was
     (it leaked into the next test of the process once). On CPU the option sets nothing, so the GPU branch is
     played by build_models here; the GPU twin below runs the real one."""
-    import train
+    import run_setup
     seen = []
 
     def build_models(cfg, device, *args):
@@ -343,8 +343,8 @@ def test_tf32_precision_ends_with_the_run(random_model_dir, tmp_path, monkeypatc
         seen.append(torch.get_float32_matmul_precision())
         return out
 
-    build = train.build_models
-    monkeypatch.setattr(train, "build_models", build_models)
+    build = run_setup.build_models
+    monkeypatch.setattr(run_setup, "build_models", build_models)
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")

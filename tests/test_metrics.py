@@ -67,3 +67,17 @@ def test_one_process_keeps_numbers_as_made():
     assert type(row["skipped_updates"]) is int
     with pytest.raises(TypeError, match="declared differently"):
         distributed.combine([Sum(1.0), Max(2.0)])
+
+
+def test_dynamic_sampling_counts_add_up_over_ranks(monkeypatch):
+    """DAPO's rounds (train.draw) count the groups each rank drew and found with signal: over ranks the step's
+    counts are their sums, where a mean of the ranks' counts would report one rank's worth. Two ranks are played by
+    two draws (each rank's own rounds; both draw 2, as every rank draws as many as the others), then reduced key
+    by key as reduce_metrics does (distributed.combine of each rank's declared value)."""
+    from test_algos import fake_rounds
+    # 3 groups of 2 samples per round; signal: rank A [yes, no, no] then [yes, yes, no], rank B none then one
+    ranks = [[[1, 0, 1, 1, 0, 0], [1, 0, 0, 1, 1, 1]], [[1, 1, 0, 0, 1, 1], [1, 0, 1, 1, 0, 0]]]
+    made = [fake_rounds(monkeypatch, rounds, "dapo", max_rounds=2)[3] for rounds in ranks]
+    row = {k: distributed.combine([distributed.declared(k, m[k]) for m in made]) for k in made[0]}
+    assert row == {"dynamic_sampling/rounds": 2, "dynamic_sampling/groups_drawn": 12,
+                   "dynamic_sampling/groups_with_signal": 4}

@@ -337,9 +337,7 @@ def main():
         a.parts += ",trl-ckpt"
     os.makedirs(a.out, exist_ok=True)
     if a.part:                                             # child: one part, result as JSON on the last line
-        result = PARTS[a.part](a)
-        if result is not None:                             # torchrun: ranks other than 0 report nothing
-            print("RESULT " + json.dumps(result), flush=True)
+        print_result(PARTS[a.part](a))
         return
     unknown = set(a.parts.split(",")) - set(PARTS)
     if unknown:
@@ -360,36 +358,62 @@ def main():
                 except ImportError:
                     results["_errors"]["TRL GRPOTrainer"] = "trl is not importable here"
                     continue
-            launcher = [sys.executable] if nproc == "1" else \
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-            args = [*launcher, __file__, "--part", part, "--model", model_dir, "--tmp", tmp, "--out", a.out,
+            args = [*launcher(nproc), __file__, "--part", part, "--model", model_dir, "--tmp", tmp, "--out", a.out,
                     "--gpus", nproc, "--steps", str(a.steps), "--micro", micro, "--variant", variant,
                     "--repeats", str(a.repeats), "--set", a.set, "--shape", a.shape, "--lora", str(a.lora),
                     "--repeats-hf", str(a.repeats_hf)] + (["--small"] if a.small else []) + \
                    (["--fast-only"] if a.fast_only else [])
             t0 = time.perf_counter()
-            proc = subprocess.run(args, capture_output=True, text=True)
-            with open(os.path.join(a.out, f"{key.replace(':', '-')}.log"), "w") as f:   # ':' cannot travel back
-                f.write(proc.stdout + proc.stderr)
-            got = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode or not got:
-                # the last line that is not a progress bar: tqdm's lines end the stderr of a crashed trainer
-                lines = [x for x in proc.stderr.strip().splitlines() if "it/s]" not in x and "s/it]" not in x]
-                err = (lines or ["no output"])[-1][:200]
+            log = os.path.join(a.out, f"{key.replace(':', '-')}.log")   # ':' cannot travel back
+            result, err = run_part(args, log)
+            if err is not None:
                 results["_errors"]["TRL GRPOTrainer" if part.startswith("trl") else key] = err
                 print(f"part {key} failed ({time.perf_counter() - t0:.0f} s): {err}", flush=True)
                 continue
-            results[key] = json.loads(got[-1][len("RESULT "):])
+            results[key] = result
             print(f"part {key} done in {time.perf_counter() - t0:.0f} s", flush=True)
-            write_report(results, a)                   # after each part: a run cut short still reports
-    print(write_report(results, a))
+            write_report(a.out, "bench", results, table(results, a))   # after each part: a run cut short still reports
+    print(write_report(a.out, "bench", results, table(results, a)))
 
 
-def write_report(results: dict, a) -> str:
-    with open(os.path.join(a.out, "bench.json"), "w") as f:
+# --- the runner: each part in a process of its own (clean peak-memory counters), its result as the last line of
+# its output. tools/bench_w5x4.py runs its placements with it too.
+def launcher(nproc) -> list[str]:
+    """The command that starts a part: python, or torchrun with nproc processes on this host."""
+    return [sys.executable] if int(nproc) == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def print_result(result: dict | None):
+    """A part's result as its output's last line, for result_of; None (torchrun's ranks but 0) prints nothing."""
+    if result is not None:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def result_of(output: str) -> dict | None:
+    """The result a part printed (print_result), or None if it printed none."""
+    got = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    return json.loads(got[-1][len("RESULT "):]) if got else None
+
+
+def run_part(args: list[str], log: str, env: dict | None = None) -> tuple[dict | None, str | None]:
+    """Run a part's command (args), its whole output into the file log. -> (its result, None), or (None, why it
+    failed: the last line of its stderr that is not a progress bar, as tqdm's lines end a crashed trainer's)."""
+    proc = subprocess.run(args, capture_output=True, text=True, env=env)
+    with open(log, "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    result = result_of(proc.stdout)
+    if proc.returncode == 0 and result is not None:
+        return result, None
+    lines = [x for x in proc.stderr.strip().splitlines() if "it/s]" not in x and "s/it]" not in x]
+    return None, (lines or ["no output"])[-1][:200]
+
+
+def write_report(out: str, name: str, results: dict, text: str) -> str:
+    """The results as OUT/<name>.json, the report's text as OUT/<name>.md; -> the text."""
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(results, f, indent=1)
-    text = table(results, a)
-    with open(os.path.join(a.out, "bench.md"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(text)
     return text
 

@@ -29,6 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import torch
 
+import bench_workload   # tools/: W1's timing helpers
+from bench_workload import sync
+
 # name -> (model_type, config fields, path): the shapes of issue 32's table; granite at qwen2's shape stands for
 # the generic path (a family the hand-written step does not cover)
 MODELS = {
@@ -90,21 +93,10 @@ def params_read(model) -> int:
     return int(n)
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def timed(fn, repeats: int) -> tuple[float, float]:
     """(first call's seconds: compile and capture, median of `repeats` more)."""
-    times = []
-    for _ in range(repeats + 1):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return times[0], statistics.median(times[1:])
+    first, times, _ = bench_workload.timed(fn, repeats)
+    return first, statistics.median(times)
 
 
 def profile(fn, out: str) -> str:

@@ -40,6 +40,7 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TOOLS)
 sys.path.insert(0, TOOLS)
 import plan   # noqa: E402  (tools/plan.py: the same model that prints its table)
+from bench import launcher, result_of, write_report   # noqa: E402  (the runner of bench.py's parts)
 from bench_workload import SHAPES, W, build_model   # noqa: E402
 
 GOAL = 3.4   # samples/s of the best 4-GPU placement over the 1-GPU run's (issue 39)
@@ -244,12 +245,7 @@ def main():
                     stopped = res["error"] = str(e)
             took = f" ({res['wall_s']:.0f} s)" if "wall_s" in res else ""
             print(f"{p.name}: {res.get('error') or 'done'}{took}", flush=True)
-    text = report(results, device, steps, a.cpu)
-    with open(os.path.join(a.out, "w5x4.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(a.out, "w5x4.md"), "w") as f:
-        f.write(text)
-    print(text)
+    print(write_report(a.out, "w5x4", results, report(results, device, steps, a.cpu)))
     if stopped:
         sys.exit(stopped)
 
@@ -298,9 +294,7 @@ def run_placement(p: Placement, res: dict, a, model: str, tmp: str, steps: int, 
     # micro-batch 32 as W1, or the largest size under it that divides the step's samples (3+1: 120 samples)
     micro = max(d for d in range(1, 33) if res["samples"] % d == 0)
     v = f"{micro}:ckpt" + ("" if a.cpu else ":compile") + (":rep" if p.parallel == "replicate" else "")   # no inductor
-    launcher = [sys.executable] if p.nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.nproc}"]
-    cmd = [*launcher, os.path.join(TOOLS, "bench.py"), "--part", "ours", "--model", model,
+    cmd = [*launcher(p.nproc), os.path.join(TOOLS, "bench.py"), "--part", "ours", "--model", model,
            "--tmp", os.path.join(tmp, p.name), "--out", out, "--gpus", str(p.nproc), "--steps", str(steps),
            "--micro", v.split(":")[0], "--variant", v, "--set", res["set"]] + (["--small"] if a.cpu else [])
     t0 = time.perf_counter()
@@ -314,17 +308,16 @@ def run_placement(p: Placement, res: dict, a, model: str, tmp: str, steps: int, 
 def collect(res: dict, out: str, run_tmp: str, err: str | None):
     """The rank-0 result line, the run's metrics.jsonl (copied to out) and its split into res."""
     log = os.path.join(out, "run.log")
-    got = [x for x in open(log, errors="replace").read().splitlines() if x.startswith("RESULT ")]
+    r = result_of(open(log, errors="replace").read())
     for m in glob.glob(os.path.join(run_tmp, "*", "metrics.jsonl")):
         shutil.copy(m, os.path.join(out, "metrics.jsonl"))
         try:
             res["split_s"] = split_of(m)
         except (ValueError, KeyError, statistics.StatisticsError):
             pass   # a run cut short: no measured step
-    if err or not got:
+    if err or r is None:
         res["error"] = err or f"no result line: {error_line(log)}"
         return
-    r = json.loads(got[-1][len("RESULT "):])
     res.update(step_s=r["step_s"], steps_s=r["steps_s"], peak_alloc_gib=r.get("peak_alloc_gib"))
 
 

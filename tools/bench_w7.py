@@ -68,7 +68,8 @@ def run(a) -> dict:
     import config
     import config_checks
     import registry
-    import train
+    import run_setup
+    import train  # noqa: F401  (the plugin packages register their names)
     from bench_workload import build_model
     W.update(TINY if a.tiny else SHAPES["w1"])
     gpu = torch.cuda.is_available()
@@ -83,7 +84,7 @@ def run(a) -> dict:
     config_checks.validate(cfg)
     if a.threads:
         torch.set_num_threads(a.threads)
-    policy, _, _ = train.build_models(cfg, device, dtype, fsdp=False)
+    policy, _, _ = run_setup.build_models(cfg, device, dtype, fsdp=False)
     if a.attn:
         policy.set_attn_implementation(a.attn)
     auto = update.packed_attention_name
