@@ -164,6 +164,9 @@ def serve(fd: int, parent: int = 0):
 
 
 def _clean_up(conn: Connection):
+    # leaving anyway: a SIGTERM now (the trainer exiting) would only interrupt the clean-up, or land in the
+    # interpreter's shutdown after serve returns and print "Exception ignored ... _Stop" on the trainer's stderr
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn.close()
     if os.path.basename(tempfile.gettempdir()).startswith(WORKER_PREFIX):
         shutil.rmtree(tempfile.gettempdir(), ignore_errors=True)

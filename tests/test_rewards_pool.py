@@ -274,3 +274,19 @@ def test_bad_code_reward_args_are_named_before_any_work():
         RewardPool([(code_reward, 1.0, {"wal_s": 5})])
     with pytest.raises(ValueError, match="memory_mb must be a positive number, got -1"):
         RewardPool([(code_reward, 1.0, {"memory_mb": -1})])
+
+
+def test_a_sigterm_after_the_worker_left_prints_nothing(tmp_path):
+    """The trainer's exit sends its workers SIGTERM (PR_SET_PDEATHSIG). One that arrives after serve() returned,
+    during the interpreter's shutdown, must not print a _Stop traceback on the trainer's stderr: that breaks the
+    one-line error a bad input gets."""
+    import subprocess
+    code = ("import os, signal, socket, sys; sys.path.insert(0, %r)\n"
+            "from rewards.pool import serve\n"
+            "ours, theirs = socket.socketpair(); ours.close()\n"      # the trainer is gone before the first message
+            "serve(theirs.detach())\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"                  # the parent-death signal, late
+            "print('left')\n") % os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert (r.returncode, r.stdout.strip(), r.stderr) == (0, "left", ""), r.stderr[-2000:]
