@@ -36,14 +36,18 @@ class ImagePrompt(list):
 
 
 def load_image(image, decode: bool = True):
-    """bytes or a path -> an RGB PIL image (decode=False: opened lazily, enough for its size)."""
+    """bytes or a path -> an RGB PIL image (decode=False: opened lazily, enough for its size). A parquet image column
+    written by HF datasets holds {"bytes": ..., "path": ...}: its bytes, else its path."""
     from PIL import Image
+    if isinstance(image, dict) and set(image) <= {"bytes", "path"}:
+        image = image.get("bytes") or image.get("path")
     if isinstance(image, (bytes, bytearray)):
         img = Image.open(io.BytesIO(image))
         return img.convert("RGB") if decode else img
     if isinstance(image, str) and os.path.exists(image):
         return Image.open(image).convert("RGB") if decode else Image.open(image)
-    raise ValueError(f"a row's image must be bytes or an existing file path, got {type(image).__name__}")
+    raise ValueError(f"a row's image must be bytes, an existing file path or a datasets image dict, got "
+                     f"{type(image).__name__}")
 
 
 @lru_cache(maxsize=4)
