@@ -162,8 +162,8 @@ def _text_positions(hf_config):
 
 
 VLM_HINT = ("engine=vllm with a vision-language model needs transformers' Qwen2-VL image processor, which imports "
-            "torchvision (a CPU build on CPU machines: pip install torchvision --index-url "
-            "https://download.pytorch.org/whl/cpu)")
+            "torchvision: on CPU machines its CPU build matching torch (torch 2.13: pip install --no-deps "
+            "torchvision==0.28.0+cpu --index-url https://download.pytorch.org/whl/cpu)")
 
 
 def check_config(cfg):
