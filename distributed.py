@@ -204,6 +204,9 @@ def shard(model, device: torch.device, compute_dtype: torch.dtype, offload: bool
     for module in model.modules():
         if type(module).__name__ in layers:
             fully_shard(module, **kw)
+    visual = getattr(getattr(model, "model", None), "visual", None)   # a vision-language model's encoder (vision.py)
+    if visual is not None:   # its own unit over its blocks' units: patch embedding and merger gather with it, not root
+        fully_shard(visual, **kw)
     fully_shard(model, **kw)   # the root unit: what is left (embeddings, final norm, the tied lm_head)
     return model
 

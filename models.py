@@ -130,7 +130,7 @@ def completion_loss(model, input_ids: Tensor, attention_mask: Tensor, C: int, te
 def _inputs(input_ids: Tensor, attention_mask: Tensor, C: int, model=None, images: dict | None = None) -> dict:
     # pictures: their features replace the prompt's image tokens (the completion's C columns are text)
     ids = dict(input_ids=input_ids) if images is None else \
-        dict(inputs_embeds=vision.embed(model, input_ids, images, prompt_len=input_ids.shape[1] - C))
+        vision.model_inputs(model, input_ids, images, prompt_len=input_ids.shape[1] - C)
     pos = vision.positions(model, input_ids, attention_mask, images, input_ids.shape[1] - C)   # M-RoPE: (3, B, T)
     return dict(**ids, attention_mask=attention_mask, position_ids=pos,
                 logits_to_keep=C + 1, use_cache=False)        # position t predicts token t + 1

@@ -36,14 +36,18 @@ class ImagePrompt(list):
 
 
 def load_image(image, decode: bool = True):
-    """bytes or a path -> an RGB PIL image (decode=False: opened lazily, enough for its size)."""
+    """bytes or a path -> an RGB PIL image (decode=False: opened lazily, enough for its size). A parquet image column
+    written by HF datasets holds {"bytes": ..., "path": ...}: its bytes, else its path."""
     from PIL import Image
+    if isinstance(image, dict) and set(image) <= {"bytes", "path"}:
+        image = image.get("bytes") or image.get("path")
     if isinstance(image, (bytes, bytearray)):
         img = Image.open(io.BytesIO(image))
         return img.convert("RGB") if decode else img
     if isinstance(image, str) and os.path.exists(image):
         return Image.open(image).convert("RGB") if decode else Image.open(image)
-    raise ValueError(f"a row's image must be bytes or an existing file path, got {type(image).__name__}")
+    raise ValueError(f"a row's image must be bytes, an existing file path or a datasets image dict, got "
+                     f"{type(image).__name__}")
 
 
 @lru_cache(maxsize=4)
@@ -182,6 +186,33 @@ def positions(model, input_ids: Tensor, attention_mask: Tensor, images: dict | N
 def embed(model, input_ids: Tensor, images: dict, prompt_len: int | None = None) -> Tensor:
     """(B, T) ids -> (B, T, H) input embeddings: the image pads of the first prompt_len columns (the prompt; all
     when None) replaced by the features of the row's picture. The encoder runs once per distinct picture."""
+    return place(model, base_model(model).get_input_embeddings()(input_ids), input_ids, images, prompt_len)
+
+
+def model_inputs(model, input_ids: Tensor, images: dict, prompt_len: int | None = None) -> dict:
+    """The keywords that give a training forward its pictures: `inputs_embeds` from `embed`, or for an FSDP2-sharded
+    policy (distributed.shard) the ids themselves, with the pictures placed by a one-shot hook on the embedding
+    layer. Why: the embeddings (and a tied head) live in FSDP's root unit, which is gathered, and whose gradient is
+    reduce-scattered, around the model's forward; an embedding computed before it would meet sharded weights, and
+    its gradient would arrive after the root's reduce-scatter fired on `inputs_embeds`' gradient."""
+    from torch.distributed.fsdp import FSDPModule
+    if not isinstance(model, FSDPModule):
+        return {"inputs_embeds": embed(model, input_ids, images, prompt_len)}
+    layer = base_model(model).get_input_embeddings()
+    if getattr(model, "_vision_hook", None) is not None:   # a forward that raised before its embedding ran
+        model._vision_hook.remove()
+
+    def hook(module, args, output):                        # (B, T, H) token embeddings -> with the pictures
+        model._vision_hook.remove()
+        model._vision_hook = None
+        return place(model, output, input_ids, images, prompt_len)
+    model._vision_hook = layer.register_forward_hook(hook)
+    return {"input_ids": input_ids}
+
+
+def place(model, embeds: Tensor, input_ids: Tensor, images: dict, prompt_len: int | None = None) -> Tensor:
+    """(B, T, H) token embeddings of (B, T) ids -> the same with the image pads of the first prompt_len columns
+    replaced by the features of the row's picture (the encoder once per distinct picture)."""
     pv, grid, index = images["pixel_values"], images["image_grid_thw"], images["image_index"]
     model = base_model(model)
     lengths = grid.prod(-1).tolist()                                                     # patches per picture
@@ -192,7 +223,6 @@ def embed(model, input_ids: Tensor, images: dict, prompt_len: int | None = None)
     feats = getattr(out, "pooler_output", out)           # 5.2x: an output with a tuple of (n_u, H); older: a tensor
     merge = model.config.vision_config.spatial_merge_size ** 2
     feats = list(feats) if isinstance(feats, (list, tuple)) else list(feats.split([n // merge for n in lengths]))
-    embeds = model.get_input_embeddings()(input_ids)                                     # (B, T, H)
     slots = input_ids == model.config.image_token_id                                     # (B, T)
     if prompt_len is not None:   # a sampled image-pad token in a completion is text, not a picture
         slots[:, prompt_len:] = False

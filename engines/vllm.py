@@ -27,8 +27,14 @@ Choices, with reasons:
 - Sampling seeds come from the loop's torch.Generator (one per prompt), so runs are reproducible.
 - vLLM reseeds the global RNGs when it starts; the constructor restores them so that building the
   engine does not change the trainer's random stream.
+- A vision-language model (vision.py, docs/vision.md): a prompt's picture goes in vLLM's `multi_modal_data`, once
+  per prompt for its n samples, with the prompt's run of image pads cut to one (vLLM's processor expands it again,
+  and the expansion must equal the trainer's: checked per request). vLLM's multimodal processor needs the
+  tokenizer and transformers' torchvision image processor (`check_config` refuses before any work without it);
+  a model trained on text positions (`text_positions`) gets its M-RoPE section dropped (`_text_positions`).
 """
 import contextlib
+import importlib.util
 import logging
 import os
 import random
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+import vision
 from config import UserError, opt, section
 from lora import engine_weights
 from registry import register
@@ -72,7 +79,8 @@ class _DropExpected(logging.Filter):
 
     def filter(self, record):
         if record.msg == "%s: Failed to load weights":   # per reload: rotary has no weights, a tied
-            return record.args[0] not in ("RotaryEmbedding", "ParallelLMHead")   # lm_head fills via embed
+            # rotary and a VLM's fused input norm hold no weights of their own; a tied lm_head fills via embed
+            return record.args[0] not in ("RotaryEmbedding", "ParallelLMHead", "FusedMMInputNorm")
         return record.msg != "Chat template warmup failed"   # we skip the tokenizer: token ids only
 
 
@@ -132,6 +140,52 @@ def _full(t: Tensor) -> Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
+def _vlm_config(model_path: str):
+    """The model's config if it is a vision-language model (it has a vision_config), else None."""
+    from transformers import AutoConfig
+    try:
+        cfg = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None   # vLLM itself reports a folder it cannot read
+    return cfg if hasattr(cfg, "vision_config") else None
+
+
+def _text_positions(hf_config):
+    """vLLM's hf_overrides for a Qwen2-VL trained on plain text positions (the tiny VLM: vision.uses_mrope): without
+    the M-RoPE section vLLM gives every token one position, as the trainer does (the same rotation as M-RoPE with
+    three equal rows)."""
+    for c in {id(hf_config): hf_config, id(hf_config.get_text_config()): hf_config.get_text_config()}.values():
+        rope = getattr(c, "rope_parameters", None)
+        if rope and "mrope_section" in rope:
+            c.rope_parameters = {k: v for k, v in rope.items() if k != "mrope_section"}
+    return hf_config
+
+
+VLM_HINT = ("engine=vllm with a vision-language model needs transformers' Qwen2-VL image processor, which imports "
+            "torchvision: on CPU machines its CPU build matching torch (torch 2.13: pip install --no-deps "
+            "torchvision==0.28.0+cpu --index-url https://download.pytorch.org/whl/cpu)")
+
+
+def check_config(cfg):
+    """engine=vllm with a vision-language model, checked before any work: vLLM's Qwen2-VL processor imports
+    transformers' torchvision image processor and looks the video token up in the tokenizer."""
+    if cfg.engine != "vllm" or _vlm_config(cfg.model) is None:
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError(INSTALL_HINT)
+    if cfg.env.name:
+        raise UserError("engine=vllm with a vision-language model runs single-turn rollouts only (env.name is set): "
+                        "use engine=builtin for episodes")
+    try:
+        import transformers.models.qwen2_vl.image_processing_qwen2_vl  # noqa: F401
+    except Exception as e:   # noqa: BLE001  missing torchvision, or one whose C ops do not load (a CUDA build)
+        raise UserError(f"{VLM_HINT} (import failed: {str(e).strip().splitlines()[-1]})") from None
+    from transformers import AutoTokenizer
+    if "<|video_pad|>" not in AutoTokenizer.from_pretrained(cfg.model).get_vocab():
+        raise UserError(f"engine=vllm: vLLM's Qwen2-VL processor needs '<|video_pad|>' in {cfg.model}'s tokenizer "
+                        "(tools/make_tiny_vlm.py shows how to add it)")
+
+
 @register("engine", "vllm")
 class VLLMEngine:
     """vLLM's LLM class in this process, fed token ids, returning the built-in engine's Rollout."""
@@ -160,6 +214,11 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization   # colocated: leave room for training
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
+        self.vlm = _vlm_config(model_path)
+        if self.vlm is not None:   # pictures: vLLM's processor needs the tokenizer; one picture per prompt
+            kwargs.update(skip_tokenizer_init=False, limit_mm_per_prompt={"image": 1})
+            if getattr(self.vlm, "text_positions", False):
+                kwargs["hf_overrides"] = _text_positions
         kwargs.update(llm_kwargs or {})
         t0 = time.perf_counter()
         with _keep_host_rng():
@@ -189,12 +248,26 @@ class VLLMEngine:
             raise RuntimeError("vllm engine is asleep, or woke from level 2 without weights: wake(), then load_weights()")
         device = generator.device if generator is not None else "cpu"
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator, device=device)
-        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        requests = [self._request(p) for p in prompts]
         params = [self._SamplingParams(n=n, temperature=vllm_temperature(sampling.temperature), top_p=sampling.top_p,
                                        max_tokens=m, logprobs=0, seed=int(s),
                                        ignore_eos=True, stop_token_ids=[self.eos_id], detokenize=False)
                   for s, m in zip(seeds.tolist(), max_tokens)]
-        return self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        for p, out in zip(prompts, outputs):
+            if isinstance(p, vision.ImagePrompt) and list(out.prompt_token_ids) != list(p):
+                raise RuntimeError(f"vLLM expanded a picture to {out.prompt_token_ids.count(self.vlm.image_token_id)} "
+                                   f"image tokens, the trainer's processor to {p.count(self.vlm.image_token_id)}: "
+                                   "their image processor settings differ")
+        return outputs
+
+    def _request(self, prompt: list[int]) -> dict:
+        """vLLM's request for a token-id prompt; a picture's prompt carries the picture, its image pads cut to one."""
+        if not isinstance(prompt, vision.ImagePrompt):
+            return {"prompt_token_ids": list(prompt)}
+        pad = self.vlm.image_token_id
+        ids = [t for i, t in enumerate(prompt) if t != pad or i == 0 or prompt[i - 1] != pad]
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": vision.load_image(prompt.image)}}
 
     def turns(self) -> "VLLMTurns":
         """The multi-turn decoder (engines/multiturn.py drives it when engine=vllm and env.name is set)."""
@@ -231,6 +304,8 @@ class VLLMEngine:
         # is: the engine runs in this process, so nothing is serialised.
         self.llm.collective_rpc(_reload_on_worker, args=(stream(),))
         self.llm.reset_prefix_cache()   # cached prefixes hold KV computed with the old weights
+        if self.vlm is not None:        # and cached picture features the old tower's
+            self.llm.llm_engine.reset_encoder_cache()
         self.stale = False
         return {"sync_s": time.perf_counter() - t0, "sync_tensors": count[0], "sync_mb": count[1] / 2**20}
 
@@ -271,6 +346,8 @@ class VLLMTurns:
                        pad_id: int, generator: torch.Generator | None = None):
         if eos_id != self.engine.eos_id:
             raise ValueError(f"vllm engine stops at token {self.engine.eos_id}, the episodes' end of turn is {eos_id}")
+        if any(isinstance(p, vision.ImagePrompt) for p in prompts):   # check_config refuses it first
+            raise ValueError("vllm engine: episodes with pictures are not supported (single-turn rollouts only)")
         self.history = [list(p) for p in prompts]
         self.N, self.sampling, self.pad_id, self.generator = N, sampling, pad_id, generator
 

@@ -212,6 +212,17 @@ def test_train_tower_true_trains_the_tower(vlm, rollout):
         model.zero_grad()
 
 
+def test_a_picture_loads_from_bytes_a_path_or_a_datasets_image_dict(tmp_path):
+    png = shapes.shapes_samples(1, False)[0]["image"]
+    (tmp_path / "a.png").write_bytes(png)
+    want = np.asarray(vision.load_image(png))
+    for image in (str(tmp_path / "a.png"), {"bytes": png, "path": None}, {"bytes": None, "path": str(tmp_path / "a.png")}):
+        assert (np.asarray(vision.load_image(image)) == want).all()
+    for bad in ({"bytes": None, "path": None}, {"pixels": png}, str(tmp_path / "missing.png"), 3):
+        with pytest.raises(ValueError, match="image must be"):
+            vision.load_image(bad)
+
+
 def test_a_row_without_its_image_slot_is_an_error(vlm):
     _, tok, path = vlm
     row = shapes.shapes_samples(1, False)[0]

@@ -11,6 +11,7 @@ the engine's turns()). Two tests run train.py itself: with vLLM a
 3-step `engine=vllm` run, without it the one-line install error.
 """
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -301,3 +302,91 @@ def test_multiturn_episodes_on_vllm_reuse_the_prefix_cache(tmp_path):
     for b in range(len(ro.input_ids)):
         assert tok.decode(ro.input_ids[b, -C:][obs[b]].tolist()) == "<>=" * (ro.info["turns"][b] - 1)
     assert 0 < turns.cached_tokens < turns.prompt_tokens, (turns.cached_tokens, turns.prompt_tokens)
+
+
+# ------------------------------------------------------------------------------------ vision-language models
+# vLLM's Qwen2-VL processor imports transformers' torchvision image processor; pip's torchvision is a CUDA build
+# whose import fails beside torch's CPU build, so tools/ci_vllm.sh removes it and these tests need a CPU one.
+
+def vllm_takes_pictures() -> bool:
+    if not HAS_VLLM:
+        return False
+    try:
+        import transformers.models.qwen2_vl.image_processing_qwen2_vl  # noqa: F401
+        return True
+    except Exception:   # noqa: BLE001  no torchvision, or one whose C ops do not load
+        return False
+
+
+def needs_vllm_vision(test):
+    return pytest.mark.vllm(pytest.mark.skipif(not vllm_takes_pictures(),
+                                               reason="vLLM cannot take pictures here (vllm or a CPU torchvision "
+                                                      "missing)")(test))
+
+
+VLM = os.path.join(ROOT, "assets", "tiny-vlm")
+
+
+@needs_vllm_vision
+def test_vllm_and_the_portable_path_agree_on_a_vlm():
+    """The shipped tiny VLM: vLLM (pictures in multi_modal_data) and the built-in engine's portable loop decode the
+    same greedy tokens; vLLM's sampling log-probs equal the trainer's (pictures on the prompt's image tokens), before
+    and after an in-place weight sync that moves them."""
+    import vision
+    from engines.base import SamplingParams
+    from engines.builtin import BuiltinEngine
+    from engines.vllm import VLLMEngine
+    from lora import engine_weights
+    from models import completion_logprobs, encode_prompts, load_model
+    from tasks.shapes import shapes_samples
+    policy, tok = load_model(VLM, torch.device("cpu"), torch.float32)
+    prompts = vision.encode_rows(tok, VLM, shapes_samples(6, heldout=True), encode_prompts)
+    greedy = SamplingParams(temperature=1e-5, max_new_tokens=3)
+    portable = BuiltinEngine(policy, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id).generate(prompts, 1, greedy)
+    engine = VLLMEngine(model=policy, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, model_path=VLM,
+                        kv_cache_memory_bytes=64 << 20, seed=0)
+    try:
+        r = engine.generate(prompts, 1, greedy)
+        assert torch.equal(r.input_ids, portable.input_ids)                    # prompts, pictures' pads, tokens
+
+        def mismatch(model, n=4):
+            r = engine.generate(prompts, n, SamplingParams(1.0, 1.0, 3), torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                logp, _ = completion_logprobs(model, r.input_ids, r.attention_mask, r.completion_mask.shape[1], 1.0,
+                                              vision.batch_images(prompts, n))
+            return logprob_mismatch(r.logprobs, logp, r.completion_mask)["logprob_mismatch/max"]
+        assert mismatch(policy) < SYNC_TOL
+        before = {k: v.clone() for k, v in policy.state_dict().items()}
+        with torch.no_grad():   # move the language model and the tower alike
+            for p in policy.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        engine.load_weights(engine_weights(policy))
+        assert mismatch(policy) < SYNC_TOL
+        policy.load_state_dict(before)
+        assert mismatch(policy) > STALE_MIN                                    # the sync really changed vLLM
+    finally:
+        engine.close()
+
+
+@needs_vllm_vision
+def test_train_py_runs_grpo_with_vllm_on_the_shapes_task(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "train.py", "--config", "configs/vision.yaml", "engine=vllm", "steps=2",
+                        "eval_size=4", "eval_every=100", "prompts_per_step=2", "samples_per_prompt=4",
+                        "vllm.kv_cache_memory_bytes=67108864", f"out_dir={out}", "progress=false"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = step_rows(out)
+    assert [row["step"] for row in rows] == [1, 2] and all(row["grad_norm"] > 0 for row in rows)
+    assert rows[-1]["logprob_mismatch/max"] < SYNC_TOL      # step 2 sampled by vLLM with the synced weights
+
+
+@pytest.mark.skipif(vllm_takes_pictures(), reason="checks the refusal where vLLM cannot take pictures")
+def test_vllm_with_a_vlm_is_refused_in_one_line_before_any_work(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "--config", "configs/vision.yaml", "engine=vllm", "steps=1",
+                        f"out_dir={tmp_path / 'run'}", "progress=false"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(err) == 1, r.stderr[-2000:]
+    assert ("torchvision" if HAS_VLLM else "pip install -r requirements-vllm.txt") in err[0]
+    assert not (tmp_path / "run").exists()                 # nothing written: refused before any work

@@ -21,6 +21,12 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
     # pip picks CUDA builds of these; with them `from vllm import LLM` fails (torchvision::nms missing),
     # and text models need none of them
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+    # vLLM's Qwen2-VL (engine=vllm with a vision-language model) imports transformers' torchvision image processor:
+    # only a CPU build of torchvision imports beside torch's CPU build, and it comes from PyTorch's own index. Where
+    # that is out of reach the vision tests of test_vllm.py skip and train.py refuses engine=vllm with a VLM
+    "$VENV/bin/pip" install -q --no-deps --retries 0 --timeout 20 "torchvision==0.28.0+cpu" \
+        --index-url https://download.pytorch.org/whl/cpu \
+        || echo "note: no CPU torchvision: engine=vllm with a vision-language model is not tested" >&2
     "$VENV/bin/pip" install -q -r requirements.txt -r requirements-test.txt
 fi
 echo "vllm venv ready in $(( $(date +%s) - start )) s"

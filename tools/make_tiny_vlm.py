@@ -48,6 +48,7 @@ from tools.make_tiny_model import build_tokenizer  # noqa: E402
 
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz ?"
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+VIDEO_TOKEN = "<|video_pad|>"
 CAPTION = f"{shapes.IMAGE}describe?"   # the warm start's second question (sft_batch), never asked in RL
 
 
@@ -91,6 +92,9 @@ def build(out: str):
         image_token_id=ids["<|image_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True, **special)
     cfg.text_positions = True   # trained on the project's text positions, not M-RoPE (vision.uses_mrope)
+    # vLLM's Qwen2-VL processor looks the video token up by name even for pictures (engine=vllm): the tokenizer
+    # knows it, outside the model's vocabulary (no prompt of the project holds it, the model never samples it)
+    tok.add_tokens([VIDEO_TOKEN], special_tokens=True)
     os.makedirs(out, exist_ok=True)
     tok.save_pretrained(out)
     proc.save_pretrained(out)
