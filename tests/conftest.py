@@ -63,6 +63,26 @@ def logprob_mismatch(sample_logprobs, trainer_logprobs, mask) -> dict[str, float
     return {"logprob_mismatch/mean": diff.mean().item(), "logprob_mismatch/max": diff.max().item()}
 
 
+def train_here(args: list[str]) -> dict:
+    """train.py's main in this process, as `python train.py ARGS` in the repository would run it, for a run that
+    is neither killed nor launched by torchrun: no second import of torch and transformers (most of a small run's
+    time). Restores what main changes for the process: torch's threads and global RNG, the environment, the
+    working directory; and gives back the GPU memory it cached, which processes started later may need."""
+    import train
+    threads, rng, env, cwd = torch.get_num_threads(), torch.get_rng_state(), dict(os.environ), os.getcwd()
+    os.chdir(ROOT)
+    try:
+        return train.main(args)
+    finally:
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+        os.environ.clear()
+        os.environ.update(env)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 _saved_threads: dict = {}
 # The test files that take longest (many train.py or torchrun processes), run first: README's `--dist loadfile`
 # hands each file whole to one worker, and a long file started last would leave the other worker idle meanwhile

@@ -23,6 +23,7 @@ import run_dir
 from algos import grpo
 from algos.common import Algorithm
 from config import UserError
+from conftest import train_here
 from rewards.pool import RewardPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,22 +44,6 @@ def run_train(args, crash_at=None):
     env = {**os.environ, **({"RL_CRASH_AT": crash_at} if crash_at else {})}
     return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=env)
-
-
-def train_here(args) -> dict:
-    """train.py's main in this process, for a run that is not killed: no second import of torch and transformers
-    (most of a small run's time). The kills need a subprocess (run_train); resuming from what a killed process left
-    on disk is the same in either. Restores what main changes for the process: torch's threads and global RNG, the
-    environment."""
-    import train
-    threads, rng, env = torch.get_num_threads(), torch.get_rng_state(), dict(os.environ)
-    try:
-        return train.main(args)
-    finally:
-        torch.set_num_threads(threads)
-        torch.set_rng_state(rng)
-        os.environ.clear()
-        os.environ.update(env)
 
 
 def metrics(run_dir) -> list[dict]:
