@@ -63,6 +63,26 @@ def logprob_mismatch(sample_logprobs, trainer_logprobs, mask) -> dict[str, float
     return {"logprob_mismatch/mean": diff.mean().item(), "logprob_mismatch/max": diff.max().item()}
 
 
+def train_here(args: list[str]) -> dict:
+    """train.py's main in this process, as `python train.py ARGS` in the repository would run it, for a run that
+    is neither killed nor launched by torchrun: no second import of torch and transformers (most of a small run's
+    time). Restores what main changes for the process: torch's threads and global RNG, the environment, the
+    working directory; and gives back the GPU memory it cached, which processes started later may need."""
+    import train
+    threads, rng, env, cwd = torch.get_num_threads(), torch.get_rng_state(), dict(os.environ), os.getcwd()
+    os.chdir(ROOT)
+    try:
+        return train.main(args)
+    finally:
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+        os.environ.clear()
+        os.environ.update(env)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 _saved_threads: dict = {}
 # The test files that take longest (many train.py or torchrun processes), run first: README's `--dist loadfile`
 # hands each file whole to one worker, and a long file started last would leave the other worker idle meanwhile
@@ -80,23 +100,28 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: needs requirements-vllm.txt (tools/ci_vllm.sh); skipped without it")
     # Under pytest-xdist (README's `-n 2`) each worker takes its share of the cores, for torch here and for the
     # processes it starts (OMP_NUM_THREADS): one thread per core in every worker would oversubscribe the CPU, and
-    # threads that wait on each other are slower than fewer threads.
+    # threads that wait on each other are slower than fewer threads. torch.compile's inductor likewise: it compiles
+    # in a pool of one process per core, each of which imports torch first; on a share of one core it compiles in
+    # the process itself (TORCHINDUCTOR_COMPILE_THREADS=1), without the pool's start-up.
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1 and "PYTEST_XDIST_WORKER" in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         share = max(1, cores // workers)
-        _saved_threads.update(torch=torch.get_num_threads(), omp=os.environ.get("OMP_NUM_THREADS"))
+        _saved_threads.update(torch=torch.get_num_threads(),
+                              env={k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")})
         torch.set_num_threads(share)
-        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+        for k in _saved_threads["env"]:
+            os.environ.setdefault(k, str(share))
 
 
 def pytest_unconfigure(config):
     if _saved_threads:
         torch.set_num_threads(_saved_threads["torch"])
-        if _saved_threads["omp"] is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = _saved_threads["omp"]
+        for k, v in _saved_threads["env"].items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ tests/test_rewards_code.py::test_hostile_corpus runs them all in parallel and ch
 import glob
 import os
 import tempfile
+import time
 from collections import namedtuple
 
 UID_BASE = 2_000_000        # rewards.sandbox_launch.UID_BASE: the sandbox's dedicated uids start here
@@ -380,6 +381,16 @@ def _ours(pid: int) -> bool:
             return True
         pid = _status(pid, "PPid") or 0
     return False
+
+
+def settled(probe, seconds: float = 5.0):
+    """probe() (sandbox_processes or left_on_host) once it finds nothing, or its last answer after `seconds`.
+    Another test process (pytest-xdist runs two) may be tearing a sandbox or a killed trainer's workers down
+    while we look: what it leaves goes within moments, where a leftover of ours stays."""
+    deadline = time.monotonic() + seconds
+    while (found := probe()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
 
 
 def left_on_host() -> dict:

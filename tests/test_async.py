@@ -22,7 +22,7 @@ import sys
 
 import pytest
 import torch
-from conftest import step_rows
+from conftest import step_rows, train_here
 
 import checkpoint
 import registry
@@ -52,12 +52,20 @@ def torchrun(n: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "train.py"]
 
 
-def launch(*cmds, crash_at=None):
+def launch(*cmds, crash_at=None, here=()):
     """Start the commands side by side (most of their time is importing torch); -> [(returncode, output)].
-    crash_at: RL_CRASH_AT for each command (checkpoint.crash_point), None for none."""
+    crash_at: RL_CRASH_AT for each command (checkpoint.crash_point), None for none. Meanwhile train.py with each
+    argument list of `here` runs in this process (conftest.train_here: torch is imported already)."""
     procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**ENV, "RL_CRASH_AT": at or ""})
              for c, at in zip(cmds, crash_at or [None] * len(cmds))]
+    try:
+        for args in here:
+            train_here(args)
+    except BaseException:
+        for p in procs:     # not left running past the failed test
+            p.kill()
+        raise
     return [(p.returncode, out) for p, out in ((p, p.communicate(timeout=300)[0]) for p in procs)]
 
 
@@ -357,11 +365,10 @@ def test_staleness_zero_equals_the_synchronous_run(tmp_path):
     before evaluation (step 2's eval/*). The samples are the one-process run's, not a 2-rank sync run's: the one
     rollout rank draws them all from the one-process sampling stream."""
     sync, asyn, two = tmp_path / "sync", tmp_path / "async", tmp_path / "two-trainers"
-    (rs, out_s), (ra, out_a), (r2, out_2) = launch(
-        [sys.executable, "train.py", *SMALL, f"out_dir={sync}"],
+    (ra, out_a), (r2, out_2) = launch(
         [*torchrun(2), *SMALL, "mode=async", "max_staleness=0", f"out_dir={asyn}", "partial.budget_tokens=3"],
-        [*torchrun(3), *SMALL, "steps=3", "mode=async", "max_staleness=0", "parallel=fsdp", f"out_dir={two}"])
-    assert rs == 0, out_s[-3000:]
+        [*torchrun(3), *SMALL, "steps=3", "mode=async", "max_staleness=0", "parallel=fsdp", f"out_dir={two}"],
+        here=[[*SMALL, f"out_dir={sync}"]])
     assert ra == 0, out_a[-3000:]
     assert r2 == 0, out_2[-3000:]
     a, b = step_rows(sync), step_rows(asyn)

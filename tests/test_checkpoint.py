@@ -23,6 +23,7 @@ import run_dir
 from algos import grpo
 from algos.common import Algorithm
 from config import UserError
+from conftest import train_here
 from rewards.pool import RewardPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,10 +67,9 @@ def assert_checkpoints_whole(run_dir):
     return sorted(names)
 
 
-def test_sigkill_anywhere_then_resume_is_exact(tmp_path, random_model_dir):
+def test_sigkill_anywhere_then_resume_is_exact(tmp_path, random_model_dir, capsys):
     base, killed = tmp_path / "base", tmp_path / "killed"
-    r = run_train(small_run(random_model_dir, base))
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_here(small_run(random_model_dir, base))
 
     # killed while writing the first checkpoint: nothing to resume, and a fresh run refuses the directory (it
     # would overwrite its files) until it is removed
@@ -93,10 +93,11 @@ def test_sigkill_anywhere_then_resume_is_exact(tmp_path, random_model_dir):
     # run still ends exactly as the uninterrupted one
     weights = killed / "checkpoints" / "step_000004" / "model.safetensors"
     os.truncate(weights, os.path.getsize(weights) // 2)
-    r = run_train(small_run(random_model_dir, killed))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"checkpoint {killed}/checkpoints/step_000004 is damaged" in r.stdout
-    assert f"resuming from {killed}/checkpoints/step_000003" in r.stdout
+    capsys.readouterr()
+    train_here(small_run(random_model_dir, killed))
+    said = capsys.readouterr().out
+    assert f"checkpoint {killed}/checkpoints/step_000004 is damaged" in said
+    assert f"resuming from {killed}/checkpoints/step_000003" in said
     assert metrics(killed) == metrics(base)     # same steps, once each, same numbers (noise metrics aside)
     assert (killed / "replay.jsonl").read_bytes() == (base / "replay.jsonl").read_bytes()
     a, b = load_file(killed / "final" / "model.safetensors"), load_file(base / "final" / "model.safetensors")
@@ -104,22 +105,21 @@ def test_sigkill_anywhere_then_resume_is_exact(tmp_path, random_model_dir):
     assert assert_checkpoints_whole(killed) == ["step_000005", "step_000006"]
 
     # resume=<an older checkpoint> rewinds: later checkpoints go, steps 6.. run again, identically
-    r = run_train(small_run(random_model_dir, killed)[1:] + [f"resume={killed}/checkpoints/step_000005"])
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_here(small_run(random_model_dir, killed)[1:] + [f"resume={killed}/checkpoints/step_000005"])
     assert metrics(killed) == metrics(base)
 
 
-def test_default_on_policy_resume_is_exact(tmp_path, random_model_dir):
+def test_default_on_policy_resume_is_exact(tmp_path, random_model_dir, capsys):
     args = lambda out: [f"model={random_model_dir}", f"out_dir={out}", "steps=4", "prompts_per_step=2",
                         "samples_per_prompt=4", "eval_every=2", "eval_size=8", "arithmetic.n_train=200",
                         "arithmetic.n_eval=20", "save_every=2", "algo.epochs=2", "threads=1", "progress=false"]
-    assert run_train(args(tmp_path / "base")).returncode == 0
+    train_here(args(tmp_path / "base"))
     r = run_train(args(tmp_path / "killed"), crash_at="update:3")   # second of two PPO epochs never runs
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
-    r = run_train(args(tmp_path / "killed"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    capsys.readouterr()
+    train_here(args(tmp_path / "killed"))
     assert metrics(tmp_path / "killed") == metrics(tmp_path / "base")
-    assert " over 2 steps; " in r.stdout          # the summary counts the steps this process ran (3 and 4)
+    assert " over 2 steps; " in capsys.readouterr().out   # the summary counts the steps this run did (3 and 4)
 
 
 def test_ppo_resume_restores_the_critic(tmp_path, random_model_dir):
@@ -127,12 +127,11 @@ def test_ppo_resume_restores_the_critic(tmp_path, random_model_dir):
     args = lambda out: [f"model={random_model_dir}", f"out_dir={out}", "steps=4", "prompts_per_step=2",
                         "samples_per_prompt=4", "eval_every=2", "eval_size=8", "arithmetic.n_train=200",
                         "arithmetic.n_eval=20", "save_every=2", "algo.name=ppo", "threads=1", "progress=false"]
-    assert run_train(args(tmp_path / "base")).returncode == 0
+    train_here(args(tmp_path / "base"))
     r = run_train(args(tmp_path / "killed"), crash_at="rollout:3")
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     assert os.path.exists(tmp_path / "killed" / "checkpoints" / "step_000002" / "critic.safetensors")
-    r = run_train(args(tmp_path / "killed"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_here(args(tmp_path / "killed"))
     rows = metrics(tmp_path / "killed")
     assert rows == metrics(tmp_path / "base") and all("value_loss" in row for row in rows)
 
@@ -257,4 +256,5 @@ def _two_rank_worker(rank: int, init_file: str, run_dir: str):
 def test_two_ranks_rank0_writes_every_rank_loads_its_own_state(tmp_path):
     import torch.multiprocessing as mp
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    # forked from this process: a spawned rank would import torch and the project again first
+    mp.start_processes(_two_rank_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="fork")

@@ -20,20 +20,29 @@ import sys
 
 import pytest
 import torch
-from conftest import step_rows  # noqa: E402
+from conftest import step_rows, train_here  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run(*cmds, logs=None, timeout=600):
-    """Run the commands side by side (most of their time is importing torch and transformers). With `logs` (a
-    folder), each command's whole output goes to logs/run-<i>.log: on a GPU machine a failure's cause can sit far
-    above the last lines that the assertion shows. The timeout only catches a hang: several torchrun jobs side by
-    side on a busy 2-core machine (CI runs two test files at once) are slow without being stuck."""
+def run(*cmds, here=(), logs=None, timeout=600):
+    """Run the commands side by side (most of their time is importing torch and transformers), and meanwhile
+    train.py with each argument list of `here` in this process (conftest.train_here: torch is imported already).
+    With `logs` (a folder), each command's whole output goes to logs/run-<i>.log: on a GPU machine a failure's
+    cause can sit far above the last lines that the assertion shows. The timeout only catches a hang: several
+    torchrun jobs side by side on a busy 2-core machine (CI runs two test files at once) are slow without being
+    stuck."""
     procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
              for c in cmds]
+    try:
+        for args in here:
+            train_here(args)
+    except BaseException:
+        for p in procs:     # not left running past the failed test
+            p.kill()
+        raise
     for i, (cmd, p) in enumerate(zip(cmds, procs)):
         out, _ = p.communicate(timeout=timeout)
         if logs:
@@ -83,10 +92,10 @@ def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
             "micro_batch_size=2",                # 2 ranks: 2 micro-batches each, one gradient reduce-scatter
             "dtype=float32", "progress=false"]   # float32 on GPUs too (python -m pytest there runs NCCL)
     one_rank = [*TORCHRUN[:-1], "--nproc_per_node=1"]   # FSDP with CPU offload at world size 1
-    run([sys.executable, "train.py", *args, f"out_dir={tmp_path / 'one'}"],
-        [*TORCHRUN, "train.py", *args, "compile=true", f"out_dir={tmp_path / 'two'}"],   # compiled FSDP2 layers
+    run([*TORCHRUN, "train.py", *args, "compile=true", f"out_dir={tmp_path / 'two'}"],   # compiled FSDP2 layers
         [*one_rank, "train.py", *args, "offload=true", f"out_dir={tmp_path / 'offload'}"],
-        [*TORCHRUN, "train.py", *args, "parallel=replicate", f"out_dir={tmp_path / 'replicate'}"], logs=tmp_path)
+        [*TORCHRUN, "train.py", *args, "parallel=replicate", f"out_dir={tmp_path / 'replicate'}"],
+        here=[[*args, f"out_dir={tmp_path / 'one'}"]], logs=tmp_path)
     runs = ("one", "two", "offload", "replicate")
     rows = {n: metrics(tmp_path / n) for n in runs}
     for a, *others in zip(*rows.values(), strict=True):
@@ -100,8 +109,8 @@ def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
     import shutil
     for n in ("one", "two"):
         shutil.copytree(tmp_path / n, tmp_path / f"{n}-more")
-    run(*[[sys.executable, "train.py", *args, "steps=3", f"resume={tmp_path / f'{n}-more'}"] for n in ("one", "two")],
-        logs=tmp_path)
+    run([sys.executable, "train.py", *args, "steps=3", f"resume={tmp_path / 'two-more'}"],
+        here=[[*args, "steps=3", f"resume={tmp_path / 'one-more'}"]], logs=tmp_path)
     more = {n: metrics(tmp_path / f"{n}-more")[-1] for n in ("one", "two")}
     assert more["one"]["step"] == more["two"]["step"] == 3
     for key in ("loss", "grad_norm", "kl", "reward", "eval/accuracy"):
@@ -124,7 +133,8 @@ def test_ppo_critic_under_torchrun_matches_one_process(tmp_path):
             "algo.ppo.whiten=false", "dtype=float32", "progress=false"]
     runs = {"one": [sys.executable, "train.py"], "fsdp": [*TORCHRUN, "train.py"],
             "replicate": [*TORCHRUN, "train.py", "parallel=replicate"]}
-    run(*[[*cmd, *args, f"out_dir={tmp_path / name}"] for name, cmd in runs.items()], logs=tmp_path)
+    run(*[[*cmd, *args, f"out_dir={tmp_path / name}"] for name, cmd in runs.items() if name != "one"],
+        here=[[*args, f"out_dir={tmp_path / 'one'}"]], logs=tmp_path)
     rows = {n: metrics(tmp_path / n) for n in runs}
     assert rows["one"][1]["critic_grad_norm"] > 0.1 and rows["one"][2]["value"] != 0   # the critic learned
     assert rows["one"][1]["grad_norm"] > 0.1                                             # and so did the policy
@@ -146,8 +156,8 @@ def test_ppo_critic_under_torchrun_matches_one_process(tmp_path):
     # match an uninterrupted 4-step run of one process (the critic's weights and AdamW state came back whole)
     import shutil
     shutil.copytree(tmp_path / "fsdp", tmp_path / "fsdp-more")
-    run([*runs["one"], *args, "steps=4", f"out_dir={tmp_path / 'one-4'}"],
-        [*runs["fsdp"], *args, "steps=4", f"resume={tmp_path / 'fsdp-more'}"], logs=tmp_path)
+    run([*runs["fsdp"], *args, "steps=4", f"resume={tmp_path / 'fsdp-more'}"],
+        here=[[*args, "steps=4", f"out_dir={tmp_path / 'one-4'}"]], logs=tmp_path)
     more = {n: metrics(tmp_path / n)[-1] for n in ("one-4", "fsdp-more")}
     assert more["one-4"]["step"] == more["fsdp-more"]["step"] == 4
     # the critic's own numbers: the policy's grad_norm at step 4 carries AdamW's amplified float noise (above;
@@ -164,7 +174,8 @@ def test_reinforce_pp_whitens_over_all_ranks(tmp_path):
     args = ["model=assets/tiny-model", "algo.name=reinforce_pp", "steps=2", "eval_every=2", "eval_size=8",
             "prompts_per_step=16", "samples_per_prompt=2", "top_p=1e-6", "lr=1e-2", "dtype=float32", "progress=false"]
     runs = {"one": [sys.executable, "train.py"], "replicate": [*TORCHRUN, "train.py", "parallel=replicate"]}
-    run(*[[*cmd, *args, f"out_dir={tmp_path / name}"] for name, cmd in runs.items()], logs=tmp_path)
+    run([*runs["replicate"], *args, f"out_dir={tmp_path / 'replicate'}"], here=[[*args, f"out_dir={tmp_path / 'one'}"]],
+        logs=tmp_path)
     rows = {n: metrics(tmp_path / n) for n in runs}
     assert rows["one"][0]["grad_norm"] > 0.1                       # step 1's advantages were not all zero
     for a, b in zip(rows["one"], rows["replicate"], strict=True):  # whitened per rank, step 1's was 1.58, not 1.14

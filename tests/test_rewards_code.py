@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rewards.code import code_reward, evaluate, extract_code  # noqa: E402
-from hostile_programs import sandbox_processes  # noqa: E402
+from hostile_programs import sandbox_processes, settled  # noqa: E402
 from rewards.sandbox import Limits, capabilities, run  # noqa: E402
 
 LIM = Limits(wall_s=3.0, cpu_s=2)
@@ -30,7 +30,7 @@ def hostile(code: str, expected: str, max_s: float = LIM.wall_s + 2.0, asserts=N
     assert score == 0.0, f"the hostile program escaped: {failures}"
     assert failures and failures[0][1].startswith("case 0: ")
     assert took < max_s, f"took {took:.1f}s, limit {max_s}s"
-    assert sandbox_processes() == []
+    assert settled(sandbox_processes, 2.0) == []
     return failures[0][1]
 
 
@@ -331,7 +331,7 @@ def test_hostile_corpus():
     one), and leaves nothing on the host. Cases run two at a time; the data-row ones through the pool."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from hostile_programs import HOSTILE, left_on_host
+    from hostile_programs import HOSTILE, left_on_host, settled
     from rewards.pool import RewardPool
     config = {"wall_s": 2.0, "cpu_s": 2, "memory_mb": 64}
     limits = Limits(**config)
@@ -367,7 +367,7 @@ def test_hostile_corpus():
     if CAPS["no_new_user_namespace"]:
         assert by_name["nested_userns_tmpfs"][0][0] == "wrong_answer"       # it printed "blocked: unshare ..."
     assert "disk limit" in by_name["disk_exhaustion"][0][1]
-    assert left_on_host() == {}
+    assert settled(left_on_host) == {}
     ran = len(direct) + len(via_pool)
     print(f"hostile corpus: {ran} of {len(HOSTILE)} programs, rewarded 0, left on host 0, {took:.1f} s")
 

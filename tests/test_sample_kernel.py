@@ -52,11 +52,13 @@ def test_torch_twin():
 
 
 def test_kernel_interpreted_on_cpu():
-    # small blocks: several per program, some all -inf before a live token (the online logsumexp's edge case).
-    # The interpreter runs every program in numpy, so time grows with rows x calls: one distribution check on
-    # 64 rows and the same-draw check on 8 take a third of the time that two steps and the check on 64 took.
+    # three programs per row (a partial buffer of 4, one slot masked) of 3, 3 and 2 blocks of 512, the last block
+    # holding the one column past 3584; the third program's first block is all -inf before its live token (the
+    # online logsumexp's edge case). The interpreter runs every program in numpy, so time grows with
+    # rows x calls x blocks per row: one distribution check on 64 rows and the same-draw check on 8, over 8
+    # blocks of a row where 128-column blocks made 20.
     run_interpreted("import functools, tests.test_sample_kernel as t, kernels.sample as s; "
-                    "t.check_sampler(functools.partial(s.gumbel_sample, split=3, block=128), rows=64, V=2500, "
+                    "t.check_sampler(functools.partial(s.gumbel_sample, split=3, block=512), rows=64, V=3585, "
                     "steps=(0,), same_rows=8); "
                     "print('ok')")
 

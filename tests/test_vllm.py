@@ -251,7 +251,8 @@ def test_torchrun_fsdp2_shards_sync(tmp_path):
     path = str(tmp_path / "model")
     make_model(path, tied=True)
     (tmp_path / "worker.py").write_text(TORCHRUN_WORKER)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(tmp_path / "worker.py"),
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(tmp_path / "worker.py"),
                         path, ROOT, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     found = [(tmp_path / f"mismatch{rank}.txt").read_text().split() for rank in (0, 1)]
