@@ -42,7 +42,7 @@ from config import UserError
 @contextlib.contextmanager
 def run_scoped_precision():
     """torch's float32 matmul precision as it was before, once the block (or the decorated function) ends, however
-    it ends: lora.tf32 sets it for its own run only (train.py: build_models), not for what the process runs next
+    it ends: lora.tf32 sets it for its own run only (run_setup.py: build_models), not for what the process runs next
     (tests run many trainings in one process)."""
     before = torch.get_float32_matmul_precision()
     try:
