@@ -71,6 +71,7 @@ def test_target_parses_fractions_and_refuses_garbage(capsys):
     assert ablate.parse_target("0.86") == (0.86, "0.860")
     value, label = ablate.parse_target("0.95*0.86")
     assert value == pytest.approx(0.817) and label == "0.95 x 0.86 = 0.817"
-    with pytest.raises(SystemExit):
-        ablate.main(["--target", "0.9x", "--out", "/nonexistent/never_made"])
-    assert "--target must be" in capsys.readouterr().err
+    for bad in ("0.9x", "86", "0.5*-1"):
+        with pytest.raises(SystemExit):
+            ablate.main(["--target", bad, "--out", "/nonexistent/never_made"])
+        assert "--target must be" in capsys.readouterr().err

@@ -27,9 +27,11 @@ excludes 0, else "indistinguishable with n seeds".
 --target ACC[,ACC...] adds, per target, the steps each run took to first reach held-out accuracy >= ACC (at the
 evaluations: set eval_every fine enough), with the same CIs and paired differences. A run that never reached it
 is censored: shown as ">N" (its last evaluated step) and counted as "somewhere above N", so every mean and CI it
-enters is computed as an interval and printed as a bound ("> 63.3", an open end "inf") instead of being dropped or
-set to N (`steps_to`, `interval_ci`). ACC may be a product, `0.95*0.86`: a fraction of a teacher's accuracy. With 3 seeds a bootstrap CI is coarse (it can only be as
-wide as the seeds' spread): take a verdict of "indistinguishable" as "needs more seeds", not "equal".
+enters is computed as an interval and printed as a bound (">63.3", an open CI end "inf") instead of being dropped
+or set to N (`steps_to`, `interval_ci`); the verdict is "fewer steps" or "more steps" when the CI of the paired
+difference excludes 0. ACC may be a product, `0.95*0.86`: a fraction of a teacher's accuracy.
+With 3 seeds a bootstrap CI is coarse (it can only be as wide as the seeds' spread): take a verdict of
+"indistinguishable" as "needs more seeds", not "equal".
     <out>/curves.png    held-out accuracy (mean over seeds, band: 95% bootstrap CI) and train reward
     <out>/results.md    the table above, in markdown
 """
@@ -315,7 +317,9 @@ def main(argv: list[str]) -> str:
     try:
         targets = [parse_target(t.strip()) for t in args.target.split(",") if t.strip()]
     except ValueError:
-        p.error(f"--target must be comma-separated accuracies or A*B products (e.g. 0.86,0.95*0.86), "
+        targets = [(float("nan"), "")]
+    if not all(0 < value <= 1 for value, _ in targets):
+        p.error(f"--target must be comma-separated accuracies in (0, 1] or A*B products (e.g. 0.86,0.95*0.86), "
                 f"got {args.target!r}")
     os.makedirs(args.out, exist_ok=True)
     jobs = [(e, s) for s in seeds for e in entries]      # seed-major: an early stop leaves complete pairs
