@@ -56,6 +56,11 @@ def test_target_table_counts_a_censored_run_as_a_bound_not_a_number():
     assert cells[3:] == ["<-8.3 [-inf, -5.0]", "fewer steps"]
 
 
+def test_an_entry_without_a_finished_run_has_no_row():
+    text = ablate.target_table([curve("a", 0, [0.2, 0.9]), curve("a", 1, [0.2, 0.9])], ["a", "b"], "a", 0.86, "0.860")
+    assert "| `a` | 2/2 | 5, 5 |" in text and "`b`" not in text
+
+
 def test_target_table_without_censoring_matches_the_plain_bootstrap():
     first = lambda k: [0.2] + [0.2] * k + [0.9] * (4 - k)     # reaches 0.9 at step 5 * (k + 1); never for k = 4
     results = [curve("a", s, first(k)) for s, k in enumerate([0, 1, 2])] + \

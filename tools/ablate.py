@@ -146,6 +146,8 @@ def interval_ci(lo: np.ndarray, hi: np.ndarray, rng: np.random.Generator) -> tup
 
 def fmt_bound(lo: float, hi: float) -> str:
     """A value known within [lo, hi]: '40', '>100' (censored above), '<-60' (censored below), or 'lo..hi'."""
+    if np.isnan(lo) or np.isnan(hi):
+        raise ValueError("fmt_bound: a bound is nan (an entry without runs?)")
     if lo == hi:
         return f"{lo:.0f}" if float(lo).is_integer() else f"{lo:.1f}"
     if np.isinf(hi) and np.isinf(lo):
@@ -173,7 +175,7 @@ def target_table(results: list[dict], entries: list[str], baseline: str, target:
              f"steps (censored: counted as anywhere above N, so a mean or CI end it touches is a bound).", "",
              "| run | reached | per seed | steps to target | minus baseline (paired) | verdict |",
              "|---|---|---|---|---|---|"]
-    for e in entries:
+    for e in (e for e in entries if by[e]):   # an entry without a finished run has no row
         seeds = sorted(by[e])
         lo, hi = (np.array([by[e][s][i] for s in seeds]) for i in (0, 1))
         reached = int(np.isfinite(hi).sum())
