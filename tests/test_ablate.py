@@ -53,7 +53,7 @@ def test_target_table_counts_a_censored_run_as_a_bound_not_a_number():
     cells = [c.strip() for c in row_of(text, "b").split("|")[2:-1]]
     assert cells[:3] == ["3/3", "5, 5, 5", "5 [5.0, 5.0]"]
     # paired: -5, -5 and (5 - more than 20) < -15: the mean is below -8.3, the CI's upper end -5 excludes 0
-    assert cells[3:] == ["<-8.3 [-inf, -5.0]", "fewer steps"]
+    assert cells[3:] == ["-5, -5, <-15", "<-8.3 [-inf, -5.0]", "fewer steps"]
 
 
 def test_an_entry_without_a_finished_run_has_no_row():
@@ -69,7 +69,7 @@ def test_target_table_without_censoring_matches_the_plain_bootstrap():
     lo, hi = ablate.bootstrap_ci(np.array([5.0, 10.0, 15.0]), np.random.default_rng(0))
     assert f"| 3/3 | 5, 10, 15 | 10 [{lo:.1f}, {hi:.1f}] |" in row_of(text, "a")
     # b: 20, 20 and censored at >20 -> paired differences 15, 10 and more than 5: the mean is above 10
-    assert "| 2/3 | 20, 20, >20 |" in row_of(text, "b") and "| >10 [5.0, inf] | more steps |" in row_of(text, "b")
+    assert "| 2/3 | 20, 20, >20 |" in row_of(text, "b") and "| 15, 10, >5 | >10 [5.0, inf] | more steps |" in row_of(text, "b")
 
 
 def test_target_parses_fractions_and_refuses_garbage(capsys):

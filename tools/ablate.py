@@ -173,24 +173,25 @@ def target_table(results: list[dict], entries: list[str], baseline: str, target:
     by = {e: {r["seed"]: steps_to(r["rows"], target) for r in results if r["entry"] == e} for e in entries}
     lines = [f"Steps to held-out accuracy >= {label}: per seed, mean [95% bootstrap CI]; '>N' = not reached in N "
              f"steps (censored: counted as anywhere above N, so a mean or CI end it touches is a bound).", "",
-             "| run | reached | per seed | steps to target | minus baseline (paired) | verdict |",
-             "|---|---|---|---|---|---|"]
+             "| run | reached | per seed | steps to target | minus baseline, per seed | minus baseline (paired) | "
+             "verdict |",
+             "|---|---|---|---|---|---|---|"]
     for e in (e for e in entries if by[e]):   # an entry without a finished run has no row
         seeds = sorted(by[e])
         lo, hi = (np.array([by[e][s][i] for s in seeds]) for i in (0, 1))
         reached = int(np.isfinite(hi).sum())
-        diff, verdict_text = "", ""
+        diff_seeds, diff, verdict_text = "", "", ""
         paired = [s for s in seeds if s in by[baseline]]
         if e != baseline and len(paired) > 1:
             d_lo = np.array([by[e][s][0] - by[baseline][s][1] for s in paired])   # interval difference
             d_hi = np.array([by[e][s][1] - by[baseline][s][0] for s in paired])
-            diff = fmt_interval(d_lo, d_hi, rng)
+            diff_seeds, diff = ", ".join(map(fmt_bound, d_lo, d_hi)), fmt_interval(d_lo, d_hi, rng)
             c_lo, c_hi = interval_ci(d_lo, d_hi, rng)
             verdict_text = "fewer steps" if c_hi < 0 else "more steps" if c_lo > 0 else \
                 f"indistinguishable with {len(paired)} seeds"
         per_seed = ", ".join(fmt_bound(*by[e][s]) for s in seeds)
-        lines.append(f"| `{e}` | {reached}/{len(seeds)} | {per_seed} | {fmt_interval(lo, hi, rng)} | {diff} | "
-                     f"{verdict_text} |")
+        lines.append(f"| `{e}` | {reached}/{len(seeds)} | {per_seed} | {fmt_interval(lo, hi, rng)} | {diff_seeds} | "
+                     f"{diff} | {verdict_text} |")
     return "\n".join(lines) + "\n"
 
 
