@@ -23,8 +23,15 @@ Statistics, per entry over its seeds: the mean and a 95% bootstrap confidence in
 10,000 draws, percentile) of the final held-out accuracy, the best one, and the area under the held-out
 accuracy curve (AUC: the mean accuracy over the run, trapezoids over steps: sample efficiency). Against the
 baseline: the mean paired difference with its bootstrap CI and a verdict: "better" or "worse" when the CI
-excludes 0, else "indistinguishable with n seeds". With 3 seeds a bootstrap CI is coarse (it can only be as
-wide as the seeds' spread): take a verdict of "indistinguishable" as "needs more seeds", not "equal".
+excludes 0, else "indistinguishable with n seeds".
+--target ACC[,ACC...] adds, per target, the steps each run took to first reach held-out accuracy >= ACC (at the
+evaluations: set eval_every fine enough), with the same CIs and paired differences. A run that never reached it
+is censored: shown as ">N" (its last evaluated step) and counted as "somewhere above N", so every mean and CI it
+enters is computed as an interval and printed as a bound (">63.3", an open CI end "inf") instead of being dropped
+or set to N (`steps_to`, `interval_ci`); the verdict is "fewer steps" or "more steps" when the CI of the paired
+difference excludes 0. ACC may be a product, `0.95*0.86`: a fraction of a teacher's accuracy.
+With 3 seeds a bootstrap CI is coarse (it can only be as wide as the seeds' spread): take a verdict of
+"indistinguishable" as "needs more seeds", not "equal".
     <out>/curves.png    held-out accuracy (mean over seeds, band: 95% bootstrap CI) and train reward
     <out>/results.md    the table above, in markdown
 """
@@ -116,6 +123,85 @@ def summary(rows: list[dict]) -> dict:
     return {"start": acc[0], "final": acc[-1], "best": acc.max(), "auc": float(auc)}
 
 
+def steps_to(rows: list[dict], target: float) -> tuple[float, float]:
+    """Steps a run took to reach held-out accuracy >= target, as an interval (lo, hi): (s, s) at the first
+    evaluation that reached it (its resolution is eval_every), (N, inf) when no evaluation did (censored: it needs
+    more than the last evaluated step N, by an unknown amount)."""
+    ev = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    hit = next((s for s, a in ev if a >= target), None)
+    return (float(hit), float(hit)) if hit is not None else (float(ev[-1][0]), np.inf)
+
+
+def interval_ci(lo: np.ndarray, hi: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
+    """95% bootstrap CI of the mean of per-seed values known only within [lo, hi] (censored runs: hi = inf).
+    Every draw resamples the same seeds for both ends; the mean is monotone in each value and a percentile in
+    each mean, so the true CI (had the censored runs gone on) lies inside [2.5th pct. of the lo means,
+    97.5th pct. of the hi means]: that is what this returns, an end being +-inf where censoring leaves it open.
+    The percentiles take the nearest draw outward (no interpolation: it would mix a finite draw with an infinite
+    one into nan)."""
+    idx = rng.integers(0, len(lo), size=(BOOTSTRAP, len(lo)))                  # (draws, seeds)
+    return (float(np.percentile(lo[idx].mean(1), 2.5, method="lower")),
+            float(np.percentile(hi[idx].mean(1), 97.5, method="higher")))
+
+
+def fmt_bound(lo: float, hi: float) -> str:
+    """A value known within [lo, hi]: '40', '>100' (censored above), '<-60' (censored below), or 'lo..hi'."""
+    if np.isnan(lo) or np.isnan(hi):
+        raise ValueError("fmt_bound: a bound is nan (an entry without runs?)")
+    if lo == hi:
+        return f"{lo:.0f}" if float(lo).is_integer() else f"{lo:.1f}"
+    if np.isinf(hi) and np.isinf(lo):
+        return "unknown"
+    if np.isinf(hi):
+        return ">" + fmt_bound(lo, lo)
+    if np.isinf(lo):
+        return "<" + fmt_bound(hi, hi)
+    return f"{fmt_bound(lo, lo)}..{fmt_bound(hi, hi)}"
+
+
+def fmt_interval(lo: np.ndarray, hi: np.ndarray, rng) -> str:
+    """Mean [95% CI] of per-seed intervals; an open end of the CI prints as -inf or inf."""
+    c_lo, c_hi = interval_ci(lo, hi, rng)
+    end = lambda x: "inf" if x == np.inf else "-inf" if x == -np.inf else f"{x:.1f}"
+    return f"{fmt_bound(lo.mean(), hi.mean())} [{end(c_lo)}, {end(c_hi)}]"
+
+
+def target_table(results: list[dict], entries: list[str], baseline: str, target: float, label: str) -> str:
+    """Steps to reach held-out accuracy `target`, per entry: each seed's value ('>N': never within its N steps),
+    the mean [95% CI] and the paired difference to the baseline; censored runs count as intervals, never dropped."""
+    rng = np.random.default_rng(0)
+    by = {e: {r["seed"]: steps_to(r["rows"], target) for r in results if r["entry"] == e} for e in entries}
+    lines = [f"Steps to held-out accuracy >= {label}: per seed, mean [95% bootstrap CI]; '>N' = not reached in N "
+             f"steps (censored: counted as anywhere above N, so a mean or CI end it touches is a bound).", "",
+             "| run | reached | per seed | steps to target | minus baseline, per seed | minus baseline (paired) | "
+             "verdict |",
+             "|---|---|---|---|---|---|---|"]
+    for e in (e for e in entries if by[e]):   # an entry without a finished run has no row
+        seeds = sorted(by[e])
+        lo, hi = (np.array([by[e][s][i] for s in seeds]) for i in (0, 1))
+        reached = int(np.isfinite(hi).sum())
+        diff_seeds, diff, verdict_text = "", "", ""
+        paired = [s for s in seeds if s in by[baseline]]
+        if e != baseline and len(paired) > 1:
+            d_lo = np.array([by[e][s][0] - by[baseline][s][1] for s in paired])   # interval difference
+            d_hi = np.array([by[e][s][1] - by[baseline][s][0] for s in paired])
+            diff_seeds, diff = ", ".join(map(fmt_bound, d_lo, d_hi)), fmt_interval(d_lo, d_hi, rng)
+            c_lo, c_hi = interval_ci(d_lo, d_hi, rng)
+            verdict_text = "fewer steps" if c_hi < 0 else "more steps" if c_lo > 0 else \
+                f"indistinguishable with {len(paired)} seeds"
+        per_seed = ", ".join(fmt_bound(*by[e][s]) for s in seeds)
+        lines.append(f"| `{e}` | {reached}/{len(seeds)} | {per_seed} | {fmt_interval(lo, hi, rng)} | {diff_seeds} | "
+                     f"{diff} | {verdict_text} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_target(text: str) -> tuple[float, str]:
+    """'0.86' or '0.95*0.86' (a fraction of an accuracy, e.g. of a teacher's) -> (value, label for the table)."""
+    parts = [float(x) for x in text.split("*")]
+    value = float(np.prod(parts))
+    return value, (f"{text.replace('*', ' x ')} = {value:.3f}" if len(parts) > 1 else f"{value:.3f}")
+
+
 def update_s(results: list[dict], entry: str) -> str:
     """The mean time/update over an entry's steps and seeds (first step left out: it pays compiles and warm-up);
     blank where no row has it."""
@@ -176,7 +262,7 @@ def finish_figure(fig, axes, path: str):
     plt.close(fig)
 
 
-def plot(results: list[dict], entries: list[str], path: str):
+def plot(results: list[dict], entries: list[str], path: str, targets: tuple[float, ...] = ()):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -194,6 +280,8 @@ def plot(results: list[dict], entries: list[str], path: str):
         train = [[x["reward"] for x in r["rows"] if "reward" in x] for r in runs]
         m = min(len(t) for t in train)
         ax_rew.plot(np.arange(1, m + 1), np.array([t[:m] for t in train]).mean(0), color=line.get_color(), label=e)
+    for t in targets:
+        ax_acc.axhline(t, color="gray", linestyle="--", linewidth=1, label=f"target {t:.3f}")
     ax_acc.set(xlabel="step", ylabel="held-out accuracy", title="held-out accuracy (band: 95% bootstrap CI)")
     ax_rew.set(xlabel="step", ylabel="train reward", title="train reward (mean over seeds)")
     finish_figure(fig, (ax_acc, ax_rew), path)
@@ -208,6 +296,8 @@ def main(argv: list[str]) -> str:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time (each uses one CPU thread)")
     p.add_argument("--save-every", type=int, default=10, help="checkpoint interval, so an interrupted run continues")
     p.add_argument("--out", default="runs/ablate", help="output directory")
+    p.add_argument("--target", default="", help="held-out accuracies to report the steps to, comma-separated; "
+                                                "A*B for a fraction of one (e.g. 0.86,0.95*0.86)")
     p.add_argument("--kernels", default="", help="OP=A,B,...: compare implementations of a kernel op on the first "
                                                  "--runs entry (e.g. logprob=torch,triton,liger)")
     args, common = p.parse_known_args(argv)
@@ -227,6 +317,13 @@ def main(argv: list[str]) -> str:
         seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
         p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    try:
+        targets = [parse_target(t.strip()) for t in args.target.split(",") if t.strip()]
+    except ValueError:
+        targets = [(float("nan"), "")]
+    if not all(0 < value <= 1 for value, _ in targets):
+        p.error(f"--target must be comma-separated accuracies in (0, 1] or A*B products (e.g. 0.86,0.95*0.86), "
+                f"got {args.target!r}")
     os.makedirs(args.out, exist_ok=True)
     jobs = [(e, s) for s in seeds for e in entries]      # seed-major: an early stop leaves complete pairs
     print(f"{len(jobs)} runs ({len(entries)} entries x {len(seeds)} seeds), {max(1, args.jobs)} at a time", flush=True)
@@ -234,7 +331,8 @@ def main(argv: list[str]) -> str:
         results = list(pool.map(lambda ij: launch(*ij[1], args.out, common, args.save_every,
                                                   f"[{ij[0] + 1}/{len(jobs)}]"), enumerate(jobs)))
     text = table(results, entries, baseline, " ".join(common) or "defaults")
-    plot(results, entries, os.path.join(args.out, "curves.png"))
+    text += "".join("\n" + target_table(results, entries, baseline, value, label) for value, label in targets)
+    plot(results, entries, os.path.join(args.out, "curves.png"), [value for value, _ in targets])
     with open(os.path.join(args.out, "results.md.tmp"), "w") as f:
         f.write(text)
     os.replace(os.path.join(args.out, "results.md.tmp"), os.path.join(args.out, "results.md"))
