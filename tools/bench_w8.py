@@ -40,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from registry import register  # noqa: E402
+from bench import print_result, run_part, write_report  # noqa: E402  (the runner of tools/bench.py's parts)
+from bench_workload import cuda_info, sync  # noqa: E402
 
 SHAPES = {
     "2b": dict(text=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -138,18 +140,6 @@ def processor(path: str):
         return Qwen2VLProcessor(**parts)
     except (AttributeError, ImportError, TypeError):   # transformers without torchvision
         return ImagesOnly(**parts)
-
-
-def cuda_info() -> dict:
-    if not torch.cuda.is_available():
-        return {"device": "cpu"}
-    return {"device": torch.cuda.get_device_name(), "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 # --- parts -------------------------------------------------------------------------------------------
@@ -300,7 +290,7 @@ def main():
     if a.wheels and not os.path.isdir(a.wheels):
         p.error(f"--wheels {a.wheels!r} is not a folder")
     if a.part:                                             # child: one part, result as JSON on the last line
-        print("RESULT " + json.dumps(PARTS[a.part](a)), flush=True)
+        print_result(PARTS[a.part](a))
         return
     os.makedirs(a.out, exist_ok=True)
     results: dict = {"_errors": {}}
@@ -321,29 +311,15 @@ def main():
             args = [sys.executable, __file__, "--part", part, "--variant", variant, "--model", model_dir, "--tmp", tmp,
                     "--out", a.out, "--steps", str(a.steps), "--set", a.set, "--image-px", str(W["image_px"])]
             t0 = time.perf_counter()
-            proc = subprocess.run(args + (["--tiny"] if a.tiny else []), capture_output=True, text=True, env=env)
-            with open(os.path.join(a.out, f"{key}.log"), "w") as f:
-                f.write(proc.stdout + proc.stderr)
-            got = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode or not got:   # the last line that is not a progress bar
-                lines = [x for x in proc.stderr.strip().splitlines() if "it/s]" not in x and "s/it]" not in x]
-                err = (lines or ["no output"])[-1][:200]
+            result, err = run_part(args + (["--tiny"] if a.tiny else []), os.path.join(a.out, f"{key}.log"), env)
+            if err is not None:
                 results["_errors"]["TRL GRPOTrainer" if part == "trl" else key] = err
                 print(f"part {key} failed ({time.perf_counter() - t0:.0f} s): {err}", flush=True)
             else:
-                results[key] = json.loads(got[-1][len("RESULT "):])
+                results[key] = result
                 print(f"part {key} done in {time.perf_counter() - t0:.0f} s", flush=True)
-            write_report(results, a)                       # after each part: a run cut short still reports
-    print(write_report(results, a))
-
-
-def write_report(results: dict, a) -> str:
-    with open(os.path.join(a.out, "w8.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    text = table(results, a)
-    with open(os.path.join(a.out, "w8.md"), "w") as f:
-        f.write(text)
-    return text
+            write_report(a.out, "w8", results, table(results, a))   # after each part: a run cut short still reports
+    print(write_report(a.out, "w8", results, table(results, a)))
 
 
 if __name__ == "__main__":
