@@ -216,11 +216,10 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
                              f"{tuple(qw.shape)} {qw.dtype}, {tuple(kw.shape)} {kw.dtype}")
 
 
-# unsplit launch settings (block, warps, stages) by head_dim. 64: the fastest of 48 at W1's decode shape, timed
-# over 24 layers' caches so that each read comes from memory, as in the decode step (docs/kernels.md, "Decode
-# attention"); 128: the fastest of 9 at qwen3's decode shape, timed the same way (docs/kernels.md, "Decode
-# attention at head_dim 128"); 256: 32-slot tiles, since 128-slot K and V tiles, double-buffered, would not fit
-# an H100's shared memory (docs/kernels.md). FAST_DECODE_ATTN="128=64x4x2,..." overrides entries for a run
+# unsplit launch settings (block, warps, stages) by head_dim, each chosen by timing candidates at a real decode
+# shape (64: W1's, 128: qwen3's) over many layers' caches, so that reads come from memory as in the decode step;
+# 256 takes small tiles because large K and V tiles, double-buffered, would not fit in shared memory. How they
+# were picked: docs/kernels.md. FAST_DECODE_ATTN="128=64x4x2,..." overrides entries for a run
 # (tools/decode_kernel_bench.py --shape qwen3 times the candidates)
 SETTINGS = {64: (128, 4, 2), 128: (32, 4, 2), 256: (32, 4, 2)}
 for _item in filter(None, os.environ.get("FAST_DECODE_ATTN", "").split(",")):
