@@ -83,6 +83,17 @@ def train_here(args: list[str]) -> dict:
             torch.cuda.empty_cache()
 
 
+def train_here_beside(procs: list, here) -> None:
+    """train_here for each argument list of `here` while the started processes (procs) run; if one of these runs
+    fails, the processes are killed, not left running past the failed test."""
+    try:
+        for args in here:
+            train_here(args)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+
 _saved_threads: dict = {}
 # The test files that take longest (many train.py or torchrun processes), run first: README's `--dist loadfile`
 # hands each file whole to one worker, and a long file started last would leave the other worker idle meanwhile

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 import torch
-from conftest import step_rows, train_here
+from conftest import step_rows, train_here_beside
 
 import checkpoint
 import registry
@@ -59,13 +59,7 @@ def launch(*cmds, crash_at=None, here=()):
     procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**ENV, "RL_CRASH_AT": at or ""})
              for c, at in zip(cmds, crash_at or [None] * len(cmds))]
-    try:
-        for args in here:
-            train_here(args)
-    except BaseException:
-        for p in procs:     # not left running past the failed test
-            p.kill()
-        raise
+    train_here_beside(procs, here)
     return [(p.returncode, out) for p, out in ((p, p.communicate(timeout=300)[0]) for p in procs)]
 
 

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from conftest import step_rows, train_here  # noqa: E402
+from conftest import step_rows, train_here_beside  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -36,13 +36,7 @@ def run(*cmds, here=(), logs=None, timeout=600):
     stuck."""
     procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
              for c in cmds]
-    try:
-        for args in here:
-            train_here(args)
-    except BaseException:
-        for p in procs:     # not left running past the failed test
-            p.kill()
-        raise
+    train_here_beside(procs, here)
     for i, (cmd, p) in enumerate(zip(cmds, procs)):
         out, _ = p.communicate(timeout=timeout)
         if logs:
