@@ -47,7 +47,7 @@ import engines.decode_weights as decode_weights   # its PACK switch: read when a
 from engines.base import sample_tokens
 from engines.decode_step import Step, attend  # noqa: F401  (attend: the "matmul" attention, imported from here before)
 from engines.decode_weights import WEIGHTS, groups, pack_layers
-from engines.families import FAMILIES as SUPPORTED, arch_of, rotary_tables
+from engines.families import FAMILIES as SUPPORTED, arch_of, mrope_rotation, rotary_tables, text_decoder
 from engines.moe import use_grouped
 from kernels import sample_token
 
@@ -66,8 +66,9 @@ def plain_or_lora(m) -> bool:
 def why_not(model) -> str | None:
     """Why the hand-written step cannot decode this model (then the engine takes engines/generic_decode.py), or None.
     Beyond its family (engines/families.py: arch_of), every projection must be a plain nn.Linear (or LoRA over
-    one) holding plain tensors: other adapters or sharded parameters (FSDP's DTensors) would be bypassed."""
-    model = base_of(model)
+    one) holding plain tensors: other adapters or sharded parameters (FSDP's DTensors) would be bypassed.
+    A Qwen2-VL is judged by its text decoder (families.text_decoder)."""
+    model = text_decoder(base_of(model))
     arch, why = arch_of(model)
     if arch is None:
         return why
@@ -133,7 +134,7 @@ class FastDecoder(Step):
             raise ValueError(f"attention must be 'matmul', 'sdpa' or 'kernel', got {attention!r}")
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-        self.model = model = base_of(model)
+        self.model = model = text_decoder(base_of(model))   # a VLM: its text decoder (the prefill gets the pictures)
         self.attention, self.keep_cache, self.weights = attention, keep_cache, weights
         device = next(model.parameters()).device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
@@ -283,9 +284,12 @@ class FastDecoder(Step):
     # --- sampling -------------------------------------------------------------------------------
     @torch.no_grad()
     def sample(self, ids: Tensor, mask: Tensor, sampling, eos_id: int, pad_id: int,
-               generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+               generator: torch.Generator | None = None, embeds: Tensor | None = None,
+               positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """ids, mask (B, P) left-padded prompts on the model's device -> completion (B, C) long,
-        alive (B, C) bool (1 up to and including EOS), logprobs (B, C) float, done (B,) bool."""
+        alive (B, C) bool (1 up to and including EOS), logprobs (B, C) float, done (B,) bool.
+        Prompts with pictures (engines/builtin.py): embeds (B, P, H) the prefill's input embeddings (vision.embed),
+        positions (B, P) or M-RoPE's (3, B, P) (vision.positions); the decode after them is text only."""
         B, P = ids.shape
         N = sampling.max_new_tokens
         S = -(-(P + N) // 64) * 64          # round up so that prompts of similar length reuse one graph
@@ -311,10 +315,18 @@ class FastDecoder(Step):
         # (measured: docs/speed.md, "Third session")
         for r in st["routes"] or []:
             r.fill_(-1)
-        logits = self._forward(ids, (mask.cumsum(-1) - 1).clamp(min=0), slots[:P], key_ok[:, None], st["k"], st["v"],
-                               st["cos"], st["sin"], st["kpos"], st["routes"])
+        pos = (mask.cumsum(-1) - 1).clamp(min=0) if positions is None else positions   # (B, P) or (3, B, P)
+        cos, sin, rows = st["cos"], st["sin"], pos
+        if pos.dim() == 3:   # M-RoPE: a rotary row per prompt token (B * P rows), each token reading its own
+            cos, sin = (t.reshape(1, B * P, -1) for t in mrope_rotation(self.model, pos, dtype))
+            rows = torch.arange(B * P, device=ids.device).view(B, P)
+        logits = self._forward(ids, rows, slots[:P], key_ok[:, None], st["k"], st["v"], cos, sin, st["kpos"],
+                               st["routes"], **({} if embeds is None else {"embeds": embeds}))   # generic: ids only
         st["key_ok"].copy_(real[:, None, None])
-        st["pos"].copy_(mask.sum(-1, keepdim=True))
+        # the decode's positions go on from one past each row's largest (M-RoPE: past the picture's grid, not its
+        # token count); the text step's plain rotary is M-RoPE's for text, whose three positions are equal
+        st["pos"].copy_(mask.sum(-1, keepdim=True) if positions is None
+                        else pos.reshape(-1, B, P).amax(dim=(0, 2))[:, None] + 1)
         st["slot"].fill_(P)
         st["t"].zero_()
         st["inv_t"].fill_(1.0 / sampling.temperature)
