@@ -26,21 +26,27 @@ def image_processor():
     return cls(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=SIDE * SIDE, max_pixels=SIDE * SIDE)
 
 
-def tiny_vlm(seed: int = 0):
-    """A random Qwen2-VL (text: 2 layers, 2 query heads and 1 KV head of 32, M-RoPE sections 4/6/6), float32, with
-    random norms and biases (a misplaced one shows), sharper attention (positions matter more) and logits scaled
-    up (no near-ties between the two most likely tokens: greedy tokens are stable under float noise)."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def tiny_vlm(kind: str = "qwen2_vl", seed: int = 0):
+    """A random Qwen2-VL or Qwen2.5-VL (text: 2 layers, 2 query heads and 1 KV head of 32, M-RoPE sections 4/6/6),
+    float32, with random norms and biases (a misplaced one shows), sharper attention (positions matter more) and
+    logits scaled up (no near-ties between the two most likely tokens: greedy tokens are stable under float noise)."""
+    import transformers
     special = dict(eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None)
-    cfg = Qwen2VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, **special,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=8,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=IMG, vision_start_token_id=START, vision_end_token_id=END, tie_word_embeddings=True, **special)
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=256, **special,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]})
+    patches = dict(patch_size=8, spatial_merge_size=2, temporal_patch_size=2)
+    if kind == "qwen2_vl":
+        config, cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+        tower = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, **patches)
+    else:   # windowed attention in the tower but its last block
+        config, cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+        tower = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, window_size=16,
+                     fullatt_block_indexes=[1], **patches)
+    cfg = config(text_config=text, vision_config=tower, image_token_id=IMG, vision_start_token_id=START,
+                 vision_end_token_id=END, tie_word_embeddings=True, **special)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(cfg).float().eval()
+    model = cls(cfg).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -66,9 +72,9 @@ def prompts(seed: int = 0) -> list:
     return out
 
 
-@pytest.fixture(scope="module")
-def vlm():
-    return tiny_vlm()
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vlm(request):
+    return tiny_vlm(request.param)
 
 
 def rollout(model, fast: bool, sampling: SamplingParams, prompts_, n: int = 3, seed: int | None = 0, decoder=None):
