@@ -305,28 +305,7 @@ class FastDecoder(Step):
             self._capture(st)
         clock.lap("capture")
 
-        # prefill: all prompt tokens at once, causal within the prompt, padding keys hidden
-        slots = torch.arange(S, device=ids.device)
-        causal = slots[None, :P, None] >= slots[None, None, :]                  # (1, P, S): key j <= query i
-        real = torch.zeros(B, S, dtype=torch.bool, device=ids.device)
-        real[:, :P] = mask.bool()
-        key_ok = (causal & real[:, None]) | (slots[:P, None] == slots[None])[None]  # a pad query sees itself: no nan
-        # eager: compiling it (dynamic shapes) costs far more on the first call than it saves per rollout
-        # (measured: docs/speed.md, "Third session")
-        for r in st["routes"] or []:
-            r.fill_(-1)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0) if positions is None else positions   # (B, P) or (3, B, P)
-        cos, sin, rows = st["cos"], st["sin"], pos
-        if pos.dim() == 3:   # M-RoPE: a rotary row per prompt token (B * P rows), each token reading its own
-            cos, sin = (t.reshape(1, B * P, -1) for t in mrope_rotation(self.model, pos, dtype))
-            rows = torch.arange(B * P, device=ids.device).view(B, P)
-        logits = self._forward(ids, rows, slots[:P], key_ok[:, None], st["k"], st["v"], cos, sin, st["kpos"],
-                               st["routes"], **({} if embeds is None else {"embeds": embeds}))   # generic: ids only
-        st["key_ok"].copy_(real[:, None, None])
-        # the decode's positions go on from one past each row's largest (M-RoPE: past the picture's grid, not its
-        # token count); the text step's plain rotary is M-RoPE's for text, whose three positions are equal
-        st["pos"].copy_(mask.sum(-1, keepdim=True) if positions is None
-                        else pos.reshape(-1, B, P).amax(dim=(0, 2))[:, None] + 1)
+        logits = self._prefill(st, ids, mask, embeds, positions)
         st["slot"].fill_(P)
         st["t"].zero_()
         st["inv_t"].fill_(1.0 / sampling.temperature)
@@ -361,6 +340,34 @@ class FastDecoder(Step):
             self.release()                   # the views above keep only these small buffers alive
             return out
         return tuple(t.clone() for t in out)   # the next call overwrites kept buffers
+
+    def _prefill(self, st: dict, ids: Tensor, mask: Tensor, embeds: Tensor | None,
+                 positions: Tensor | None) -> Tensor:
+        """Forward all prompt tokens at once into st's cache (causal within the prompt, padding keys hidden) and
+        set the decode's key mask and positions; -> the last token's logits (B, V). embeds, positions: sample's."""
+        (B, P), S = ids.shape, st["key_ok"].shape[-1]
+        slots = torch.arange(S, device=ids.device)
+        causal = slots[None, :P, None] >= slots[None, None, :]                  # (1, P, S): key j <= query i
+        real = torch.zeros(B, S, dtype=torch.bool, device=ids.device)
+        real[:, :P] = mask.bool()
+        key_ok = (causal & real[:, None]) | (slots[:P, None] == slots[None])[None]  # a pad query sees itself: no nan
+        # eager: compiling it (dynamic shapes) costs far more on the first call than it saves per rollout
+        # (measured: docs/speed.md, "Third session")
+        for r in st["routes"] or []:
+            r.fill_(-1)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0) if positions is None else positions   # (B, P) or (3, B, P)
+        cos, sin, rows = st["cos"], st["sin"], pos
+        if pos.dim() == 3:   # M-RoPE: a rotary row per prompt token (B * P rows), each token reading its own
+            cos, sin = (t.reshape(1, B * P, -1) for t in mrope_rotation(self.model, pos, st["cos"].dtype))
+            rows = torch.arange(B * P, device=ids.device).view(B, P)
+        logits = self._forward(ids, rows, slots[:P], key_ok[:, None], st["k"], st["v"], cos, sin, st["kpos"],
+                               st["routes"], **({} if embeds is None else {"embeds": embeds}))   # generic: ids only
+        st["key_ok"].copy_(real[:, None, None])
+        # the decode's positions go on from one past each row's largest (M-RoPE: past the picture's grid, not its
+        # token count); the text step's plain rotary is M-RoPE's for text, whose three positions are equal
+        st["pos"].copy_(mask.sum(-1, keepdim=True) if positions is None
+                        else pos.reshape(-1, B, P).amax(dim=(0, 2))[:, None] + 1)
+        return logits
 
     # --- multi-turn: episodes continue in the same cache (engines/multiturn.py drives the turns) ----------
     @torch.no_grad()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import vision
-from engines.base import SamplingParams
+from engines.base import SamplingParams, left_pad
 from engines.builtin import BuiltinEngine
 from engines.families import _mrope, mrope_rotation, rotary_tables, text_decoder
 from engines.fast_decode import FastDecoder, supported
@@ -101,7 +101,6 @@ def test_a_qwen2_vl_takes_the_fast_step_and_its_prompts_need_mrope(vlm):
     rows and columns differ, and a row's next position (one past its largest) is not its token count."""
     assert supported(vlm)
     ps = prompts()
-    from engines.base import left_pad
     ids, mask = left_pad([p for p in ps for _ in range(3)], PAD)
     pos = vision.positions(vlm, ids, mask, vision.batch_images(ps, 3))
     assert pos.shape == (3, *ids.shape) and not torch.equal(pos[1], pos[2])
@@ -168,3 +167,52 @@ def test_fast_step_with_pictures_graphed_and_compiled_on_a_gpu():
     r = rollout(model, True, SamplingParams(temperature=1.0, max_new_tokens=16), ps, seed=None, decoder=dec)
     assert teacher_gap(model, r, ps, 3, 1.0) <= 2e-3
     assert (r.logprobs * r.completion_mask).sum() < 0
+
+
+def test_compile_true_compiles_a_vlms_language_layers(tmp_path, monkeypatch):
+    """train.py's compile=true (run_setup.build_models) compiles each decoder layer; a Qwen2-VL keeps them under
+    model.language_model (before: refused in one line). Here the compile is recorded, not run (a CPU compile costs
+    tens of seconds); the GPU test below runs it."""
+    import sys
+    import torch._functorch.config
+    import run_setup
+    from config import Config
+    sys.path.insert(0, "tools")
+    from make_tiny_vlm import build
+    _, model = build(str(tmp_path))
+    model.save_pretrained(str(tmp_path))
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))
+    budget = torch._functorch.config.activation_memory_budget
+    try:
+        policy, _, _ = run_setup.build_models(Config(model=str(tmp_path), compile=True), torch.device("cpu"),
+                                              torch.float32, fsdp=False)
+    finally:
+        torch._functorch.config.activation_memory_budget = budget
+    assert compiled == list(policy.model.language_model.layers)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_language_layers_with_pictures_match_eager_on_a_gpu():
+    """compile=true on a VLM with grad_checkpointing's recompute inside each compiled layer (activation_memory_budget
+    0, as run_setup.build_models sets it): log-probs with pictures and their gradients equal the eager model's."""
+    import torch._functorch.config
+    ps = prompts()
+    ids, mask = [t.cuda() for t in left_pad([list(p) + [7, 8, 9] for p in ps for _ in range(2)], PAD)]   # (B, T)
+    images = vision.batch_images(ps, 2)
+    grads, logps, budget = [], [], torch._functorch.config.activation_memory_budget
+    for compiled in (False, True):
+        model = tiny_vlm().cuda().train()
+        if compiled:
+            torch._functorch.config.activation_memory_budget = 0.0
+            for layer in model.model.language_model.layers:
+                layer.compile()
+        try:
+            logp, _ = completion_logprobs(model, ids, mask, 3, 1.0, images)
+            logp.sum().backward()
+        finally:
+            torch._functorch.config.activation_memory_budget = budget
+        logps.append(logp.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(logps[0], logps[1], atol=1e-3), (logps[0] - logps[1]).abs().max()
+    assert torch.allclose(grads[0], grads[1], atol=1e-3, rtol=1e-3), (grads[0] - grads[1]).abs().max()
