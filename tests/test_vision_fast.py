@@ -131,6 +131,27 @@ def test_fast_step_with_pictures_logprobs_are_teacher_forcings(vlm):
     assert teacher_gap(vlm, t, text, 2, 1.0) <= 1e-4
 
 
+@pytest.mark.parametrize("weights", ["fused", "in_place"])
+def test_fast_step_with_pictures_under_lora(weights):
+    """lora.r=4 on the language model (peft over the VLM): the step merges or packs the adapters of the text
+    decoder it runs (engines/decode_weights.py) and still samples the loop's tokens and teacher forcing's
+    log-probs with the pictures."""
+    import lora
+    from config import LoRAConfig
+    policy = lora.wrap(tiny_vlm(), LoRAConfig(r=4), "tiny-vlm")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():   # B starts at zero: give the adapters something to add
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=g)
+    ps, top_p = prompts(), SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=8)
+    decoder = lambda: FastDecoder(policy, use_graph=False, compile=False, weights=weights)
+    fast, plain = rollout(policy, True, top_p, ps, decoder=decoder()), rollout(policy, False, top_p, ps)
+    assert torch.equal(fast.input_ids, plain.input_ids)
+    r = rollout(policy, True, SamplingParams(temperature=1.0, max_new_tokens=10), ps, decoder=decoder())
+    assert teacher_gap(policy, r, ps, 3, 1.0) <= 1e-4
+
+
 def test_text_tokens_rotary_is_mropes_with_equal_positions(vlm):
     """After the prompt every token is text, its three M-RoPE positions equal: the model's own M-RoPE rotation is
     then the plain rotary table the decode step reads (cos and sin of position x the inverse frequencies), while
