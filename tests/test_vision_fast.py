@@ -72,9 +72,13 @@ def prompts(seed: int = 0) -> list:
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "text_positions"])
 def vlm(request):
-    return tiny_vlm(request.param)
+    """M-RoPE's Qwen2-VL and Qwen2.5-VL, and a Qwen2-VL on the project's text positions (config text_positions:
+    the shipped tiny VLM, tools/make_tiny_vlm.py)."""
+    model = tiny_vlm(request.param.replace("text_positions", "qwen2_vl"))
+    model.config.text_positions = request.param == "text_positions"
+    return model
 
 
 def rollout(model, fast: bool, sampling: SamplingParams, prompts_, n: int = 3, seed: int | None = 0, decoder=None):
@@ -98,11 +102,15 @@ def teacher_gap(model, r, prompts_, n: int, temperature: float) -> float:
 
 def test_a_qwen2_vl_takes_the_fast_step_and_its_prompts_need_mrope(vlm):
     """The fast step covers the VLM's text decoder; the test prompts are ones where M-RoPE matters: a picture's
-    rows and columns differ, and a row's next position (one past its largest) is not its token count."""
+    rows and columns differ, and a row's next position (one past its largest) is not its token count. A model on
+    text positions gets them, pictures or not."""
     assert supported(vlm)
     ps = prompts()
     ids, mask = left_pad([p for p in ps for _ in range(3)], PAD)
     pos = vision.positions(vlm, ids, mask, vision.batch_images(ps, 3))
+    if vlm.config.text_positions:
+        assert torch.equal(pos, (mask.cumsum(-1) - 1).clamp(min=0))
+        return
     assert pos.shape == (3, *ids.shape) and not torch.equal(pos[1], pos[2])
     assert (pos.amax(dim=(0, 2)) + 1 < mask.sum(-1)).all()
 
