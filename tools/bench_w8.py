@@ -16,7 +16,9 @@ between samples (the shapes answers of a random model would all score 0, and GRP
 Parts, each in its own process (clean peak-memory counters):
   ours  train.main itself (the real loop) for 1 warm-up + N measured steps, once per --ours variant
         MICRO[:ckpt] (micro_batch_size, grad_checkpointing; default 16 without and with checkpointing: 64 rows of
-        ~400 tokens at once would not fit an H100 without it); the split comes from its metrics.jsonl
+        ~400 tokens at once would not fit an H100 without it); the split comes from its metrics.jsonl. Its
+        rollouts take the built-in engine's fast path (the pictures in the prefill, then the graphed text step;
+        on the CPU eagerly), and the table counts those that did (count_fast_rollouts)
   trl   TRL's GRPOTrainer with W1's peer settings (docs/benchmarks.md: batch 16 x 4 accumulation steps, beta 0, bf16,
         its default gradient checkpointing) and the model's processor (Qwen2VLProcessor: the same image processor
         and tokenizer), conversational prompts with the picture in an `image` column, as TRL's VLM docs ask
