@@ -1,8 +1,9 @@
 """Fast path of the built-in engine: a static KV cache and a CUDA-graphed decode step.
 
 engines/builtin.py's BuiltinEngine calls `FastDecoder(model).sample(...)` on CUDA for the decoder families
-engines/families.py describes (qwen2, llama, qwen3, mistral, phi3, olmo2, gemma3_text, smollm3, qwen3_moe; the
-step itself: engines/decode_step.py); other causal LMs take engines/generic_decode.py. Tests run this same code
+engines/families.py describes (qwen2, llama, qwen3, mistral, phi3, olmo2, gemma3_text, smollm3, qwen3_moe, and the
+text decoder of a Qwen2-VL or Qwen2.5-VL, whose prompts' pictures come in the prefill as embeddings: `_prefill`;
+the step itself: engines/decode_step.py); other causal LMs take engines/generic_decode.py. Tests run this same code
 on CPU (no graph, no compile) and check that it samples the portable loop's tokens and that its sampling
 log-probs equal teacher-forced ones (tests/test_fast_decode.py, tests/test_architectures.py).
 
