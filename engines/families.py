@@ -11,8 +11,8 @@ writes the step once and asks this file, layer by layer, what to do).
 |              | sliding and global layers alternating, each kind with its own rotary base                             |
 | smollm3      | layers without rotary (no_rope_layers), maybe sliding windows                                          |
 | qwen3_moe    | routed experts (engines/moe.py) where the layer has them, per-head q/k norms                          |
-| qwen2_vl_text, qwen2_5_vl_text | the text decoder of a Qwen2-VL / Qwen2.5-VL (`text_decoder`): qwen2's layers; M-RoPE    |
-|              | positions (3, B, T) in a prefill with pictures (`mrope_rotation`), text positions after it            |
+| qwen2_vl_text | a Qwen2-VL's (and qwen2_5_vl_text, a Qwen2.5-VL's) text decoder, seen through `text_decoder`:        |
+|              | qwen2's layers; a prefill with pictures rotates by M-RoPE's (3, B, T) positions (`mrope_rotation`)    |
 
 Norms, activations and rotary tables come from the model's own modules, so a family's norm formula (gemma's
 1 + w) or rotary scaling (llama3, yarn) needs nothing here. What a family adds is a field of `LayerSpec` or
