@@ -103,7 +103,8 @@ def build_models(cfg: Config, device, dtype, fsdp: bool):
     if cfg.grad_checkpointing and not in_compile:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.compile:   # speed: per layer, so one compiled graph serves every layer (they share code and shapes)
-        layers = getattr(getattr(policy, policy.base_model_prefix, None), "layers", None)
+        base = getattr(policy, policy.base_model_prefix, None)
+        layers = getattr(getattr(base, "language_model", base), "layers", None)   # a VLM's: its language model's
         if layers is None:
             raise UserError("compile=true needs a model with <base>.layers (decoder layers)")
         torch._functorch.config.activation_memory_budget = 0.0 if cfg.grad_checkpointing and in_compile else 1.0

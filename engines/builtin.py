@@ -4,7 +4,9 @@ On one device it samples with the policy's own parameters, so weight sync costs 
 decode to engines/fast_decode.py (static KV cache, CUDA graph, a hand-written step for the families in
 engines/families.py) or, for any other causal LM, to engines/generic_decode.py (the model's own forward over a
 StaticCache, graphed); on the CPU it runs the portable loop below, a token at a time through transformers' own
-cache (fast=True takes the fast paths there too, eagerly).
+cache (fast=True takes the fast paths there too, eagerly). Prompts with pictures (vision.py) take the fast step
+where it covers the VLM's text decoder (Qwen2-VL, Qwen2.5-VL: the prefill gets the pictures' embeddings and
+M-RoPE positions, the decode is text), else the portable loop.
 
 Two deliberate mismatches for the mismatch lab (docs/mismatch.md), both off by default: `sample_dtype` (a copy of
 the policy in another dtype, e.g. a bf16 engine beside an fp32 trainer) and `lag` (the copy gets each synced set
@@ -72,9 +74,9 @@ class BuiltinEngine:
         ids, mask = left_pad([p for p in prompts for _ in range(n)], self.pad_id)  # (B, P)
         ids, mask = ids.to(device), mask.to(device)
         B = ids.shape[0]
-        images = vision.batch_images(prompts, n) or None   # pictures: the portable loop encodes them (vision.py)
+        images = vision.batch_images(prompts, n) or None   # pictures: the prefill encodes them (vision.py)
         plain = (model is not self.model or sampling.top_k > 0 or sampling.logprobs_mode != "raw"   # the lab's options
-                 or images is not None)
+                 or (images is not None and not supported(model)))   # the fast step's prefill takes Qwen2-VL's
         if self.routing_replay and (self.exact or images is not None):
             raise ValueError("moe.routing_replay covers the fast and the portable decode, not exact_logprobs or "
                              "pictures: turn one of them off")
@@ -88,11 +90,14 @@ class BuiltinEngine:
             return make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
         if not plain and (self.fast or (self.fast is None and device.type == "cuda")):
             self.decoder = self.decoder or self._decoder(model)
+            # pictures: the prefill's embeddings (the encoder once per picture) and positions; the decode is text
+            pictures = {} if images is None else dict(embeds=vision.embed(model, ids, images),
+                                                      positions=vision.positions(model, ids, mask, images))
             try:
                 # the generic decoder runs the model's own layers: compiled for training, they would recompile
                 with torch.compiler.set_stance("force_eager" if type(self.decoder) is GenericDecoder else "default"):
                     completion, alive, logprobs, done = self.decoder.sample(ids, mask, sampling, self.eos_id,
-                                                                            self.pad_id, generator)
+                                                                            self.pad_id, generator, **pictures)
             except Exception as e:
                 if type(self.decoder) is not GenericDecoder or self.fast or self.routing_replay:
                     raise

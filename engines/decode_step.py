@@ -53,19 +53,21 @@ class Step:
     self.head_dim, self.splits and self.moe_grouped (engines/moe.py: grouped GEMMs or the dense form)."""
 
     def _forward(self, ids: Tensor, pos: Tensor, slots: Tensor, key_ok: Tensor, ks: list[Tensor], vs: list[Tensor],
-                 cos: Tensor, sin: Tensor, kpos: Tensor | None = None, routes: list | None = None) -> Tensor:
+                 cos: Tensor, sin: Tensor, kpos: Tensor | None = None, routes: list | None = None,
+                 embeds: Tensor | None = None) -> Tensor:
         """ids, pos (B, T); writes these T tokens' K/V at cache slots (T,), or (B, T) per row, of ks, vs (per layer
         (B, nkv, S, D)); key_ok (B, 1, T, S) says which slots each query may see; cos, sin (R, S, D) rotary tables,
         a row per kind of layer (or (S, D): one); kpos (B, S): each slot's position, updated here (needed only
         for sliding windows); routes: per MoE layer a (B, S, k) buffer that gets each token's experts at its slot
-        (routing replay). Returns the last token's logits (B, V)."""
+        (routing replay); embeds (B, T, H): input embeddings in place of the ids' (a prefill with pictures).
+        Returns the last token's logits (B, V)."""
         m, arch = self.model.model, self.arch
         if cos.dim() == 2:
             cos, sin = cos[None], sin[None]
         # the embedding by its weight, not its module: training hooks on it (transformers' gradient checkpointing
         # adds one that calls requires_grad_) would stop torch.compile here
-        x = F.embedding(ids, m.embed_tokens.weight)                          # (B, T, H)
-        if arch.embed_scale:                                                 # gemma3: read live (a .to() moves it)
+        x = F.embedding(ids, m.embed_tokens.weight) if embeds is None else embeds   # (B, T, H)
+        if arch.embed_scale and embeds is None:                              # gemma3: read live (a .to() moves it)
             x = x * m.embed_tokens.embed_scale.to(x.dtype)
         windowed = {}                                                        # window -> (B, 1, T, S) mask
         if any(s.window for s in arch.layers):

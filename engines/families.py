@@ -11,6 +11,8 @@ writes the step once and asks this file, layer by layer, what to do).
 |              | sliding and global layers alternating, each kind with its own rotary base                             |
 | smollm3      | layers without rotary (no_rope_layers), maybe sliding windows                                          |
 | qwen3_moe    | routed experts (engines/moe.py) where the layer has them, per-head q/k norms                          |
+| qwen2_vl_text | a Qwen2-VL's (and qwen2_5_vl_text, a Qwen2.5-VL's) text decoder, seen through `text_decoder`:        |
+|              | qwen2's layers; a prefill with pictures rotates by M-RoPE's (3, B, T) positions (`mrope_rotation`)    |
 
 Norms, activations and rotary tables come from the model's own modules, so a family's norm formula (gemma's
 1 + w) or rotary scaling (llama3, yarn) needs nothing here. What a family adds is a field of `LayerSpec` or
@@ -23,6 +25,11 @@ import torch
 from torch import Tensor
 
 FAMILIES = ("qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3_text", "smollm3", "qwen3_moe")
+# vision-language models whose text decoder (TEXT_DECODERS: qwen2's layers) the fast step runs through
+# `text_decoder`; the pictures' embeddings and M-RoPE positions come from vision.py. Others (gemma3's VLM attends
+# both ways over a picture) keep their own paths. engines/exact.py covers FAMILIES only
+VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+TEXT_DECODERS = ("qwen2_vl_text", "qwen2_5_vl_text")
 # the layer's norms by role: (before attention, after attention, before the MLP, after the MLP); None: absent
 PRE_NORMS = ("input_layernorm", None, "post_attention_layernorm", None)
 NORMS = {"olmo2": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
@@ -45,6 +52,29 @@ class Arch:
     rope_kinds: list      # per table row: "default", a gemma3 layer type, or None (no rotary: cos 1, sin 0)
     embed_scale: bool            # gemma3: the embedding times its module's embed_scale (sqrt(H)), in the weights' dtype
     final_softcap: float | None  # logits = cap * tanh(logits / cap)
+
+
+class TextDecoder(torch.nn.Module):
+    """A Qwen2-VL's text decoder seen as a causal LM, the shape the step reads (model.layers, model.norm,
+    model.rotary_emb, lm_head, config): the VLM's own modules, nothing copied, the tower left out."""
+
+    def __init__(self, vlm):
+        super().__init__()
+        self.model, self.lm_head = vlm.model.language_model, vlm.lm_head
+        self.config = vlm.config.text_config
+
+
+def text_decoder(model):
+    """model, or for a vision-language model of VLM_FAMILIES its TextDecoder."""
+    if getattr(model.config, "model_type", None) in VLM_FAMILIES:
+        return TextDecoder(model)
+    return model
+
+
+def mrope_sections(config) -> list | None:
+    """The M-RoPE sections (temporal, height, width) of a Qwen2-VL text config, else None."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return rope.get("mrope_section") if isinstance(rope, dict) else None
 
 
 def _window(model, a, i: int) -> int | None:
@@ -71,8 +101,8 @@ def _rope_kind(model, layer, i: int):
 def _why_not(model) -> str | None:
     """Why the step cannot run this model, or None."""
     c = model.config
-    if c.model_type not in FAMILIES:
-        return f"model_type {c.model_type!r} is none of {', '.join(FAMILIES)}"
+    if c.model_type not in FAMILIES + TEXT_DECODERS:
+        return f"model_type {c.model_type!r} is none of {', '.join(FAMILIES + VLM_FAMILIES)}"
     if getattr(c, "attn_logit_softcapping", None):
         return "attention logit soft-capping"
     if getattr(c, "use_bidirectional_attention", False):
@@ -91,6 +121,8 @@ def _why_not(model) -> str | None:
             return "experts not stored as (E, 2I, H) and (E, H, I) tensors"
         if experts is not None and getattr(layer.mlp, "shared_expert", None) is not None:
             return "a shared expert"
+    if mrope_sections(c) and any(_window(model, layer.self_attn, i) for i, layer in enumerate(layers)):
+        return "M-RoPE with a sliding window"   # which of the three positions a window compares is not defined here
     return None
 
 
@@ -127,6 +159,8 @@ def rotary_tables(model, kinds: list, S: int, D: int, device, dtype) -> tuple[Te
     for kind in kinds:
         if kind is None:                                     # the identity rotation
             c, s = torch.ones(1, S, D, device=device, dtype=dtype), torch.zeros(1, S, D, device=device, dtype=dtype)
+        elif kind == "default" and mrope_sections(model.config):   # equal (t, h, w) positions: plain rotary
+            c, s = _mrope(m.rotary_emb(x, at.expand(3, 1, S)), None)
         elif kind == "default":
             c, s = m.rotary_emb(x, at)
         elif hasattr(m, "rotary_emb_local"):
@@ -136,3 +170,25 @@ def rotary_tables(model, kinds: list, S: int, D: int, device, dtype) -> tuple[Te
         cos.append(c[0])
         sin.append(s[0])
     return torch.stack(cos).contiguous(), torch.stack(sin).contiguous()       # (R, S, D) each
+
+
+def _mrope(cos_sin: tuple, sections: list | None) -> tuple[Tensor, Tensor]:
+    """A Qwen2-VL rotary module's output -> cos, sin (B, T, D). transformers >= 5.2x composes the three sections in
+    the module and returns (B, T, D); older ones return (3, B, T, D), one table per axis, and compose them in the
+    attention (apply_multimodal_rotary_pos_emb): each (t, h, w) section of the rotary dimensions, repeated for both
+    halves, takes its own axis's rows. sections None: the three axes hold equal positions, any one serves."""
+    out = []
+    for t in cos_sin:
+        if t.dim() == 4:
+            parts = t.split(list(sections) * 2, dim=-1) if sections else [t]
+            t = torch.cat([p[i % 3] for i, p in enumerate(parts)], dim=-1)
+        out.append(t)
+    return out[0], out[1]
+
+
+def mrope_rotation(model, pos: Tensor, dtype) -> tuple[Tensor, Tensor]:
+    """M-RoPE positions (3, B, T) of a prompt with pictures (vision.positions) -> cos, sin (B, T, D) from the
+    model's own rotary module. After the prompt every token is text: its three positions are equal, and the
+    plain table of rotary_tables applies."""
+    x = torch.zeros(1, 1, 1, device=pos.device, dtype=dtype)
+    return _mrope(model.model.rotary_emb(x, pos), mrope_sections(model.config))

@@ -1,8 +1,9 @@
 """Fast path of the built-in engine: a static KV cache and a CUDA-graphed decode step.
 
 engines/builtin.py's BuiltinEngine calls `FastDecoder(model).sample(...)` on CUDA for the decoder families
-engines/families.py describes (qwen2, llama, qwen3, mistral, phi3, olmo2, gemma3_text, smollm3, qwen3_moe; the
-step itself: engines/decode_step.py); other causal LMs take engines/generic_decode.py. Tests run this same code
+engines/families.py describes (qwen2, llama, qwen3, mistral, phi3, olmo2, gemma3_text, smollm3, qwen3_moe, and the
+text decoder of a Qwen2-VL or Qwen2.5-VL, whose prompts' pictures come in the prefill as embeddings: `_prefill`;
+the step itself: engines/decode_step.py); other causal LMs take engines/generic_decode.py. Tests run this same code
 on CPU (no graph, no compile) and check that it samples the portable loop's tokens and that its sampling
 log-probs equal teacher-forced ones (tests/test_fast_decode.py, tests/test_architectures.py).
 
@@ -47,7 +48,7 @@ import engines.decode_weights as decode_weights   # its PACK switch: read when a
 from engines.base import sample_tokens
 from engines.decode_step import Step, attend  # noqa: F401  (attend: the "matmul" attention, imported from here before)
 from engines.decode_weights import WEIGHTS, groups, pack_layers
-from engines.families import FAMILIES as SUPPORTED, arch_of, rotary_tables
+from engines.families import FAMILIES as SUPPORTED, arch_of, mrope_rotation, rotary_tables, text_decoder
 from engines.moe import use_grouped
 from kernels import sample_token
 
@@ -66,8 +67,9 @@ def plain_or_lora(m) -> bool:
 def why_not(model) -> str | None:
     """Why the hand-written step cannot decode this model (then the engine takes engines/generic_decode.py), or None.
     Beyond its family (engines/families.py: arch_of), every projection must be a plain nn.Linear (or LoRA over
-    one) holding plain tensors: other adapters or sharded parameters (FSDP's DTensors) would be bypassed."""
-    model = base_of(model)
+    one) holding plain tensors: other adapters or sharded parameters (FSDP's DTensors) would be bypassed.
+    A Qwen2-VL is judged by its text decoder (families.text_decoder)."""
+    model = text_decoder(base_of(model))
     arch, why = arch_of(model)
     if arch is None:
         return why
@@ -133,7 +135,7 @@ class FastDecoder(Step):
             raise ValueError(f"attention must be 'matmul', 'sdpa' or 'kernel', got {attention!r}")
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-        self.model = model = base_of(model)
+        self.model = model = text_decoder(base_of(model))   # a VLM: its text decoder (the prefill gets the pictures)
         self.attention, self.keep_cache, self.weights = attention, keep_cache, weights
         device = next(model.parameters()).device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
@@ -283,9 +285,12 @@ class FastDecoder(Step):
     # --- sampling -------------------------------------------------------------------------------
     @torch.no_grad()
     def sample(self, ids: Tensor, mask: Tensor, sampling, eos_id: int, pad_id: int,
-               generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+               generator: torch.Generator | None = None, embeds: Tensor | None = None,
+               positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """ids, mask (B, P) left-padded prompts on the model's device -> completion (B, C) long,
-        alive (B, C) bool (1 up to and including EOS), logprobs (B, C) float, done (B,) bool."""
+        alive (B, C) bool (1 up to and including EOS), logprobs (B, C) float, done (B,) bool.
+        Prompts with pictures (engines/builtin.py): embeds (B, P, H) the prefill's input embeddings (vision.embed),
+        positions (B, P) or M-RoPE's (3, B, P) (vision.positions); the decode after them is text only."""
         B, P = ids.shape
         N = sampling.max_new_tokens
         S = -(-(P + N) // 64) * 64          # round up so that prompts of similar length reuse one graph
@@ -301,20 +306,7 @@ class FastDecoder(Step):
             self._capture(st)
         clock.lap("capture")
 
-        # prefill: all prompt tokens at once, causal within the prompt, padding keys hidden
-        slots = torch.arange(S, device=ids.device)
-        causal = slots[None, :P, None] >= slots[None, None, :]                  # (1, P, S): key j <= query i
-        real = torch.zeros(B, S, dtype=torch.bool, device=ids.device)
-        real[:, :P] = mask.bool()
-        key_ok = (causal & real[:, None]) | (slots[:P, None] == slots[None])[None]  # a pad query sees itself: no nan
-        # eager: compiling it (dynamic shapes) costs far more on the first call than it saves per rollout
-        # (measured: docs/speed.md, "Third session")
-        for r in st["routes"] or []:
-            r.fill_(-1)
-        logits = self._forward(ids, (mask.cumsum(-1) - 1).clamp(min=0), slots[:P], key_ok[:, None], st["k"], st["v"],
-                               st["cos"], st["sin"], st["kpos"], st["routes"])
-        st["key_ok"].copy_(real[:, None, None])
-        st["pos"].copy_(mask.sum(-1, keepdim=True))
+        logits = self._prefill(st, ids, mask, embeds, positions)
         st["slot"].fill_(P)
         st["t"].zero_()
         st["inv_t"].fill_(1.0 / sampling.temperature)
@@ -349,6 +341,34 @@ class FastDecoder(Step):
             self.release()                   # the views above keep only these small buffers alive
             return out
         return tuple(t.clone() for t in out)   # the next call overwrites kept buffers
+
+    def _prefill(self, st: dict, ids: Tensor, mask: Tensor, embeds: Tensor | None,
+                 positions: Tensor | None) -> Tensor:
+        """Forward all prompt tokens at once into st's cache (causal within the prompt, padding keys hidden) and
+        set the decode's key mask and positions; -> the last token's logits (B, V). embeds, positions: sample's."""
+        (B, P), S = ids.shape, st["key_ok"].shape[-1]
+        slots = torch.arange(S, device=ids.device)
+        causal = slots[None, :P, None] >= slots[None, None, :]                  # (1, P, S): key j <= query i
+        real = torch.zeros(B, S, dtype=torch.bool, device=ids.device)
+        real[:, :P] = mask.bool()
+        key_ok = (causal & real[:, None]) | (slots[:P, None] == slots[None])[None]  # a pad query sees itself: no nan
+        # eager: compiling it (dynamic shapes) costs far more on the first call than it saves per rollout
+        # (measured: docs/speed.md, "Third session")
+        for r in st["routes"] or []:
+            r.fill_(-1)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0) if positions is None else positions   # (B, P) or (3, B, P)
+        cos, sin, rows = st["cos"], st["sin"], pos
+        if pos.dim() == 3:   # M-RoPE: a rotary row per prompt token (B * P rows), each token reading its own
+            cos, sin = (t.reshape(1, B * P, -1) for t in mrope_rotation(self.model, pos, st["cos"].dtype))
+            rows = torch.arange(B * P, device=ids.device).view(B, P)
+        logits = self._forward(ids, rows, slots[:P], key_ok[:, None], st["k"], st["v"], cos, sin, st["kpos"],
+                               st["routes"], **({} if embeds is None else {"embeds": embeds}))   # generic: ids only
+        st["key_ok"].copy_(real[:, None, None])
+        # the decode's positions go on from one past each row's largest (M-RoPE: past the picture's grid, not its
+        # token count); the text step's plain rotary is M-RoPE's for text, whose three positions are equal
+        st["pos"].copy_(mask.sum(-1, keepdim=True) if positions is None
+                        else pos.reshape(-1, B, P).amax(dim=(0, 2))[:, None] + 1)
+        return logits
 
     # --- multi-turn: episodes continue in the same cache (engines/multiturn.py drives the turns) ----------
     @torch.no_grad()

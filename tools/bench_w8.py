@@ -16,7 +16,9 @@ between samples (the shapes answers of a random model would all score 0, and GRP
 Parts, each in its own process (clean peak-memory counters):
   ours  train.main itself (the real loop) for 1 warm-up + N measured steps, once per --ours variant
         MICRO[:ckpt] (micro_batch_size, grad_checkpointing; default 16 without and with checkpointing: 64 rows of
-        ~400 tokens at once would not fit an H100 without it); the split comes from its metrics.jsonl
+        ~400 tokens at once would not fit an H100 without it); the split comes from its metrics.jsonl. Its
+        rollouts take the built-in engine's fast path (the pictures in the prefill, then the graphed text step;
+        on the CPU eagerly), and the table counts those that did (count_fast_rollouts)
   trl   TRL's GRPOTrainer with W1's peer settings (docs/benchmarks.md: batch 16 x 4 accumulation steps, beta 0, bf16,
         its default gradient checkpointing) and the model's processor (Qwen2VLProcessor: the same image processor
         and tokenizer), conversational prompts with the picture in an `image` column, as TRL's VLM docs ask
@@ -143,8 +145,32 @@ def processor(path: str):
 
 
 # --- parts -------------------------------------------------------------------------------------------
+def count_fast_rollouts() -> dict:
+    """Make every built-in engine take the fast step (on a GPU it does by default; on the CPU, fast=True runs it
+    eagerly, so the smoke run goes the GPU run's way) and count the rollouts, and those whose prompts' pictures
+    went through the fast step's prefill (FastDecoder.sample with embeddings): the table says which path ran."""
+    from engines.builtin import BuiltinEngine
+    from engines.fast_decode import FastDecoder
+    counts = {"rollouts": 0, "fast_with_pictures": 0}
+    init, generate, sample = BuiltinEngine.__init__, BuiltinEngine.generate, FastDecoder.sample
+
+    def fast_init(self, *args, **kw):
+        init(self, *args, **{**kw, "fast": True})
+
+    def counted_generate(self, *args, **kw):
+        counts["rollouts"] += 1
+        return generate(self, *args, **kw)
+
+    def counted_sample(self, *args, **kw):
+        counts["fast_with_pictures"] += kw.get("embeds") is not None
+        return sample(self, *args, **kw)
+    BuiltinEngine.__init__, BuiltinEngine.generate, FastDecoder.sample = fast_init, counted_generate, counted_sample
+    return counts
+
+
 def part_ours(a) -> dict:
     import train
+    counts = count_fast_rollouts()
     run_dir = os.path.join(a.tmp, f"ours-{a.variant.replace(':', '-')}")
     micro, *flags = a.variant.split(":")
     argv = [f"model={a.model}", "task=w8_shapes", "rewards=w8_cheap", f"steps={a.steps + 1}",
@@ -163,7 +189,7 @@ def part_ours(a) -> dict:
     rows = [r for r in rows if r["step"] >= 2]   # drop step 0 (the evaluation) and step 1 (the warm-up)
     keys = ["time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync"]
     steps = [sum(r.get(k, 0.0) for k in keys) for r in rows]
-    return {"argv": argv, "step_s": statistics.median(steps), "steps_s": steps,
+    return {"argv": argv, "step_s": statistics.median(steps), "steps_s": steps, **counts,
             "split_s": {k: statistics.median(r[k] for r in rows) for k in keys if all(k in r for r in rows)},
             "logprob_mismatch_max": [r.get("logprob_mismatch/max") for r in rows], **mem}
 
@@ -254,6 +280,9 @@ def table(results: dict, a) -> str:
         lines += ["", "split of that step of ours (medians, s): " + ", ".join(
             f"{k.split('/')[1]} {v:.3f}" for k, v in best["split_s"].items()),
             f"logprob_mismatch max (engine vs trainer, per step): {best.get('logprob_mismatch_max')}"]
+    if "rollouts" in best:
+        lines += [f"rollouts whose pictures took the fast step's prefill: {best['fast_with_pictures']} of "
+                  f"{best['rollouts']} (the evaluation's and the steps')"]
     return "\n".join(lines) + "\n"
 
 
