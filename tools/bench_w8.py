@@ -218,11 +218,17 @@ def part_trl(a) -> dict:
                                          for r in rows],
                               "image": [vision.load_image(r["image"]) for r in rows]})
     batch = W["prompts"] * W["samples"]
+    proc = processor(a.model)
+    # a random model samples the vision markers too; transformers' M-RoPE index then counts a picture that is not
+    # there and TRL's log-prob forward fails (shape mismatch in get_rope_index). Never sampling them costs a masked
+    # fill per token; ours reads a sampled image pad as text, so it needs no such rule.
+    markers = proc.tokenizer.convert_tokens_to_ids(VISION_TOKENS)
     args = GRPOConfig(output_dir=os.path.join(a.tmp, "trl"), per_device_train_batch_size=batch // 4,
                       gradient_accumulation_steps=4, num_generations=W["samples"], beta=0.0, bf16=gpu, use_cpu=not gpu,
                       max_completion_length=W["new"], temperature=1.0, max_steps=a.steps + 1, learning_rate=1e-6,
-                      logging_steps=1, report_to="none", save_strategy="no", seed=0, dataloader_num_workers=0)
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, processing_class=processor(a.model),
+                      logging_steps=1, report_to="none", save_strategy="no", seed=0, dataloader_num_workers=0,
+                      generation_kwargs={"suppress_tokens": markers})
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, processing_class=proc,
                           train_dataset=data, callbacks=[Clock()])
     sync()
     ends.append(time.perf_counter())
