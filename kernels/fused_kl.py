@@ -171,9 +171,10 @@ if HAS_TRITON:
 
 
 # fused_kl_loss's passes over whole-vocabulary rows: columns per kernel step, warps, and SPLIT programs per row
-# (each a contiguous column range; the statistics' partial states merged per row by a second launch), so that a
-# chunk of a few hundred rows still fills the card. Chosen by tools/w9_floor.py (docs/kernels.md, "W9").
-LOSS_LAUNCH = dict(BLOCK=4096, num_warps=8, SPLIT=1)
+# (each a contiguous column range; the statistics' partial states merged per row by a second launch): a chunk of
+# a few hundred rows, one program each, leaves the statistics pass short of the card's bandwidth. The fastest of
+# the settings tools/w9_floor.py swept (docs/kernels.md, "W9").
+LOSS_LAUNCH = dict(BLOCK=2048, num_warps=4, SPLIT=8)
 
 
 def _launch(n_cols: int, split: int = 1, block: int = 4096, num_warps: int = 8) -> tuple[int, int, dict]:
