@@ -97,10 +97,11 @@ for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
         want = torch.autograd.grad((ref * g).sum(), f32[:2])
         for a, b in zip(got, want):
             assert torch.allclose(a.float(), b, rtol=tol, atol=tol), (dtype, reverse, (a.float() - b).abs().max())
-        # 8-row chunks; the passes in 1 or (float32) 3 programs per row (columns [0, 128), [128, 256), [256, 300))
-        for split, block in ((1, 4096), (3, 128)) if dtype == torch.float32 else ((1, 4096),):
+        # 8-row chunks, one program per row; (float32, reverse) also one chunk of all rows in 3 programs per row
+        # (columns [0, 128), [128, 256), [256, 300))
+        for split, block, rows in ((1, 4096, 8), (3, 128, N)) if dtype == torch.float32 and reverse else ((1, 4096, 8),):
             LOSS_LAUNCH.update(SPLIT=split, BLOCK=block)
-            loss, kl = fused_kl_loss(hs, ws, ht, wt, g, 0.8, reverse, chunk_bytes=2 * 4 * V * 8)
+            loss, kl = fused_kl_loss(hs, ws, ht, wt, g, 0.8, reverse, chunk_bytes=2 * 4 * V * rows)
             assert torch.allclose(kl, ref.detach(), rtol=tol, atol=tol), (dtype, reverse, split, (kl - ref).abs().max())
             for a, b in zip(torch.autograd.grad(loss, [hs, ws]), want):
                 assert torch.allclose(a.float(), b, rtol=tol, atol=tol), (dtype, reverse, split, (a.float() - b).abs().max())
