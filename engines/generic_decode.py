@@ -11,14 +11,19 @@ masks) never needs the host during a replay. The cache's layers are all full-len
 without sliding layers): the sliding windows live in the masks, as in the hand-written step. The masks come as
 a dict by layer type for models that have layer types (transformers' `causal_mask_mapping`), else one tensor.
 
-Not covered: multi-turn (feed writes per-row slots, which StaticCache cannot), and torch.compile (off: the
-graph alone removes the per-kernel launch cost; compile=True tries it, but BuiltinEngine runs this decoder under
-torch.compiler.set_stance("force_eager"), since the policy's layers compiled for training would recompile at
-every cache length: so on W10 the graphed step keeps the model's eager kernels and runs slower than transformers'
-compiled static-cache generate, docs/benchmarks.md). LoRA works as the model's own peft
-modules apply it. Correct on the CPU without a graph (tests/test_architectures.py); a capture that fails on a
-GPU (a host synchronisation inside some model's forward) leaves the eager static-cache loop, with the reason
-printed.
+The decode step is compiled on its own (`compile`, on with the graph by default): torch.compile of `_forward`
+with fullgraph, called under a nested `torch.compiler.set_stance("default")`. BuiltinEngine runs this decoder
+under set_stance("force_eager"), so that layers compiled for training (`layer.compile()`, run_setup.py) run
+eagerly instead of recompiling at every cache length; this step's compile traces through those same modules
+(a compiled module called inside a compiled region is inlined into it), so it makes one graph of its own per
+batch and cache shape and neither runs nor recompiles the training layers' code. The prefill stays eager (its
+shapes change with every prompt length). A step that does not compile (a graph break, a compiler error) is
+captured uncompiled, with the reason printed (FastDecoder._capture).
+
+Not covered: multi-turn (feed writes per-row slots, which StaticCache cannot). LoRA works as the model's own
+peft modules apply it. Correct on the CPU without a graph (tests/test_architectures.py; the compiled step with
+torch.compile's eager backend: tests/test_generic_decode.py); a capture that fails on a GPU (a host
+synchronisation inside some model's forward) leaves the eager static-cache loop, with the reason printed.
 """
 import copy
 import inspect
@@ -50,13 +55,14 @@ def windows(config) -> dict:
 
 
 class GenericDecoder(FastDecoder):
-    def __init__(self, model, use_graph: bool | None = None, compile: bool = False, check_every: int = 16,
-                 keep_cache: bool = False, **_):
+    def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
+                 keep_cache: bool = False, backend: str = "inductor", **_):
         self.model = model = base_of(model)
         self.keep_cache, self.check_every = keep_cache, check_every
         device = next(model.parameters()).device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
-        self.compile, self.states, self.fused, self.packs = compile, {}, [], None
+        self.compile = self.use_graph if compile is None else compile
+        self.states, self.fused, self.packs = {}, [], None
         self.arch, self.attention, self.weights = None, "model", "model"
         self.compact_always, self.captured = False, False
         self.windows = windows(model.config)
@@ -64,7 +70,14 @@ class GenericDecoder(FastDecoder):
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.cache_position = "cache_position" in params          # transformers before 5.2x passes it along
         self.keep_logits = "logits_to_keep" in params
-        self._step = torch.compile(self._forward, dynamic=False) if compile else self._forward
+        self.compiled = torch.compile(self._forward, dynamic=False, fullgraph=True, backend=backend) \
+            if self.compile else None
+        self._step = self._compiled_step if self.compile else self._forward
+
+    def _compiled_step(self, *args) -> Tensor:
+        """The decode step through this decoder's own compiled graph, whatever stance the caller runs under."""
+        with torch.compiler.set_stance("default"):
+            return self.compiled(*args)
 
     def refresh(self):
         """Nothing to re-read: the model's own modules read its parameters."""

@@ -27,9 +27,13 @@ matmuls: d hidden_s += G @ W_s (float32 accumulator per token block) and d W_s +
 Cost: six matmuls of N*V*H (two forward, two recomputed, two gradients) against eager's four; the recompute is what
 buys the memory: one pair of tiles plus a float32 (8192, Hs) accumulator, whatever N and V are.
 `fused_kl_loss(h_s, w_s, h_t, w_t, weights)` -> (sum(weights * kl), kl) is the same with the per-token weights
-known before the call (distillation's mask over its token count): each row chunk holds the whole vocabulary, so
-its KL is known before its gradient, and the gradient is computed in the forward: four matmuls, no recompute.
-`use_triton=False` runs the same loop with the torch twins of the two kernels (`stats_twin`, `grad_twin`): the CPU
+known before the call (distillation's mask over its token count): each row chunk holds the whole vocabulary
+(`loss_rows`: two (rows, V) buffers in `LOSS_CHUNK_BYTES`), so its KL is known before its gradient, and the
+gradient is computed in the forward: four matmuls, no recompute. Per chunk: both logits products, `row_kl` (the
+statistics in `LOSS_LAUNCH["SPLIT"]` programs per row, `_part_kernel`, merged per row into lse_s, lse_t and KL,
+`_merge_kernel`), the gradient pass in place, d hidden = G @ W_s and d W_s += G.T @ hidden_s. The backward hands
+the stored gradients to autograd scaled in place, so it runs once per forward (no retain_graph replay).
+`use_triton=False` runs the same loops with the torch twins of the kernels (`stats_twin`, `grad_twin`): the CPU
 path; `fused_kl_reference` is the eager formula, the (N, V) ground truth.
 """
 import os
@@ -46,6 +50,7 @@ if HAS_TRITON:
 
 TOKENS_PER_BLOCK = 8192
 CHUNK_BYTES = 256 * 2**20  # both logits tiles together: with the (8192, H) accumulator, < 0.5 GiB extra at H <= 4096
+LOSS_CHUNK_BYTES = 448 * 2**20  # fused_kl_loss's two (rows, V) buffers: its only extra memory, under 0.5 GiB
 MAX_COLS = 16384           # vocabulary columns per tile at most
 
 
@@ -88,16 +93,73 @@ if HAS_TRITON:
         tl.store(sq_ptr + row, sq)
 
     @triton.jit
-    def _grad_kernel(zs_ptr, zt_ptr, stride, lse_s_ptr, lse_t_ptr, kl_ptr, g_ptr, n_cols, inv_t,
+    def _part_kernel(zp_ptr, zq_ptr, stride, part_ptr, n, S, n_cols, inv_t, per, BLOCK: tl.constexpr):
+        # program (row, j): columns [j * per, (j + 1) * per) of whole-vocabulary rows, from a fresh state, into
+        # part (5, n, S): mp, sp, a, mq, sq of that column range (as _stats_kernel keeps them)
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1)
+        c0 = j * per
+        c1 = tl.minimum(c0 + per, n_cols)
+        mp, sp, a = -float("inf"), 0.0, 0.0
+        mq, sq = -float("inf"), 0.0
+        for start in range(c0, c1, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            ok = cols < c1
+            zp = tl.load(zp_ptr + row * stride + cols, mask=ok, other=-float("inf")).to(tl.float32) * inv_t
+            zq = tl.load(zq_ptr + row * stride + cols, mask=ok, other=-float("inf")).to(tl.float32) * inv_t
+            mp_new = tl.maximum(mp, tl.max(zp, 0))          # finite: every step holds a real column
+            ep = tl.exp(zp - mp_new)
+            alpha = tl.exp(mp - mp_new)
+            a = alpha * a + tl.sum(ep * tl.where(ok, zp - zq, 0.0), 0)
+            sp = alpha * sp + tl.sum(ep, 0)
+            mp = mp_new
+            mq_new = tl.maximum(mq, tl.max(zq, 0))
+            sq = tl.exp(mq - mq_new) * sq + tl.sum(tl.exp(zq - mq_new), 0)
+            mq = mq_new
+        at = part_ptr + row * S + j
+        tl.store(at, mp)
+        tl.store(at + n * S, sp)
+        tl.store(at + 2 * n * S, a)
+        tl.store(at + 3 * n * S, mq)
+        tl.store(at + 4 * n * S, sq)
+
+    @triton.jit
+    def _merge_kernel(part_ptr, lse_s_ptr, lse_t_ptr, kl_ptr, n, S, REVERSE: tl.constexpr, BLOCK_S: tl.constexpr):
+        # a row's S partial states (_part_kernel) -> its lse_s, lse_t and KL (every part saw real columns: finite)
+        row = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, BLOCK_S)
+        ok = k < S
+        at = part_ptr + row * S + k
+        pm = tl.load(at, mask=ok, other=-float("inf"))
+        mp = tl.max(pm, 0)
+        w = tl.exp(pm - mp)                                  # 0 on padding
+        sp = tl.sum(w * tl.load(at + n * S, mask=ok, other=0.0), 0)
+        a = tl.sum(w * tl.load(at + 2 * n * S, mask=ok, other=0.0), 0)
+        qm = tl.load(at + 3 * n * S, mask=ok, other=-float("inf"))
+        mq = tl.max(qm, 0)
+        sq = tl.sum(tl.exp(qm - mq) * tl.load(at + 4 * n * S, mask=ok, other=0.0), 0)
+        lse_p, lse_q = mp + tl.log(sp), mq + tl.log(sq)
+        tl.store(kl_ptr + row, a / sp - lse_p + lse_q)
+        if REVERSE:
+            tl.store(lse_s_ptr + row, lse_p)
+            tl.store(lse_t_ptr + row, lse_q)
+        else:
+            tl.store(lse_s_ptr + row, lse_q)
+            tl.store(lse_t_ptr + row, lse_p)
+
+    @triton.jit
+    def _grad_kernel(zs_ptr, zt_ptr, stride, lse_s_ptr, lse_t_ptr, kl_ptr, g_ptr, n_cols, inv_t, per,
                      REVERSE: tl.constexpr, BLOCK: tl.constexpr):
         # d loss / d (unscaled) student logits, written in place over zs: g * p_s * (log p_s - log p_t - KL) / T
-        # (reverse) or g * (p_s - p_t) / T (forward)
+        # (reverse) or g * (p_s - p_t) / T (forward). Program (row, j) writes columns [j * per, (j + 1) * per).
         row = tl.program_id(0).to(tl.int64)
+        c0 = tl.program_id(1) * per
+        c1 = tl.minimum(c0 + per, n_cols)
         ls, lt = tl.load(lse_s_ptr + row), tl.load(lse_t_ptr + row)
         k, g = tl.load(kl_ptr + row), tl.load(g_ptr + row)
-        for start in range(0, n_cols, BLOCK):
+        for start in range(c0, c1, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            ok = cols < n_cols
+            ok = cols < c1
             logp_s = tl.load(zs_ptr + row * stride + cols, mask=ok, other=0.0).to(tl.float32) * inv_t - ls
             logp_t = tl.load(zt_ptr + row * stride + cols, mask=ok, other=0.0).to(tl.float32) * inv_t - lt
             p_s = tl.exp(logp_s)
@@ -108,9 +170,18 @@ if HAS_TRITON:
             tl.store(zs_ptr + row * stride + cols, (d * (g * inv_t)).to(zs_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch(n_cols: int) -> dict:
-    block = min(4096, triton.next_power_of_2(n_cols))
-    return dict(BLOCK=block, num_warps=max(1, min(8, block // 512)))
+# fused_kl_loss's passes over whole-vocabulary rows: columns per kernel step, warps, and SPLIT programs per row
+# (each a contiguous column range; the statistics' partial states merged per row by a second launch): a chunk of
+# a few hundred rows, one program each, leaves the statistics pass short of the card's bandwidth. The fastest of
+# the settings tools/w9_floor.py swept (docs/kernels.md, "W9").
+LOSS_LAUNCH = dict(BLOCK=2048, num_warps=4, SPLIT=8)
+
+
+def _launch(n_cols: int, split: int = 1, block: int = 4096, num_warps: int = 8) -> tuple[int, int, dict]:
+    """(columns per program, programs per row, kernel settings) for rows of n_cols columns."""
+    block = min(block, triton.next_power_of_2(triton.cdiv(n_cols, split)))
+    per = triton.cdiv(triton.cdiv(n_cols, split), block) * block   # a multiple of BLOCK: no empty program
+    return per, triton.cdiv(n_cols, per), dict(BLOCK=block, num_warps=max(1, min(num_warps, block // 512)))
 
 
 def stats_twin(zp: Tensor, zq: Tensor, state: list[Tensor], inv_t: float):
@@ -140,14 +211,41 @@ def grad_twin(zs: Tensor, zt: Tensor, lse_s: Tensor, lse_t: Tensor, kl: Tensor, 
 def tile_stats(zp: Tensor, zq: Tensor, state: list[Tensor], inv_t: float, use_triton: bool):
     if not use_triton:
         return stats_twin(zp, zq, state, inv_t)
-    _stats_kernel[(zp.shape[0],)](zp, zq, zp.stride(0), *state, zp.shape[1], inv_t, **_launch(zp.shape[1]))
+    _, _, kw = _launch(zp.shape[1])
+    _stats_kernel[(zp.shape[0],)](zp, zq, zp.stride(0), *state, zp.shape[1], inv_t, **kw)
 
 
-def tile_grad(zs: Tensor, zt: Tensor, lse_s, lse_t, kl, g, inv_t: float, reverse: bool, use_triton: bool):
+def row_kl(zs: Tensor, zt: Tensor, inv_t: float, reverse: bool, use_triton: bool, kl: Tensor):
+    """Whole-vocabulary rows of both logits (m, V) -> (lse_s, lse_t), each (m,) float32, and KL into kl (m,):
+    LOSS_LAUNCH["SPLIT"] programs per row, then a merge per row (the torch twin: one running state)."""
+    m = zs.shape[0]
+    zp, zq = (zs, zt) if reverse else (zt, zs)
+    if not use_triton:
+        inf = torch.full((m,), -float("inf"), dtype=torch.float32, device=zs.device)
+        state = [inf, torch.zeros_like(inf), torch.zeros_like(inf), inf.clone(), torch.zeros_like(inf)]
+        stats_twin(zp, zq, state, inv_t)
+        mp, sp, a, mq, sq = state
+        lse_p, lse_q = mp + sp.log(), mq + sq.log()                     # (m,)
+        kl.copy_(a / sp - lse_p + lse_q)
+        return (lse_p, lse_q) if reverse else (lse_q, lse_p)
+    per, split, kw = _launch(zs.shape[1], LOSS_LAUNCH["SPLIT"], LOSS_LAUNCH["BLOCK"], LOSS_LAUNCH["num_warps"])
+    part = torch.empty(5, m, split, dtype=torch.float32, device=zs.device)   # mp, sp, a, mq, sq per (row, split)
+    _part_kernel[(m, split)](zp, zq, zs.stride(0), part, m, split, zs.shape[1], inv_t, per, **kw)
+    lse = torch.empty(2, m, dtype=torch.float32, device=zs.device)
+    _merge_kernel[(m,)](part, lse[0], lse[1], kl, m, split, REVERSE=reverse,
+                        BLOCK_S=triton.next_power_of_2(split))
+    return lse[0], lse[1]
+
+
+def tile_grad(zs: Tensor, zt: Tensor, lse_s, lse_t, kl, g, inv_t: float, reverse: bool, use_triton: bool,
+              launch: dict | None = None):
+    """zs (n, v) := d loss / d student logits; launch: LOSS_LAUNCH-like settings (None: one program per row)."""
     if not use_triton:
         return grad_twin(zs, zt, lse_s, lse_t, kl, g, inv_t, reverse)
-    _grad_kernel[(zs.shape[0],)](zs, zt, zs.stride(0), lse_s, lse_t, kl, g, zs.shape[1], inv_t, REVERSE=reverse,
-                                 **_launch(zs.shape[1]))
+    launch = launch or dict(SPLIT=1, BLOCK=4096, num_warps=8)
+    per, split, kw = _launch(zs.shape[1], launch["SPLIT"], launch["BLOCK"], launch["num_warps"])
+    _grad_kernel[(zs.shape[0], split)](zs, zt, zs.stride(0), lse_s, lse_t, kl, g, zs.shape[1], inv_t, per,
+                                       REVERSE=reverse, **kw)
 
 
 def _plan(N: int, V: int, itemsize: int, chunk_bytes: int, rows_per_block: int):
@@ -248,6 +346,13 @@ def fused_kl(hidden_s: Tensor, weight_s: Tensor, hidden_t: Tensor, weight_t: Ten
                           int(chunk_bytes), int(rows_per_block))
 
 
+def loss_rows(N: int, V: int, itemsize: int, chunk_bytes: int) -> int:
+    """Tokens per fused_kl_loss chunk: two (rows, V) logits buffers in chunk_bytes, whole multiples of 128 rows
+    (the products' tile height) once there are more than 128."""
+    n = max(1, min(N, chunk_bytes // (2 * itemsize * V)))
+    return n // 128 * 128 if 128 < n < N else n
+
+
 class _FusedKLLoss(torch.autograd.Function):
     """sum_i weights_i * kl_i with its gradient computed in the forward: four matmuls instead of six (see
     fused_kl_loss). Row chunks hold the whole vocabulary, so each row's lse and KL are known before its gradient."""
@@ -256,7 +361,7 @@ class _FusedKLLoss(torch.autograd.Function):
     def forward(ctx, hs, ws, ht, wt, weights, temperature, reverse, use_triton, chunk_bytes, want_grad):
         (N, H), V = hs.shape, ws.shape[0]
         inv_t = 1.0 / temperature
-        n = max(1, min(N, chunk_bytes // (2 * hs.element_size() * V)))       # rows per chunk: two (n, V) buffers
+        n = loss_rows(N, V, hs.element_size(), chunk_bytes)
         buf_s, buf_t = hs.new_empty(n * V), ht.new_empty(n * V)
         kl_out = torch.empty(N, dtype=torch.float32, device=hs.device)
         need_h, need_w = (want_grad and x for x in ctx.needs_input_grad[:2])   # want_grad: False under no_grad
@@ -269,41 +374,42 @@ class _FusedKLLoss(torch.autograd.Function):
             r1 = min(r0 + n, N)
             zs = torch.mm(hs[r0:r1], ws.T, out=_tile(buf_s, r1 - r0, V))         # (m, V)
             zt = torch.mm(ht[r0:r1], wt.T, out=_tile(buf_t, r1 - r0, V))         # (m, V)
-            inf = torch.full((r1 - r0,), -float("inf"), dtype=torch.float32, device=hs.device)
-            state = [inf, torch.zeros_like(inf), torch.zeros_like(inf), inf.clone(), torch.zeros_like(inf)]
-            tile_stats(*((zs, zt) if reverse else (zt, zs)), state, inv_t, use_triton)
-            mp, sp, a, mq, sq = state
-            lse_p, lse_q = mp + sp.log(), mq + sq.log()                          # (m,)
-            kl = a / sp - lse_p + lse_q
-            kl_out[r0:r1] = kl
+            kl = kl_out[r0:r1]
+            lse_s, lse_t = row_kl(zs, zt, inv_t, reverse, use_triton, kl)      # (m,) each; kl written
             if not (need_h or need_w):
                 continue
-            lse_s, lse_t = (lse_p, lse_q) if reverse else (lse_q, lse_p)
-            tile_grad(zs, zt, lse_s, lse_t, kl, g_all[r0:r1], inv_t, reverse, use_triton)   # zs := G (m, V)
+            tile_grad(zs, zt, lse_s, lse_t, kl, g_all[r0:r1], inv_t, reverse, use_triton, LOSS_LAUNCH)  # zs := G
             if need_h:
-                grad_h[r0:r1] = torch.mm(zs, ws)                                 # (m, H)
+                torch.mm(zs, ws, out=grad_h[r0:r1])                              # (m, H)
             if need_w and w_dtype == zs.dtype:
                 grad_w.addmm_(zs.T, hs[r0:r1])                                   # (V, H)
             elif need_w:
                 _addmm_f32(grad_w, zs.T, hs[r0:r1])
+        del buf_s, buf_t
         if need_w and grad_w.dtype != ws.dtype:
             grad_w = grad_w.to(ws.dtype)
-        ctx.save_for_backward(*(x for x in (grad_h, grad_w) if x is not None))
-        ctx.has = (need_h, need_w)
+        # kept on ctx rather than saved for backward: the backward hands these very buffers to autograd, so no
+        # second copy of d weight (V x H) is ever alive
+        ctx.grads = (grad_h, grad_w)
         ctx.mark_non_differentiable(kl_out)
         return (kl_out * g_all).sum(), kl_out
 
     @staticmethod
     def backward(ctx, g_loss, g_kl):
-        saved = iter(ctx.saved_tensors)
-        grad_h = next(saved) * g_loss if ctx.has[0] else None          # the stored gradients, scaled by d out / d loss
-        grad_w = next(saved) * g_loss if ctx.has[1] else None
+        if ctx.grads is None:
+            raise RuntimeError("fused_kl_loss computes its gradient in the forward and hands it over once: "
+                               "call it again instead of backward(retain_graph=True) twice")
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        # scaled in place by d out / d loss (usually 1): the buffers are ours alone
+        grad_h = grad_h.mul_(g_loss) if grad_h is not None else None
+        grad_w = grad_w.mul_(g_loss) if grad_w is not None else None
         return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 def fused_kl_loss(hidden_s: Tensor, weight_s: Tensor, hidden_t: Tensor, weight_t: Tensor, weights: Tensor,
                   temperature: float = 1.0, reverse: bool = True, use_triton: bool | None = None,
-                  chunk_bytes: int = CHUNK_BYTES) -> tuple[Tensor, Tensor]:
+                  chunk_bytes: int = LOSS_CHUNK_BYTES) -> tuple[Tensor, Tensor]:
     """-> (loss = sum(weights * kl), kl (N,) detached), weights (N,) known before the call (a mask over the token
     count, say). The gradient is computed in the forward, so each (rows x V) logits buffer is made once: four
     matmuls of N*V*H instead of fused_kl's six, for two (rows x V) buffers of at most chunk_bytes together;

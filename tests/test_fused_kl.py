@@ -79,6 +79,7 @@ def test_bad_shapes_are_refused(change, match):
 def test_triton_kernels_interpreted_match_eager():
     run_interpreted("""
 import torch
+from kernels.fused_kl import LOSS_LAUNCH
 from kernels.fused_kl import fused_kl, fused_kl_loss, fused_kl_reference
 gen = torch.Generator().manual_seed(1)
 N, V, HS, HT = 19, 300, 16, 8
@@ -96,10 +97,14 @@ for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
         want = torch.autograd.grad((ref * g).sum(), f32[:2])
         for a, b in zip(got, want):
             assert torch.allclose(a.float(), b, rtol=tol, atol=tol), (dtype, reverse, (a.float() - b).abs().max())
-        loss, kl = fused_kl_loss(hs, ws, ht, wt, g, 0.8, reverse, chunk_bytes=2 * 4 * V * 8)   # 8-row chunks
-        assert torch.allclose(kl, ref.detach(), rtol=tol, atol=tol), (dtype, reverse, (kl - ref).abs().max())
-        for a, b in zip(torch.autograd.grad(loss, [hs, ws]), want):
-            assert torch.allclose(a.float(), b, rtol=tol, atol=tol), (dtype, reverse, (a.float() - b).abs().max())
+        # 8-row chunks, one program per row; (float32, reverse) also one chunk of all rows in 3 programs per row
+        # (columns [0, 128), [128, 256), [256, 300))
+        for split, block, rows in ((1, 4096, 8), (3, 128, N)) if dtype == torch.float32 and reverse else ((1, 4096, 8),):
+            LOSS_LAUNCH.update(SPLIT=split, BLOCK=block)
+            loss, kl = fused_kl_loss(hs, ws, ht, wt, g, 0.8, reverse, chunk_bytes=2 * 4 * V * rows)
+            assert torch.allclose(kl, ref.detach(), rtol=tol, atol=tol), (dtype, reverse, split, (kl - ref).abs().max())
+            for a, b in zip(torch.autograd.grad(loss, [hs, ws]), want):
+                assert torch.allclose(a.float(), b, rtol=tol, atol=tol), (dtype, reverse, split, (a.float() - b).abs().max())
 print("ok")
 """)
 
@@ -132,3 +137,27 @@ def test_loss_with_gradient_in_the_forward_matches_eager(reverse):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
     with torch.no_grad():                                                     # no gradient work under no_grad
         assert fused_kl_loss(hs, ws, ht, wt, g, 0.7, reverse, use_triton=False)[0].item() == pytest.approx(loss.item())
+
+
+def test_loss_hands_its_gradient_buffers_over_once():
+    """The backward gives autograd the buffers computed in the forward (scaled in place, no copy of d weight), so a
+    leaf's .grad is that buffer; a second backward through the same graph is refused with a clear error."""
+    from kernels.fused_kl import fused_kl_loss
+    hs, ws, ht, wt, g = inputs()
+    loss, _ = fused_kl_loss(hs, ws, ht, wt, g, use_triton=False, chunk_bytes=2 * 8 * V * 10)
+    stored = loss.grad_fn.grads[1].data_ptr()                                  # no reference kept: autograd may take it
+    (2.0 * loss).backward(retain_graph=True)
+    assert ws.grad.data_ptr() == stored
+    want = torch.autograd.grad(2.0 * (fused_kl_reference(hs, ws, ht, wt) * g).sum(), [ws])[0]
+    assert torch.allclose(ws.grad, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError, match="once"):
+        loss.backward()
+
+
+def test_loss_rows_keep_the_budget():
+    from kernels.fused_kl import loss_rows
+    for N, V, budget in ((32768, 151936, 448 << 20), (32768, 128256, 448 << 20), (37, 300, 2 * 8 * 300 * 10)):
+        n = loss_rows(N, V, 2, budget)
+        assert 1 <= n <= N and 2 * 2 * V * n <= budget
+        assert n % 128 == 0 or n < 256
+    assert loss_rows(5, 300, 2, 1) == 1 and loss_rows(5, 300, 2, 1 << 30) == 5

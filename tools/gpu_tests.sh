@@ -11,7 +11,8 @@
 #   tests      GPU tests of tests/test_lora.py then tests/test_multiturn.py, in one process, in that order: lora.tf32's
 #              precision once leaked into the multi-turn graph test  (T_TESTS=300)
 #   kernels    every other test with a CUDA/GPU skip marker (tools/gpu_only.py finds them)  (T_TESTS)
-#   arch-*     tests/test_architectures.py's GPU tests (every family graphed and compiled), in two processes  (T_TESTS)
+#   arch-*     tests/test_architectures.py's GPU tests (every family graphed and compiled; the generic path's step
+#              compiles too), in two processes  (T_ARCH=420)
 #   dist       with 2+ GPUs: tests/test_distributed.py, in 6 groups side by side  (T_DIST=300)
 #   sweep      tools/kernel_sweep.py --size gpu: each kernel against its torch twin at edge shapes  (T_SWEEP=270)
 #   sanitizer  the sweep's smaller size under `compute-sanitizer --tool memcheck`, 4 processes  (T_SAN=330)
@@ -27,7 +28,7 @@ out=${1:?usage: bash tools/gpu_tests.sh OUT}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
-T_TESTS=${T_TESTS:-300} T_DIST=${T_DIST:-300} T_SWEEP=${T_SWEEP:-270} T_SAN=${T_SAN:-330}
+T_TESTS=${T_TESTS:-300} T_ARCH=${T_ARCH:-420} T_DIST=${T_DIST:-300} T_SWEEP=${T_SWEEP:-270} T_SAN=${T_SAN:-330}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 t0=$(date +%s)
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -72,8 +73,8 @@ pytest_stage tests 0 "$T_TESTS" tests/test_lora.py tests/test_multiturn.py &
 pytest_stage kernels "$g1" "$T_TESTS" tests --ignore=tests/test_lora.py --ignore=tests/test_multiturn.py \
     --ignore=tests/test_distributed.py --ignore=tests/test_architectures.py &
 # every model family graphed and compiled: mostly compile time, so in two processes of their own
-pytest_stage arch-decode "$g2" "$T_TESTS" tests/test_architectures.py -k "not compiled_layers and not fsdp2" &
-pytest_stage arch-train "$g3" "$T_TESTS" tests/test_architectures.py -k "compiled_layers" &
+pytest_stage arch-decode "$g2" "$T_ARCH" tests/test_architectures.py -k "not compiled_layers and not fsdp2" &
+pytest_stage arch-train "$g3" "$T_ARCH" tests/test_architectures.py -k "compiled_layers" &
 if [ "$ngpu" -ge 2 ]; then   # as tools/gpu_dist.sh: they mostly wait on imports and compiles, so side by side
     groups=(fsdp_update train_under_torchrun train_on_two_gpus ppo_critic reinforce_pp)
     for k in "${groups[@]}"; do dist_stage "dist-$k" "$k" & done
