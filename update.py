@@ -32,6 +32,7 @@ import checkpoint
 import distributed
 import engines.exact as exact
 import engines.moe as moe
+import full_kl
 from config import trainer_temperature
 from kernels import linear_logprob_loss_kernel, linear_logprobs, token_logprobs
 from microbatch import Packed, micro_batches, pack, packed_micro_batches, split_weight
@@ -48,6 +49,7 @@ class Learner:
     cfg: object                   # the whole Config
     device: torch.device
     critic: object = None         # critic.py: Critic, when algo.needs_critic
+    reference: object = None      # the reference (or teacher) model, when the loss takes the exact KL to it (full_kl.py)
     version: int = 0              # optimizer updates applied so far, counted in RL steps (samples carry it)
     bad_updates: int = 0          # non-finite updates in a row
 
@@ -101,9 +103,12 @@ def micro_loss(learner: Learner, micro, packed: Packed | None = None):
     cfg = learner.cfg
     if cfg.fused_loss and not cfg.exact_logprobs:   # speed: the loss's gradient is taken in the kernel, rows at a time
         return fused_policy_loss(learner, micro, packed)
-    C = micro.completion_mask.shape[1]
+    C, ref_kl = micro.completion_mask.shape[1], None
     if packed is not None:
         logp, entropy = packed_completion(learner.policy, micro, packed, trainer_temperature(cfg))
+    elif learner.algo.exact_kl(cfg.algo):   # KL(new || reference) over the whole vocabulary too (full_kl.py)
+        logp, entropy, ref_kl = full_kl.completion_logprobs_and_kl(learner.policy, learner.reference, micro, C,
+                                                                   trainer_temperature(cfg))
     else:
         logp, entropy = completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
                                             trainer_temperature(cfg), micro.images())
@@ -113,6 +118,8 @@ def micro_loss(learner: Learner, micro, packed: Packed | None = None):
                                                       trainer_temperature(cfg))
         logp = ExactValues.apply(logp, exact_logp)
     new = {"logprobs": logp, "entropy": entropy}
+    if ref_kl is not None:
+        new["ref_kl"] = ref_kl
     if learner.critic is not None:   # PPO: the value loss trains the critic in the same backward
         new["values"] = learner.critic.values(micro.input_ids, micro.attention_mask, micro.completion_mask, grad=True)
     loss, metrics = learner.algo.loss(new, micro, cfg.algo)
