@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 import distributed
+import registry
 from config import UserError
 from kernels import linear_logprobs
 from kernels.fused_kl import fused_kl
@@ -37,6 +38,10 @@ def check_config(cfg, algo, world: int):
     if a.kl_estimator == "exact" and a.kl_in_reward:
         raise UserError("algo.kl_estimator=exact takes the KL in the loss: set algo.kl_in_reward=false, or use k1, k2 "
                         "or k3 in the reward")
+    if a.kl_estimator == "exact" and not algo.exact_kl(a):
+        takes = [n for n in registry.names("algo") if registry.get("algo", n).exact_kl(a)]
+        raise UserError(f"algo '{a.name}' takes no KL term in its loss: algo.kl_estimator=exact needs one that does "
+                        f"({', '.join(takes)})")
     if not algo.exact_kl(a):
         return
     what = "algo.distill.full=true" if a.kl_estimator != "exact" else "algo.kl_estimator=exact"

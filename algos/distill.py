@@ -19,10 +19,14 @@ the policy exactly like a reference model, and kl_coef > 0 then adds an estimato
 loss as well). The student's log-prob in A is the trainer's own before the update (old_logprobs) when the loop
 computed one, else the rollout engine's (sample_logprobs). The advantage of a token is its own log-ratio only
 (discount 0: no sum over later tokens), as Thinking Machines' recipe does; not whitened. The teacher must share
-the student's tokenizer (its vocabulary may be padded larger). The full-distribution variant (the exact KL over
-the vocabulary per position, from both models' hidden states) is kernels/fused_kl.py's job and needs the teacher's
-hidden states in the update, which this file does not wire.
-Metric: distill_kl, the token mean of log pi_student - log pi_teacher (the k1 estimate of the reverse KL).
+the student's tokenizer (its vocabulary may be padded larger).
+Full-distribution variant (`algo.distill.full=true`): the distillation term is the exact reverse KL over the whole
+vocabulary at each completion token, differentiated directly, not an advantage:
+    A_t  = task_coef * A_task
+    loss = agg( max(-A * ratio, -A * clip(ratio, ...)) + kl_coef * KL ) + coef * agg( KL(pi_new || pi_teacher)_t )
+with KL_t from both models' hidden states and heads (new["ref_kl"]: full_kl.py, kernels/fused_kl.py).
+Metrics: distill_kl, the token mean of log pi_student - log pi_teacher (the k1 estimate of the reverse KL);
+distill_kl_full (full=true), the token mean of the exact one.
 """
 from dataclasses import dataclass
 
