@@ -2,6 +2,7 @@
 exact KL penalty (algo.kl_estimator=exact) against hand computations with whole (B, C, V) softmaxes in float32, the
 reference's hidden states (Experience.ref_hidden) through select / cat / micro-batches, short train.py runs, and the
 settings refused before any work."""
+import math
 import os
 import sys
 
@@ -172,6 +173,28 @@ def test_with_lora_the_reference_is_the_base_with_adapters_off(tmp_path):
     assert metrics["kl"] == pytest.approx(((kl * m).sum() / m.sum()).item(), abs=1e-5) and metrics["kl"] > 1e-3
 
 
+def test_a_teacher_with_a_padded_vocabulary_is_cut_to_the_students(models, tmp_path):
+    """A reference with 2 vocabulary rows past the policy's 14 (the same first 14 tokens): its distribution is taken
+    over the policy's tokens, renormalised there."""
+    from transformers import AutoModelForCausalLM
+    student = models[0]
+    wide = AutoModelForCausalLM.from_pretrained(make_random_model(str(tmp_path / "w"), seed=3,
+                                                                  vocab_chars="0123456789+=ab")).eval()
+    full_kl.check_models(student, wide)
+    cfg, algo = run_cfg("grpo", kl_coef=1.0, kl_estimator="exact"), registry.get("algo", "grpo")
+    b = with_reference(make_batch(), wide)
+    b.advantages = torch.zeros_like(b.completion_mask)
+    _, metrics, _ = loss_and_grads(update.Learner(student, None, None, algo, cfg, torch.device("cpu"),
+                                                  reference=wide), b)
+    with torch.no_grad():
+        p = hand_logprobs(student, b)                                                          # (B, C, 14)
+        pos = (b.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = wide(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=pos).logits[:, P - 1:-1]
+        q = torch.log_softmax(logits[..., :14].float() / TEMPERATURE, -1)                      # cut, renormalised
+    kl, m = (p.exp() * (p - q)).sum(-1), b.completion_mask
+    assert metrics["kl"] == pytest.approx(((kl * m).sum() / m.sum()).item(), abs=1e-5)
+
+
 def test_ref_hidden_travels_through_select_cat_and_micro_batches(models):
     b = with_reference(make_batch(), models[1])
     assert b.ref_hidden.shape == (4, C, 64) and b.ref_hidden.dtype == torch.float32
@@ -247,3 +270,24 @@ def test_train_runs_log_the_full_kl_terms(random_model_dir, tmp_path):
     train.main(common + ["algo.kl_coef=0.5", "algo.kl_estimator=exact", "lora.r=4", f"out_dir={tmp_path / 'lora'}"])
     kl = [r["kl"] for r in step_rows(tmp_path / "lora")]
     assert len(kl) == 2 and abs(kl[0]) < 1e-6, kl
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels of fused_kl)")
+def test_on_cuda_the_kernels_give_the_cpu_loss_and_gradient(models):
+    """The same full-distribution loss on the GPU (Triton's fused_kl, float32) as on the CPU (its torch twins), and a
+    finite one in bf16."""
+    import copy
+    cfg = run_cfg("distill", distill_teacher="/t", distill_full=True, distill_coef=0.5, distill_task_coef=2.0)
+    algo = registry.get("algo", "distill")
+    out = {}
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.float32), ("cuda", torch.bfloat16)):
+        student, teacher = (copy.deepcopy(m).to(device, dtype) for m in models)
+        b = with_reference(make_batch().to(device), teacher).to(device)
+        b.advantages = algo.advantages(b, cfg.algo)
+        learner = update.Learner(student, None, None, algo, cfg, torch.device(device), reference=teacher)
+        loss, metrics, grad = loss_and_grads(learner, b)
+        out[device, dtype] = loss, metrics["distill_kl_full"], grad.float().cpu()
+    (l0, k0, g0), (l1, k1, g1), (l2, k2, g2) = out.values()
+    assert l1 == pytest.approx(l0, abs=1e-4) and k1 == pytest.approx(k0, abs=1e-4)
+    assert (g1 - g0).abs().max() < 1e-3 * g0.abs().max()
+    assert all(map(math.isfinite, (l2, k2))) and torch.isfinite(g2).all() and k2 == pytest.approx(k0, rel=0.2)
