@@ -20,6 +20,7 @@ with fewer rows is refused. The KL is taken at the trainer's temperature, as the
 """
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 import distributed
 import registry
@@ -29,7 +30,7 @@ from kernels.fused_kl import fused_kl
 from models import _in_head, plain_head
 
 
-def check_config(cfg, algo, world: int):
+def check_config(cfg, algo):
     """One-line refusals, before any work, of the settings the exact KL cannot take (train.py's prepare)."""
     a = cfg.algo
     if a.kl_estimator == "exact" and a.kl_coef <= 0:
@@ -46,14 +47,15 @@ def check_config(cfg, algo, world: int):
         return
     what = "algo.distill.full=true" if a.kl_estimator != "exact" else "algo.kl_estimator=exact"
     blocked = [k for k, on in [("fused_loss=true", cfg.fused_loss), ("pack=true", cfg.pack),
-                               ("FSDP", cfg.offload or (world > 1 and cfg.parallel == "fsdp")),
+                               ("offload=true", cfg.offload),
                                ("mode=async", cfg.mode == "async"), ("replay.enabled=true", cfg.replay.enabled),
                                ("more than one rollout round per step", algo.max_rounds(a) > 1),
                                ("memory_budget_gib", cfg.memory_budget_gib > 0)] if on]
     if blocked:
         raise UserError(f"{what} (the full-vocabulary KL) does not run with {', '.join(blocked)} yet: it runs in one "
-                        "process or under torchrun with parallel=replicate, fused_loss=false, pack=false, no replay, "
-                        "one rollout round per step (dapo: algo.dapo.dynamic_sampling=false), memory_budget_gib=0")
+                        "process or under torchrun (parallel=fsdp or replicate) with offload=false, fused_loss=false, "
+                        "pack=false, no replay, one rollout round per step (dapo: algo.dapo.dynamic_sampling=false), "
+                        "memory_budget_gib=0")
 
 
 def check_models(policy, reference):
@@ -62,7 +64,7 @@ def check_models(policy, reference):
         if not plain_head(m):
             raise UserError(f"the full-vocabulary KL needs {name}'s head to be a plain linear layer (no bias, logit "
                             "scaling or soft-capping): use a k1, k2 or k3 estimator (algo.distill.full=false)")
-    vs, vt = (m.get_output_embeddings().weight.shape[0] for m in (policy, reference))
+    vs, vt = vocab_size(policy), vocab_size(reference)
     if vt < vs:
         raise UserError(f"the reference (or teacher) has {vt} vocabulary rows, fewer than the policy's {vs}: the "
                         "full-vocabulary KL needs the policy's tokenizer in the teacher")
@@ -79,9 +81,18 @@ def logprobs_and_hidden(model, ids: Tensor, attn: Tensor, C: int, temperature: f
 
 
 def head_weight(reference, V: int, device) -> Tensor:
-    """The reference's head weight on the device, its first V rows (the policy's vocabulary), no gradient. With LoRA
-    the reference is the policy seen with its adapters off (lora.AdaptersOff): the same head."""
-    return reference.get_output_embeddings().weight.detach()[:V].to(device, non_blocking=True)
+    """The reference's head weight on the device, its first V rows (the policy's vocabulary), no gradient. Sharded
+    (FSDP2), it is gathered here, for one micro-batch's loss: every rank runs as many micro-batches as the others, so
+    the all-gathers pair up. With LoRA the reference is the policy seen with its adapters off (lora.AdaptersOff):
+    the same head."""
+    w = reference.get_output_embeddings().weight.detach()                                 # (Vt, Ht)
+    if isinstance(w, DTensor):
+        w = w.full_tensor()
+    return w[:V].to(device, non_blocking=True)
+
+
+def vocab_size(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]   # a DTensor's shape is the whole tensor's
 
 
 def completion_logprobs_and_kl(policy, reference, micro, C: int, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -90,9 +101,10 @@ def completion_logprobs_and_kl(policy, reference, micro, C: int, temperature: fl
     targets = micro.input_ids[:, -C:]
     into_grad = not distributed.is_sharded(policy)   # as models.completion_logprobs
     ref_h = micro.ref_hidden                                                               # (b, C, Ht)
+    # before the policy's forward: a sharded reference's gather is not interleaved with the policy's own
+    ref_w = head_weight(reference, vocab_size(policy), ref_h.device)                       # (V, Ht)
 
     def fn(hidden, weight):                                                                # (b, C, H), (V, H)
-        ref_w = head_weight(reference, weight.shape[0], weight.device)                     # (V, Ht)
         logp, entropy = linear_logprobs(hidden, weight, targets, temperature, into_grad)
         kl = fused_kl(hidden.reshape(-1, hidden.shape[-1]), weight, ref_h.reshape(-1, ref_h.shape[-1]).to(weight.dtype),
                       ref_w.to(weight.dtype), temperature)                                 # (b * C,)

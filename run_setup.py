@@ -44,11 +44,10 @@ def prepare(argv: list[str]) -> tuple[Config, str | None]:
     run_dir.check(cfg.out_dir, resuming=resume_from is not None)
     # every cross-option check before the ranks meet: a bad value ends each rank alone, with no collective hanging
     run_dir.Logger.check(cfg.logger)                   # logger=wandb without wandb installed: refused now
-    world = int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1
-    validate(cfg, world)
+    validate(cfg, int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
     engines.exact.check_config(cfg)                    # exact_logprobs=true where exactness cannot hold: refused now
     engines.vllm.check_config(cfg)                     # engine=vllm with a VLM where vLLM cannot take pictures
-    full_kl.check_config(cfg, registry.get("algo", cfg.algo.name), world)   # the exact KL where it cannot run yet
+    full_kl.check_config(cfg, registry.get("algo", cfg.algo.name))   # the exact KL where it cannot run yet
     kernels.choose(**vars(cfg.kernels))                # the implementation of each kernel op (kernels/__init__.py)
     check_reward_args(reward_kwargs(cfg, parse_spec(cfg.rewards)))
     accuracy_name(cfg)                                 # accuracy_reward names one of the rewards

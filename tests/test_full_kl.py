@@ -235,17 +235,17 @@ def test_settings_it_cannot_take_are_refused_before_any_work(argv, message, tmp_
     assert not (tmp_path / "run").exists()
 
 
-def test_fsdp_async_and_odd_models_are_refused(models, tmp_path):
+def test_offload_async_and_odd_models_are_refused(models, tmp_path):
     cfg = run_cfg("distill", distill_teacher="/t", distill_full=True)
     algo = registry.get("algo", "distill")
-    cfg.parallel = "fsdp"
-    with pytest.raises(UserError, match="FSDP"):
-        full_kl.check_config(cfg, algo, world=2)
-    cfg.parallel, cfg.mode = "replicate", "async"
+    cfg.offload = True
+    with pytest.raises(UserError, match="offload=true"):
+        full_kl.check_config(cfg, algo)
+    cfg.offload, cfg.mode = False, "async"
     with pytest.raises(UserError, match="mode=async"):
-        full_kl.check_config(cfg, algo, world=2)
+        full_kl.check_config(cfg, algo)
     cfg.mode = "sync"
-    full_kl.check_config(cfg, algo, world=2)                                                   # replicate: runs
+    full_kl.check_config(cfg, algo)
     from transformers import AutoModelForCausalLM
     small = AutoModelForCausalLM.from_pretrained(make_random_model(str(tmp_path / "small"), vocab_chars="0123"))
     with pytest.raises(UserError, match="fewer than the policy's 14"):
@@ -257,17 +257,36 @@ def test_fsdp_async_and_odd_models_are_refused(models, tmp_path):
 
 
 def test_train_runs_log_the_full_kl_terms(random_model_dir, tmp_path):
-    """Two steps each: full-distribution distillation logs distill_kl_full; the exact KL penalty with LoRA runs, 0
-    at the first update (the adapters start at B = 0: the policy is its reference, the base)."""
-    import train
+    """train.py, two steps each: full-distribution distillation in one process and on 2 ranks under torchrun (FSDP2:
+    the teacher's sharded head gathered for each micro-batch's loss) gives the same metrics (near-greedy sampling,
+    top_p, makes the samples world-size independent); the exact KL penalty with LoRA runs, 0 at the first update
+    (the adapters start at B = 0: the policy is its reference, the base)."""
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+    from tests.conftest import ROOT, train_here, train_here_beside
     teacher = make_random_model(str(tmp_path / "teacher"), seed=1)
-    common = ["steps=2", "eval_every=2", "eval_size=4", "prompts_per_step=4", "samples_per_prompt=2", "threads=1",
-              "progress=false", f"model={random_model_dir}"]
-    train.main(common + ["algo.name=distill", f"algo.distill.teacher={teacher}", "algo.distill.full=true",
-                         f"out_dir={tmp_path / 'distill'}"])
-    rows = step_rows(tmp_path / "distill")
-    assert len(rows) == 2 and all(r["distill_kl_full"] > 0 for r in rows), rows
-    train.main(common + ["algo.kl_coef=0.5", "algo.kl_estimator=exact", "lora.r=4", f"out_dir={tmp_path / 'lora'}"])
+    sharp = AutoModelForCausalLM.from_pretrained(teacher)
+    with torch.no_grad():
+        sharp.get_output_embeddings().weight.mul_(4.0)
+    sharp.save_pretrained(teacher)
+    common = ["steps=2", "eval_every=2", "eval_size=4", "prompts_per_step=4", "samples_per_prompt=2", "progress=false",
+              f"model={random_model_dir}"]
+    args = common + ["algo.name=distill", f"algo.distill.teacher={teacher}", "algo.distill.full=true", "top_p=1e-6",
+                     "lr=1e-2", "micro_batch_size=2", "dtype=float32"]
+    two = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "train.py", *args, f"out_dir={tmp_path / 'two'}"], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    train_here_beside([two], [args + ["threads=1", f"out_dir={tmp_path / 'one'}"]])
+    out, _ = two.communicate(timeout=600)
+    assert two.returncode == 0, out[-3000:]
+    one, fsdp = step_rows(tmp_path / "one"), step_rows(tmp_path / "two")
+    for a, b in zip(one, fsdp, strict=True):
+        for key in ("loss", "grad_norm", "distill_kl_full"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert len(one) == 2 and one[0]["distill_kl_full"] > 0.1 and one[0]["grad_norm"] > 0.1, one
+    train_here(common + ["threads=1", "algo.kl_coef=0.5", "algo.kl_estimator=exact", "lora.r=4",
+                         f"out_dir={tmp_path / 'lora'}"])
     kl = [r["kl"] for r in step_rows(tmp_path / "lora")]
     assert len(kl) == 2 and abs(kl[0]) < 1e-6, kl
 
