@@ -46,15 +46,14 @@ def check_config(cfg, algo):
     if not algo.exact_kl(a):
         return
     what = "algo.distill.full=true" if a.kl_estimator != "exact" else "algo.kl_estimator=exact"
-    blocked = [k for k, on in [("fused_loss=true", cfg.fused_loss), ("pack=true", cfg.pack),
-                               ("offload=true", cfg.offload),
+    blocked = [k for k, on in [("fused_loss=true", cfg.fused_loss), ("offload=true", cfg.offload),
                                ("mode=async", cfg.mode == "async"), ("replay.enabled=true", cfg.replay.enabled),
                                ("more than one rollout round per step", algo.max_rounds(a) > 1),
                                ("memory_budget_gib", cfg.memory_budget_gib > 0)] if on]
     if blocked:
         raise UserError(f"{what} (the full-vocabulary KL) does not run with {', '.join(blocked)} yet: it runs in one "
                         "process or under torchrun (parallel=fsdp or replicate) with offload=false, fused_loss=false, "
-                        "pack=false, no replay, one rollout round per step (dapo: algo.dapo.dynamic_sampling=false), "
+                        "no replay, one rollout round per step (dapo: algo.dapo.dynamic_sampling=false), "
                         "memory_budget_gib=0")
 
 
@@ -95,18 +94,25 @@ def vocab_size(model) -> int:
     return model.get_output_embeddings().weight.shape[0]   # a DTensor's shape is the whole tensor's
 
 
+def kl_to_reference(policy, reference, micro, temperature: float):
+    """-> kl(hidden (b, C, H), head weight (V, H)) -> KL(policy || reference) (b, C) with its gradient, for a function
+    that runs in the policy's head's place. The reference's head weight is fetched now, before the policy's forward:
+    a sharded reference's gather is then not interleaved with the policy's own."""
+    ref_h = micro.ref_hidden                                                               # (b, C, Ht)
+    ref_w = head_weight(reference, vocab_size(policy), ref_h.device)                       # (V, Ht)
+
+    def kl(hidden, weight):                                                                # (b, C, H), (V, H)
+        out = fused_kl(hidden.reshape(-1, hidden.shape[-1]), weight, ref_h.reshape(-1, ref_h.shape[-1]).to(weight.dtype),
+                       ref_w.to(weight.dtype), temperature)                                # (b * C,)
+        return out.view(hidden.shape[:2])
+    return kl
+
+
 def completion_logprobs_and_kl(policy, reference, micro, C: int, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
     """The policy's forward at update time: -> (log-probs, entropies, KL(policy || reference)), each (b, C), all with
     their gradients. The KL is computed where the head would run, so the hidden states are the head's own input."""
     targets = micro.input_ids[:, -C:]
     into_grad = not distributed.is_sharded(policy)   # as models.completion_logprobs
-    ref_h = micro.ref_hidden                                                               # (b, C, Ht)
-    # before the policy's forward: a sharded reference's gather is not interleaved with the policy's own
-    ref_w = head_weight(reference, vocab_size(policy), ref_h.device)                       # (V, Ht)
-
-    def fn(hidden, weight):                                                                # (b, C, H), (V, H)
-        logp, entropy = linear_logprobs(hidden, weight, targets, temperature, into_grad)
-        kl = fused_kl(hidden.reshape(-1, hidden.shape[-1]), weight, ref_h.reshape(-1, ref_h.shape[-1]).to(weight.dtype),
-                      ref_w.to(weight.dtype), temperature)                                 # (b * C,)
-        return logp, entropy, kl.view(hidden.shape[:2])
-    return _in_head(policy, micro.input_ids, micro.attention_mask, C, fn, micro.images())
+    kl = kl_to_reference(policy, reference, micro, temperature)
+    return _in_head(policy, micro.input_ids, micro.attention_mask, C,
+                    lambda h, w: (*linear_logprobs(h, w, targets, temperature, into_grad), kl(h, w)), micro.images())

@@ -104,7 +104,10 @@ def micro_loss(learner: Learner, micro, packed: Packed | None = None):
     if cfg.fused_loss and not cfg.exact_logprobs:   # speed: the loss's gradient is taken in the kernel, rows at a time
         return fused_policy_loss(learner, micro, packed)
     C, ref_kl = micro.completion_mask.shape[1], None
-    if packed is not None:
+    if learner.algo.exact_kl(cfg.algo) and packed is not None:   # KL(new || reference) too, packed (full_kl.py)
+        kl = full_kl.kl_to_reference(learner.policy, learner.reference, micro, trainer_temperature(cfg))
+        logp, entropy, ref_kl = packed_completion(learner.policy, micro, packed, trainer_temperature(cfg), extra=kl)
+    elif packed is not None:
         logp, entropy = packed_completion(learner.policy, micro, packed, trainer_temperature(cfg))
     elif learner.algo.exact_kl(cfg.algo):   # KL(new || reference) over the whole vocabulary too (full_kl.py)
         logp, entropy, ref_kl = full_kl.completion_logprobs_and_kl(learner.policy, learner.reference, micro, C,
@@ -126,14 +129,16 @@ def micro_loss(learner: Learner, micro, packed: Packed | None = None):
     return loss, logp, metrics
 
 
-def packed_completion(model, micro, packed: Packed, temperature: float, loss_fn=None):
+def packed_completion(model, micro, packed: Packed, temperature: float, loss_fn=None, extra=None):
     """completion_logprobs (loss_fn None) or completion_loss of micro, from one forward over its packed tokens:
     no attention mask: the attention takes the samples' bounds (packed.cu_seqlens: VARLEN and flash-attn's varlen
     kernel) or reads them off the position restarts (a block-diagonal causal mask for sdpa / flex / eager), and
     the head runs on the kept tokens only (logits_to_keep = their predecessors). Tokens out of the loss
     (observations, padding) get log-prob 0.
     Run it inside packed_attention(model), backward included (gradient checkpointing recomputes in backward).
-    -> (logp, entropy), each (b, C); with loss_fn (loss, logp, entropy) as models.completion_loss returns them."""
+    -> (logp, entropy), each (b, C); with loss_fn (loss, logp, entropy) as models.completion_loss returns them.
+    extra: fn(hidden (b, C, H) on the padded layout, 0 off keep; head weight) -> (b, C), appended to the outputs (a
+    plain head, no loss_fn: full_kl.kl_to_reference)."""
     keep, C = packed.keep, micro.completion_mask.shape[1]
     targets = torch.where(keep, micro.input_ids[:, -C:], -1)                       # (b, C); < 0: the kernels skip it
     # the samples' bounds as transformers' flash-attention keywords: its flash paths and VARLEN read them (no
@@ -152,6 +157,8 @@ def packed_completion(model, micro, packed: Packed, temperature: float, loss_fn=
 
     def kept_rows(hidden):   # (1, M, H) -> the log-prob kernels' outputs on the (b, C) layout, 0 off keep
         h = hidden.new_zeros(*keep.shape, hidden.shape[-1]).index_put((keep,), hidden[0])   # (b, C, H)
+        if extra is not None:
+            return (*linear_logprobs(h, head.weight, targets, temperature, into_grad), extra(h, head.weight))
         if loss_fn is None:
             return linear_logprobs(h, head.weight, targets, temperature, into_grad)
         return linear_logprob_loss_kernel(h, head.weight, targets, temperature, loss_fn, into_grad=into_grad)

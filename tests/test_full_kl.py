@@ -2,6 +2,7 @@
 exact KL penalty (algo.kl_estimator=exact) against hand computations with whole (B, C, V) softmaxes in float32, the
 reference's hidden states (Experience.ref_hidden) through select / cat / micro-batches, short train.py runs, and the
 settings refused before any work."""
+import contextlib
 import math
 import os
 import sys
@@ -16,7 +17,7 @@ import registry  # noqa: E402
 import update  # noqa: E402
 from buffer import Experience  # noqa: E402
 from config import UserError  # noqa: E402
-from microbatch import micro_batches  # noqa: E402
+from microbatch import micro_batches, pack, packed_micro_batches  # noqa: E402
 from tests.conftest import make_random_model, step_rows  # noqa: E402
 
 P, C, TEMPERATURE = 3, 4, 0.7
@@ -79,13 +80,16 @@ def grads(model) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def loss_and_grads(learner, b, micro_size=0):
-    """The update's loss of b, as update.accumulate_gradients weights micro-batches, and the policy's gradient."""
+def loss_and_grads(learner, b, micro_size=0, packed=False):
+    """The update's loss of b, as update.accumulate_gradients weights micro-batches (packed: pack=true's pieces and
+    layout), and the policy's gradient."""
     learner.policy.zero_grad()
     total, metrics = 0.0, {}
-    for micro, weight in micro_batches(b, micro_size, learner.loss_agg):
-        loss, _, m = update.micro_loss(learner, micro)
-        (loss * weight).backward()
+    split = packed_micro_batches if packed else micro_batches
+    for micro, weight in split(b, micro_size, learner.loss_agg):
+        with update.packed_attention(learner.policy) if packed else contextlib.nullcontext():
+            loss, _, m = update.micro_loss(learner, micro, pack(micro) if packed else None)
+            (loss * weight).backward()
         total += weight * loss.item()
         metrics = {k: metrics.get(k, 0.0) + weight * float(v) for k, v in m.items()}
     return total, metrics, grads(learner.policy)
@@ -121,6 +125,9 @@ def test_full_distillation_loss_and_gradient_match_whole_softmaxes(models):
     # micro-batches of 2 rows (rows 2 and 3 trimmed to 2 columns, ref_hidden with them): the same loss and gradient
     loss2, _, grad2 = loss_and_grads(learner, b, micro_size=2)
     assert loss2 == pytest.approx(loss, abs=1e-6) and (grad2 - grad).abs().max() < 1e-6
+    # pack=true: the same, from the padding-free layout
+    loss3, _, grad3 = loss_and_grads(learner, b, micro_size=2, packed=True)
+    assert loss3 == pytest.approx(loss, abs=1e-5) and (grad3 - grad).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("algo_name", ["grpo", "gspo"])
@@ -220,7 +227,7 @@ def test_kl_estimate_refuses_exact_outside_the_loss():
 
 @pytest.mark.parametrize("argv, message", [
     (["algo.name=distill", "algo.distill.teacher=/t", "algo.distill.full=true", "fused_loss=true"], "fused_loss=true"),
-    (["algo.name=distill", "algo.distill.teacher=/t", "algo.distill.full=true", "pack=true"], "pack=true"),
+    (["algo.name=distill", "algo.distill.teacher=/t", "algo.distill.full=true", "offload=true"], "offload=true"),
     (["algo.kl_coef=0.1", "algo.kl_estimator=exact", "replay.enabled=true"], "replay.enabled=true"),
     (["algo.name=dapo", "algo.kl_coef=0.1", "algo.kl_estimator=exact"], "more than one rollout round"),
     (["algo.kl_estimator=exact"], "set algo.kl_coef > 0"),
