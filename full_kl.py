@@ -1,7 +1,7 @@
 """The exact per-token KL to the reference (or distillation teacher) over the whole vocabulary, in the loss.
 
-    python train.py algo.name=distill algo.distill.teacher=/models/t algo.distill.full=true   # full-distribution distillation
-    python train.py algo.kl_coef=0.05 algo.kl_estimator=exact                                # exact KL penalty (GRPO, PPO, ...)
+    python train.py algo.name=distill algo.distill.teacher=/models/t algo.distill.full=true   # full distillation
+    python train.py algo.kl_coef=0.05 algo.kl_estimator=exact                                # exact KL penalty
 
 Where a sampled estimator (k1, k2, k3; algos/common.py: kl_estimate) reads the two models' log-probs of the sampled
 token, this takes KL(pi_new || pi_ref)_t = sum_v pi_new(v) log(pi_new(v) / pi_ref(v)) at every completion position,
@@ -102,8 +102,8 @@ def kl_to_reference(policy, reference, micro, temperature: float):
     ref_w = head_weight(reference, vocab_size(policy), ref_h.device)                       # (V, Ht)
 
     def kl(hidden, weight):                                                                # (b, C, H), (V, H)
-        out = fused_kl(hidden.reshape(-1, hidden.shape[-1]), weight, ref_h.reshape(-1, ref_h.shape[-1]).to(weight.dtype),
-                       ref_w.to(weight.dtype), temperature)                                # (b * C,)
+        flat_ref = ref_h.reshape(-1, ref_h.shape[-1]).to(weight.dtype)                    # (b * C, Ht)
+        out = fused_kl(hidden.reshape(-1, hidden.shape[-1]), weight, flat_ref, ref_w.to(weight.dtype), temperature)
         return out.view(hidden.shape[:2])
     return kl
 

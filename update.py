@@ -49,7 +49,7 @@ class Learner:
     cfg: object                   # the whole Config
     device: torch.device
     critic: object = None         # critic.py: Critic, when algo.needs_critic
-    reference: object = None      # the reference (or teacher) model, when the loss takes the exact KL to it (full_kl.py)
+    reference: object = None      # the reference (or teacher), when the loss takes the exact KL to it (full_kl.py)
     version: int = 0              # optimizer updates applied so far, counted in RL steps (samples carry it)
     bad_updates: int = 0          # non-finite updates in a row
 
