@@ -49,7 +49,9 @@ class DistillConfig:
                             "each token, in the loss (full_kl.py), instead of the sampled log-ratio as an advantage")
 
     def check(self, cfg) -> list:
-        return [("full", not self.full or bool(self.teacher), "false without a teacher (set algo.distill.teacher)")]
+        return [("full", not self.full or bool(self.teacher), "false without a teacher (set algo.distill.teacher)"),
+                ("full", not self.full or cfg.algo.name == "distill", "false unless algo.name=distill (the term is "
+                 "its loss's; other algorithms take the exact KL as algo.kl_estimator=exact)")]
 
 
 def student_logprobs(batch) -> Tensor:

@@ -233,6 +233,7 @@ def test_kl_estimate_refuses_exact_outside_the_loss():
     (["algo.kl_estimator=exact"], "set algo.kl_coef > 0"),
     (["algo.kl_coef=0.1", "algo.kl_estimator=exact", "algo.kl_in_reward=true"], "algo.kl_in_reward=false"),
     (["algo.name=distill", "algo.distill.full=true"], "algo.distill.full"),
+    (["algo.name=grpo", "algo.distill.teacher=/t", "algo.distill.full=true"], "unless algo.name=distill"),
     (["algo.name=online_dpo", "algo.kl_coef=0.1", "algo.kl_estimator=exact"], "takes no KL term"),
 ])
 def test_settings_it_cannot_take_are_refused_before_any_work(argv, message, tmp_path):
