@@ -33,6 +33,7 @@ class Experience:
     truncated: Tensor          # (B,) bool, hit max_new_tokens without EOS
     old_logprobs: Tensor | None = None   # (B, C) trainer log-probs before this round of updates
     ref_logprobs: Tensor | None = None   # (B, C) reference-model log-probs
+    ref_hidden: Tensor | None = None     # (B, C, Ht) its last hidden states (full_kl.py: the full-vocabulary KL)
     values: Tensor | None = None         # (B, C) critic values at each completion position
     advantages: Tensor | None = None     # (B, C) per-token advantages (sequence-level ones broadcast)
     returns: Tensor | None = None        # (B, C) value targets (critic algorithms)

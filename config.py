@@ -105,8 +105,8 @@ class AlgoConfig:
     dual_clip: float = opt(0.0, "dual-clip PPO: with a negative advantage the loss stops growing once the ratio "
                                 "passes this (> 1; verl's default is 3; 0 = off; the token-level clipped losses)")
     kl_coef: float = opt(0.0, "weight of the KL penalty to the reference model (0 = no reference model)")
-    kl_estimator: str = opt("k3", "KL estimator: k1, k2 or k3 (Schulman's approximations)",
-                            choices=("k1", "k2", "k3"))
+    kl_estimator: str = opt("k3", "KL estimator: k1, k2 or k3 (Schulman's approximations) or exact (the whole "
+                                  "vocabulary's KL in the loss: full_kl.py)", choices=("k1", "k2", "k3", "exact"))
     kl_in_reward: bool = opt(False, "put the KL penalty in the reward (per token, no gradient) instead of the loss")
     loss_agg: str = opt("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, "
                                       "seq-mean-token-sum-norm", choices=AGG_MODES)

@@ -15,6 +15,7 @@ import torch._functorch.config  # noqa: F401  (activation_memory_budget, set bel
 import checkpoint
 import distributed
 import engines
+import full_kl
 import kernels
 import lora
 import memory
@@ -46,6 +47,7 @@ def prepare(argv: list[str]) -> tuple[Config, str | None]:
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
     engines.exact.check_config(cfg)                    # exact_logprobs=true where exactness cannot hold: refused now
     engines.vllm.check_config(cfg)                     # engine=vllm with a VLM where vLLM cannot take pictures
+    full_kl.check_config(cfg, registry.get("algo", cfg.algo.name))   # the exact KL where it cannot run yet
     kernels.choose(**vars(cfg.kernels))                # the implementation of each kernel op (kernels/__init__.py)
     check_reward_args(reward_kwargs(cfg, parse_spec(cfg.rewards)))
     accuracy_name(cfg)                                 # accuracy_reward names one of the rewards
@@ -157,6 +159,8 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
         reference = offload.pin(reference) if cfg.offload_models else reference
         reference.eval().requires_grad_(False)
         reference = distributed.shard(reference, device, dtype, cfg.offload) if fsdp else reference
+    if algo.exact_kl(cfg.algo):   # the loss's full-vocabulary KL reads both heads (full_kl.py)
+        full_kl.check_models(policy, reference)
     critic = Critic(cfg, device, dtype, fsdp) if algo.needs_critic else None   # PPO's value model
     engine = make_engine(cfg, engine_model, tok, sample_dtype=cfg.engine_dtype, lag=cfg.engine_lag)  # docs/mismatch.md
     sampler = make_sampler(cfg, engine, engine_model, tok, pool)   # single completions, or episodes (env.name)
@@ -167,7 +171,8 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
                                   fused=device.type == "cuda" and not cfg.offload)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     run = Run(cfg=cfg, run_dir=cfg.out_dir, device=device,
-              learner=Learner(policy, optimizer, schedule, algo, cfg, device, critic), reference=reference,
+              learner=Learner(policy, optimizer, schedule, algo, cfg, device, critic,
+                              reference if algo.exact_kl(cfg.algo) else None), reference=reference,
               engine=engine, sampler=sampler, pool=pool, specs=specs, tok=tok, train_set=train_set, eval_set=eval_set,
               train_ids=train_ids, eval_ids=eval_ids, buffer=None,
               generator=torch.Generator().manual_seed(cfg.seed),

@@ -25,6 +25,7 @@ import algos, engines, envs, rewards, tasks  # noqa: F401,E401  (the plugin pack
 import async_rl
 import checkpoint
 import distributed
+import full_kl
 import lora
 import offload
 import profiling
@@ -77,8 +78,12 @@ def extra_logprobs(run: Run, rollout, images: dict | None = None) -> dict:
         moe.set_routes(learner.policy, None)
     if run.reference is not None:
         with offload.visit(run.reference, device, cfg.offload_models):   # on the GPU for this forward only
-            out["ref_logprobs"] = completion_logprobs(run.reference, ids, attn, C, trainer_temperature(cfg),
-                                                      images)[0].cpu()
+            if learner.algo.exact_kl(cfg.algo):   # the loss's full-vocabulary KL needs its hidden states (full_kl.py)
+                out["ref_logprobs"], out["ref_hidden"] = full_kl.logprobs_and_hidden(
+                    run.reference, ids, attn, C, trainer_temperature(cfg), images)
+            else:
+                out["ref_logprobs"] = completion_logprobs(run.reference, ids, attn, C, trainer_temperature(cfg),
+                                                          images)[0].cpu()
     if learner.critic is not None:
         out["values"] = learner.critic.values(ids, attn, rollout.completion_mask.to(device)).cpu()
     return out

@@ -32,6 +32,7 @@ import checkpoint
 import distributed
 import engines.exact as exact
 import engines.moe as moe
+import full_kl
 from config import trainer_temperature
 from kernels import linear_logprob_loss_kernel, linear_logprobs, token_logprobs
 from microbatch import Packed, micro_batches, pack, packed_micro_batches, split_weight
@@ -48,6 +49,7 @@ class Learner:
     cfg: object                   # the whole Config
     device: torch.device
     critic: object = None         # critic.py: Critic, when algo.needs_critic
+    reference: object = None      # the reference (or teacher), when the loss takes the exact KL to it (full_kl.py)
     version: int = 0              # optimizer updates applied so far, counted in RL steps (samples carry it)
     bad_updates: int = 0          # non-finite updates in a row
 
@@ -101,9 +103,15 @@ def micro_loss(learner: Learner, micro, packed: Packed | None = None):
     cfg = learner.cfg
     if cfg.fused_loss and not cfg.exact_logprobs:   # speed: the loss's gradient is taken in the kernel, rows at a time
         return fused_policy_loss(learner, micro, packed)
-    C = micro.completion_mask.shape[1]
-    if packed is not None:
+    C, ref_kl = micro.completion_mask.shape[1], None
+    if learner.algo.exact_kl(cfg.algo) and packed is not None:   # KL(new || reference) too, packed (full_kl.py)
+        kl = full_kl.kl_to_reference(learner.policy, learner.reference, micro, trainer_temperature(cfg))
+        logp, entropy, ref_kl = packed_completion(learner.policy, micro, packed, trainer_temperature(cfg), extra=kl)
+    elif packed is not None:
         logp, entropy = packed_completion(learner.policy, micro, packed, trainer_temperature(cfg))
+    elif learner.algo.exact_kl(cfg.algo):   # KL(new || reference) over the whole vocabulary too (full_kl.py)
+        logp, entropy, ref_kl = full_kl.completion_logprobs_and_kl(learner.policy, learner.reference, micro, C,
+                                                                   trainer_temperature(cfg))
     else:
         logp, entropy = completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
                                             trainer_temperature(cfg), micro.images())
@@ -113,20 +121,24 @@ def micro_loss(learner: Learner, micro, packed: Packed | None = None):
                                                       trainer_temperature(cfg))
         logp = ExactValues.apply(logp, exact_logp)
     new = {"logprobs": logp, "entropy": entropy}
+    if ref_kl is not None:
+        new["ref_kl"] = ref_kl
     if learner.critic is not None:   # PPO: the value loss trains the critic in the same backward
         new["values"] = learner.critic.values(micro.input_ids, micro.attention_mask, micro.completion_mask, grad=True)
     loss, metrics = learner.algo.loss(new, micro, cfg.algo)
     return loss, logp, metrics
 
 
-def packed_completion(model, micro, packed: Packed, temperature: float, loss_fn=None):
+def packed_completion(model, micro, packed: Packed, temperature: float, loss_fn=None, extra=None):
     """completion_logprobs (loss_fn None) or completion_loss of micro, from one forward over its packed tokens:
     no attention mask: the attention takes the samples' bounds (packed.cu_seqlens: VARLEN and flash-attn's varlen
     kernel) or reads them off the position restarts (a block-diagonal causal mask for sdpa / flex / eager), and
     the head runs on the kept tokens only (logits_to_keep = their predecessors). Tokens out of the loss
     (observations, padding) get log-prob 0.
     Run it inside packed_attention(model), backward included (gradient checkpointing recomputes in backward).
-    -> (logp, entropy), each (b, C); with loss_fn (loss, logp, entropy) as models.completion_loss returns them."""
+    -> (logp, entropy), each (b, C); with loss_fn (loss, logp, entropy) as models.completion_loss returns them.
+    extra: fn(hidden (b, C, H) on the padded layout, 0 off keep; head weight) -> (b, C), appended to the outputs (a
+    plain head, no loss_fn: full_kl.kl_to_reference)."""
     keep, C = packed.keep, micro.completion_mask.shape[1]
     targets = torch.where(keep, micro.input_ids[:, -C:], -1)                       # (b, C); < 0: the kernels skip it
     # the samples' bounds as transformers' flash-attention keywords: its flash paths and VARLEN read them (no
@@ -145,6 +157,8 @@ def packed_completion(model, micro, packed: Packed, temperature: float, loss_fn=
 
     def kept_rows(hidden):   # (1, M, H) -> the log-prob kernels' outputs on the (b, C) layout, 0 off keep
         h = hidden.new_zeros(*keep.shape, hidden.shape[-1]).index_put((keep,), hidden[0])   # (b, C, H)
+        if extra is not None:
+            return (*linear_logprobs(h, head.weight, targets, temperature, into_grad), extra(h, head.weight))
         if loss_fn is None:
             return linear_logprobs(h, head.weight, targets, temperature, into_grad)
         return linear_logprob_loss_kernel(h, head.weight, targets, temperature, loss_fn, into_grad=into_grad)

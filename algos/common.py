@@ -33,6 +33,9 @@ class Algorithm:
     advantages: Callable        # (batch: Experience, cfg: AlgoConfig, sum_over=None) -> (B, C) per-token advantages
     loss: Callable              # (new: dict, batch: Experience, cfg: AlgoConfig) -> (loss, metrics: dict)
     needs_ref: Callable = lambda cfg: cfg.kl_coef > 0   # does the batch need reference log-probs?
+    # does the loss take the exact KL to the reference over the whole vocabulary? Then the batch carries the
+    # reference's hidden states (ref_hidden) and the loss gets new["ref_kl"] (B, C) with its gradient (full_kl.py)
+    exact_kl: Callable = lambda cfg: cfg.kl_coef > 0 and cfg.kl_estimator == "exact"
     needs_critic: bool = False  # the loop builds a critic, fills batch.values and passes new["values"]
     keep: Callable | None = None  # (batch, cfg) -> (B,) bool: rows to train on (e.g. DAPO's dynamic sampling)
     # How the loss reduces over tokens, so that micro-batches (microbatch.py) and ranks (distributed.py) can be
@@ -116,6 +119,7 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     k2 = (log r)^2 / 2    biased, low variance
     k3 = (r' - 1) - log r'  with r' = ref/policy: unbiased, always >= 0 (GRPO's choice)
     where log r = logp - ref_logp; inside k3 only it is clamped to +-KL_LOG_RATIO_MAX, and k3 is capped at K3_MAX.
+    exact is no estimator of samples: the loss reads the whole-vocabulary KL the loop computed (kl_in_loss).
     """
     log_ratio = logp - ref_logp                                                            # (B, C)
     if estimator == "k1":
@@ -125,7 +129,10 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     if estimator == "k3":
         bounded = log_ratio.clamp(-KL_LOG_RATIO_MAX, KL_LOG_RATIO_MAX)
         return (torch.exp(-bounded) - 1 + bounded).clamp(max=K3_MAX)
-    raise ValueError(f"unknown kl_estimator {estimator!r}; known: k1, k2, k3")
+    if estimator == "exact":
+        raise ValueError("kl_estimator=exact is the whole-vocabulary KL of the update's forward (new['ref_kl'], "
+                         "full_kl.py), not an estimate from log-probs: it sits in the loss only (kl_in_reward=false)")
+    raise ValueError(f"unknown kl_estimator {estimator!r}; known: k1, k2, k3, exact")
 
 
 def kl_in_reward(batch, cfg) -> Tensor:
@@ -233,7 +240,7 @@ def clipped_policy_loss(new: dict, batch, cfg, loss_agg: str | None = None,
         metrics["tis_weight"] = masked_mean(w, mask).detach()
         if cfg.tis in ("mask", "mask_high"):   # the share of tokens whose loss the band removed
             metrics["tis_masked_frac"] = masked_mean((w == 0).float(), mask).detach()
-    per_token = per_token + kl_in_loss(logp, batch, cfg, metrics)
+    per_token = per_token + kl_in_loss(logp, batch, cfg, metrics, new.get("ref_kl"))
     loss = aggregate(per_token, mask, loss_agg or cfg.loss_agg, cfg.norm_len)
     metrics["entropy"] = masked_mean(new["entropy"].detach(), mask)
     return loss, metrics
@@ -244,10 +251,15 @@ def clip_cuts(ratio: Tensor, clipped: Tensor, adv: Tensor) -> Tensor:
     return (-adv * clipped > -adv * ratio).float().detach()
 
 
-def kl_in_loss(logp: Tensor, batch, cfg, metrics: dict) -> Tensor:
-    """kl_coef * KL_t (B, C) when the KL sits in the loss (else 0); logs the KL's mean either way it is on."""
+def kl_in_loss(logp: Tensor, batch, cfg, metrics: dict, exact: Tensor | None = None) -> Tensor:
+    """kl_coef * KL_t (B, C) when the KL sits in the loss (else 0); logs the KL's mean either way it is on.
+    exact: with kl_estimator=exact, KL(new || ref) over the whole vocabulary per token (B, C), with its gradient
+    (new["ref_kl"]: full_kl.py), taken as it is instead of an estimate from the sampled token's log-probs."""
     if cfg.kl_coef <= 0:
         return torch.zeros_like(logp)
-    kl = kl_estimate(logp, batch.ref_logprobs, cfg.kl_estimator)                            # (B, C)
+    if cfg.kl_estimator == "exact" and exact is None:
+        raise ValueError("kl_estimator=exact needs the update's whole-vocabulary KL (new['ref_kl']): this loss was "
+                         "given none (algos/common.py: Algorithm.exact_kl)")
+    kl = exact if cfg.kl_estimator == "exact" else kl_estimate(logp, batch.ref_logprobs, cfg.kl_estimator)   # (B, C)
     metrics["kl"] = masked_mean(kl.detach(), batch.completion_mask)
     return torch.zeros_like(logp) if cfg.kl_in_reward else cfg.kl_coef * kl

@@ -19,17 +19,21 @@ the policy exactly like a reference model, and kl_coef > 0 then adds an estimato
 loss as well). The student's log-prob in A is the trainer's own before the update (old_logprobs) when the loop
 computed one, else the rollout engine's (sample_logprobs). The advantage of a token is its own log-ratio only
 (discount 0: no sum over later tokens), as Thinking Machines' recipe does; not whitened. The teacher must share
-the student's tokenizer (its vocabulary may be padded larger). The full-distribution variant (the exact KL over
-the vocabulary per position, from both models' hidden states) is kernels/fused_kl.py's job and needs the teacher's
-hidden states in the update, which this file does not wire.
-Metric: distill_kl, the token mean of log pi_student - log pi_teacher (the k1 estimate of the reverse KL).
+the student's tokenizer (its vocabulary may be padded larger).
+Full-distribution variant (`algo.distill.full=true`): the distillation term is the exact reverse KL over the whole
+vocabulary at each completion token, differentiated directly, not an advantage:
+    A_t  = task_coef * A_task
+    loss = agg( max(-A * ratio, -A * clip(ratio, ...)) + kl_coef * KL ) + coef * agg( KL(pi_new || pi_teacher)_t )
+with KL_t from both models' hidden states and heads (new["ref_kl"]: full_kl.py, kernels/fused_kl.py).
+Metrics: distill_kl, the token mean of log pi_student - log pi_teacher (the k1 estimate of the reverse KL);
+distill_kl_full (full=true), the token mean of the exact one.
 """
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from algos.common import Algorithm, clipped_policy_loss, masked_mean
+from algos.common import Algorithm, aggregate, clipped_policy_loss, masked_mean
 from algos.grpo import grpo_advantages
 from config import opt, section
 from registry import register
@@ -41,6 +45,13 @@ class DistillConfig:
     teacher: str = opt("", "teacher model folder, loaded in the reference model's place ('' = no teacher: GRPO)")
     coef: float = opt(1.0, "weight of the per-token advantage log p_teacher - log p_student")
     task_coef: float = opt(1.0, "weight of GRPO's group advantage of the task reward (0 = pure distillation)")
+    full: bool = opt(False, "the distillation term is the exact KL(student || teacher) over the whole vocabulary at "
+                            "each token, in the loss (full_kl.py), instead of the sampled log-ratio as an advantage")
+
+    def check(self, cfg) -> list:
+        return [("full", not self.full or bool(self.teacher), "false without a teacher (set algo.distill.teacher)"),
+                ("full", not self.full or cfg.algo.name == "distill", "false unless algo.name=distill (the term is "
+                 "its loss's; other algorithms take the exact KL as algo.kl_estimator=exact)")]
 
 
 def student_logprobs(batch) -> Tensor:
@@ -58,7 +69,7 @@ def distill_token_advantages(batch) -> Tensor:
 
 def distill_advantages(batch, cfg, sum_over=None) -> Tensor:
     adv = torch.zeros_like(batch.completion_mask)                                           # (B, C)
-    if cfg.distill.teacher:
+    if cfg.distill.teacher and not cfg.distill.full:   # full: the distillation term is in the loss (distill_loss)
         adv = cfg.distill.coef * distill_token_advantages(batch)
     if cfg.distill.task_coef:
         adv = adv + cfg.distill.task_coef * grpo_advantages(batch, cfg)
@@ -70,8 +81,18 @@ def distill_loss(new: dict, batch, cfg) -> tuple[Tensor, dict]:
     if cfg.distill.teacher:   # without one, ref_logprobs (if any) are the reference model's, not a teacher's
         kl = student_logprobs(batch).float() - batch.ref_logprobs.float()                   # (B, C)
         metrics["distill_kl"] = masked_mean(kl, batch.completion_mask).detach()
+    if full_distribution(cfg):   # the exact reverse KL at every token, differentiated directly
+        full = new["ref_kl"]                                                                # (B, C)
+        loss = loss + cfg.distill.coef * aggregate(full, batch.completion_mask, cfg.loss_agg, cfg.norm_len)
+        metrics["distill_kl_full"] = masked_mean(full.detach(), batch.completion_mask)
     return loss, metrics
 
 
+def full_distribution(cfg) -> bool:
+    return bool(cfg.distill.teacher) and cfg.distill.full
+
+
 register("algo", "distill")(Algorithm(advantages=distill_advantages, loss=distill_loss,
-                                      needs_ref=lambda cfg: bool(cfg.distill.teacher) or cfg.kl_coef > 0))
+                                      needs_ref=lambda cfg: bool(cfg.distill.teacher) or cfg.kl_coef > 0,
+                                      exact_kl=lambda cfg: full_distribution(cfg) or (
+                                          cfg.kl_coef > 0 and cfg.kl_estimator == "exact")))

@@ -103,5 +103,5 @@ def online_dpo_loss(new: dict, batch, cfg):
 register("algo", "online_dpo")(Algorithm(advantages=online_dpo_advantages, loss=online_dpo_loss,
                                          needs_ref=lambda cfg: cfg.dpo.loss != "simpo",
                                          splittable=lambda cfg: False,    # a pair must stay in one piece
-                                         needs_groups=True,
+                                         needs_groups=True, exact_kl=lambda cfg: False,   # its loss has no KL term
                                          behaviour_weight=False))         # a pair's loss has no per-token ratio

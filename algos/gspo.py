@@ -46,7 +46,7 @@ def gspo_loss(new: dict, batch, cfg):
         w = masked_mean(tis_weights(old, batch.sample_logprobs, mask, cfg.tis, cfg.tis_cap), mask, dim=-1)
         per_seq = per_seq * w
         metrics["tis_weight"] = w.mean().detach()
-    loss = per_seq.mean() + masked_mean(kl_in_loss(logp, batch, cfg, metrics), mask)
+    loss = per_seq.mean() + masked_mean(kl_in_loss(logp, batch, cfg, metrics, new.get("ref_kl")), mask)
     metrics["entropy"] = masked_mean(new["entropy"].detach(), mask)
     return loss, metrics
 
