@@ -45,7 +45,7 @@ def trim(batch: Experience) -> Experience:
     for name, t in vars(batch).items():
         if name == "routes" and t is not None:                                     # (B, T, L, k): as input_ids
             out[name] = t[:, first:P + c]
-        elif t is None or not torch.is_tensor(t) or t.dim() != 2 or name in IMAGE_FIELDS:   # pictures: per picture
+        elif t is None or not torch.is_tensor(t) or t.dim() != 2 or name in (*IMAGE_FIELDS, "image_index"):   # pictures
             out[name] = t
         elif t.shape[1] == P + C:                                                  # (B, T): input_ids, attention
             out[name] = t[:, first:P + c]
