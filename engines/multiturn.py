@@ -164,18 +164,21 @@ class MultiTurn:
         self.eos_id, self.pad_id = tok.eos_token_id, tok.pad_token_id
         # a vision-language policy reads pictures in observations, on the portable loop only (FastDecoder.feed and
         # vLLM's turns take token ids): refused here, before any work, where a fast path is asked for
-        self.processor, self.by_size = None, {}
+        self.processor, self.by_size, self.image_id = None, {}, None
         if vision.tower(model) is not None:
             if self.fast or cfg.exact_logprobs or cfg.engine == "vllm":
                 raise UserError("episodes of a vision-language policy run on the portable loop only (pictures in "
                                 "observations are fed as embeddings; the fast path's feed takes token ids): drop "
                                 "exact_logprobs / engine=vllm")
             self.fast, self.processor = False, vision.image_processor(cfg.model)
+            self.image_id = vision.base_model(model).config.image_token_id
         self.render = Renderer(tok, self.eos_id, [get("tool", t).schema for t in tools],
                                self._picture_ids if self.processor is not None else None)
         spec = {"name": cfg.env.name, "args": args, "tools": tools, "parser": cfg.env.parser,
-                "max_obs_chars": cfg.env.max_obs_chars, "max_obs_image_bytes": cfg.env.max_obs_image_bytes,
-                "memory_mb": cfg.env.memory_mb, "modules": [env_cls.__module__]}   # the workers import its module
+                "max_obs_chars": cfg.env.max_obs_chars, "memory_mb": cfg.env.memory_mb,
+                # a text policy takes no picture: the workers refuse them (and the replies stay as small as before)
+                "max_obs_image_bytes": cfg.env.max_obs_image_bytes if self.processor is not None else 0,
+                "modules": [env_cls.__module__]}   # the workers import the environment's own module
         self.pool = EnvPool(spec, cfg.env.workers, cfg.env.timeout_s)
 
     def close(self):
@@ -186,8 +189,10 @@ class MultiTurn:
         return self.render._ids(vision.image_tokens(self.processor, image, self.by_size))
 
     def _images(self, pictures: list[list], mask: Tensor) -> dict | None:
-        """The picture fields of rows showing pictures (bytes) on the image pads mask (B, T) marks; None: no picture."""
-        return vision.episode_images(self.processor, pictures, mask) or None if self.processor is not None else None
+        """The picture fields of rows' pictures (bytes) on the image pads mask (B, T) marks; None: no picture."""
+        if self.processor is None:
+            return None
+        return vision.episode_images(self.processor, pictures, mask) or None
 
     # ------------------------------------------------------------------------------------------ the rollout
     @torch.no_grad()
@@ -255,10 +260,6 @@ class MultiTurn:
             vision.episode_images(self.processor, ep.pictures, ep.picture_pads(ids, mask, self.image_id))
         split.lap("host")
         return out
-
-    @property
-    def image_id(self) -> int | None:
-        return vision.base_model(self.model).config.image_token_id if self.processor is not None else None
 
     def _chunk_images(self, ep, chunks: list[list[int]]) -> dict | None:
         """The pictures of a chunk about to be fed: each row's new ones, on the chunk's image pads that are not the
@@ -371,7 +372,7 @@ class MultiTurn:
                     raise EnvError(f"{what} returned a picture whose text holds {text.count(IMAGE)} {IMAGE} slots")
             ids = self.render.prompt(text, image) if what == "reset" else self.render.observation(text, role, image)
             return ids, image
-        except Exception as e:  # noqa: BLE001  a tokenizer's (or processor's) error on environment data costs that episode
+        except Exception as e:  # noqa: BLE001  a tokenizer's or processor's error on environment data costs the episode
             ep.fail(b, "error", f"{what}: the observation could not be tokenised ({type(e).__name__}: {e})"[:300])
             return None
 
@@ -398,8 +399,8 @@ class MultiTurn:
 class _Decoder:
     """The policy with its transformers KV cache; feed() appends a chunk of tokens per row (ragged, right-padded).
     images (a VLM's pictures in the prompt or a chunk, vision.episode_images): their image pads take the encoder's
-    features (vision.embed: once per picture) and their positions (vision.positions: M-RoPE where the model uses it),
-    each row's count continuing from one past its largest position so far."""
+    features (vision.embed: once per picture) and positions (vision.positions: M-RoPE where the model uses it), each
+    row's count continuing from one past its largest position so far."""
 
     def __init__(self, model, ids: Tensor, mask: Tensor, pad_id: int, images: dict | None = None):
         self.model, self.pad_id, self.device = model, pad_id, next(model.parameters()).device
@@ -467,7 +468,8 @@ class _Batch:
         C = max(1, max(len(t) for t in self.tokens))
         pads = torch.zeros(len(self.tokens), C, dtype=torch.bool)
         for b, (toks, model) in enumerate(zip(self.tokens, self.is_model)):
-            pads[b, :len(toks)] = torch.tensor([t == image_id and not m for t, m in zip(toks, model)], dtype=torch.bool)
+            pads[b, :len(toks)] = torch.tensor([t == image_id and not m for t, m in zip(toks, model)],
+                                               dtype=torch.bool)
         return torch.cat([(ids == image_id) & mask.bool(), pads], 1)
 
     def add(self, b: int, token: int, logp: float, model: bool):

@@ -85,7 +85,8 @@ def check_observation(obs, what: str, max_chars: int, max_image_bytes: int) -> s
     if type(obs) is not dict:
         return as_text(obs, what, max_chars)
     if max_image_bytes <= 0:
-        raise EnvError(f"{what} returned an observation with a picture, and env.max_obs_image_bytes=0 allows none")
+        raise EnvError(f"{what} returned an observation with a picture: pictures are off (a text policy, or "
+                       "env.max_obs_image_bytes=0)")
     if len(obs) != 2 or "text" not in obs or "image" not in obs:
         raise EnvError(f"{what} returned an observation dict of other keys than 'text' and 'image'")
     text = as_text(obs["text"], what, max_chars)

@@ -9,7 +9,8 @@ A result is ("ok", state, observation, reward, done, info, role, tool_calls, too
 reason) with category "error", "timeout" or "signal" (the worker died). An observation is text, or {"text", "image":
 bytes} for a picture (spec "max_obs_image_bytes" > 0 lets one through: envs/base.py check_image). `state` is the
 pickled environment after the job (base64 text the trainer never decodes): environments live in the trainer as
-data and any worker can take the next step, so killing a worker costs exactly the job it was running. `info` is {"success": bool} or {}.
+data and any worker can take the next step, so killing a worker costs exactly the job it was running. `info` is
+{"success": bool} or {}.
 Environment code is treated as hostile; what it can do and what that costs:
 
     raise, wrong types, observation/info/state too big    that episode fails, the worker goes on (envs/base.py)

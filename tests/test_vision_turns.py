@@ -91,7 +91,7 @@ def test_the_worker_checks_pictures_and_ships_their_bytes():
             assert out[mode][:2] == ("fail", "error") and reason in out[mode][2], (mode, out[mode])
     spec["max_obs_image_bytes"] = 0   # text observations only
     with EnvPool(spec, workers=1, timeout_s=5.0) as pool:
-        assert "max_obs_image_bytes=0" in pool.run([("reset", {})])[0][2]
+        assert "pictures are off" in pool.run([("reset", {})])[0][2]
 
 
 def test_the_wire_refuses_a_picture_that_is_not_base64():
@@ -134,7 +134,7 @@ def test_a_text_policy_or_a_fast_path_refuses_pictures(vlm, random_model_dir):
         ro = mt.generate([], [{"prompt": "1"}], 1, SamplingParams(1.0, 1.0, 3), torch.Generator().manual_seed(0))
     finally:
         mt.close()
-    assert "policy is a text model" in ro.info["failed"][0][1] and ro.images == {}
+    assert "pictures are off (a text policy" in ro.info["failed"][0][1] and ro.images == {}
     for cfg, fast in ((_cfg(), True), (_cfg(exact_logprobs=True), None)):   # before any work: no pool starts
         with pytest.raises(UserError, match="portable loop only"):
             MultiTurn(vlm, vlm.tok, cfg, fast=fast)
