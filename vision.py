@@ -213,7 +213,7 @@ def positions(model, input_ids: Tensor, attention_mask: Tensor, images: dict | N
     """Position ids of a batch: (B, T) text positions (models.position_ids), or for a Qwen2-VL reading pictures
     (uses_mrope) its M-RoPE positions (3, B, T): text tokens count on (the three rows equal), a picture's image
     tokens take (s, s + row, s + column) over its merged patch grid and move the count on by the grid's longer side,
-    each of a row's pictures in turn (the pads `slots` names). Padding takes 0. A decode step's position is then one
+    each of a row's pictures in turn (the pads `slots` names). Left padding takes 0. A decode step's position is then one
     past the row's largest (engines/builtin.py), the three rows equal again. start (B,): where each row's count
     begins (a chunk fed after a row's earlier tokens, engines/multiturn.py)."""
     text = (attention_mask.cumsum(-1) - 1).clamp(min=0)                                  # (B, T)
@@ -221,7 +221,7 @@ def positions(model, input_ids: Tensor, attention_mask: Tensor, images: dict | N
         text = text + start[:, None]
     if not uses_mrope(model, images):
         return text
-    W_of = base_model(model).config.vision_config.spatial_merge_size
+    merge = base_model(model).config.vision_config.spatial_merge_size
     where = slots(model, input_ids, images, prompt_len)                                  # (B, T)
     out = text[None].repeat(3, 1, 1)                                                     # (3, B, T)
     grids = images["image_grid_thw"].tolist()
@@ -229,7 +229,7 @@ def positions(model, input_ids: Tensor, attention_mask: Tensor, images: dict | N
         cols = where[b].nonzero().flatten()
         for u in pictures:
             t, h, w = grids[u]
-            H, W = h // W_of, w // W_of
+            H, W = h // merge, w // merge
             mine, cols = cols[:t * H * W], cols[t * H * W:]
             if len(mine) < t * H * W:
                 raise ValueError(f"row {b} has fewer image tokens than its pictures' {t * H * W}")
@@ -243,8 +243,9 @@ def positions(model, input_ids: Tensor, attention_mask: Tensor, images: dict | N
 
 
 def embed(model, input_ids: Tensor, images: dict, prompt_len: int | None = None) -> Tensor:
-    """(B, T) ids -> (B, T, H) input embeddings: the image pads of the first prompt_len columns (the prompt; all
-    when None) replaced by the features of the row's picture. The encoder runs once per distinct picture."""
+    """(B, T) ids -> (B, T, H) input embeddings: the image pads that show pictures (`slots`: image_mask, else those of
+    the first prompt_len columns) replaced by the features of the row's pictures. The encoder runs once per picture
+    of the table."""
     return place(model, base_model(model).get_input_embeddings()(input_ids), input_ids, images, prompt_len)
 
 
