@@ -399,33 +399,20 @@ class MultiTurn:
 class _Decoder:
     """The policy with its transformers KV cache; feed() appends a chunk of tokens per row (ragged, right-padded).
     images (a VLM's pictures in the prompt or a chunk, vision.episode_images): their image pads take the encoder's
-    features (vision.embed: once per picture) and positions (vision.positions: M-RoPE where the model uses it), each
-    row's count continuing from one past its largest position so far."""
+    features and positions (vision.positions: M-RoPE where the model uses it), each row's count continuing from one
+    past its largest position so far."""
 
     def __init__(self, model, ids: Tensor, mask: Tensor, pad_id: int, images: dict | None = None):
         self.model, self.pad_id, self.device = model, pad_id, next(model.parameters()).device
         self.cache_kw = _cache_kw(model)
         self.mask = mask.to(self.device)                                              # (B, K) grows with the cache
-        self.next_pos = torch.zeros(len(ids), dtype=torch.long, device=self.device)   # (B,) the next position
-        self.cache, self.logits = None, None
-        self._forward(ids.to(self.device), self.mask, images)
-
-    def _forward(self, ids: Tensor, real: Tensor, images: dict | None):
-        """(B, L) ids, real (B, L) 1 on a row's tokens -> into the cache; logits after each row's last real one.
-        Text: position_ids(real) from the row's count on; with pictures vision.positions, (3, B, L) for M-RoPE."""
-        pos = position_ids(real) + self.next_pos[:, None] if images is None else \
-            vision.positions(self.model, ids, real, images, start=self.next_pos)      # (B, L) or (3, B, L)
-        first = dict(input_ids=ids) if images is None else dict(inputs_embeds=vision.embed(self.model, ids, images))
-        cached = {} if self.cache is None else {self.cache_kw: self.cache}
-        out = self.model(**first, attention_mask=self.mask, position_ids=pos, use_cache=True, **cached)
-        self.cache = _cache_of(out)
-        lengths = real.sum(-1)                                                       # (B,)
-        # the row's last real token: the right-padded chunk's lengths - 1; a left-padded prefill ends at L - 1
-        last = (lengths - 1).clamp(min=0) if self.logits is not None else torch.full_like(lengths, ids.shape[1] - 1)
-        fresh = out.logits[torch.arange(len(ids), device=self.device), last]         # (B, V)
-        self.logits = fresh if self.logits is None else torch.where((lengths > 0)[:, None], fresh, self.logits)
-        top = pos.reshape(-1, *ids.shape).amax(dim=(0, 2)) + 1                       # (B,) pads repeat a position
-        self.next_pos = torch.where(lengths > 0, top, self.next_pos)
+        ids = ids.to(self.device)
+        pos = position_ids(self.mask) if images is None else vision.positions(model, ids, self.mask, images)
+        out = model(**_first(model, ids, images), attention_mask=self.mask, position_ids=pos, use_cache=True)
+        self.cache, self.logits = _cache_of(out), out.logits[:, -1]                  # (B, V)
+        self.next_pos = self.mask.sum(-1)                                            # (B,) real tokens so far
+        if images is not None:                      # M-RoPE: one past the row's largest position
+            self.next_pos = torch.where(self.next_pos > 0, _past(pos, ids), 0)
 
     def feed(self, chunks: list[list[int]], images: dict | None = None):
         """Rows with tokens get logits after their last one; rows without keep theirs (they are not read)."""
@@ -435,8 +422,29 @@ class _Decoder:
         for b, c in enumerate(chunks):
             ids[b, :len(c)], real[b, :len(c)] = torch.tensor(c, dtype=torch.long), 1
         ids, real = ids.to(self.device), real.to(self.device)                      # (B, L)
+        pos = self.next_pos[:, None] + (real.cumsum(-1) - 1).clamp(min=0)            # (B, L) pads repeat a position
+        if images is not None:   # the chunk's pictures: their positions (M-RoPE) from the row's count on
+            pos = vision.positions(self.model, ids, real, images, start=self.next_pos)   # (B, L) or (3, B, L)
         self.mask = torch.cat([self.mask, real], 1)                                  # (B, K + L)
-        self._forward(ids, real, images)
+        out = self.model(**_first(self.model, ids, images), attention_mask=self.mask, position_ids=pos,
+                         use_cache=True, **{self.cache_kw: self.cache})
+        self.cache = _cache_of(out)
+        lengths = real.sum(-1)                                                       # (B,)
+        last = (lengths - 1).clamp(min=0)
+        fresh = out.logits[torch.arange(B, device=self.device), last]                # (B, V)
+        self.logits = torch.where((lengths > 0)[:, None], fresh, self.logits)
+        self.next_pos = self.next_pos + lengths if images is None else \
+            torch.where(lengths > 0, _past(pos, ids), self.next_pos)
+
+
+def _first(model, ids: Tensor, images: dict | None) -> dict:
+    """A forward's input: the ids, or with pictures their embeddings (vision.embed: the encoder once per picture)."""
+    return dict(input_ids=ids) if images is None else dict(inputs_embeds=vision.embed(model, ids, images))
+
+
+def _past(pos: Tensor, ids: Tensor) -> Tensor:
+    """(B, L) or (3, B, L) positions -> (B,) one past each row's largest (pads repeat a position, never pass it)."""
+    return pos.reshape(-1, *ids.shape).amax(dim=(0, 2)) + 1
 
 
 class _Batch:
