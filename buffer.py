@@ -44,7 +44,8 @@ class Experience:
     # Per-step (process) rewards (rollout.py: step_tensors) use it the same way, each step's on its last token
     turn_rewards: Tensor | None = None   # (B, C)
     step_mask: Tensor | None = None      # (B, C) float, 1 on each step's last token (per-step rewards only)
-    # vision tasks (vision.py): the pictures of the batch, each once; their image-pad tokens sit in the prompt
+    # vision tasks (vision.py): the pictures of the batch, each once; their image pads sit in the prompt (episodes:
+    # in observations too, where image_mask says)
     pixel_values: Tensor | None = None   # (U, N, D) float, a picture's patches (padded to the widest picture)
     image_grid_thw: Tensor | None = None # (U, 3) long, its patch grid (t, h, w): N real patches = t * h * w
     image_index: Tensor | None = None    # (B,) long, which picture row b shows; episodes: (B, K), -1 = none
