@@ -19,6 +19,7 @@ MODES = {   # what step returns as its observation in each mode
     "huge_bytes": lambda: {"text": "<image>", "image": png() + b"\0" * 20000},     # past a 16 KB cap, still a PNG
     "bomb": lambda: {"text": "<image>", "image": png(size=(3000, 3000), color=0, mode="1")},   # 1 KB, 9 M pixels
     "gif": lambda: {"text": "<image>", "image": png(fmt="GIF")},
+    "thin": lambda: {"text": "<image>", "image": png(size=(1, 600))},   # a PNG the model's processor refuses
     "garbage": lambda: {"text": "<image>", "image": b"\x89PNG\r\n\x1a\n" + b"\xff" * 64},
     "truncated": lambda: {"text": "<image>", "image": png()[:60]},
     "path": lambda: {"text": "<image>", "image": "/etc/hostname"},

@@ -108,7 +108,7 @@ def test_a_bad_picture_costs_its_episode_and_the_trainer_checks_again(vlm):
     mt = sampler(vlm, "picture", max_obs_image_bytes=16384)
     mt.cut_turns = True   # a turn without its end-of-turn token still goes to the environment: every episode steps
     try:
-        modes = ["fine", "bomb", "gif", "no_slot", "fine"]
+        modes = ["fine", "bomb", "gif", "no_slot", "thin", "fine"]
         ro = mt.generate([], [{"prompt": "?", "mode": m} for m in modes], 1, SamplingParams(1.0, 1.0, 3),
                          torch.Generator().manual_seed(0))
         ep = _Batch(1)
@@ -117,10 +117,11 @@ def test_a_bad_picture_costs_its_episode_and_the_trainer_checks_again(vlm):
     finally:
         mt.close()
     failed = [f is not None for f in ro.info["failed"]]
-    assert failed == [False, True, True, True, False], ro.info["failed"]
-    assert (ro.completion_mask[1:4] == 0).all() and ro.info["turns"][0] == ro.info["turns"][4] == 2
+    assert failed == [False, True, True, True, True, False], ro.info["failed"]
+    assert "aspect ratio" in ro.info["failed"][4][1]                     # the worker passed it, the processor did not
+    assert (ro.completion_mask[1:5] == 0).all() and ro.info["turns"][0] == ro.info["turns"][5] == 2
     # the fine episodes show two pictures each (reset's and the step's); a failed one keeps its reset's picture
-    assert (ro.images["image_index"] >= 0).sum(-1).tolist() == [2, 1, 1, 1, 2]
+    assert (ro.images["image_index"] >= 0).sum(-1).tolist() == [2, 1, 1, 1, 1, 2]
     assert len(ro.images["pixel_values"]) == 2            # blue and red: each distinct picture once
     assert_teacher_forced(vlm, ro)
 
