@@ -14,7 +14,7 @@ import vision
 from buffer import Experience, ReplayBuffer
 from config import AGG_MODES, AlgoConfig, Config, ReplayConfig, UserError
 from engines.base import SamplingParams
-from engines.multiturn import MultiTurn, _Batch
+from engines.multiturn import MultiTurn, Renderer, _Batch
 from envs.pool import EnvPool
 from envs.wire import WireError, check_result
 from microbatch import micro_batches
@@ -139,6 +139,25 @@ def test_a_text_policy_or_a_fast_path_refuses_pictures(vlm, random_model_dir):
     for cfg, fast in ((_cfg(), True), (_cfg(exact_logprobs=True), None)):   # before any work: no pool starts
         with pytest.raises(UserError, match="portable loop only"):
             MultiTurn(vlm, vlm.tok, cfg, fast=fast)
+
+
+def test_only_the_picture_writes_image_pads_inside_the_chat_frame(vlm):
+    """Renderer: the slot becomes the picture's ids (special tokens); the environment's own text that spells
+    <|image_pad|> stays characters, so it can never claim a picture's place; the chat template frames both."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets/tiny-vlm"))
+    tok.chat_template = ("{% for m in messages %}u{{ m.content }}e{% endfor %}{% if add_generation_prompt %}a"
+                         "{% endif %}")
+    pad = vlm.config.image_token_id
+    r = Renderer(tok, tok.eos_token_id, [], picture=lambda image: [41, pad, pad, 43])
+    plain = lambda text: tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    ids = r.prompt("<|image_pad|> <image>?", b"png")
+    assert ids == plain("u") + plain("<|image_pad|> ") + [41, pad, pad, 43] + plain("?") + plain("ea")
+    assert ids.count(pad) == 2
+    obs = r.observation("x<image>", "user", b"png")
+    assert obs.count(pad) == 2 and obs[-len(plain("ea")):] == plain("ea") and not r.seen   # not cached
+    with pytest.raises(ValueError, match="text model"):
+        Renderer(tok, tok.eos_token_id, []).observation("<image>", "user", b"png")
 
 
 def _cfg(**opts) -> Config:
