@@ -6,7 +6,9 @@ Completion tokens run up to and including EOS; everything after is padding (comp
 episode the completion also holds the environment's observation tokens between the turns: attention_mask 1,
 completion_mask 0 (in the context, out of the loss), and sample_logprobs 0 there.
 A vision batch (vision.py) also holds one row of pixels per distinct picture, not per sample: `image_index` names
-each sample's picture, so the n samples of a prompt share one; `select` and `cat` keep the two consistent.
+each sample's picture, so the n samples of a prompt share one; `select` and `cat` keep the two consistent. An
+episode batch (engines/multiturn.py) may show several pictures per row (the prompt's and the observations'):
+`image_index` is then (B, K), -1 after a row's last, and `image_mask` marks the image pads that show them.
 Everything an algorithm needs travels in this dataclass; nothing else does.
 """
 import json
@@ -19,6 +21,7 @@ from torch import Tensor
 from config import ReplayConfig
 
 IMAGE_FIELDS = ("pixel_values", "image_grid_thw")   # indexed by picture, not by row (vision.py)
+PICTURE_FIELDS = (*IMAGE_FIELDS, "image_index", "image_mask")   # a batch's pictures: all or none of them
 
 
 @dataclass
@@ -42,10 +45,13 @@ class Experience:
     # Per-step (process) rewards (rollout.py: step_tensors) use it the same way, each step's on its last token
     turn_rewards: Tensor | None = None   # (B, C)
     step_mask: Tensor | None = None      # (B, C) float, 1 on each step's last token (per-step rewards only)
-    # vision tasks (vision.py): the pictures of the batch, each once; their image-pad tokens sit in the prompt
+    # vision tasks (vision.py): the pictures of the batch, each once; their image pads sit in the prompt (episodes:
+    # in observations too, where image_mask says)
     pixel_values: Tensor | None = None   # (U, N, D) float, a picture's patches (padded to the widest picture)
     image_grid_thw: Tensor | None = None # (U, 3) long, its patch grid (t, h, w): N real patches = t * h * w
-    image_index: Tensor | None = None    # (B,) long, which picture row b shows
+    image_index: Tensor | None = None    # (B,) long, which picture row b shows; episodes: (B, K), -1 = none
+    image_mask: Tensor | None = None     # (B, T) bool, episodes: the image pads that show a picture (the sampled
+                                         # ones are text); None: the prompt's image pads
     # moe.routing_replay (engines/moe.py): each token's experts per MoE layer in the rollout, -1 = none recorded
     routes: Tensor | None = None         # (B, T, L, k) int16
 
@@ -69,33 +75,50 @@ class Experience:
                                 if getattr(self, f.name) is not None and f.name not in IMAGE_FIELDS})
         if self.image_index is None:
             return rows
-        used, rows.image_index = rows.image_index.unique(return_inverse=True)   # (U',), (B',)
+        shown = rows.image_index >= 0                                                    # (B',) or (B', K)
+        used, inverse = rows.image_index[shown].unique(return_inverse=True)              # (U',)
+        rows.image_index = torch.full_like(rows.image_index, -1).masked_scatter(shown, inverse)
         rows.pixel_values, rows.image_grid_thw = self.pixel_values[used], self.image_grid_thw[used]
         return rows
 
     def images(self) -> dict | None:
         """The image fields as vision.embed takes them; None for a text batch."""
-        return None if self.image_index is None else {k: getattr(self, k) for k in (*IMAGE_FIELDS, "image_index")}
+        return None if self.image_index is None else {k: getattr(self, k) for k in PICTURE_FIELDS}
+
+    def no_pictures_like(self, other: "Experience") -> "Experience":
+        """This batch (none of its rows shows a picture) with the empty picture fields of other's layout, so that
+        `cat` can join it to batches with pictures (an episode batch where no environment sent one)."""
+        episodes = other.image_mask is not None
+        return replace(self, pixel_values=other.pixel_values[:0], image_grid_thw=other.image_grid_thw[:0],
+                       image_index=torch.full((len(self), 1) if episodes else (len(self),), -1, dtype=torch.long),
+                       image_mask=torch.zeros_like(self.input_ids, dtype=torch.bool) if episodes else None)
 
     @staticmethod
     def cat(batches: list["Experience"], pad_id: int = 0) -> "Experience":
         """Concatenate batches whose prompt/completion widths may differ (re-pads to the widest)."""
         P = max(b.prompt_len for b in batches)
         C = max(b.completion_mask.shape[1] for b in batches)
+        like = next((b for b in batches if b.image_index is not None), None)
+        if like is not None:   # batches without pictures join with an empty table
+            batches = [b if b.image_index is not None else b.no_pictures_like(like) for b in batches]
+            if len({(b.image_index.dim(), b.image_mask is None) for b in batches}) > 1:
+                raise ValueError("single-turn and episode batches lay their pictures out differently: not joined")
         out = {}
         for f in fields(Experience):
             parts = [getattr(b, f.name) for b in batches]
             if any(p is None for p in parts):
                 continue
-            if f.name in ("input_ids", "attention_mask"):
+            if f.name in ("input_ids", "attention_mask", "image_mask"):
                 pad = pad_id if f.name == "input_ids" else 0
                 parts = [_pad_prompt_and_completion(p, b.prompt_len, P, C, pad) for p, b in zip(parts, batches)]
             elif f.name == "routes":        # re-padded as input_ids, with -1 (route freely)
                 parts = [_pad_prompt_and_completion(p.permute(0, 2, 3, 1).flatten(0, 2), b.prompt_len, P, C, -1)
                          .view(*p.shape[:1], *p.shape[2:], P + C).permute(0, 3, 1, 2) for p, b in zip(parts, batches)]
-            elif f.name == "image_index":   # into the concatenated picture table
+            elif f.name == "image_index":   # into the concatenated picture table; -1 stays none
                 offsets = torch.tensor([0] + [len(b.pixel_values) for b in batches]).cumsum(0)
-                parts = [p + o for p, o in zip(parts, offsets.tolist())]
+                K = max(p.shape[1] for p in parts) if parts[0].dim() == 2 else 0
+                parts = [torch.where(p >= 0, p + o, -1) for p, o in zip(parts, offsets.tolist())]
+                parts = [torch.nn.functional.pad(p, (0, K - p.shape[1]), value=-1) for p in parts] if K else parts
             elif f.name == "pixel_values":  # pad every picture to the most patches
                 N = max(p.shape[1] for p in parts)
                 parts = [torch.nn.functional.pad(p, (0, 0, 0, N - p.shape[1])) for p in parts]
@@ -248,7 +271,7 @@ class ReplayBuffer:
     def _append_log(self, batch: Experience, uid: Tensor):
         # pictures stay out of the log (it is one line per sample); a sample's picture is its prompt's
         cols = {f.name: getattr(batch, f.name).tolist() for f in fields(batch) if getattr(batch, f.name) is not None
-                and f.name not in (*IMAGE_FIELDS, "image_index")}
+                and f.name not in PICTURE_FIELDS}
         lines = [json.dumps({"uid": int(u), **{k: v[i] for k, v in cols.items()}}) for i, u in enumerate(uid)]
         self._log.write("\n".join(lines) + "\n")    # one write per step; fsync so a crash keeps it
         self._log.flush()

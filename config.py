@@ -94,6 +94,8 @@ class EnvConfig:
     workers: int = opt(2, "environment worker processes (env steps and tools run there, killable)")
     timeout_s: float = opt(10.0, "per-step time limit; a step past it ends the episode as a recorded failure")
     max_obs_chars: int = opt(4000, "an observation longer than this ends the episode as a recorded failure")
+    max_obs_image_bytes: int = opt(1 << 20, "a picture in an observation (PNG/JPEG bytes, vision policies) larger "
+                                            "than this ends the episode as a recorded failure; 0 = text only")
     memory_mb: int = opt(2048, "address-space limit of each environment worker process")
 
 

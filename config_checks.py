@@ -104,7 +104,8 @@ def ranges(cfg: Config) -> list:
                   ("top_k", c.top_k, "off"), ("engine_lag", c.engine_lag, "the current weights"),
                   ("eval_temperature", c.eval_temperature, "greedy"), ("memory_budget_gib", c.memory_budget_gib, "off")]
     at_least_0 += [("algo.kl_coef", a.kl_coef, "no reference model"),
-                   ("algo.norm_len", a.norm_len, "max_new_tokens"), ("seed", c.seed, "seed 0")]
+                   ("algo.norm_len", a.norm_len, "max_new_tokens"), ("seed", c.seed, "seed 0"),
+                   ("env.max_obs_image_bytes", c.env.max_obs_image_bytes, "text observations only")]
     env = c.env
     at_least_1 += [("env.workers", env.workers), ("env.max_turns", env.max_turns), ("env.max_tokens", env.max_tokens),
                    ("env.max_obs_chars", env.max_obs_chars)]

@@ -47,7 +47,7 @@ def trim(batch: Experience) -> Experience:
             out[name] = t[:, first:P + c]
         elif name == "ref_hidden" and t is not None:                               # (B, C, Ht): per token
             out[name] = t[:, :c]
-        elif t is None or not torch.is_tensor(t) or t.dim() != 2 or name in IMAGE_FIELDS:   # pictures: per picture
+        elif t is None or not torch.is_tensor(t) or t.dim() != 2 or name in (*IMAGE_FIELDS, "image_index"):   # pictures
             out[name] = t
         elif t.shape[1] == P + C:                                                  # (B, T): input_ids, attention
             out[name] = t[:, first:P + c]

@@ -97,7 +97,8 @@ def plain_head(model) -> bool:
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int,
                         temperature: float = 1.0, images: dict | None = None) -> tuple[Tensor, Tensor]:
     """Teacher-forced log-probs and entropies of the last C tokens: (B, T) ids -> two (B, C) tensors.
-    images: a vision batch's pictures (Experience.images()), placed on the prompt's image tokens."""
+    images: a vision batch's pictures (Experience.images()), placed on the prompt's image tokens (episodes: on the
+    prompt's and the observations' ones their image_mask names)."""
     targets = input_ids[:, -C:]
     if not plain_head(model):
         logits = model(**_inputs(input_ids, attention_mask, C, model, images)).logits[:, :-1]      # (B, C, V)
@@ -128,7 +129,8 @@ def completion_loss(model, input_ids: Tensor, attention_mask: Tensor, C: int, te
 
 
 def _inputs(input_ids: Tensor, attention_mask: Tensor, C: int, model=None, images: dict | None = None) -> dict:
-    # pictures: their features replace the prompt's image tokens (the completion's C columns are text)
+    # pictures: their features replace the prompt's image tokens (the completion's C columns are text), or for
+    # episodes those image_mask names, observations included (vision.slots)
     ids = dict(input_ids=input_ids) if images is None else \
         vision.model_inputs(model, input_ids, images, prompt_len=input_ids.shape[1] - C)
     pos = vision.positions(model, input_ids, attention_mask, images, input_ids.shape[1] - C)   # M-RoPE: (3, B, T)

@@ -116,7 +116,9 @@ def collect(run: Run, step: int, times: dict):
         samples = [run.train_set[i] for i in idx for _ in range(cfg.samples_per_prompt)]
         handle = run.sampler.score(samples, rollout)
         run.stages.for_experience()                   # (offload_models: the critic comes back to the GPU)
-        images = vision.batch_images([run.train_ids[i] for i in idx], cfg.samples_per_prompt)   # {}: text
+        images = getattr(rollout, "images", None)     # episodes carry the pictures they showed (engines/multiturn.py)
+        if images is None:                            # single turn: the prompts' pictures ({}: text)
+            images = vision.batch_images([run.train_ids[i] for i in idx], cfg.samples_per_prompt)
         extra = {**extra_logprobs(run, rollout, images or None), **images}   # 3. ... the log-prob (and value) forwards
     with profiling.phase(times, "reward"):            # only the part of scoring not hidden behind step 3
         rewards, reward_info = handle.result()

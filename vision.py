@@ -11,9 +11,14 @@ evaluation pass it along as any prompt. An experience batch holds one row of pix
 n samples of a prompt share one. `embed` runs the vision encoder once per distinct picture and scatters its
 features over the image-pad tokens of every row that shows it.
 
+Several pictures per row (multi-turn episodes, engines/multiturn.py: the prompt's and the observations'):
+`image_index` is then (B, K), each row's pictures in the order they appear, -1 after its last, and `image_mask`
+(B, T) marks the image pads that show them: the renderer's, never a pad the policy sampled (that one is text).
+Without `image_mask` the pictures sit on the image pads of the first prompt_len columns (single turn).
+
 Positions: a Qwen2-VL reading pictures gets its M-RoPE positions (`positions`), the same in the engine and the
 trainer; a model trained on text positions says so in its config (`text_positions`, the tiny VLM).
-What it simplifies: one picture per prompt, in the prompt only (none in completions or observations), no videos.
+What it simplifies: a single-turn prompt shows one picture; pictures never come from the policy; no videos.
 """
 import io
 import os
@@ -62,8 +67,20 @@ def image_processor(model_path: str):
 
 def pixels(prompt: ImagePrompt) -> tuple[Tensor, Tensor]:
     """-> pixel_values (N, D), image_grid_thw (3,) of the prompt's picture."""
-    out = prompt.processor(images=[load_image(prompt.image)], return_tensors="pt")
+    return picture_pixels(prompt.processor, prompt.image)
+
+
+def picture_pixels(processor, image) -> tuple[Tensor, Tensor]:
+    """A picture (bytes or a path) -> pixel_values (N, D), image_grid_thw (3,)."""
+    out = processor(images=[load_image(image)], return_tensors="pt")
     return out["pixel_values"], out["image_grid_thw"][0]
+
+
+def picture_table(processor, images: list) -> tuple[Tensor, Tensor]:
+    """U pictures -> pixel_values (U, N, D) padded to the most patches, image_grid_thw (U, 3)."""
+    pv, grid = zip(*(picture_pixels(processor, i) for i in images))
+    N = max(len(x) for x in pv)
+    return torch.stack([torch.nn.functional.pad(x, (0, 0, 0, N - len(x))) for x in pv]), torch.stack(grid)
 
 
 def image_tokens(processor, image, by_size: dict) -> str:
@@ -104,6 +121,45 @@ def batch_images(prompts: list, n: int) -> dict:
     pixel_values = torch.stack([torch.nn.functional.pad(x, (0, 0, 0, N - len(x))) for x in pv])   # (U, N, D)
     return {"pixel_values": pixel_values, "image_grid_thw": torch.stack(grid),                     # (U, 3)
             "image_index": torch.arange(len(prompts)).repeat_interleave(n)}                        # (B,)
+
+
+def episode_images(processor, pictures: list[list], image_mask: Tensor) -> dict:
+    """Rows' pictures (bytes, each row's in the order they appear) and the (B, T) mask of the image pads that show
+    them -> the picture fields: each distinct picture once, pixel_values (U, N, D), image_grid_thw (U, 3);
+    image_index (B, K), -1 after a row's last; image_mask. {} when no row shows one."""
+    table, index = {}, []
+    for row in pictures:
+        index.append([table.setdefault(p, len(table)) for p in row])
+    if not table:
+        return {}
+    K = max(len(r) for r in index)
+    pixel_values, grid = picture_table(processor, list(table))
+    return {"pixel_values": pixel_values, "image_grid_thw": grid, "image_mask": image_mask.bool(),
+            "image_index": torch.tensor([r + [-1] * (K - len(r)) for r in index], dtype=torch.long)}
+
+
+def row_pictures(images: dict) -> list[list[int]]:
+    """Each row's pictures in order, as rows of the picture table: image_index (B,) or (B, K) with -1 = none."""
+    index = images["image_index"]
+    index = index[:, None] if index.dim() == 1 else index
+    return [[u for u in row if u >= 0] for row in index.tolist()]
+
+
+def slots(model, input_ids: Tensor, images: dict, prompt_len: int | None = None) -> Tensor:
+    """(B, T) bool: the image pads that show a picture. image_mask where the batch has one (episodes: the renderer's
+    pads, prompt and observations), else the image pads of the first prompt_len columns (all when None)."""
+    if images.get("image_mask") is not None:
+        return images["image_mask"].bool().to(input_ids.device)
+    out = input_ids == base_model(model).config.image_token_id                           # (B, T)
+    if prompt_len is not None:   # a sampled image-pad token in a completion is text, not a picture
+        out[:, prompt_len:] = False
+    return out
+
+
+def tokens_per_picture(model, images: dict) -> list[int]:
+    """Image tokens of each picture of the table: its patches over the merge."""
+    merge = base_model(model).config.vision_config.spatial_merge_size ** 2
+    return [n // merge for n in images["image_grid_thw"].prod(-1).tolist()]
 
 
 def save_processor(model, model_path: str, out: str):
@@ -153,39 +209,43 @@ def uses_mrope(model, images: dict | None) -> bool:
 
 
 def positions(model, input_ids: Tensor, attention_mask: Tensor, images: dict | None,
-              prompt_len: int | None = None) -> Tensor:
+              prompt_len: int | None = None, start: Tensor | None = None) -> Tensor:
     """Position ids of a batch: (B, T) text positions (models.position_ids), or for a Qwen2-VL reading pictures
     (uses_mrope) its M-RoPE positions (3, B, T): text tokens count on (the three rows equal), a picture's image
-    tokens take (start, start + row, start + column) over its merged patch grid and move the count on by the
-    grid's longer side. Only the first prompt_len columns hold pictures (as in embed); padding takes 0. A decode
-    step's position is then one past the row's largest (engines/builtin.py), the three rows equal again."""
+    tokens take (s, s + row, s + column) over its merged patch grid and move the count on by the grid's longer side,
+    each of a row's pictures in turn (the pads `slots` names). Left padding takes 0. A decode step's position is then one
+    past the row's largest (engines/builtin.py), the three rows equal again. start (B,): where each row's count
+    begins (a chunk fed after a row's earlier tokens, engines/multiturn.py)."""
     text = (attention_mask.cumsum(-1) - 1).clamp(min=0)                                  # (B, T)
+    if start is not None:
+        text = text + start[:, None]
     if not uses_mrope(model, images):
         return text
-    cfg = base_model(model).config
-    merge = cfg.vision_config.spatial_merge_size
-    slots = input_ids == cfg.image_token_id                                              # (B, T)
-    if prompt_len is not None:
-        slots[:, prompt_len:] = False
+    merge = base_model(model).config.vision_config.spatial_merge_size
+    where = slots(model, input_ids, images, prompt_len)                                  # (B, T)
     out = text[None].repeat(3, 1, 1)                                                     # (3, B, T)
-    grids = images["image_grid_thw"][images["image_index"]].tolist()                     # the row's picture
-    for b, (t, h, w) in enumerate(grids):
-        cols = slots[b].nonzero().flatten()
-        if len(cols) == 0:
-            continue
-        start, (H, W) = int(text[b, cols[0]]), (h // merge, w // merge)
-        k = torch.arange(len(cols), device=input_ids.device)
-        out[0, b, cols] = start
-        out[1, b, cols], out[2, b, cols] = start + k // W, start + k % W
-        after = cols[-1] + 1          # text after the picture: moved by the grid's longer side, not its token count
-        real = attention_mask[b, after:].bool()
-        out[:, b, after:][:, real] = (start + max(H, W) + torch.arange(int(real.sum()), device=input_ids.device))
+    grids = images["image_grid_thw"].tolist()
+    for b, pictures in enumerate(row_pictures(images)):
+        cols = where[b].nonzero().flatten()
+        for u in pictures:
+            t, h, w = grids[u]
+            H, W = h // merge, w // merge
+            mine, cols = cols[:t * H * W], cols[t * H * W:]
+            if len(mine) < t * H * W:
+                raise ValueError(f"row {b} has fewer image tokens than its pictures' {t * H * W}")
+            s = int(out[0, b, mine[0]])
+            k = torch.arange(len(mine), device=input_ids.device)
+            out[0, b, mine] = s
+            out[1, b, mine], out[2, b, mine] = s + k // W, s + k % W
+            # the tokens after the picture: moved by the grid's longer side, not by its token count
+            out[:, b, mine[-1] + 1:] += max(H, W) - len(mine)
     return out
 
 
 def embed(model, input_ids: Tensor, images: dict, prompt_len: int | None = None) -> Tensor:
-    """(B, T) ids -> (B, T, H) input embeddings: the image pads of the first prompt_len columns (the prompt; all
-    when None) replaced by the features of the row's picture. The encoder runs once per distinct picture."""
+    """(B, T) ids -> (B, T, H) input embeddings: the image pads that show pictures (`slots`: image_mask, else those of
+    the first prompt_len columns) replaced by the features of the row's pictures. The encoder runs once per picture
+    of the table."""
     return place(model, base_model(model).get_input_embeddings()(input_ids), input_ids, images, prompt_len)
 
 
@@ -211,22 +271,25 @@ def model_inputs(model, input_ids: Tensor, images: dict, prompt_len: int | None 
 
 
 def place(model, embeds: Tensor, input_ids: Tensor, images: dict, prompt_len: int | None = None) -> Tensor:
-    """(B, T, H) token embeddings of (B, T) ids -> the same with the image pads of the first prompt_len columns
-    replaced by the features of the row's picture (the encoder once per distinct picture)."""
-    pv, grid, index = images["pixel_values"], images["image_grid_thw"], images["image_index"]
+    """(B, T, H) token embeddings of (B, T) ids -> the same with the image pads that show pictures (`slots`) replaced
+    by the features of the row's pictures, in order (the encoder once per picture of the table)."""
+    pv, grid = images["pixel_values"], images["image_grid_thw"]
+    where = slots(model, input_ids, images, prompt_len)                                  # (B, T)
+    per_row = row_pictures(images)
     model = base_model(model)
+    counts = tokens_per_picture(model, images)
+    want = torch.tensor([sum(counts[u] for u in row) for row in per_row], device=where.device)   # (B,)
+    if not torch.equal(where.sum(-1), want):
+        raise ValueError(f"image tokens per row {where.sum(-1).tolist()} but image features for "
+                         f"{want.tolist()}")
+    if not len(pv):   # no picture in the batch
+        return embeds
     lengths = grid.prod(-1).tolist()                                                     # patches per picture
     flat = torch.cat([p[:n] for p, n in zip(pv, lengths)])                               # (sum N, D)
     weight = next(tower(model).parameters())
     with torch.set_grad_enabled(torch.is_grad_enabled() and weight.requires_grad):   # a frozen tower: no graph
         out = model.get_image_features(flat.to(weight.device, weight.dtype), grid.to(weight.device))
     feats = getattr(out, "pooler_output", out)           # 5.2x: an output with a tuple of (n_u, H); older: a tensor
-    merge = model.config.vision_config.spatial_merge_size ** 2
-    feats = list(feats) if isinstance(feats, (list, tuple)) else list(feats.split([n // merge for n in lengths]))
-    slots = input_ids == model.config.image_token_id                                     # (B, T)
-    if prompt_len is not None:   # a sampled image-pad token in a completion is text, not a picture
-        slots[:, prompt_len:] = False
-    rows = torch.cat([feats[i] for i in index.tolist()]).to(embeds.dtype)                # (slots, H)
-    if rows.shape[0] != int(slots.sum()):
-        raise ValueError(f"{int(slots.sum())} image tokens in the batch but {rows.shape[0]} image features")
-    return embeds.masked_scatter(slots[..., None], rows)
+    feats = list(feats) if isinstance(feats, (list, tuple)) else list(feats.split(counts))
+    rows = torch.cat([feats[u] for row in per_row for u in row]).to(embeds.dtype)       # (slots, H)
+    return embeds.masked_scatter(where[..., None], rows)

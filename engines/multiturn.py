@@ -30,6 +30,11 @@ waits' holes, only when the next turn would not fit). Both keep positions = real
 With engine=vllm, engines/vllm.py's VLLMTurns stands in for FastDecoder (same calls, same loop): each turn
 submits the episodes' whole histories as token-id prompts and vLLM's prefix cache serves the KV already computed.
 Rows that finished their turn early idle until the batch's longest turn ends.
+Pictures (a vision-language policy, docs/vision.md): an observation may be {"text": "...<image>...", "image": bytes}
+(reset's too). The renderer puts the picture's image tokens in the slot (the processor's count), the portable
+decoder runs the encoder once per picture of a chunk and feeds the embeddings into the cache, positions continuing
+the row's count (M-RoPE included), and the Episodes carry the batch's pictures (`images`: vision.episode_images)
+for the trainer's forwards. Episodes of a VLM take the portable loop: FastDecoder.feed takes token ids only.
 """
 import contextlib
 from dataclasses import dataclass
@@ -38,11 +43,13 @@ import torch
 from torch import Tensor
 
 import distributed
+import vision
 from config import UserError, plugin_args
 from engines.base import Rollout, SamplingParams, left_pad, top_p_filter
 from engines.builtin import _cache_kw, _cache_of
 from engines.exact import ExactDecoder
 from engines.fast_decode import OFF, FastDecoder, Split, supported
+from envs.base import IMAGE, EnvError, check_image
 from envs.pool import EnvPool
 from envs.tools import check_tools
 from models import context_length, position_ids
@@ -54,6 +61,7 @@ class Episodes(Rollout):
     """A Rollout plus what the environments said: returns (B,) and the per-episode record for the metrics."""
     returns: Tensor = None       # (B,) sum of each episode's step rewards
     info: dict = None            # per-episode lists (turns, tool calls, ...) and the failures
+    images: dict = None          # the pictures the episodes show (vision.episode_images); {} for none
 
 
 class Renderer:
@@ -61,10 +69,11 @@ class Renderer:
     (the observation as a user or tool message, plus the template's text around it), else the plain text.
     What an environment wrote is tokenised as text, never as special tokens (split_special_tokens): an
     observation "<eos><pad>" (or a fetched web page) cannot end a turn or inject control tokens; only the
-    template's own text around it is read with its special tokens."""
+    template's own text around it is read with its special tokens. A picture (bytes) goes where the text's <image>
+    slot is, as the ids picture(bytes) gives (a vision-language policy's image tokens; None: a text policy)."""
 
-    def __init__(self, tok, eos_id: int, tool_schemas: list):
-        self.tok, self.eos_id, self.schemas = tok, eos_id, tool_schemas or None
+    def __init__(self, tok, eos_id: int, tool_schemas: list, picture=None):
+        self.tok, self.eos_id, self.schemas, self.picture = tok, eos_id, tool_schemas or None, picture
         self.chat = bool(getattr(tok, "chat_template", None))
         self.frames = {}   # role -> (text before, text after) the observation
         self.seen = {}     # (text, role) -> ids
@@ -77,17 +86,29 @@ class Renderer:
         """An environment's text: special-token strings in it are plain characters."""
         return self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
 
-    def prompt(self, text: str) -> list[int]:
-        if not self.chat:
+    def _content_ids(self, text: str, image: bytes | None) -> list[int]:
+        """An environment's text; with a picture, its one <image> slot replaced by the picture's ids."""
+        if image is None:
             return self._text_ids(text)
+        if self.picture is None:
+            raise ValueError("an observation with a picture, but the policy is a text model")
+        before, _, after = text.partition(IMAGE)
+        return self._text_ids(before) + self.picture(image) + self._text_ids(after)
+
+    def prompt(self, text: str, image: bytes | None = None) -> list[int]:
+        if not self.chat:
+            return self._content_ids(text, image)
         marker = "\x00PROMPT\x00"
         framed = self.tok.apply_chat_template([{"role": "user", "content": marker}], tools=self.schemas,
                                               add_generation_prompt=True, tokenize=False)
         head, _, rest = framed.partition(marker)
-        return self._ids(head) + self._text_ids(text) + self._ids(rest)
+        return self._ids(head) + self._content_ids(text, image) + self._ids(rest)
 
-    def observation(self, text: str, role: str) -> list[int]:
-        """The ids of an observation; environments repeat theirs ("higher", "lower"): those are tokenized once."""
+    def observation(self, text: str, role: str, image: bytes | None = None) -> list[int]:
+        """The ids of an observation; environments repeat theirs ("higher", "lower"): those are tokenized once
+        (not those with a picture: the cache would hold the pictures)."""
+        if image is not None:
+            return self._observation(text, role, image)
         key = (text, role)
         if key not in self.seen:
             if len(self.seen) >= 4096:
@@ -95,9 +116,9 @@ class Renderer:
             self.seen[key] = self._observation(text, role)
         return list(self.seen[key])
 
-    def _observation(self, text: str, role: str) -> list[int]:
+    def _observation(self, text: str, role: str, image: bytes | None = None) -> list[int]:
         if not self.chat:
-            return self._text_ids(text)
+            return self._content_ids(text, image)
         if role not in self.frames:   # render a dummy exchange with and without the message; keep the difference
             apply = lambda msgs, gen: self.tok.apply_chat_template(msgs, tools=self.schemas, tokenize=False,
                                                                    add_generation_prompt=gen)
@@ -112,7 +133,7 @@ class Renderer:
             head, _, rest = after[len(before):].partition(marker)
             self.frames[role] = (tail + head, rest)
         head, rest = self.frames[role]
-        return self._ids(head) + self._text_ids(text) + self._ids(rest)
+        return self._ids(head) + self._content_ids(text, image) + self._ids(rest)
 
 
 class MultiTurn:
@@ -141,14 +162,37 @@ class MultiTurn:
         env_cls = get("env", cfg.env.name)                       # unknown environment: the known ones
         self.name = f"env:{cfg.env.name}"
         self.eos_id, self.pad_id = tok.eos_token_id, tok.pad_token_id
-        self.render = Renderer(tok, self.eos_id, [get("tool", t).schema for t in tools])
+        # a vision-language policy reads pictures in observations, on the portable loop only (FastDecoder.feed and
+        # vLLM's turns take token ids): refused here, before any work, where a fast path is asked for
+        self.processor, self.by_size, self.image_id = None, {}, None
+        if vision.tower(model) is not None:
+            if self.fast or cfg.exact_logprobs or cfg.engine == "vllm":
+                raise UserError("episodes of a vision-language policy run on the portable loop only (pictures in "
+                                "observations are fed as embeddings; the fast path's feed takes token ids): drop "
+                                "exact_logprobs / engine=vllm")
+            self.fast, self.processor = False, vision.image_processor(cfg.model)
+            self.image_id = vision.base_model(model).config.image_token_id
+        self.render = Renderer(tok, self.eos_id, [get("tool", t).schema for t in tools],
+                               self._picture_ids if self.processor is not None else None)
         spec = {"name": cfg.env.name, "args": args, "tools": tools, "parser": cfg.env.parser,
                 "max_obs_chars": cfg.env.max_obs_chars, "memory_mb": cfg.env.memory_mb,
+                # a text policy takes no picture: the workers refuse them (and the replies stay as small as before)
+                "max_obs_image_bytes": cfg.env.max_obs_image_bytes if self.processor is not None else 0,
                 "modules": [env_cls.__module__]}   # the workers import the environment's own module
         self.pool = EnvPool(spec, cfg.env.workers, cfg.env.timeout_s)
 
     def close(self):
         self.pool.close()
+
+    def _picture_ids(self, image: bytes) -> list[int]:
+        """A picture's image tokens (the processor decides how many: vision.image_tokens), special tokens meant."""
+        return self.render._ids(vision.image_tokens(self.processor, image, self.by_size))
+
+    def _images(self, pictures: list[list], mask: Tensor) -> dict | None:
+        """The picture fields of rows' pictures (bytes) on the image pads mask (B, T) marks; None: no picture."""
+        if self.processor is None:
+            return None
+        return vision.episode_images(self.processor, pictures, mask) or None
 
     # ------------------------------------------------------------------------------------------ the rollout
     @torch.no_grad()
@@ -178,10 +222,11 @@ class MultiTurn:
         split.lap("env")
         prompts = []
         for b, res in enumerate(resets):
-            ids = self._tokenise(ep, b, res[2], "user", "reset") if res[0] == "ok" else None
-            if ids is not None:
+            got = self._tokenise(ep, b, res[2], "user", "reset") if res[0] == "ok" else None
+            if got is not None:
                 ep.state[b] = res[1]
-                prompts.append(ids)
+                prompts.append(got[0])
+                ep.show(b, got[1])
                 continue
             if res[0] != "ok":   # the episode is over before it began; its row still needs a prompt
                 ep.fail(b, res[1], f"reset: {res[2]}")
@@ -193,8 +238,9 @@ class MultiTurn:
             dec = self.decoder
             dec.start_episodes(prompts, room, self.cfg.max_new_tokens, sampling, self.eos_id, self.pad_id, generator)
             split.lap("prefill")
-        else:
-            dec = _Decoder(self.model, ids, mask, self.pad_id)
+        else:   # the prompts' image pads are all pictures: an environment's text cannot write one (Renderer)
+            dec = _Decoder(self.model, ids, mask, self.pad_id,
+                           self._images(ep.take_fresh(), (ids == self.image_id) & mask.bool()))
         try:
             pending = [[] for _ in range(B)]
             for turn in range(cfg.max_turns):
@@ -204,14 +250,30 @@ class MultiTurn:
                     break
                 chunks = [p if a else [] for p, a in zip(pending, ep.active)]
                 split.lap("host")
-                dec.feed(chunks, split) if fast else dec.feed(chunks)                      # 4. observations
+                dec.feed(chunks, split) if fast else dec.feed(chunks, self._chunk_images(ep, chunks))   # 4.
                 pending = [[] for _ in range(B)]
         finally:
             if fast:
                 dec.finish()
         out = ep.rollout(ids, mask, self.pad_id, n_prompts, n, self.name)
+        out.images = {} if self.processor is None else \
+            vision.episode_images(self.processor, ep.pictures, ep.picture_pads(ids, mask, self.image_id))
         split.lap("host")
         return out
+
+    def _chunk_images(self, ep, chunks: list[list[int]]) -> dict | None:
+        """The pictures of a chunk about to be fed: each row's new ones, on the chunk's image pads that are not the
+        policy's (a chunk is the tail of the row's tokens: its pending token and the observation)."""
+        fresh = ep.take_fresh()
+        if not any(fresh):
+            return None
+        L = max(len(c) for c in chunks)
+        mask = torch.zeros(len(chunks), L, dtype=torch.bool)
+        for b, c in enumerate(chunks):
+            if c:
+                tail = zip(ep.tokens[b][-len(c):], ep.is_model[b][-len(c):])
+                mask[b, :len(c)] = torch.tensor([t == self.image_id and not m for t, m in tail])
+        return self._images(fresh, mask)
 
     def _turn(self, dec, ep, pending, room, sampling, generator) -> list[int]:
         """Decode until every active row's turn ends; -> the rows whose turn ended with the end-of-turn token."""
@@ -284,24 +346,33 @@ class MultiTurn:
             if done:
                 ep.stop(b, success=bool(info.get("success", ep.returns[b] > 0)))
                 continue
-            obs_ids = [] if last_turn else self._tokenise(ep, b, obs, role, "step")
-            if obs_ids is None:
+            got = ([], None) if last_turn else self._tokenise(ep, b, obs, role, "step")
+            if got is None:
                 continue
+            obs_ids, image = got
             if last_turn or len(ep.tokens[b]) + len(obs_ids) >= room[b]:   # no room for another turn: cut
                 ep.stop(b, truncated=True)
                 continue
             ep.extend(b, obs_ids, [0.0] * len(obs_ids), model=False)
+            ep.show(b, image)
             pending[b] = pending[b] + obs_ids
 
-    def _tokenise(self, ep, b: int, text: str, role: str, what: str) -> list[int] | None:
-        """An environment's text -> ids (the prompt after reset, else an observation); None, with episode b
-        failed, where the tokenizer refuses it: what an environment says must never end the run."""
+    def _tokenise(self, ep, b: int, obs, role: str, what: str) -> tuple[list[int], bytes | None] | None:
+        """An environment's observation -> (ids, its picture or None) (the prompt after reset, else an observation);
+        None, with episode b failed, where it is refused: what an environment says must never end the run. A picture
+        is checked again here (the worker that checked it runs the environment's code) before Pillow decodes it."""
+        text, image = (obs.get("text"), obs.get("image")) if type(obs) is dict else (obs, None)
         if type(text) is not str:   # envs/wire.py lets only str through: this guards a change there
             ep.fail(b, "error", f"{what}: an observation of type {type(text).__name__}")
             return None
         try:
-            return self.render.prompt(text) if what == "reset" else self.render.observation(text, role)
-        except Exception as e:  # noqa: BLE001  a tokenizer's error on environment text costs that episode
+            if image is not None:
+                image = check_image(image, what, self.env.max_obs_image_bytes)
+                if text.count(IMAGE) != 1:
+                    raise EnvError(f"{what} returned a picture whose text holds {text.count(IMAGE)} {IMAGE} slots")
+            ids = self.render.prompt(text, image) if what == "reset" else self.render.observation(text, role, image)
+            return ids, image
+        except Exception as e:  # noqa: BLE001  a tokenizer's or processor's error on environment data costs the episode
             ep.fail(b, "error", f"{what}: the observation could not be tokenised ({type(e).__name__}: {e})"[:300])
             return None
 
@@ -326,18 +397,24 @@ class MultiTurn:
 
 
 class _Decoder:
-    """The policy with its transformers KV cache; feed() appends a chunk of tokens per row (ragged, right-padded)."""
+    """The policy with its transformers KV cache; feed() appends a chunk of tokens per row (ragged, right-padded).
+    images (a VLM's pictures in the prompt or a chunk, vision.episode_images): their image pads take the encoder's
+    features and positions (vision.positions: M-RoPE where the model uses it), each row's count continuing from one
+    past its largest position so far."""
 
-    def __init__(self, model, ids: Tensor, mask: Tensor, pad_id: int):
+    def __init__(self, model, ids: Tensor, mask: Tensor, pad_id: int, images: dict | None = None):
         self.model, self.pad_id, self.device = model, pad_id, next(model.parameters()).device
         self.cache_kw = _cache_kw(model)
         self.mask = mask.to(self.device)                                              # (B, K) grows with the cache
-        out = model(input_ids=ids.to(self.device), attention_mask=self.mask, position_ids=position_ids(self.mask),
-                    use_cache=True)
+        ids = ids.to(self.device)
+        pos = position_ids(self.mask) if images is None else vision.positions(model, ids, self.mask, images)
+        out = model(**_first(model, ids, images), attention_mask=self.mask, position_ids=pos, use_cache=True)
         self.cache, self.logits = _cache_of(out), out.logits[:, -1]                  # (B, V)
         self.next_pos = self.mask.sum(-1)                                            # (B,) real tokens so far
+        if images is not None:                      # M-RoPE: one past the row's largest position
+            self.next_pos = torch.where(self.next_pos > 0, _past(pos, ids), 0)
 
-    def feed(self, chunks: list[list[int]]):
+    def feed(self, chunks: list[list[int]], images: dict | None = None):
         """Rows with tokens get logits after their last one; rows without keep theirs (they are not read)."""
         B, L = len(chunks), max(1, max(len(c) for c in chunks))
         ids = torch.full((B, L), self.pad_id, dtype=torch.long)
@@ -346,15 +423,28 @@ class _Decoder:
             ids[b, :len(c)], real[b, :len(c)] = torch.tensor(c, dtype=torch.long), 1
         ids, real = ids.to(self.device), real.to(self.device)                      # (B, L)
         pos = self.next_pos[:, None] + (real.cumsum(-1) - 1).clamp(min=0)            # (B, L) pads repeat a position
+        if images is not None:   # the chunk's pictures: their positions (M-RoPE) from the row's count on
+            pos = vision.positions(self.model, ids, real, images, start=self.next_pos)   # (B, L) or (3, B, L)
         self.mask = torch.cat([self.mask, real], 1)                                  # (B, K + L)
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, use_cache=True,
-                         **{self.cache_kw: self.cache})
+        out = self.model(**_first(self.model, ids, images), attention_mask=self.mask, position_ids=pos,
+                         use_cache=True, **{self.cache_kw: self.cache})
         self.cache = _cache_of(out)
         lengths = real.sum(-1)                                                       # (B,)
         last = (lengths - 1).clamp(min=0)
         fresh = out.logits[torch.arange(B, device=self.device), last]                # (B, V)
         self.logits = torch.where((lengths > 0)[:, None], fresh, self.logits)
-        self.next_pos = self.next_pos + lengths
+        self.next_pos = self.next_pos + lengths if images is None else \
+            torch.where(lengths > 0, _past(pos, ids), self.next_pos)
+
+
+def _first(model, ids: Tensor, images: dict | None) -> dict:
+    """A forward's input: the ids, or with pictures their embeddings (vision.embed: the encoder once per picture)."""
+    return dict(input_ids=ids) if images is None else dict(inputs_embeds=vision.embed(model, ids, images))
+
+
+def _past(pos: Tensor, ids: Tensor) -> Tensor:
+    """(B, L) or (3, B, L) positions -> (B,) one past each row's largest (pads repeat a position, never pass it)."""
+    return pos.reshape(-1, *ids.shape).amax(dim=(0, 2)) + 1
 
 
 class _Batch:
@@ -367,6 +457,28 @@ class _Batch:
         self.returns, self.turns, self.tool_calls, self.tool_errors = [0.0] * B, [0] * B, [0] * B, [0] * B
         self.truncated, self.success, self.failed = [False] * B, [False] * B, [None] * B   # failed: (category, reason)
         self.turn_start = [0] * B
+        self.pictures, self.fresh = [[] for _ in range(B)], [[] for _ in range(B)]   # all shown; not yet fed
+
+    def show(self, b: int, image: bytes | None):
+        """Row b's tokens now hold a picture (its image pads were just added)."""
+        if image is not None:
+            self.pictures[b].append(image)
+            self.fresh[b].append(image)
+
+    def take_fresh(self) -> list[list]:
+        """The pictures added since the last feed, per row; the decoder feeds them now."""
+        fresh, self.fresh = self.fresh, [[] for _ in self.fresh]
+        return fresh
+
+    def picture_pads(self, ids: Tensor, mask: Tensor, image_id: int) -> Tensor:
+        """(B, P + C) bool: the image pads that show pictures, the prompt's and the observations'; a pad the policy
+        sampled is text (not one of them), a failed episode's included (its completion_mask is zeroed, not this)."""
+        C = max(1, max(len(t) for t in self.tokens))
+        pads = torch.zeros(len(self.tokens), C, dtype=torch.bool)
+        for b, (toks, model) in enumerate(zip(self.tokens, self.is_model)):
+            pads[b, :len(toks)] = torch.tensor([t == image_id and not m for t, m in zip(toks, model)],
+                                               dtype=torch.bool)
+        return torch.cat([(ids == image_id) & mask.bool(), pads], 1)
 
     def add(self, b: int, token: int, logp: float, model: bool):
         self.tokens[b].append(token)

@@ -6,9 +6,11 @@
     pool.close()
 
 A result is ("ok", state, observation, reward, done, info, role, tool_calls, tool_errors) or ("fail", category,
-reason) with category "error", "timeout" or "signal" (the worker died). `state` is the pickled environment after
-the job (base64 text the trainer never decodes): environments live in the trainer as data and any worker can take
-the next step, so killing a worker costs exactly the job it was running. `info` is {"success": bool} or {}.
+reason) with category "error", "timeout" or "signal" (the worker died). An observation is text, or {"text", "image":
+bytes} for a picture (spec "max_obs_image_bytes" > 0 lets one through: envs/base.py check_image). `state` is the
+pickled environment after the job (base64 text the trainer never decodes): environments live in the trainer as
+data and any worker can take the next step, so killing a worker costs exactly the job it was running. `info` is
+{"success": bool} or {}.
 Environment code is treated as hostile; what it can do and what that costs:
 
     raise, wrong types, observation/info/state too big    that episode fails, the worker goes on (envs/base.py)
@@ -63,10 +65,17 @@ TAG_VAR = "ENV_POOL_WORKER"
 _count = itertools.count()
 
 
-def reply_cap(max_obs_chars: int) -> int:
+def reply_cap(max_obs_chars: int, max_image_bytes: int = 0) -> int:
     """The longest reply a worker can send for an environment within its limits (JSON escapes a character in at most
-    12 bytes; the state goes as base64), plus room for the small fields and a start-up traceback."""
-    return 4 * (MAX_STATE_BYTES // 3 + 1) + 12 * max_obs_chars + 32768
+    12 bytes; the state and a picture go as base64), plus room for the small fields and a start-up traceback."""
+    return 4 * (MAX_STATE_BYTES // 3 + 1) + 12 * max_obs_chars + 4 * (max_image_bytes // 3 + 1) + 32768
+
+
+def _wire_obs(obs):
+    """A checked observation -> JSON-ready: text as it is, a picture's bytes as base64 (envs/wire.py decodes it)."""
+    if type(obs) is dict:
+        return {"text": obs["text"], "image": base64.b64encode(obs["image"]).decode("ascii")}
+    return obs
 
 
 # ------------------------------------------------------------------------------------------ the worker's side
@@ -83,19 +92,19 @@ def _job(spec: dict, job) -> list:
     from envs.tools import call_tools
     from registry import get
     kind, *payload = job
-    limit = spec["max_obs_chars"]
+    limit, image_limit = spec["max_obs_chars"], spec.get("max_obs_image_bytes", 0)
     if kind == "reset":
         env = get("env", spec["name"])(**spec["args"])
-        obs = check_reset(env.reset(payload[0]), limit)
-        return ["ok", _pack(env), obs, 0.0, False, None, "user", 0, 0]
+        obs = check_reset(env.reset(payload[0]), limit, image_limit)
+        return ["ok", _pack(env), _wire_obs(obs), 0.0, False, None, "user", 0, 0]
     state, action = payload
     env = pickle.loads(base64.b64decode(state))
     tooled = call_tools(action, spec["tools"], spec["parser"])
     if tooled is not None:   # a tool turn: the outputs come back to the model, the environment does not step
         obs, calls, errors = tooled
         return ["ok", state, as_text(obs[:limit], "a tool", limit), 0.0, False, None, "tool", int(calls), int(errors)]
-    obs, reward, done, success = check_step(env.step(action), limit)
-    return ["ok", _pack(env), obs, reward, done, success, "user", 0, 0]
+    obs, reward, done, success = check_step(env.step(action), limit, image_limit)
+    return ["ok", _pack(env), _wire_obs(obs), reward, done, success, "user", 0, 0]
 
 
 def _reason(e: BaseException) -> str:
@@ -260,8 +269,8 @@ class EnvPool:
         if workers < 1 or timeout_s <= 0:
             raise ValueError(f"EnvPool: workers must be >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
         self.spec, self.n, self.timeout_s = spec, workers, timeout_s
-        self.max_reply, self.stall_s, self.isolation = reply_cap(spec["max_obs_chars"]), min(STALL_S, timeout_s / 2), \
-            pid_namespace()
+        self.max_reply = reply_cap(spec["max_obs_chars"], spec.get("max_obs_image_bytes", 0))
+        self.stall_s, self.isolation = min(STALL_S, timeout_s / 2), pid_namespace()
         self.workers = [self._start() for _ in range(workers)]
         self.broken, self.restarts, self.recycled, self.spares_started = "", 0, 0, 0   # restarts: killed
         self.peak_busy = 0   # the most jobs that ran at once

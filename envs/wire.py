@@ -12,10 +12,13 @@ every field of a decoded reply (check_result). The replies:
     ["error", traceback]                        it could not (before "ready" only)
     ["result", job_id, result]                  result: ["ok", state, observation, reward, done, success,
                                                 role, tool_calls, tool_errors] or ["fail", category, reason]
+                                                (observation: text, null, or {"text", "image": base64})
 
 `state` is the pickled environment as base64 text: the trainer stores it and hands it to the next worker
 without decoding it; `success` is info["success"] as a bool, or None (the rest of info stays in the worker).
 """
+import base64
+import binascii
 import json
 import math
 import struct
@@ -82,6 +85,17 @@ def _is_int(x) -> bool:
     return type(x) is int and 0 <= x < 1 << 31
 
 
+def _picture(obs: dict) -> dict:
+    """{"text": str, "image": base64 str} -> {"text", "image": bytes}; what the bytes hold is checked by the trainer
+    before it decodes them (envs/base.py check_image, from engines/multiturn.py)."""
+    if set(obs) != {"text", "image"} or type(obs["text"]) is not str or type(obs["image"]) is not str:
+        raise WireError("a picture observation that is not {text, image}")
+    try:
+        return {"text": obs["text"], "image": base64.b64decode(obs["image"], validate=True)}
+    except (ValueError, binascii.Error):
+        raise WireError("a picture observation whose image is not base64") from None
+
+
 def check_result(msg: list, job_id: int) -> tuple:
     """A decoded ["result", ...] for the job the worker is running -> the pool's result tuple, every field checked."""
     if len(msg) != 3 or type(msg[1]) is not int or msg[1] != job_id or not isinstance(msg[2], list):
@@ -92,7 +106,9 @@ def check_result(msg: list, job_id: int) -> tuple:
     if len(res) != 9 or res[0] != "ok":
         raise WireError("a result that is neither ok nor fail")
     _, state, obs, reward, done, success, role, calls, errors = res
-    if type(state) is not str or not (obs is None or type(obs) is str):
+    if type(obs) is dict:   # a picture observation: its text and its bytes as base64
+        obs = _picture(obs)
+    if type(state) is not str or not (obs is None or type(obs) in (str, dict)):
         raise WireError("a result whose state or observation is not text")
     if type(reward) not in (int, float) or not math.isfinite(reward) or type(done) is not bool:
         raise WireError("a result whose reward is not a finite number or whose done is not a bool")
