@@ -99,7 +99,8 @@ _saved_threads: dict = {}
 # hands each file whole to one worker, and a long file started last would leave the other worker idle meanwhile
 # (`--no-loadscope-reorder` keeps this order: xdist would otherwise start the files with the most tests first).
 SLOW_FILES = ("test_distributed.py", "test_checkpoint.py", "test_async.py", "test_train.py", "test_bad_input.py",
-              "test_lora.py", "test_vision.py", "test_vision_dist.py", "test_envs_hostile.py", "test_offline_and_ablate.py")
+              "test_lora.py", "test_vision.py", "test_vision_dist.py", "test_envs_hostile.py", "test_offline_and_ablate.py",
+              "test_full_kl.py", "test_vision_turns.py")
 
 
 def pytest_collection_modifyitems(config, items):
