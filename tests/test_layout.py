@@ -11,7 +11,7 @@ LAYERS = [
     ["config", "config_tree", "config_checks"],
     ["buffer", "kernels", "algos", "microbatch"],
     ["distributed", "models", "lora", "memory", "offload", "critic", "profiling", "checkpoint", "async_link",
-     "workers", "vision"],
+     "workers", "vision", "full_kl"],
     ["engines", "tasks", "rewards", "envs"],
     ["update", "rollout", "run_dir", "run_setup", "async_rl", "async_checkpoint"],
     ["train", "train_dpo", "tools"],

@@ -20,25 +20,21 @@ then the loss and its ratio to (a).
 """
 import argparse
 import os
-import subprocess
 import sys
 
 import torch
 import triton
-import triton.testing
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(TOOLS))
 sys.path.insert(0, TOOLS)
 import bench_w9  # noqa: E402
+import w2_floor  # noqa: E402  (its timer, traffic probe, setting parser and commit reader)
+from w2_floor import bench, commit, parse_settings  # noqa: E402
 from kernels.fused_kl import LOSS_CHUNK_BYTES, LOSS_LAUNCH, fused_kl_loss, loss_rows, row_kl, tile_grad  # noqa: E402
 
 GB = 1e9
 BAR = 1.3
-
-
-def bench(f, rep=300):
-    return triton.testing.do_bench(f, warmup=50, rep=rep, return_mode="median")
 
 
 def products(hs, ws, ht, wt, rows, accumulate):
@@ -65,15 +61,11 @@ def products(hs, ws, ht, wt, rows, accumulate):
 
 
 def traffic(m, V, k, device):
-    """(b): ms of three reads and one read + write of an (m, V) bf16 tile per chunk, over k chunks."""
-    x = torch.randn(m, V, device=device, dtype=torch.bfloat16)
-    read = min(bench(lambda: torch.amax(x, 1)), bench(lambda: x.sum(1, dtype=torch.float32)))
-    rw = bench(lambda: x.neg_())
-    nbytes = m * V * 2
-    del x
-    return {"ms": (3 * read + rw) * k, "read TB/s": nbytes / read / GB, "read+write TB/s": 2 * nbytes / rw / GB,
-            "GB": 5 * nbytes * k / GB}
-
+    """(b): ms of three reads and one read + write of an (m, V) bf16 tile per chunk, over k chunks (w2_floor's
+    probe times one read and one read + write of such a tile)."""
+    t = w2_floor.traffic(m, V, k, device)
+    return {"ms": 3 * t["read ms"] + t["read+write ms"], "read TB/s": t["read TB/s"],
+            "read+write TB/s": t["read+write TB/s"], "GB": t["bytes GB"] * 5 / 3}
 
 def gib(x):
     return "-" if x is None else f"{x:.2f}"
@@ -160,22 +152,6 @@ def shape_report(H, V, args, settings, budgets):
     del hs, ws, ht, wt
     torch.cuda.empty_cache()
     return row, lines
-
-
-def parse_settings(text):
-    out = []
-    for item in filter(None, text.split(";")):
-        block, warps, split = map(int, item.split(","))
-        out.append(dict(BLOCK=block, num_warps=warps, SPLIT=split))
-    return out
-
-
-def commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=TOOLS, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def main():
