@@ -123,6 +123,34 @@ def test_a_group_shares_one_picture_through_select_cat_micro_batches_and_replay(
     assert torch.equal(back.data.pixel_values, batch.pixel_values) and back.data.image_grid_thw is None
 
 
+def test_several_pictures_per_row_go_where_the_image_mask_says(llava):
+    """The episodes' layout (engines/multiturn.py: a prompt's picture, then an observation's further on): each row's
+    pictures, in order, on the image tokens `image_mask` names; the log-probs equal transformers' own forward given
+    the same pictures in the same order."""
+    model, tok, path = llava
+    proc = vision.image_processor(path)
+    pics = [r["image"] for r in shapes.shapes_samples(3, heldout=False)]
+    slot = tok(vision.image_tokens(proc, pics[0], {}), add_special_tokens=False)["input_ids"]
+    assert slot == [model.config.image_token_id] * TOKENS
+    text = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([text("ab") + slot + text("q?") + text("1") + slot + text("23"),
+                        text("cd") + slot + text("r?") + text("4") + slot + text("56")])       # (2, T)
+    C = 1 + TOKENS + 2                                                                          # the "completion"
+    mask = ids == model.config.image_token_id                                                  # (2, T)
+    images = vision.episode_images(proc, [[pics[0], pics[1]], [pics[2], pics[0]]], mask)
+    assert images["pixel_values"].shape == (3, 3, 64, 64) and images["image_index"].tolist() == [[0, 1], [2, 0]]
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        ours, _ = completion_logprobs(model, ids, attn, C, 1.0, images)
+        own = model(input_ids=ids, attention_mask=attn, use_cache=False, position_ids=torch.arange(ids.shape[1])[None],
+                    pixel_values=images["pixel_values"][images["image_index"].flatten()]).logits   # (2, T, V)
+        swapped = {**images, "image_index": images["image_index"].flip(-1)}                     # pictures reordered
+        other, _ = completion_logprobs(model, ids, attn, C, 1.0, swapped)
+    own = own[:, -C - 1:-1].log_softmax(-1).gather(-1, ids[:, -C:, None])[..., 0]              # (2, C)
+    assert (ours - own).abs().max() < 1e-4
+    assert (other - ours)[:, -2:].abs().max() > 1e-4            # the tokens after the second picture read it
+
+
 def test_the_loss_reaches_the_language_model_and_the_encoder_stays_frozen(llava, rollout):
     """GRPO's loss: gradient on the completion's log-probs only, into the language model and its head; the tower
     and the projector (the encoder, vision.encoder) none; with train_tower they get one."""
