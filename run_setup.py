@@ -103,7 +103,10 @@ def build_models(cfg: Config, device, dtype, fsdp: bool):
         policy = distributed.shard(load_model(cfg.model, torch.device("cpu"), torch.float32)[0], device, dtype,
                                    cfg.offload)
     policy.train()
-    vision.freeze_tower(policy, cfg.vision.train_tower)   # a VLM's encoder stays frozen unless asked
+    try:   # a VLM's encoder stays frozen unless asked; a VLM of an unknown layout (a hub id prepare could not read)
+        vision.freeze_tower(policy, cfg.vision.train_tower)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     # memory: with compile, the recompute happens inside each compiled layer's backward (the partitioner saves
     # the least it can: activation_memory_budget 0), so no Python re-runs the forward (docs/speed.md)
     in_compile = cfg.compile and cfg.compiled_recompute

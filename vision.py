@@ -171,16 +171,17 @@ def family_of_processor(processor):
 
 
 @lru_cache(maxsize=4)
-def _path_config(model_path: str):
+def _path_config(model_path: str, local_only: bool = False):
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(model_path)
+    return AutoConfig.from_pretrained(model_path, local_files_only=local_only)
 
 
 def check_config(cfg, world: int = 1):
     """Before any work: a vision-language model whose layout this file does not know, or a path this family does not
-    take yet (engine=vllm, FSDP), is a one-line ValueError. A folder that does not read is left to load_model."""
+    take yet (engine=vllm, FSDP), is a one-line ValueError. A folder that does not read is left to load_model, a hub
+    id not in the local cache to `family` once the model is loaded (no network call here)."""
     try:
-        config = _path_config(cfg.model)
+        config = _path_config(cfg.model, local_only=True)
     except (OSError, ValueError):
         return
     fam = family_of_config(config)

@@ -240,3 +240,7 @@ def test_a_vlm_of_an_unknown_layout_is_refused_in_one_line(llava_dir, tmp_path):
         vision.check_config(cfg, world=2)
     with pytest.raises(ValueError, match="qwen2_vl, qwen2_5_vl, llava"):
         vision.family_of_config(PaliGemmaConfig())
+    from transformers import Qwen2Config          # rows with pictures for a text model: said, not a processor's error
+    Qwen2Config().save_pretrained(tmp_path / "text")
+    with pytest.raises(ValueError, match="is a text model"):
+        vision.image_processor(str(tmp_path / "text"))

@@ -1,7 +1,7 @@
 """Build a tiny random LLaVA-style model: transformers' LlavaForConditionalGeneration over a tiny CLIP vision tower and a
 tiny llama, a character tokenizer with the `<image>` token, and a LlavaProcessor whose image-token count is fixed.
 
-    python tools/make_tiny_llava.py --out /tmp/tiny-llava      # ~0.6 MB, a second; random weights, no warm start
+    python tools/make_tiny_llava.py --out /tmp/tiny-llava      # ~0.5 MB, seconds; random weights, no warm start
 
 It exists to test that a second VLM family runs through the same code as Qwen2-VL (vision.py: `Llava`;
 tests/test_vision_llava.py): rollout, teacher forcing, GRPO steps, the frozen encoder, LoRA. It learns nothing
