@@ -8,8 +8,8 @@ Layout. A prompt's picture travels once: `ImagePrompt` is the prompt's token-id 
 bytes or a path, turned into pixels only where a forward needs them), so the sampler, the engine and the
 evaluation pass it along as any prompt. An experience batch holds one row of pixels per distinct picture,
 `pixel_values` (U, N, D) with `image_grid_thw` (U, 3) for a Qwen2-VL, (U, 3, H, W) and no grid for a LLaVA, and
-`image_index` (B,) names each sample's picture: the n samples of a prompt share one. `embed` runs the vision encoder once per distinct picture and scatters its
-features over the image-pad tokens of every row that shows it.
+`image_index` (B,) names each sample's picture: the n samples of a prompt share one. `embed` runs the vision
+encoder once per distinct picture and scatters its features over the image-pad tokens of every row that shows it.
 
 Several pictures per row (multi-turn episodes, engines/multiturn.py: the prompt's and the observations'):
 `image_index` is then (B, K), each row's pictures in the order they appear, -1 after its last, and `image_mask`
@@ -426,7 +426,8 @@ def place(model, embeds: Tensor, input_ids: Tensor, images: dict, prompt_len: in
     feats = []
     if len(images["pixel_values"]):   # else no picture in the batch
         params = [p for m in encoder(model) for p in m.parameters()]
-        with torch.set_grad_enabled(torch.is_grad_enabled() and any(p.requires_grad for p in params)):   # frozen: no graph
+        # a frozen encoder: no graph
+        with torch.set_grad_enabled(torch.is_grad_enabled() and any(p.requires_grad for p in params)):
             feats = family(model).features(model, images, params[0])                   # U x (n_u, H)
     want = torch.tensor([sum(len(feats[u]) for u in row) for row in per_row], device=where.device, dtype=torch.long)
     if not torch.equal(where.sum(-1), want):                                              # (B,) each
