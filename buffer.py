@@ -47,8 +47,10 @@ class Experience:
     step_mask: Tensor | None = None      # (B, C) float, 1 on each step's last token (per-step rewards only)
     # vision tasks (vision.py): the pictures of the batch, each once; their image pads sit in the prompt (episodes:
     # in observations too, where image_mask says)
-    pixel_values: Tensor | None = None   # (U, N, D) float, a picture's patches (padded to the widest picture)
-    image_grid_thw: Tensor | None = None # (U, 3) long, its patch grid (t, h, w): N real patches = t * h * w
+    pixel_values: Tensor | None = None   # (U, N, D) float, a picture's patches (padded to the widest picture);
+                                         # a LLaVA's: (U, 3, H, W), every picture at the processor's size
+    image_grid_thw: Tensor | None = None # (U, 3) long, its patch grid (t, h, w): N real patches = t * h * w; None
+                                         # for a family without a grid (LLaVA)
     image_index: Tensor | None = None    # (B,) long, which picture row b shows; episodes: (B, K), -1 = none
     image_mask: Tensor | None = None     # (B, T) bool, episodes: the image pads that show a picture (the sampled
                                          # ones are text); None: the prompt's image pads
@@ -78,7 +80,9 @@ class Experience:
         shown = rows.image_index >= 0                                                    # (B',) or (B', K)
         used, inverse = rows.image_index[shown].unique(return_inverse=True)              # (U',)
         rows.image_index = torch.full_like(rows.image_index, -1).masked_scatter(shown, inverse)
-        rows.pixel_values, rows.image_grid_thw = self.pixel_values[used], self.image_grid_thw[used]
+        for f in IMAGE_FIELDS:   # a LLaVA's table has no grid (vision.py: each family's fields)
+            if getattr(self, f) is not None:
+                setattr(rows, f, getattr(self, f)[used])
         return rows
 
     def images(self) -> dict | None:
@@ -89,7 +93,7 @@ class Experience:
         """This batch (none of its rows shows a picture) with the empty picture fields of other's layout, so that
         `cat` can join it to batches with pictures (an episode batch where no environment sent one)."""
         episodes = other.image_mask is not None
-        return replace(self, pixel_values=other.pixel_values[:0], image_grid_thw=other.image_grid_thw[:0],
+        return replace(self, **{f: getattr(other, f)[:0] for f in IMAGE_FIELDS if getattr(other, f) is not None},
                        image_index=torch.full((len(self), 1) if episodes else (len(self),), -1, dtype=torch.long),
                        image_mask=torch.zeros_like(self.input_ids, dtype=torch.bool) if episodes else None)
 
@@ -119,7 +123,7 @@ class Experience:
                 K = max(p.shape[1] for p in parts) if parts[0].dim() == 2 else 0
                 parts = [torch.where(p >= 0, p + o, -1) for p, o in zip(parts, offsets.tolist())]
                 parts = [torch.nn.functional.pad(p, (0, K - p.shape[1]), value=-1) for p in parts] if K else parts
-            elif f.name == "pixel_values":  # pad every picture to the most patches
+            elif f.name == "pixel_values" and parts[0].dim() == 3:  # patch rows: pad every picture to the most
                 N = max(p.shape[1] for p in parts)
                 parts = [torch.nn.functional.pad(p, (0, 0, 0, N - p.shape[1])) for p in parts]
             elif parts[0].dim() == 2 and f.name != "image_grid_thw":

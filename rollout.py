@@ -57,7 +57,10 @@ def build_data(cfg, tok, policy):
         raise UserError(f"task '{cfg.task}' produced an empty training set")
     eval_set = eval_set[:cfg.eval_size] if cfg.eval_size else eval_set
     encode = lambda rows: vision.encode_rows(tok, cfg.model, rows, encode_prompts)   # rows with pictures too
-    train_ids, eval_ids = encode(train_set), encode(eval_set)
+    try:
+        train_ids, eval_ids = encode(train_set), encode(eval_set)
+    except ValueError as e:   # a row's picture or its slot, or pictures for a text model (vision.encode_rows)
+        raise UserError(f"task '{cfg.task}': {e}") from None
     longest = max(len(p) for p in train_ids + eval_ids)
     if longest + cfg.max_new_tokens > context_length(policy):
         raise UserError(f"a prompt of {longest} tokens + max_new_tokens={cfg.max_new_tokens} exceeds the model's "

@@ -7,9 +7,9 @@
 Layout. A prompt's picture travels once: `ImagePrompt` is the prompt's token-id list carrying its picture (raw
 bytes or a path, turned into pixels only where a forward needs them), so the sampler, the engine and the
 evaluation pass it along as any prompt. An experience batch holds one row of pixels per distinct picture,
-`pixel_values` (U, N, D) with `image_grid_thw` (U, 3), and `image_index` (B,) names each sample's picture: the
-n samples of a prompt share one. `embed` runs the vision encoder once per distinct picture and scatters its
-features over the image-pad tokens of every row that shows it.
+`pixel_values` (U, N, D) with `image_grid_thw` (U, 3) for a Qwen2-VL, (U, 3, H, W) and no grid for a LLaVA, and
+`image_index` (B,) names each sample's picture: the n samples of a prompt share one. `embed` runs the vision
+encoder once per distinct picture and scatters its features over the image-pad tokens of every row that shows it.
 
 Several pictures per row (multi-turn episodes, engines/multiturn.py: the prompt's and the observations'):
 `image_index` is then (B, K), each row's pictures in the order they appear, -1 after its last, and `image_mask`
@@ -18,6 +18,9 @@ Without `image_mask` the pictures sit on the image pads of the first prompt_len 
 
 Positions: a Qwen2-VL reading pictures gets its M-RoPE positions (`positions`), the same in the engine and the
 trainer; a model trained on text positions says so in its config (`text_positions`, the tiny VLM).
+Families (FAMILIES, by config.model_type): what differs between VLM layouts (the picture's fields, its image tokens,
+the encoder's modules and call, M-RoPE or not) is a small class each (`QwenVL`, `Llava`); a VLM of another layout is
+refused in one line naming the known ones (`check_config`, before any work).
 What it simplifies: a single-turn prompt shows one picture; pictures never come from the policy; no videos.
 """
 import io
@@ -55,42 +58,181 @@ def load_image(image, decode: bool = True):
                      f"{type(image).__name__}")
 
 
+class QwenVL:
+    """Qwen2-VL, Qwen2.5-VL: a picture is N patch rows (N, D) with its grid (t, h, w); one image token per merge x merge
+    patches, framed by <|vision_start|> ... <|vision_end|>; the encoder `visual` holds its projector (the merger);
+    M-RoPE positions."""
+    encoder = ("visual",)                          # model.model's modules from pixels to features (frozen, no LoRA)
+    fields = ("pixel_values", "image_grid_thw")    # the picture table's fields
+    mrope = True
+    vllm = fsdp = True                             # engines/vllm.py and distributed.shard know its layout
+
+    @staticmethod
+    def load_processor(path: str):
+        """transformers' PIL image processor: the default (torchvision) one is not installable here."""
+        try:   # transformers >= 5.2x names the PIL processor apart; older ones load it as the default slow one
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as cls
+        except ImportError:
+            from transformers import Qwen2VLImageProcessor as cls
+        return cls.from_pretrained(path)
+
+    @staticmethod
+    def owns(processor) -> bool:
+        return hasattr(processor, "merge_size")
+
+    @staticmethod
+    def pixels(processor, img) -> dict:
+        """-> pixel_values (N, D), image_grid_thw (3,)."""
+        out = processor(images=[img], return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"][0]}
+
+    @staticmethod
+    def text(processor, img) -> str:
+        """Start marker, one pad per merged patch, end marker."""
+        grid = processor(images=[img], return_tensors="pt")["image_grid_thw"][0]
+        return "<|vision_start|>" + "<|image_pad|>" * (int(grid.prod()) // processor.merge_size ** 2) + "<|vision_end|>"
+
+    @staticmethod
+    def features(model, images: dict, weight: Tensor) -> list[Tensor]:
+        """Each picture of the table -> its (n_u, H) features (the encoder once over all of them)."""
+        pv, grid = images["pixel_values"], images["image_grid_thw"]
+        flat = torch.cat([p[:n] for p, n in zip(pv, grid.prod(-1).tolist())])          # (sum N, D)
+        out = model.get_image_features(flat.to(weight.device, weight.dtype), grid.to(weight.device))
+        feats = getattr(out, "pooler_output", out)     # 5.2x: an output with a tuple of (n_u, H); older: a tensor
+        merge = model.config.vision_config.spatial_merge_size ** 2
+        return list(feats) if isinstance(feats, (list, tuple)) else list(feats.split(
+            [n // merge for n in grid.prod(-1).tolist()]))
+
+
+class Llava:
+    """LLaVA-style (transformers' LlavaForConditionalGeneration): a CLIP-like `vision_tower` and a
+    `multi_modal_projector` beside the language model; a picture is one (3, H, W) image at the processor's fixed
+    size, no grid; its image token repeated once per feature the tower keeps (the processor's count); plain text
+    positions."""
+    encoder = ("vision_tower", "multi_modal_projector")
+    fields = ("pixel_values",)
+    mrope = False
+    vllm = fsdp = False   # engines/vllm.py cuts Qwen2-VL's pad run, distributed.shard wraps `visual`: not this layout
+
+    @staticmethod
+    def load_processor(path: str):
+        """transformers' LlavaProcessor (its image processor, the tokenizer and the image-token count)."""
+        from transformers import AutoProcessor
+        return AutoProcessor.from_pretrained(path)
+
+    @staticmethod
+    def owns(processor) -> bool:
+        return hasattr(processor, "image_processor") and hasattr(processor, "image_token")
+
+    @staticmethod
+    def pixels(processor, img) -> dict:
+        """-> pixel_values (3, H, W)."""
+        return {"pixel_values": processor.image_processor(images=[img], return_tensors="pt")["pixel_values"][0]}
+
+    @staticmethod
+    def text(processor, img) -> str:
+        """The image token as many times as the processor expands it for this picture (CLS and the feature
+        strategy included)."""
+        ids = processor(text=[processor.image_token], images=[img], return_tensors="pt")["input_ids"][0]
+        return processor.image_token * int((ids == processor.image_token_id).sum())
+
+    @staticmethod
+    def features(model, images: dict, weight: Tensor) -> list[Tensor]:
+        out = model.get_image_features(pixel_values=images["pixel_values"].to(weight.device, weight.dtype))
+        feats = getattr(out, "pooler_output", out)     # a list of (n_u, H), or a (U, n, H) tensor
+        return list(feats)
+
+
+# model_type -> layout. A new family: a class like the two above (docs/vision.md, "Adding a model family")
+FAMILIES = {"qwen2_vl": QwenVL, "qwen2_5_vl": QwenVL, "llava": Llava}
+
+
+def unknown(model_type: str) -> str:
+    return (f"a vision-language model of model_type {model_type!r}: vision.py knows the layouts of "
+            f"{', '.join(FAMILIES)} (docs/vision.md: adding a model family)")
+
+
+def family_of_config(config):
+    """A model config -> its family (FAMILIES); None for a text model; an unknown VLM is a ValueError."""
+    if not hasattr(config, "vision_config"):
+        return None
+    if config.model_type not in FAMILIES:
+        raise ValueError(unknown(config.model_type))
+    return FAMILIES[config.model_type]
+
+
+def family(model):
+    """The model's family, None for a text model (peft's wrappers looked through)."""
+    return family_of_config(base_model(model).config)
+
+
+def family_of_processor(processor):
+    return next(f for f in (QwenVL, Llava) if f.owns(processor))
+
+
+@lru_cache(maxsize=4)
+def _path_config(model_path: str, local_only: bool = False):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model_path, local_files_only=local_only)
+
+
+def check_config(cfg, world: int = 1):
+    """Before any work: a vision-language model whose layout this file does not know, or a path this family does not
+    take yet (engine=vllm, FSDP), is a one-line ValueError. A folder that does not read is left to load_model, a hub
+    id not in the local cache to `family` once the model is loaded (no network call here)."""
+    try:
+        config = _path_config(cfg.model, local_only=True)
+    except (OSError, ValueError):
+        return
+    fam = family_of_config(config)
+    if fam is None:
+        return
+    if cfg.engine == "vllm" and not fam.vllm:
+        raise ValueError(f"engine=vllm with a {config.model_type} model: engines/vllm.py passes Qwen2-VL's pictures "
+                         "only; use engine=builtin (its portable loop takes this family)")
+    if world > 1 and cfg.parallel == "fsdp" and not fam.fsdp:
+        raise ValueError(f"parallel=fsdp with a {config.model_type} model: distributed.shard gives only Qwen2-VL's "
+                         "tower a unit of its own; use parallel=replicate")
+
+
 @lru_cache(maxsize=4)
 def image_processor(model_path: str):
-    """The model's image processor. transformers' PIL one: the default (torchvision) one is not installable here."""
-    try:   # transformers >= 5.2x names the PIL processor apart; older ones load it as the default slow one
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as cls
-    except ImportError:
-        from transformers import Qwen2VLImageProcessor as cls
-    return cls.from_pretrained(model_path)
+    """The model family's processor (Qwen2-VL: its PIL image processor; LLaVA: its LlavaProcessor)."""
+    fam = family_of_config(_path_config(model_path))
+    if fam is None:
+        raise ValueError(f"rows carry pictures but {model_path} is a text model (no vision_config)")
+    return fam.load_processor(model_path)
 
 
-def pixels(prompt: ImagePrompt) -> tuple[Tensor, Tensor]:
-    """-> pixel_values (N, D), image_grid_thw (3,) of the prompt's picture."""
-    return picture_pixels(prompt.processor, prompt.image)
+def picture_fields(processor, image) -> dict:
+    """A picture (bytes or a path) -> its fields, unbatched (QwenVL.pixels, Llava.pixels)."""
+    return family_of_processor(processor).pixels(processor, load_image(image))
 
 
-def picture_pixels(processor, image) -> tuple[Tensor, Tensor]:
-    """A picture (bytes or a path) -> pixel_values (N, D), image_grid_thw (3,)."""
-    out = processor(images=[load_image(image)], return_tensors="pt")
-    return out["pixel_values"], out["image_grid_thw"][0]
-
-
-def picture_table(processor, images: list) -> tuple[Tensor, Tensor]:
-    """U pictures -> pixel_values (U, N, D) padded to the most patches, image_grid_thw (U, 3)."""
-    pv, grid = zip(*(picture_pixels(processor, i) for i in images))
-    N = max(len(x) for x in pv)
-    return torch.stack([torch.nn.functional.pad(x, (0, 0, 0, N - len(x))) for x in pv]), torch.stack(grid)
+def picture_table(processor, images: list) -> dict:
+    """U pictures -> the table's fields: pixel_values (U, N, D) padded to the most patches and image_grid_thw (U, 3)
+    (Qwen2-VL), or pixel_values (U, 3, H, W) (LLaVA)."""
+    rows = [picture_fields(processor, i) for i in images]
+    out = {}
+    for k in rows[0]:
+        parts = [r[k] for r in rows]
+        if k == "pixel_values" and parts[0].dim() == 2:   # patch rows: pad to the most
+            N = max(len(x) for x in parts)
+            parts = [torch.nn.functional.pad(x, (0, 0, 0, N - len(x))) for x in parts]
+        if len({tuple(x.shape) for x in parts}) > 1:
+            raise ValueError(f"pictures of different {k} shapes {sorted({tuple(x.shape) for x in parts})}: the "
+                             "processor must give one size")
+        out[k] = torch.stack(parts)
+    return out
 
 
 def image_tokens(processor, image, by_size: dict) -> str:
-    """The text that stands for one picture: Qwen2-VL's start marker, one pad per merged patch, end marker.
-    The patch grid depends on the picture's size only: by_size keeps it per (width, height)."""
+    """The text that stands for one picture in the family's layout (QwenVL.text, Llava.text). The count depends on
+    the picture's size only: by_size keeps the text per (width, height)."""
     img = load_image(image, decode=False)
     if img.size not in by_size:
-        grid = processor(images=[img.convert("RGB")], return_tensors="pt")["image_grid_thw"][0]
-        by_size[img.size] = int(grid.prod()) // processor.merge_size ** 2
-    return "<|vision_start|>" + "<|image_pad|>" * by_size[img.size] + "<|vision_end|>"
+        by_size[img.size] = family_of_processor(processor).text(processor, img.convert("RGB"))
+    return by_size[img.size]
 
 
 def encode_rows(tok, model_path: str, rows: list[dict], encode_prompts) -> list[list[int]]:
@@ -116,11 +258,8 @@ def batch_images(prompts: list, n: int) -> dict:
         return {}
     if not all(isinstance(p, ImagePrompt) for p in prompts):
         raise ValueError("a batch mixes prompts with and without pictures (every prompt of a vision task needs one)")
-    pv, grid = zip(*(pixels(p) for p in prompts))
-    N = max(len(x) for x in pv)
-    pixel_values = torch.stack([torch.nn.functional.pad(x, (0, 0, 0, N - len(x))) for x in pv])   # (U, N, D)
-    return {"pixel_values": pixel_values, "image_grid_thw": torch.stack(grid),                     # (U, 3)
-            "image_index": torch.arange(len(prompts)).repeat_interleave(n)}                        # (B,)
+    table = picture_table(prompts[0].processor, [p.image for p in prompts])   # (U, ...) each
+    return {**table, "image_index": torch.arange(len(prompts)).repeat_interleave(n)}                   # (B,)
 
 
 def episode_images(processor, pictures: list[list], image_mask: Tensor) -> dict:
@@ -133,8 +272,7 @@ def episode_images(processor, pictures: list[list], image_mask: Tensor) -> dict:
     if not table:
         return {}
     K = max(len(r) for r in index)
-    pixel_values, grid = picture_table(processor, list(table))
-    return {"pixel_values": pixel_values, "image_grid_thw": grid, "image_mask": image_mask.bool(),
+    return {**picture_table(processor, list(table)), "image_mask": image_mask.bool(),
             "image_index": torch.tensor([r + [-1] * (K - len(r)) for r in index], dtype=torch.long)}
 
 
@@ -156,15 +294,9 @@ def slots(model, input_ids: Tensor, images: dict, prompt_len: int | None = None)
     return out
 
 
-def tokens_per_picture(model, images: dict) -> list[int]:
-    """Image tokens of each picture of the table: its patches over the merge."""
-    merge = base_model(model).config.vision_config.spatial_merge_size ** 2
-    return [n // merge for n in images["image_grid_thw"].prod(-1).tolist()]
-
-
 def save_processor(model, model_path: str, out: str):
-    """A VLM's final/ folder gets the image processor it was trained with, so that it loads as it came."""
-    if tower(model) is not None:
+    """A VLM's final/ folder gets the processor it was trained with, so that it loads as it came."""
+    if family(model) is not None:
         image_processor(model_path).save_pretrained(out)
 
 
@@ -175,27 +307,40 @@ def base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def tower(model):
-    """The vision encoder (Qwen2-VL: model.model.visual)."""
+def encoder(model) -> list:
+    """The modules that turn pixels into the language model's embeddings ([] for a text model): Qwen2-VL's `visual`
+    (its merger inside), LLaVA's `vision_tower` and `multi_modal_projector` (the family's `encoder`)."""
+    fam = family(model)
+    if fam is None:
+        return []
     base = base_model(model)
     inner = getattr(base, "model", base)
-    return getattr(inner, "visual", None) or getattr(inner, "vision_tower", None)
+    return [getattr(inner, name) for name in fam.encoder]
+
+
+def tower(model):
+    """The vision encoder (Qwen2-VL: model.model.visual; LLaVA: model.model.vision_tower); None for a text model."""
+    mods = encoder(model)
+    return mods[0] if mods else None
 
 
 def tower_linears(model) -> list[str]:
-    """Full names of the vision encoder's Linear layers ([] for a text model): lora.wrap puts no adapter there, so
-    LoRA on a VLM adapts the language model only (peft freezes every base weight, the tower's too)."""
-    t = tower(model)
-    if t is None:
-        return []
-    prefix = next(name for name, m in model.named_modules() if m is t)
-    return [f"{prefix}.{name}" for name, m in t.named_modules() if isinstance(m, torch.nn.Linear)]
+    """Full names of the encoder's Linear layers, a LLaVA's projector included ([] for a text model): lora.wrap puts
+    no adapter there, so LoRA on a VLM adapts the language model only (peft freezes every base weight, the encoder's
+    too)."""
+    out = []
+    for t in encoder(model):
+        prefix = next(name for name, m in model.named_modules() if m is t)
+        out += [f"{prefix}.{name}" for name, m in t.named_modules() if isinstance(m, torch.nn.Linear)]
+    return out
 
 
 def freeze_tower(model, train_tower: bool):
-    """vision.train_tower=false (the default): the encoder takes no gradient and no optimizer state."""
-    if tower(model) is not None and not train_tower:
-        tower(model).requires_grad_(False)
+    """vision.train_tower=false (the default): the encoder (a LLaVA's projector too) takes no gradient and no
+    optimizer state."""
+    if not train_tower:
+        for m in encoder(model):
+            m.requires_grad_(False)
 
 
 def uses_mrope(model, images: dict | None) -> bool:
@@ -204,6 +349,8 @@ def uses_mrope(model, images: dict | None) -> bool:
     if not images:
         return False
     cfg = base_model(model).config
+    if not family_of_config(cfg).mrope:
+        return False
     rope = getattr(getattr(cfg, "text_config", cfg), "rope_parameters", None) or {}
     return "mrope_section" in rope and not getattr(cfg, "text_positions", False)
 
@@ -273,23 +420,20 @@ def model_inputs(model, input_ids: Tensor, images: dict, prompt_len: int | None 
 def place(model, embeds: Tensor, input_ids: Tensor, images: dict, prompt_len: int | None = None) -> Tensor:
     """(B, T, H) token embeddings of (B, T) ids -> the same with the image pads that show pictures (`slots`) replaced
     by the features of the row's pictures, in order (the encoder once per picture of the table)."""
-    pv, grid = images["pixel_values"], images["image_grid_thw"]
     where = slots(model, input_ids, images, prompt_len)                                  # (B, T)
     per_row = row_pictures(images)
     model = base_model(model)
-    counts = tokens_per_picture(model, images)
-    want = torch.tensor([sum(counts[u] for u in row) for row in per_row], device=where.device)   # (B,)
-    if not torch.equal(where.sum(-1), want):
+    feats = []
+    if len(images["pixel_values"]):   # else no picture in the batch
+        params = [p for m in encoder(model) for p in m.parameters()]
+        # a frozen encoder: no graph
+        with torch.set_grad_enabled(torch.is_grad_enabled() and any(p.requires_grad for p in params)):
+            feats = family(model).features(model, images, params[0])                   # U x (n_u, H)
+    want = torch.tensor([sum(len(feats[u]) for u in row) for row in per_row], device=where.device, dtype=torch.long)
+    if not torch.equal(where.sum(-1), want):                                              # (B,) each
         raise ValueError(f"image tokens per row {where.sum(-1).tolist()} but image features for "
                          f"{want.tolist()}")
-    if not len(pv):   # no picture in the batch
+    if not feats:
         return embeds
-    lengths = grid.prod(-1).tolist()                                                     # patches per picture
-    flat = torch.cat([p[:n] for p, n in zip(pv, lengths)])                               # (sum N, D)
-    weight = next(tower(model).parameters())
-    with torch.set_grad_enabled(torch.is_grad_enabled() and weight.requires_grad):   # a frozen tower: no graph
-        out = model.get_image_features(flat.to(weight.device, weight.dtype), grid.to(weight.device))
-    feats = getattr(out, "pooler_output", out)           # 5.2x: an output with a tuple of (n_u, H); older: a tensor
-    feats = list(feats) if isinstance(feats, (list, tuple)) else list(feats.split(counts))
     rows = torch.cat([feats[u] for row in per_row for u in row]).to(embeds.dtype)       # (slots, H)
     return embeds.masked_scatter(where[..., None], rows)

@@ -98,6 +98,7 @@ def build(out: str):
     os.makedirs(out, exist_ok=True)
     tok.save_pretrained(out)
     proc.save_pretrained(out)
+    cfg.save_pretrained(out)   # vision.image_processor reads the family from it (the warm start encodes rows first)
     return tok, Qwen2VLForConditionalGeneration(cfg).float()
 
 
