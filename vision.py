@@ -167,7 +167,7 @@ def family(model):
 
 
 def family_of_processor(processor):
-    return next(f for f in (QwenVL, Llava) if f.owns(processor))
+    return next(f for f in dict.fromkeys(FAMILIES.values()) if f.owns(processor))   # FAMILIES' order: QwenVL first
 
 
 @lru_cache(maxsize=4)
