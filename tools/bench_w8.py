@@ -15,8 +15,8 @@ runs to full length and the work is fixed; the reward is a cheap function of the
 between samples (the shapes answers of a random model would all score 0, and GRPO would have nothing to do).
 Parts, each in its own process (clean peak-memory counters):
   ours  train.main itself (the real loop) for 1 warm-up + N measured steps, once per --ours variant
-        MICRO[:ckpt] (micro_batch_size, grad_checkpointing; default 16 without and with checkpointing: 64 rows of
-        ~400 tokens at once would not fit an H100 without it); the split comes from its metrics.jsonl. Its
+        MICRO[:ckpt][:compile] (micro_batch_size, grad_checkpointing, compile: each language-model layer compiled;
+        default 16 and 32 with both, and 16 with neither); the split comes from its metrics.jsonl. Its
         rollouts take the built-in engine's fast path (the pictures in the prefill, then the graphed text step;
         on the CPU eagerly), and the table counts those that did (count_fast_rollouts)
   trl   TRL's GRPOTrainer with W1's peer settings (docs/benchmarks.md: batch 16 x 4 accumulation steps, beta 0, bf16,
@@ -32,6 +32,7 @@ import glob
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -178,12 +179,16 @@ def part_ours(a) -> dict:
     counts = count_fast_rollouts()
     run_dir = os.path.join(a.tmp, f"ours-{a.variant.replace(':', '-')}")
     micro, *flags = a.variant.split(":")
-    argv = [f"model={a.model}", "task=w8_shapes", "rewards=w8_cheap", f"steps={a.steps + 1}",
+    last = a.steps + 1 + a.profile                 # --profile: one more step, under torch.profiler, not timed
+    argv = [f"model={a.model}", "task=w8_shapes", "rewards=w8_cheap", f"steps={last}",
             f"prompts_per_step={W['prompts']}", f"samples_per_prompt={W['samples']}", f"max_new_tokens={W['new']}",
             "temperature=1.0", "eval_every=100000", "eval_size=8", "eval_temperature=1.0", "lr=1e-6",
-            f"micro_batch_size={micro}", f"grad_checkpointing={'ckpt' in flags}", f"out_dir={run_dir}",
-            "progress=false", *a.set.split()]
+            f"micro_batch_size={micro}", f"grad_checkpointing={'ckpt' in flags}", f"compile={'compile' in flags}",
+            f"out_dir={run_dir}",
+            "progress=false", *([f"profile_step={last}"] if a.profile else []), *a.set.split()]
     train.main(argv)
+    if a.profile:
+        shutil.copy(os.path.join(run_dir, "profile-rank0.txt"), os.path.join(a.out, f"ours-{a.variant.replace(':', '-')}.profile.txt"))
     mem = cuda_info()
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     names = sorted({k for r in rows for k in r if k.startswith("mem/")})
@@ -191,7 +196,8 @@ def part_ours(a) -> dict:
     if stages:   # train.py resets the peak counters per phase: the run's peak is the largest
         mem["peak_alloc_gib"] = max([mem["peak_alloc_gib"]] + [v for k, v in stages.items() if "reserved" not in k])
         mem["peak_reserved_gib"] = max([mem["peak_reserved_gib"]] + [v for k, v in stages.items() if "reserved" in k])
-    rows = [r for r in rows if r["step"] >= 2]   # drop step 0 (the evaluation) and step 1 (the warm-up)
+    # drop step 0 (the evaluation), step 1 (the warm-up) and a profiled step
+    rows = [r for r in rows if 2 <= r["step"] <= a.steps + 1]
     keys = ["time/rollout", "time/reward", "time/logprobs", "time/update", "time/sync"]
     steps = [sum(r.get(k, 0.0) for k in keys) for r in rows]
     return {"argv": argv, "step_s": statistics.median(steps), "steps_s": steps, **counts,
@@ -271,7 +277,8 @@ def table(results: dict, a) -> str:
              f"{a.steps} measured steps after 1 warm-up)", "",
              "| | step (median) | steps | peak alloc | peak reserved |", "|---|---|---|---|---|"]
     ours = {k: r for k, r in results.items() if k.startswith("ours") and "step_s" in r}
-    named = [(f"this project (train.py), micro_batch_size={k.split('-')[1]}, grad_checkpointing={'ckpt' in k}", r)
+    named = [(f"this project (train.py), micro_batch_size={k.split('-')[1]}, grad_checkpointing={'ckpt' in k}"
+              f"{', compile=True' if 'compile' in k else ''}", r)
              for k, r in ours.items()] + [("TRL GRPOTrainer (its defaults: gradient_checkpointing="
                                            f"{trl.get('config', {}).get('gradient_checkpointing', '?')})", trl)]
     for name, r in named:
@@ -301,7 +308,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench-w8", help="folder for w8.json, w8.md and each part's log")
     p.add_argument("--parts", default="ours,trl", help="comma list of: " + ", ".join(PARTS))
-    p.add_argument("--ours", default="16,16:ckpt", help="comma list of variants MICRO[:ckpt] for ours")
+    p.add_argument("--ours", default="16:ckpt:compile,32:ckpt:compile,16",
+                   help="comma list of variants MICRO[:ckpt][:compile] for ours")
     p.add_argument("--steps", type=int, default=4, help="measured steps (after one warm-up step)")
     p.add_argument("--tiny", action="store_true", help="toy shapes on the CPU (smoke run)")
     p.add_argument("--image-px", type=int, default=0,
@@ -309,6 +317,8 @@ def main():
     p.add_argument("--wheels", default="", help="folder of TRL's wheels to install first (pip --no-deps --target); "
                    f"when trl is not importable and this is not given: the first of {', '.join(WHEEL_FOLDERS)} "
                    "that holds a trl wheel")
+    p.add_argument("--profile", action="store_true",
+                   help="ours: one more step under torch.profiler (not timed); its summary to OUT/ours-VARIANT.profile.txt")
     p.add_argument("--set", default="", help="more train.py settings for ours, e.g. 'algo.kl_coef=0.0'")
     p.add_argument("--part", help=argparse.SUPPRESS)        # internal: run one part in this process
     p.add_argument("--variant", default="", help=argparse.SUPPRESS)
@@ -320,6 +330,9 @@ def main():
         if a.image_px % 28:
             p.error(f"--image-px must be a multiple of 28 (patch 14 x merge 2), got {a.image_px}")
         W["image_px"] = a.image_px
+    bad = [v for v in a.ours.split(",") if not v.split(":")[0].isdigit() or set(v.split(":")[1:]) - {"ckpt", "compile"}]
+    if bad:
+        p.error(f"--ours variant(s) {', '.join(bad)} are not MICRO[:ckpt][:compile], e.g. 32:ckpt:compile")
     unknown = set(a.parts.split(",")) - set(PARTS)
     if unknown:
         p.error(f"unknown part(s) {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
@@ -350,6 +363,7 @@ def main():
             key = f"ours-{variant.replace(':', '-')}" if part == "ours" else part
             args = [sys.executable, __file__, "--part", part, "--variant", variant, "--model", model_dir, "--tmp", tmp,
                     "--out", a.out, "--steps", str(a.steps), "--set", a.set, "--image-px", str(W["image_px"])]
+            args += ["--profile"] if a.profile else []
             t0 = time.perf_counter()
             result, err = run_part(args + (["--tiny"] if a.tiny else []), os.path.join(a.out, f"{key}.log"), env)
             if err is not None:
