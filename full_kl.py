@@ -5,13 +5,15 @@
 
 Where a sampled estimator (k1, k2, k3; algos/common.py: kl_estimate) reads the two models' log-probs of the sampled
 token, this takes KL(pi_new || pi_ref)_t = sum_v pi_new(v) log(pi_new(v) / pi_ref(v)) at every completion position,
-from both models' last hidden states and heads (kernels/fused_kl.py: fused_kl, chunked: the (N, V) logits never
-exist). Its two halves run at different times:
+from both models' last hidden states and heads (kernels/fused_kl.py: fused_kl_loss, chunked: the (N, V) logits
+never exist). Its two halves run at different times:
   * experience time (train.py: extra_logprobs): the reference's forward, the one that gives ref_logprobs, also
     keeps its last hidden states (B, C, Ht) in the batch (`Experience.ref_hidden`, CPU memory, the model's dtype);
-  * update time (update.py: micro_loss): the policy's forward runs fused_kl in its head's place (models._in_head),
-    next to the log-probs, with the reference's head weight brought to the device for that call; the KL (B, C),
-    with its gradient, reaches the algorithm as new["ref_kl"].
+  * update time (update.py: micro_loss): the policy's forward runs fused_kl_loss in its head's place
+    (models._in_head), after the log-probs, with the reference's head weight brought to the device for that call;
+    the KL (B, C), with its gradient, reaches the algorithm as new["ref_kl"]. The gradient is taken in that forward
+    (four products instead of six), with each token's weight in the loss read off the algorithm's loss first
+    (update.kl_weights): the loss must be linear in the KL, which backward checks.
 The algorithm says when it wants this (algos/common.py: Algorithm.exact_kl); `check_config` refuses, before any
 work, the settings where it cannot hold yet.
 Choices: both heads must be plain linear layers (models.plain_head); a teacher whose vocabulary is padded past the
@@ -26,7 +28,7 @@ import distributed
 import registry
 from config import UserError
 from kernels import linear_logprobs
-from kernels.fused_kl import fused_kl
+from kernels.fused_kl import fused_kl_loss
 from models import _in_head, plain_head
 
 
@@ -94,25 +96,53 @@ def vocab_size(model) -> int:
     return model.get_output_embeddings().weight.shape[0]   # a DTensor's shape is the whole tensor's
 
 
-def kl_to_reference(policy, reference, micro, temperature: float):
-    """-> kl(hidden (b, C, H), head weight (V, H)) -> KL(policy || reference) (b, C) with its gradient, for a function
-    that runs in the policy's head's place. The reference's head weight is fetched now, before the policy's forward:
-    a sharded reference's gather is then not interleaved with the policy's own."""
+class _KLFromItsLoss(torch.autograd.Function):
+    """The KL values (b, C), whose gradient fused_kl_loss already took in its forward as the gradient of
+    sum_t g_t * KL_t. The loss downstream must weigh KL_t by g_t up to one factor (micro-batch weights, loss
+    scaling): backward checks that the incoming gradient is c * g and hands c to that loss. A loss that uses the KL
+    other than linearly with g's weights is refused there, rather than given a wrong gradient."""
+
+    @staticmethod
+    def forward(ctx, kl: Tensor, loss: Tensor, g: Tensor) -> Tensor:                     # (b, C), (), (b, C)
+        ctx.save_for_backward(g)
+        return kl.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        g, = ctx.saved_tensors
+        c = (grad * g).sum() / (g * g).sum().clamp(min=1e-30)                              # least squares: grad ~ c * g
+        if (grad - c * g).abs().max() > 1e-4 * grad.abs().max() + 1e-12:                  # one host sync per micro-batch
+            raise RuntimeError("the loss weighs the full-vocabulary KL (new['ref_kl']) other than the weights "
+                               "update.kl_weights read off it: full_kl needs a loss linear in the KL")
+        return None, c, None
+
+
+def head_and_kl(policy, reference, micro, temperature: float, probe):
+    """-> fn(hidden (b, C, H), head weight (V, H), targets (b, C)) -> (log-probs, entropies, KL(policy || reference)),
+    each (b, C) with its gradient, for a function that runs in the policy's head's place. probe(logp, entropy) ->
+    (b, C): how the loss weighs each token's KL (update.kl_weights), known before the KL, so that fused_kl_loss
+    takes the KL's gradient in its forward (four products of N x V x H, not fused_kl's six). The reference's head
+    weight is fetched now, before the policy's forward: a sharded reference's gather is then not interleaved with
+    the policy's own."""
     ref_h = micro.ref_hidden                                                               # (b, C, Ht)
     ref_w = head_weight(reference, vocab_size(policy), ref_h.device)                       # (V, Ht)
+    into_grad = not distributed.is_sharded(policy)   # as models.completion_logprobs
 
-    def kl(hidden, weight):                                                                # (b, C, H), (V, H)
+    def run(hidden, weight, targets):                                                      # (b, C, H), (V, H)
+        logp, entropy = linear_logprobs(hidden, weight, targets, temperature, into_grad)   # (b, C) x 2
+        g = probe(logp.detach(), entropy.detach()).float()                                 # (b, C)
         flat_ref = ref_h.reshape(-1, ref_h.shape[-1]).to(weight.dtype)                    # (b * C, Ht)
-        out = fused_kl(hidden.reshape(-1, hidden.shape[-1]), weight, flat_ref, ref_w.to(weight.dtype), temperature)
-        return out.view(hidden.shape[:2])
-    return kl
+        loss, kl = fused_kl_loss(hidden.reshape(-1, hidden.shape[-1]), weight, flat_ref, ref_w.to(weight.dtype),
+                                 g.reshape(-1), temperature)                               # (), (b * C,)
+        return logp, entropy, _KLFromItsLoss.apply(kl.view(g.shape), loss, g)
+    return run
 
 
-def completion_logprobs_and_kl(policy, reference, micro, C: int, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+def completion_logprobs_and_kl(policy, reference, micro, C: int, temperature: float,
+                               probe) -> tuple[Tensor, Tensor, Tensor]:
     """The policy's forward at update time: -> (log-probs, entropies, KL(policy || reference)), each (b, C), all with
     their gradients. The KL is computed where the head would run, so the hidden states are the head's own input."""
     targets = micro.input_ids[:, -C:]
-    into_grad = not distributed.is_sharded(policy)   # as models.completion_logprobs
-    kl = kl_to_reference(policy, reference, micro, temperature)
-    return _in_head(policy, micro.input_ids, micro.attention_mask, C,
-                    lambda h, w: (*linear_logprobs(h, w, targets, temperature, into_grad), kl(h, w)), micro.images())
+    run = head_and_kl(policy, reference, micro, temperature, probe)
+    return _in_head(policy, micro.input_ids, micro.attention_mask, C, lambda h, w: run(h, w, targets),
+                    micro.images())

@@ -105,13 +105,14 @@ def micro_loss(learner: Learner, micro, packed: Packed | None = None):
         return fused_policy_loss(learner, micro, packed)
     C, ref_kl = micro.completion_mask.shape[1], None
     if learner.algo.exact_kl(cfg.algo) and packed is not None:   # KL(new || reference) too, packed (full_kl.py)
-        kl = full_kl.kl_to_reference(learner.policy, learner.reference, micro, trainer_temperature(cfg))
+        kl = full_kl.head_and_kl(learner.policy, learner.reference, micro, trainer_temperature(cfg),
+                                 kl_weights(learner, micro))
         logp, entropy, ref_kl = packed_completion(learner.policy, micro, packed, trainer_temperature(cfg), extra=kl)
     elif packed is not None:
         logp, entropy = packed_completion(learner.policy, micro, packed, trainer_temperature(cfg))
     elif learner.algo.exact_kl(cfg.algo):   # KL(new || reference) over the whole vocabulary too (full_kl.py)
         logp, entropy, ref_kl = full_kl.completion_logprobs_and_kl(learner.policy, learner.reference, micro, C,
-                                                                   trainer_temperature(cfg))
+                                                                   trainer_temperature(cfg), kl_weights(learner, micro))
     else:
         logp, entropy = completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
                                             trainer_temperature(cfg), micro.images())
@@ -129,6 +130,26 @@ def micro_loss(learner: Learner, micro, packed: Packed | None = None):
     return loss, logp, metrics
 
 
+def kl_weights(learner: Learner, micro):
+    """-> probe(logp, entropy) -> (b, C): d loss / d KL_t, how the algorithm's loss of this micro-batch weighs each
+    token's full-vocabulary KL, read by differentiating that loss once at KL = 0 (cheap: per-token arithmetic, the
+    inputs detached). The losses that take new["ref_kl"] are linear in it (kl_coef * KL_t, distill's coef * KL_t,
+    through a linear aggregation), so full_kl can take the KL's gradient with these weights in the KL's own forward
+    (fused_kl_loss); its backward checks the linearity."""
+    cfg = learner.cfg
+
+    def probe(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+        kl = torch.zeros_like(logp, requires_grad=True)                                 # (b, C)
+        new = {"logprobs": logp, "entropy": entropy, "ref_kl": kl}
+        if learner.critic is not None:   # the value loss does not read the KL: any values serve
+            new["values"] = torch.zeros_like(logp)
+        with torch.enable_grad():
+            loss, _ = learner.algo.loss(new, micro, cfg.algo)
+            g, = torch.autograd.grad(loss, kl, allow_unused=True)
+        return torch.zeros_like(logp) if g is None else g
+    return probe
+
+
 def packed_completion(model, micro, packed: Packed, temperature: float, loss_fn=None, extra=None):
     """completion_logprobs (loss_fn None) or completion_loss of micro, from one forward over its packed tokens:
     no attention mask: the attention takes the samples' bounds (packed.cu_seqlens: VARLEN and flash-attn's varlen
@@ -137,8 +158,8 @@ def packed_completion(model, micro, packed: Packed, temperature: float, loss_fn=
     (observations, padding) get log-prob 0.
     Run it inside packed_attention(model), backward included (gradient checkpointing recomputes in backward).
     -> (logp, entropy), each (b, C); with loss_fn (loss, logp, entropy) as models.completion_loss returns them.
-    extra: fn(hidden (b, C, H) on the padded layout, 0 off keep; head weight) -> (b, C), appended to the outputs (a
-    plain head, no loss_fn: full_kl.kl_to_reference)."""
+    extra: fn(hidden (b, C, H) on the padded layout, 0 off keep; head weight; targets (b, C)) -> (logp, entropy,
+    one more (b, C)), run in the head's place (a plain head, no loss_fn: full_kl.head_and_kl)."""
     keep, C = packed.keep, micro.completion_mask.shape[1]
     targets = torch.where(keep, micro.input_ids[:, -C:], -1)                       # (b, C); < 0: the kernels skip it
     # the samples' bounds as transformers' flash-attention keywords: its flash paths and VARLEN read them (no
@@ -158,7 +179,7 @@ def packed_completion(model, micro, packed: Packed, temperature: float, loss_fn=
     def kept_rows(hidden):   # (1, M, H) -> the log-prob kernels' outputs on the (b, C) layout, 0 off keep
         h = hidden.new_zeros(*keep.shape, hidden.shape[-1]).index_put((keep,), hidden[0])   # (b, C, H)
         if extra is not None:
-            return (*linear_logprobs(h, head.weight, targets, temperature, into_grad), extra(h, head.weight))
+            return extra(h, head.weight, targets)
         if loss_fn is None:
             return linear_logprobs(h, head.weight, targets, temperature, into_grad)
         return linear_logprob_loss_kernel(h, head.weight, targets, temperature, loss_fn, into_grad=into_grad)

@@ -153,6 +153,29 @@ def test_exact_kl_penalty_is_sum_p_log_p_over_q(models, algo_name):
         assert (grad - grads(student)).abs().max() < 1e-5
 
 
+def test_a_loss_not_linear_in_the_kl_is_refused_not_given_a_wrong_gradient(models):
+    """full_kl takes the KL's gradient in its forward with the weights update.kl_weights reads off the loss at KL = 0;
+    a loss that squares the KL has other weights at the real KL, and its backward says so instead of going on."""
+    import dataclasses
+
+    from algos.common import masked_mean
+    student, reference = models
+    cfg = run_cfg("grpo", kl_coef=0.3, kl_estimator="exact")
+    grpo = registry.get("algo", "grpo")
+
+    def squared(new, batch, cfg):
+        loss, metrics = grpo.loss({**new, "ref_kl": torch.zeros_like(new["ref_kl"])}, batch, cfg)
+        return loss + masked_mean(new["ref_kl"] ** 2, batch.completion_mask), metrics
+    b = with_reference(make_batch(), reference)
+    b.advantages = grpo.advantages(b, cfg.algo)
+    linear = update.Learner(student, None, None, grpo, cfg, torch.device("cpu"), reference=reference)
+    loss_and_grads(linear, b)                                                    # the linear loss goes through
+    odd = update.Learner(student, None, None, dataclasses.replace(grpo, loss=squared), cfg, torch.device("cpu"),
+                         reference=reference)
+    with pytest.raises(RuntimeError, match="linear in the KL"):
+        loss_and_grads(odd, b)
+
+
 def test_with_lora_the_reference_is_the_base_with_adapters_off(tmp_path):
     """lora.r > 0: the reference is lora.AdaptersOff(policy) (the same head); with adapters moved away from 0 the
     exact KL is the adapted policy's against the plain base model's, by hand."""
