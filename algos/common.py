@@ -35,7 +35,7 @@ class Algorithm:
     needs_ref: Callable = lambda cfg: cfg.kl_coef > 0   # does the batch need reference log-probs?
     # does the loss take the exact KL to the reference over the whole vocabulary? Then the batch carries the
     # reference's hidden states (ref_hidden) and the loss gets new["ref_kl"] (B, C) with its gradient (full_kl.py)
-    exact_kl: Callable = lambda cfg: cfg.kl_coef > 0 and cfg.kl_estimator == "exact"
+    exact_kl: Callable = lambda cfg: exact_kl_penalty(cfg)
     needs_critic: bool = False  # the loop builds a critic, fills batch.values and passes new["values"]
     keep: Callable | None = None  # (batch, cfg) -> (B,) bool: rows to train on (e.g. DAPO's dynamic sampling)
     # How the loss reduces over tokens, so that micro-batches (microbatch.py) and ranks (distributed.py) can be
@@ -51,6 +51,11 @@ class Algorithm:
     # True: the loss weights each token by pi_prox / pi_behav (algo.tis on old_logprobs vs sample_logprobs), so it
     # can train on samples of an older policy (mode=async, docs/async.md); False: config_checks refuses staleness
     behaviour_weight: bool = True
+
+
+def exact_kl_penalty(cfg) -> bool:
+    """Is the KL penalty the whole vocabulary's (kl_estimator=exact) rather than a sampled estimate?"""
+    return cfg.kl_coef > 0 and cfg.kl_estimator == "exact"
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from algos.common import Algorithm, aggregate, clipped_policy_loss, masked_mean
+from algos.common import Algorithm, aggregate, clipped_policy_loss, exact_kl_penalty, masked_mean
 from algos.grpo import grpo_advantages
 from config import opt, section
 from registry import register
@@ -94,5 +94,4 @@ def full_distribution(cfg) -> bool:
 
 register("algo", "distill")(Algorithm(advantages=distill_advantages, loss=distill_loss,
                                       needs_ref=lambda cfg: bool(cfg.distill.teacher) or cfg.kl_coef > 0,
-                                      exact_kl=lambda cfg: full_distribution(cfg) or (
-                                          cfg.kl_coef > 0 and cfg.kl_estimator == "exact")))
+                                      exact_kl=lambda cfg: full_distribution(cfg) or exact_kl_penalty(cfg)))
