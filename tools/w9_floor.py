@@ -31,7 +31,8 @@ sys.path.insert(0, TOOLS)
 import bench_w9  # noqa: E402
 import w2_floor  # noqa: E402  (its timer, traffic probe, setting parser and commit reader)
 from w2_floor import bench, commit, parse_settings  # noqa: E402
-from kernels.fused_kl import LOSS_CHUNK_BYTES, LOSS_LAUNCH, fused_kl_loss, loss_rows, row_kl, tile_grad  # noqa: E402
+from kernels.fused_kl import (LOSS_CHUNK_BYTES, LOSS_LAUNCH, LOSS_LOGITS, fused_kl_loss, logits_kl,  # noqa: E402
+                              loss_rows, row_kl, tile_grad)
 
 GB = 1e9
 BAR = 1.3
@@ -115,6 +116,90 @@ def loss_runs(hs, ws, ht, wt, a, settings, budgets, rep):
     return runs
 
 
+# (BM, BN, BK, warps, stages, GROUP) for _logits_kl_kernel
+FUSED_CONFIGS = [(128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8), (128, 128, 64, 4, 3, 8), (128, 256, 64, 8, 3, 8),
+                 (64, 256, 64, 4, 3, 8), (256, 128, 64, 8, 3, 8), (128, 128, 128, 8, 2, 8), (64, 128, 64, 4, 4, 8)]
+
+
+def as_settings(cfg):
+    BM, BN, BK, warps, stages, group = cfg
+    return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, GROUP=group)
+
+
+def fused_logits(H, V, tokens, configs=FUSED_CONFIGS, sustained_ms=600, rounds=2):
+    """Both logits products with the KL statistics in their epilogue (kernels/fused_kl.py `logits_kl`: one Triton
+    kernel + the per-row merge) against what they replace (two cuBLAS products + row_kl) and against the two cuBLAS
+    products alone, per chunk of T tokens: {T: quick ms per config, best, sustained ms of the three}."""
+    res = {}
+    ws = (torch.randn(V, H, device="cuda") / H**0.5).to(torch.bfloat16)
+    wt = (torch.randn(V, H, device="cuda") / H**0.5).to(torch.bfloat16)
+    for T in tokens:
+        hs, ht = (torch.randn(T, H, device="cuda").to(torch.bfloat16) for _ in range(2))
+        zs, zt = (torch.empty(T, V, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        kl, kl_ref = torch.empty(T, device="cuda"), torch.empty(T, device="cuda")
+        torch.mm(hs, ws.T, out=zs), torch.mm(ht, wt.T, out=zt)
+        row_kl(zs, zt, 1.0, True, True, kl_ref)
+        quick = {}
+        for cfg in configs:
+            try:
+                f = lambda: logits_kl(hs, ws, ht, wt, zs, zt, 1.0, True, kl, as_settings(cfg))   # noqa: E731
+                f()
+                err = ((kl - kl_ref).abs().max() / kl_ref.abs().max()).item()
+                quick[str(cfg)] = (bench(f, 150) if err < 1e-2 else float("inf"), err)
+            except Exception as e:   # a config that does not fit shared memory or registers fails: go on
+                quick[str(cfg)] = (float("inf"), f"{type(e).__name__}: {str(e)[:100]}")
+            print(H, T, cfg, quick[str(cfg)], flush=True)
+        best = min(configs, key=lambda c: quick[str(c)][0])
+        fused = lambda: logits_kl(hs, ws, ht, wt, zs, zt, 1.0, True, kl, as_settings(best))   # noqa: E731
+        cublas = lambda: (torch.mm(hs, ws.T, out=zs), torch.mm(ht, wt.T, out=zt))               # noqa: E731
+        cublas_rowkl = lambda: (cublas(), row_kl(zs, zt, 1.0, True, True, kl))                # noqa: E731
+        sus = {"cublas 2 products": [], "cublas 2 products + row_kl": [], "fused": []}
+        for _ in range(rounds):      # alternating, so that all see the same clock
+            for name, f in zip(sus, (cublas, cublas_rowkl, fused)):
+                sus[name].append(bench(f, sustained_ms))
+        tf = 2 * 2 * T * H * V / 1e9
+        print(H, T, "best", best, {n: [f"{v:.3f} ms ({tf / v:.0f} TFLOP/s)" for v in x] for n, x in sus.items()},
+              flush=True)
+        res[T] = {"quick_ms": quick, "best": best, "sustained_ms": sus}
+        del hs, ht, zs, zt
+    return res
+
+
+def fused_report(H, V, args):
+    """--fused: the fused logits kernel at the loss's chunk (and --fused-tokens), then the loss with it on."""
+    m = loss_rows(args.n, V, 2, LOSS_CHUNK_BYTES)
+    k = -(-args.n // m)
+    res = fused_logits(H, V, sorted({m, *args.fused_tokens}))
+    lines = [f"\n### H={H}, V={V}: both logits products with the KL statistics in their epilogue\n",
+             "| tokens | best (BM, BN, BK, warps, stages, GROUP) | 2 cuBLAS products ms | + row_kl ms | fused ms |"
+             " fused / cuBLAS products | x chunks: fused - (products + row_kl) ms |", "|---|---|---|---|---|---|---|"]
+    for T, r in res.items():
+        c, c2, f = (min(v) for v in r["sustained_ms"].values())
+        lines.append(f"| {T} | {r['best']} | {c:.3f} | {c2:.3f} | {f:.3f} | {f / c:.3f} | "
+                     f"{(f - c2) * -(-args.n // T):+.1f} |")
+    best = res[m]["best"]
+    dev = "cuda"
+    hs = torch.randn(args.n, H, device=dev).to(torch.bfloat16).requires_grad_()
+    ws = (torch.randn(V, H, device=dev) / H**0.5).to(torch.bfloat16).requires_grad_()
+    ht = torch.randn(args.n, H, device=dev).to(torch.bfloat16)
+    wt = (torch.randn(V, H, device=dev) / H**0.5).to(torch.bfloat16)
+    a = torch.rand(args.n, device=dev)
+    old = dict(LOSS_LOGITS)
+    lines += ["", f"| fused_kl_loss fwd+bwd, {m}-token chunks x {k} | ms | extra GiB |", "|---|---|---|"]
+    for name, setting in (("cuBLAS logits + row_kl", dict(FUSED=False)),
+                          (f"fused logits {best}", dict(FUSED=True, **as_settings(best)))):
+        LOSS_LOGITS.update(setting)
+        fn = lambda hs, ws, ht, wt, a: fused_kl_loss(hs, ws, ht, wt, a)  # noqa: E731
+        ms, extra = bench_w9.measure(fn, hs, ws, ht, wt, a, True, args.rep)
+        lines.append(f"| {name} | {ms:.1f} | {gib(extra)} |")
+        print(lines[-1], flush=True)
+    LOSS_LOGITS.clear()
+    LOSS_LOGITS.update(old)
+    del hs, ws, ht, wt
+    torch.cuda.empty_cache()
+    return lines
+
+
 def shape_report(H, V, args, settings, budgets):
     dev = "cuda"
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -164,7 +249,13 @@ def main():
                     help="pass launch settings BLOCK,warps,SPLIT;... (include the default to get its row)")
     ap.add_argument("--budgets", default="256,448", help="chunk budgets in MiB (W9 allows <= 0.5 GiB extra)")
     ap.add_argument("--rep", type=int, default=400, help="do_bench ms per loss measurement")
+    ap.add_argument("--fused", action="store_true",
+                    help="also time the logits products with the KL statistics in their epilogue (and the loss so)")
+    ap.add_argument("--fused-only", action="store_true", help="--fused and nothing else")
+    ap.add_argument("--fused-tokens", default="", help="more chunk sizes for --fused, e.g. 1536,4096")
     args = ap.parse_args()
+    args.fused = args.fused or args.fused_only
+    args.fused_tokens = [int(x) for x in args.fused_tokens.split(",") if x]
     if not torch.cuda.is_available():
         ap.error("w9_floor needs a CUDA device")
     try:
@@ -178,6 +269,10 @@ def main():
              "products (a')+(b) | bar 1.3 x (a) | loss, defaults | loss, best |", "|---|---|---|---|---|---|---|---|"]
     detail = []
     for H, V in shapes:
+        if args.fused:
+            detail += fused_report(H, V, args)
+        if args.fused_only:
+            continue
         row, lines = shape_report(H, V, args, settings, budgets)
         table.append(row)
         detail += lines
