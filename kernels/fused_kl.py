@@ -173,10 +173,11 @@ if HAS_TRITON:
     @triton.jit
     def _logits_kl_kernel(hs_ptr, ws_ptr, ht_ptr, wt_ptr, zs_ptr, zt_ptr, part_ptr, M, V, KS, KT, stride_z, inv_t,
                           REVERSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          GROUP: tl.constexpr, STAGES: tl.constexpr):
+                          GROUP: tl.constexpr, STAGES: tl.constexpr, LOAD_T: tl.constexpr):
         # one (BM, BN) tile of both logits products, zs = hs @ ws.T and zt = ht @ wt.T (K = KS, KT), stored in bf16
         # (or the inputs' dtype), and the tile's statistics of the rounded values into part (5, M, S), S =
         # cdiv(V, BN), as _part_kernel writes them: no pass reads the tiles back for the statistics.
+        # LOAD_T: zt is already in memory (a cuBLAS product): the tile is read, not computed.
         # Tiles walk GROUP row tiles per column tile, so neighbouring programs share the weights' tiles in L2.
         npm, npn = tl.cdiv(M, BM), tl.cdiv(V, BN)
         tile = tl.program_id(0)
@@ -195,17 +196,22 @@ if HAS_TRITON:
             b = tl.load(ws_ptr + cols_in[:, None].to(tl.int64) * KS + kk[None, :], mask=kk[None, :] < KS, other=0.0)
             acc = tl.dot(a, tl.trans(b), acc)
         zs = acc.to(zs_ptr.dtype.element_ty)                # (BM, BN) as stored: the statistics see what the gradient will
-        acc = tl.zeros((BM, BN), tl.float32)
-        for k in tl.range(0, KT, BK, num_stages=STAGES):
-            kk = k + tl.arange(0, BK)
-            a = tl.load(ht_ptr + rows_in[:, None].to(tl.int64) * KT + kk[None, :], mask=kk[None, :] < KT, other=0.0)
-            b = tl.load(wt_ptr + cols_in[:, None].to(tl.int64) * KT + kk[None, :], mask=kk[None, :] < KT, other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc)
-        zt = acc.to(zt_ptr.dtype.element_ty)
         ok = (rows < M)[:, None] & (cols < V)[None, :]
         at = rows[:, None].to(tl.int64) * stride_z + cols[None, :]
         tl.store(zs_ptr + at, zs, mask=ok)
-        tl.store(zt_ptr + at, zt, mask=ok)
+        if LOAD_T:
+            zt = tl.load(zt_ptr + at, mask=ok, other=0.0)
+        else:
+            acc = tl.zeros((BM, BN), tl.float32)
+            for k in tl.range(0, KT, BK, num_stages=STAGES):
+                kk = k + tl.arange(0, BK)
+                a = tl.load(ht_ptr + rows_in[:, None].to(tl.int64) * KT + kk[None, :], mask=kk[None, :] < KT,
+                            other=0.0)
+                b = tl.load(wt_ptr + cols_in[:, None].to(tl.int64) * KT + kk[None, :], mask=kk[None, :] < KT,
+                            other=0.0)
+                acc = tl.dot(a, tl.trans(b), acc)
+            zt = acc.to(zt_ptr.dtype.element_ty)
+            tl.store(zt_ptr + at, zt, mask=ok)
         if REVERSE:
             zp, zq = zs.to(tl.float32) * inv_t, zt.to(tl.float32) * inv_t
         else:
@@ -298,7 +304,8 @@ def row_kl(zs: Tensor, zt: Tensor, inv_t: float, reverse: bool, use_triton: bool
 # fused_kl_loss's logits: FUSED runs both products in one Triton kernel with the statistics in its epilogue
 # (_logits_kl_kernel), so no pass reads the tiles for them; else cuBLAS products and row_kl. Tile settings as in
 # the kernel (docs/kernels.md, "W9").
-LOSS_LOGITS = dict(FUSED=False, BM=128, BN=128, BK=64, GROUP=8, num_warps=8, num_stages=3)
+# LOAD_T: the teacher's product by cuBLAS first, the kernel computes the student's and reads the teacher's tile.
+LOSS_LOGITS = dict(FUSED=False, LOAD_T=False, BM=128, BN=128, BK=64, GROUP=8, num_warps=8, num_stages=3)
 
 
 def logits_kl(hs: Tensor, ws: Tensor, ht: Tensor, wt: Tensor, zs: Tensor, zt: Tensor, inv_t: float, reverse: bool,
@@ -311,9 +318,11 @@ def logits_kl(hs: Tensor, ws: Tensor, ht: Tensor, wt: Tensor, zs: Tensor, zt: Te
     S = triton.cdiv(V, c["BN"])
     part = torch.empty(5, m, S, dtype=torch.float32, device=hs.device)       # mp, sp, a, mq, sq per (row, tile)
     grid = (triton.cdiv(m, c["BM"]) * S,)
+    if c["LOAD_T"]:
+        torch.mm(ht, wt.T, out=zt)
     _logits_kl_kernel[grid](hs, ws, ht, wt, zs, zt, part, m, V, ks, kt, zs.stride(0), inv_t, REVERSE=reverse,
                             BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP=c["GROUP"], STAGES=c["num_stages"],
-                            num_warps=c["num_warps"], num_stages=c["num_stages"])
+                            LOAD_T=c["LOAD_T"], num_warps=c["num_warps"], num_stages=c["num_stages"])
     lse = torch.empty(2, m, dtype=torch.float32, device=hs.device)
     _merge_kernel[(m,)](part, lse[0], lse[1], kl, m, S, REVERSE=reverse, BLOCK_S=triton.next_power_of_2(S))
     return lse[0], lse[1]
