@@ -170,70 +170,6 @@ if HAS_TRITON:
             tl.store(zs_ptr + row * stride + cols, (d * (g * inv_t)).to(zs_ptr.dtype.element_ty), mask=ok)
 
 
-    @triton.jit
-    def _logits_kl_kernel(hs_ptr, ws_ptr, ht_ptr, wt_ptr, zs_ptr, zt_ptr, part_ptr, M, V, KS, KT, stride_z, inv_t,
-                          REVERSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          GROUP: tl.constexpr, STAGES: tl.constexpr, LOAD_T: tl.constexpr):
-        # one (BM, BN) tile of both logits products, zs = hs @ ws.T and zt = ht @ wt.T (K = KS, KT), stored in bf16
-        # (or the inputs' dtype), and the tile's statistics of the rounded values into part (5, M, S), S =
-        # cdiv(V, BN), as _part_kernel writes them: no pass reads the tiles back for the statistics.
-        # LOAD_T: zt is already in memory (a cuBLAS product): the tile is read, not computed.
-        # Tiles walk GROUP row tiles per column tile, so neighbouring programs share the weights' tiles in L2.
-        npm, npn = tl.cdiv(M, BM), tl.cdiv(V, BN)
-        tile = tl.program_id(0)
-        width = GROUP * npn
-        first_m = (tile // width) * GROUP
-        gm = min(npm - first_m, GROUP)
-        pm = first_m + (tile % width) % gm
-        pn = (tile % width) // gm
-        rows = pm * BM + tl.arange(0, BM)
-        cols = pn * BN + tl.arange(0, BN)
-        rows_in, cols_in = rows % M, cols % V            # past the edge: repeat real rows / columns, masked later
-        acc = tl.zeros((BM, BN), tl.float32)
-        for k in tl.range(0, KS, BK, num_stages=STAGES):
-            kk = k + tl.arange(0, BK)
-            a = tl.load(hs_ptr + rows_in[:, None].to(tl.int64) * KS + kk[None, :], mask=kk[None, :] < KS, other=0.0)
-            b = tl.load(ws_ptr + cols_in[:, None].to(tl.int64) * KS + kk[None, :], mask=kk[None, :] < KS, other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc)
-        zs = acc.to(zs_ptr.dtype.element_ty)                # (BM, BN) as stored: the statistics see what the gradient will
-        ok = (rows < M)[:, None] & (cols < V)[None, :]
-        at = rows[:, None].to(tl.int64) * stride_z + cols[None, :]
-        tl.store(zs_ptr + at, zs, mask=ok)
-        if LOAD_T:
-            zt = tl.load(zt_ptr + at, mask=ok, other=0.0)
-        else:
-            acc = tl.zeros((BM, BN), tl.float32)
-            for k in tl.range(0, KT, BK, num_stages=STAGES):
-                kk = k + tl.arange(0, BK)
-                a = tl.load(ht_ptr + rows_in[:, None].to(tl.int64) * KT + kk[None, :], mask=kk[None, :] < KT,
-                            other=0.0)
-                b = tl.load(wt_ptr + cols_in[:, None].to(tl.int64) * KT + kk[None, :], mask=kk[None, :] < KT,
-                            other=0.0)
-                acc = tl.dot(a, tl.trans(b), acc)
-            zt = acc.to(zt_ptr.dtype.element_ty)
-            tl.store(zt_ptr + at, zt, mask=ok)
-        if REVERSE:
-            zp, zq = zs.to(tl.float32) * inv_t, zt.to(tl.float32) * inv_t
-        else:
-            zp, zq = zt.to(tl.float32) * inv_t, zs.to(tl.float32) * inv_t
-        real = (cols < V)[None, :]
-        zp = tl.where(real, zp, -float("inf"))
-        zq = tl.where(real, zq, -float("inf"))
-        mp = tl.max(zp, 1)                                  # (BM,) finite: every tile holds a real column
-        ep = tl.exp(zp - mp[:, None])                       # 0 on columns past V
-        sp = tl.sum(ep, 1)
-        a_ = tl.sum(ep * tl.where(real, zp - zq, 0.0), 1)
-        mq = tl.max(zq, 1)
-        sq = tl.sum(tl.exp(zq - mq[:, None]), 1)
-        out = part_ptr + rows.to(tl.int64) * npn + pn
-        live = rows < M
-        tl.store(out, mp, mask=live)
-        tl.store(out + M * npn, sp, mask=live)
-        tl.store(out + 2 * M * npn, a_, mask=live)
-        tl.store(out + 3 * M * npn, mq, mask=live)
-        tl.store(out + 4 * M * npn, sq, mask=live)
-
-
 # fused_kl_loss's passes over whole-vocabulary rows: columns per kernel step, warps, and SPLIT programs per row
 # (each a contiguous column range; the statistics' partial states merged per row by a second launch): a chunk of
 # a few hundred rows, one program each, leaves the statistics pass short of the card's bandwidth. The fastest of
@@ -301,31 +237,14 @@ def row_kl(zs: Tensor, zt: Tensor, inv_t: float, reverse: bool, use_triton: bool
     return lse[0], lse[1]
 
 
-# fused_kl_loss's logits: FUSED runs both products in one Triton kernel with the statistics in its epilogue
-# (_logits_kl_kernel), so no pass reads the tiles for them; else cuBLAS products and row_kl. Tile settings as in
-# the kernel (docs/kernels.md, "W9").
-# LOAD_T: the teacher's product by cuBLAS first, the kernel computes the student's and reads the teacher's tile.
-LOSS_LOGITS = dict(FUSED=False, LOAD_T=False, BM=128, BN=128, BK=64, GROUP=8, num_warps=8, num_stages=3)
-
-
 def logits_kl(hs: Tensor, ws: Tensor, ht: Tensor, wt: Tensor, zs: Tensor, zt: Tensor, inv_t: float, reverse: bool,
-              kl: Tensor, settings: dict | None = None):
-    """hs (m, Hs), ws (V, Hs), ht (m, Ht), wt (V, Ht) -> zs, zt (m, V) written (row stride zs.stride(0)), kl (m,)
-    written, and (lse_s, lse_t), each (m,) float32: row_kl's results with the statistics taken in the products'
-    epilogue (one Triton launch) and merged per row (a second)."""
-    c = dict(LOSS_LOGITS, **(settings or {}))
-    (m, ks), V, kt = hs.shape, ws.shape[0], ht.shape[1]
-    S = triton.cdiv(V, c["BN"])
-    part = torch.empty(5, m, S, dtype=torch.float32, device=hs.device)       # mp, sp, a, mq, sq per (row, tile)
-    grid = (triton.cdiv(m, c["BM"]) * S,)
-    if c["LOAD_T"]:
-        torch.mm(ht, wt.T, out=zt)
-    _logits_kl_kernel[grid](hs, ws, ht, wt, zs, zt, part, m, V, ks, kt, zs.stride(0), inv_t, REVERSE=reverse,
-                            BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP=c["GROUP"], STAGES=c["num_stages"],
-                            LOAD_T=c["LOAD_T"], num_warps=c["num_warps"], num_stages=c["num_stages"])
-    lse = torch.empty(2, m, dtype=torch.float32, device=hs.device)
-    _merge_kernel[(m,)](part, lse[0], lse[1], kl, m, S, REVERSE=reverse, BLOCK_S=triton.next_power_of_2(S))
-    return lse[0], lse[1]
+              use_triton: bool, kl: Tensor):
+    """One fused_kl_loss chunk's logits and statistics: zs (m, V) := hs @ ws.T, zt := ht @ wt.T (cuBLAS), then
+    row_kl: kl (m,) written, -> (lse_s, lse_t). A function of its own so that tools/w9_floor.py can time the loss
+    with another route for this step (the statistics in the products' epilogue, docs/kernels.md "W9")."""
+    torch.mm(hs, ws.T, out=zs)
+    torch.mm(ht, wt.T, out=zt)
+    return row_kl(zs, zt, inv_t, reverse, use_triton, kl)
 
 
 def tile_grad(zs: Tensor, zt: Tensor, lse_s, lse_t, kl, g, inv_t: float, reverse: bool, use_triton: bool,
@@ -461,16 +380,10 @@ class _FusedKLLoss(torch.autograd.Function):
         w_dtype = torch.float32 if V * H * 4 <= chunk_bytes and n < N else ws.dtype
         grad_w = torch.zeros(V, H, dtype=w_dtype, device=ws.device) if need_w else None
         g_all = weights.float().contiguous()
-        fused = use_triton and LOSS_LOGITS["FUSED"] and {hs.dtype, ht.dtype} <= {torch.bfloat16, torch.float16}
         for r0 in range(0, N, n):
             r1 = min(r0 + n, N)
             zs, zt, kl = _tile(buf_s, r1 - r0, V), _tile(buf_t, r1 - r0, V), kl_out[r0:r1]   # (m, V), (m, V), (m,)
-            if fused:
-                lse_s, lse_t = logits_kl(hs[r0:r1], ws, ht[r0:r1], wt, zs, zt, inv_t, reverse, kl)
-            else:
-                torch.mm(hs[r0:r1], ws.T, out=zs)
-                torch.mm(ht[r0:r1], wt.T, out=zt)
-                lse_s, lse_t = row_kl(zs, zt, inv_t, reverse, use_triton, kl)  # (m,) each; kl written
+            lse_s, lse_t = logits_kl(hs[r0:r1], ws, ht[r0:r1], wt, zs, zt, inv_t, reverse, use_triton, kl)
             if not (need_h or need_w):
                 continue
             tile_grad(zs, zt, lse_s, lse_t, kl, g_all[r0:r1], inv_t, reverse, use_triton, LOSS_LAUNCH)  # zs := G
