@@ -237,6 +237,16 @@ def row_kl(zs: Tensor, zt: Tensor, inv_t: float, reverse: bool, use_triton: bool
     return lse[0], lse[1]
 
 
+def logits_kl(hs: Tensor, ws: Tensor, ht: Tensor, wt: Tensor, zs: Tensor, zt: Tensor, inv_t: float, reverse: bool,
+              use_triton: bool, kl: Tensor):
+    """One fused_kl_loss chunk's logits and statistics: zs (m, V) := hs @ ws.T, zt := ht @ wt.T (cuBLAS), then
+    row_kl: kl (m,) written, -> (lse_s, lse_t). A function of its own so that tools/w9_floor.py can time the loss
+    with another route for this step (the statistics in the products' epilogue, docs/kernels.md "W9")."""
+    torch.mm(hs, ws.T, out=zs)
+    torch.mm(ht, wt.T, out=zt)
+    return row_kl(zs, zt, inv_t, reverse, use_triton, kl)
+
+
 def tile_grad(zs: Tensor, zt: Tensor, lse_s, lse_t, kl, g, inv_t: float, reverse: bool, use_triton: bool,
               launch: dict | None = None):
     """zs (n, v) := d loss / d student logits; launch: LOSS_LAUNCH-like settings (None: one program per row)."""
@@ -372,10 +382,8 @@ class _FusedKLLoss(torch.autograd.Function):
         g_all = weights.float().contiguous()
         for r0 in range(0, N, n):
             r1 = min(r0 + n, N)
-            zs = torch.mm(hs[r0:r1], ws.T, out=_tile(buf_s, r1 - r0, V))         # (m, V)
-            zt = torch.mm(ht[r0:r1], wt.T, out=_tile(buf_t, r1 - r0, V))         # (m, V)
-            kl = kl_out[r0:r1]
-            lse_s, lse_t = row_kl(zs, zt, inv_t, reverse, use_triton, kl)      # (m,) each; kl written
+            zs, zt, kl = _tile(buf_s, r1 - r0, V), _tile(buf_t, r1 - r0, V), kl_out[r0:r1]   # (m, V), (m, V), (m,)
+            lse_s, lse_t = logits_kl(hs[r0:r1], ws, ht[r0:r1], wt, zs, zt, inv_t, reverse, use_triton, kl)
             if not (need_h or need_w):
                 continue
             tile_grad(zs, zt, lse_s, lse_t, kl, g_all[r0:r1], inv_t, reverse, use_triton, LOSS_LAUNCH)  # zs := G

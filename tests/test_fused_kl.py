@@ -161,3 +161,34 @@ def test_loss_rows_keep_the_budget():
         assert 1 <= n <= N and 2 * 2 * V * n <= budget
         assert n % 128 == 0 or n < 256
     assert loss_rows(5, 300, 2, 1) == 1 and loss_rows(5, 300, 2, 1 << 30) == 5
+
+
+def test_fused_logits_kernel_interpreted_matches_float64():
+    """tools/w9_floor.py's _logits_kl_kernel (both products with the statistics in their epilogue: the route W9's
+    floor times against cuBLAS) inside fused_kl_loss, on ragged tiles: 19 rows in 16-row tiles, V = 300 in
+    128-column tiles, K = 16 and 40 against 16-deep steps; float16, since triton 3.9's interpreter gets bfloat16
+    tl.dot wrong (the GPU does not)."""
+    run_interpreted("""
+import sys
+import torch
+sys.path.insert(0, "tools")
+from w9_floor import fused_logits_in_loss
+from kernels.fused_kl import fused_kl_loss, fused_kl_reference
+gen = torch.Generator().manual_seed(2)
+N, V, HS, HT = 19, 300, 16, 40
+hs = (torch.randn(N, HS, generator=gen) * 0.5).half().requires_grad_()
+ws = torch.randn(V, HS, generator=gen).half().requires_grad_()
+ht, wt = (torch.randn(N, HT, generator=gen) * 0.3).half(), torch.randn(V, HT, generator=gen).half()
+g = torch.rand(N, generator=gen, dtype=torch.float64)
+f64 = [x.detach().double().requires_grad_(i < 2) for i, x in enumerate((hs, ws, ht, wt))]
+for reverse, load_t in ((True, False), (False, True)):    # both products in the kernel; the teacher's read
+    ref = fused_kl_reference(*f64, 0.8, reverse)
+    want = torch.autograd.grad((ref * g).sum(), f64[:2])
+    with fused_logits_in_loss((16, 128, 16, 1, 2, 2), load_t):     # (BM, BN, BK, warps, stages, GROUP)
+        loss, kl = fused_kl_loss(hs, ws, ht, wt, g.float(), 0.8, reverse, chunk_bytes=2 * 2 * V * N)
+    # float16 logits: errors relative to the KL's and the gradients' own scale
+    assert (kl.double() - ref).abs().max() < 5e-3 * ref.abs().max(), (reverse, load_t, (kl.double() - ref).abs().max())
+    for a, b in zip(torch.autograd.grad(loss, [hs, ws]), want):
+        assert (a.double() - b).abs().max() < 5e-3 * b.abs().max(), (reverse, load_t, (a.double() - b).abs().max())
+print("ok")
+""")
