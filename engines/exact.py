@@ -65,7 +65,7 @@ ROWS = 256     # rows per call of every op on the torch path: a fixed shape, hen
 BLOCK = 64     # keys per attention block
 TQ = 16        # queries of one (row, KV head) per attention tile
 TILES = 256    # tiles per attention call: fixed as ROWS is
-HEAD_ROWS = 4096   # the trainer's predicted tokens per head + log-softmax chunk (a multiple of ROWS): bounds memory
+HEAD_ROWS = 1024   # the trainer's predicted tokens per head + log-softmax chunk (a multiple of ROWS): bounds memory
 
 
 def on_gpu(x: Tensor) -> bool:
@@ -337,7 +337,7 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int
     def run(ids: Tensor) -> tuple[Tensor, Tensor]:   # inside the root's forward under FSDP: its weights gathered
         dtype = ex.model.model.embed_tokens.weight.dtype
         cache = ex.new_cache(B, int(pos.max()) + 1, ids.device, dtype)
-        h = ex.forward(ids, rows, pos, cache, inplace=False)[at]                      # (M, H)
+        h = ex.forward(ids, rows, pos, cache, inplace=not torch.is_grad_enabled())[at]   # (M, H)
         logp, ent = [], []
         for hc, tc in zip(h.split(HEAD_ROWS), tgt.split(HEAD_ROWS)):   # (M, V) float32 log-probs held a chunk at a time
             lp = token_logprobs(ex.logits(hc), temperature)                            # (m, V)

@@ -35,9 +35,7 @@ if HAS_TRITON:
         q = tl.load(q_ptr + n * sq_n + (h * G + gi)[:, None] * sq_h + d[None, :], mask=qm, other=0.0)   # (GP, DP)
         p = tl.load(pos_ptr + n)
         base = tl.load(rows_ptr + n).to(tl.int64) * sk_b + h * sk_h
-        first = 0
-        if window > 0:
-            first = tl.maximum(p - window + 1, 0)
+        first = tl.where(window > 0, tl.maximum(p - window + 1, 0), 0)    # the first slot its window reaches
         m = tl.full((GP,), -1.0e30, tl.float32)                          # finite: exp(m - m_new) is never nan
         s = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, DP), tl.float32)
