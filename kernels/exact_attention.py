@@ -23,7 +23,7 @@ if HAS_TRITON:
 
     from kernels.exact_gemm import dot
 
-    @triton.jit(do_not_specialize=["L"])
+    @triton.jit(do_not_specialize=["L", "sk_b", "sk_h"])
     def _attend(q_ptr, rows_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, L, window, scale,
                 sq_n, sq_h, sk_b, sk_h, sk_s, so_n, so_h,
                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,

@@ -29,7 +29,7 @@ def check_gemm_and_norm(device: str, shapes=((70, 80, 70),)):
         for dtype in (torch.float32, torch.bfloat16):
             x, w, b = (torch.randn(*s, generator=g).to(device, dtype) for s in [(M, K), (N, K), (N,)])
             full = exact_linear(x, w, b)                                                  # (M, N)
-            ref = F.linear(x.float(), w.float(), b.float())
+            ref = F.linear(x.double(), w.double(), b.double())    # float64: no TF32, whatever a test left set
             ulp = 1e-5 if dtype == torch.float32 else 2 ** -7   # the interpreter's bfloat16 cast truncates: one ulp
             assert ((full.float() - ref).abs() <= ulp * ref.abs() + 1e-3).all(), (M, K, N, dtype)
             pick = torch.tensor([M - 1, 3, M // 2 + 13, 64, 0], device=device)
@@ -48,7 +48,7 @@ def check_gemm_and_norm(device: str, shapes=((70, 80, 70),)):
 
 
 def check_attention(device: str):
-    """exact_attention near softmax attention; a decode call (one token per row, nothing past it in the cache)
+    """exact_attention near softmax attention (float64); a decode call (one token per row, nothing past it in the cache)
     equals the full-sequence call's rows bit for bit."""
     from kernels.exact_attention import exact_attention
     g = torch.Generator().manual_seed(0)
@@ -64,10 +64,10 @@ def check_attention(device: str):
             b, p = int(rows[n]), int(pos[n])
             t = torch.arange(L, device=device)
             ok = (t <= p) & ((p - t < window) if window else True)
-            k, v = kc[b].float().repeat_interleave(nh // nkv, 0), vc[b].float().repeat_interleave(nh // nkv, 0)
-            w = (q[n].float()[:, None] @ k.transpose(1, 2)).squeeze(1) * 0.25            # (nh, L)
+            k, v = kc[b].double().repeat_interleave(nh // nkv, 0), vc[b].double().repeat_interleave(nh // nkv, 0)
+            w = (q[n].double()[:, None] @ k.transpose(1, 2)).squeeze(1) * 0.25           # (nh, L) float64
             ref = (w.masked_fill(~ok, float("-inf")).softmax(-1)[:, None] @ v).squeeze(1)
-            assert (full[n].float() - ref).abs().max() < (1e-4 if dtype == torch.float32 else 0.05)
+            assert (full[n].double() - ref).abs().max() < (1e-4 if dtype == torch.float32 else 0.05)
         pick = torch.tensor([len(rows) - 1, 20, 37], device=device)   # the last token of row 2, one of rows 0 and 1
         stale = kc.clone(), vc.clone()
         for n in pick.tolist():                          # the decode step's cache: nothing written past the token
