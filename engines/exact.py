@@ -68,10 +68,13 @@ TILES = 256    # tiles per attention call: fixed as ROWS is
 HEAD_ROWS = 1024   # the trainer's predicted tokens per head + log-softmax chunk (a multiple of ROWS): bounds memory
 
 
+GPU_KERNELS = True   # False: the torch path on a GPU too (the same bits on both sides, many more launches)
+
+
 def on_gpu(x: Tensor) -> bool:
     """The Triton path: CUDA tensors (or TRITON_INTERPRET=1, for the CPU tests), one choice per device, so the
     engine and the trainer on one device always take the same path."""
-    return use_triton(x)
+    return GPU_KERNELS and use_triton(x)
 
 
 def each(fn, x: Tensor) -> Tensor:
