@@ -65,7 +65,8 @@ ROWS = 256     # rows per call of every op on the torch path: a fixed shape, hen
 BLOCK = 64     # keys per attention block
 TQ = 16        # queries of one (row, KV head) per attention tile
 TILES = 256    # tiles per attention call: fixed as ROWS is
-HEAD_ROWS = 1024   # the trainer's predicted tokens per head + log-softmax chunk (a multiple of ROWS): bounds memory
+HEAD_ROWS = 256    # the trainer's predicted tokens per head + log-softmax chunk (a multiple of ROWS): the chunk's
+                   # (rows, V) logits and float32 log-probs are the exact pass's largest transients
 
 
 GPU_KERNELS = True   # False: the torch path on a GPU too (the same bits on both sides, many more launches)
