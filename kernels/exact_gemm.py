@@ -93,7 +93,8 @@ def exact_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     grid = (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]))
     _gemm[grid](x, w, b if b is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
                 HAS_BIAS=b is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                BM=t["BM"], BN=t["BN"], BK=t["BK"], EXPLICIT=EXPLICIT_DOT, num_warps=t["num_warps"], num_stages=t["num_stages"])
+                BM=t["BM"], BN=t["BN"], BK=t["BK"], EXPLICIT=EXPLICIT_DOT, num_warps=t["num_warps"],
+                num_stages=t["num_stages"])
     return y
 
 
