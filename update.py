@@ -104,6 +104,10 @@ def micro_loss(learner: Learner, micro, packed: Packed | None = None):
     if cfg.fused_loss and not cfg.exact_logprobs:   # speed: the loss's gradient is taken in the kernel, rows at a time
         return fused_policy_loss(learner, micro, packed)
     C, ref_kl = micro.completion_mask.shape[1], None
+    if cfg.exact_logprobs:   # values: the engine's own forward, bit for bit (engines/exact.py); gradient: the forward below
+        with torch.no_grad():   # memory: run first, so its transients are gone before the autograd graph below exists
+            exact_logp, _ = exact.completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
+                                                      trainer_temperature(cfg))
     if learner.algo.exact_kl(cfg.algo) and packed is not None:   # KL(new || reference) too, packed (full_kl.py)
         kl = full_kl.head_and_kl(learner.policy, learner.reference, micro, trainer_temperature(cfg),
                                  kl_weights(learner, micro))
@@ -116,10 +120,7 @@ def micro_loss(learner: Learner, micro, packed: Packed | None = None):
     else:
         logp, entropy = completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
                                             trainer_temperature(cfg), micro.images())
-    if cfg.exact_logprobs:   # values: the engine's own forward, bit for bit (engines/exact.py); gradient: the forward above
-        with torch.no_grad():   # autograd through the exact forward's small blocks would keep O(T^2) keys alive
-            exact_logp, _ = exact.completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
-                                                      trainer_temperature(cfg))
+    if cfg.exact_logprobs:
         logp = ExactValues.apply(logp, exact_logp)
     new = {"logprobs": logp, "entropy": entropy}
     if ref_kl is not None:

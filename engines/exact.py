@@ -8,6 +8,10 @@ How (each rule: docs/exact.md):
 - Every op that is not a plain add or multiply (matmul, norm, activation, softmax, exp) runs on chunks of exactly
   ROWS rows (`rowwise`; the last chunk padded with zeros): the library sees one shape, so it takes one kernel,
   one reduction order and one vector/tail split for every row, whatever the batch.
+- On a GPU (`on_gpu`) the matmuls, RMSNorms and attention are this project's Triton kernels instead, one launch per
+  op per layer, invariant by construction (kernels/exact_gemm.py, kernels/exact_attention.py); elementwise ops
+  (activation, soft-cap) run on the whole tensor (a CUDA elementwise kernel computes each element alone); the
+  log-softmax stays `rowwise`. The GPU path gives values only: the trainer differentiates the ordinary forward.
 - K/V live in a per-row cache at slot = position. Attention runs on tiles of TQ queries of one (row, KV head),
   TILES tiles per call, over blocks of BLOCK keys in slot order: scores, one max over all blocks, then exp, sums
   and p @ V accumulated block after block from zero.
@@ -28,6 +32,9 @@ from torch import Tensor
 from engines.decode_weights import groups
 from engines.families import FAMILIES, arch_of, rotary_tables
 from engines.fast_decode import base_of
+from kernels import use_triton
+from kernels.exact_attention import exact_attention
+from kernels.exact_gemm import NORM_MODES, exact_linear, exact_rmsnorm
 from models import position_ids
 
 def check_config(cfg):
@@ -54,10 +61,27 @@ def check_config(cfg):
                         f"{kind!r} (docs/exact.md: checking a new model)")
 
 
-ROWS = 256     # rows per call of every op: a fixed shape, hence a fixed kernel
+ROWS = 256     # rows per call of every op on the torch path: a fixed shape, hence a fixed kernel
 BLOCK = 64     # keys per attention block
 TQ = 16        # queries of one (row, KV head) per attention tile
 TILES = 256    # tiles per attention call: fixed as ROWS is
+HEAD_ROWS = 256    # the trainer's predicted tokens per head + log-softmax chunk (a multiple of ROWS): the chunk's
+                   # (rows, V) logits and float32 log-probs are the exact pass's largest transients
+
+
+GPU_KERNELS = True   # False: the torch path on a GPU too (the same bits on both sides, many more launches)
+
+
+def on_gpu(x: Tensor) -> bool:
+    """The Triton path: CUDA tensors (or TRITON_INTERPRET=1, for the CPU tests), one choice per device, so the
+    engine and the trainer on one device always take the same path."""
+    return GPU_KERNELS and use_triton(x)
+
+
+def each(fn, x: Tensor) -> Tensor:
+    """An elementwise fn over x (N, ...): on the whole tensor on a GPU, else `rowwise` (a CPU kernel's vector body
+    and scalar tail may round an element differently)."""
+    return fn(x) if on_gpu(x) else rowwise(fn, x)
 
 
 def through(module, fn, *args):
@@ -101,12 +125,23 @@ def linear(x: Tensor, mods: list) -> Tensor:
     outs = []
     for m in mods:
         w, b = weight_of(m)
-        outs.append(rowwise(lambda c: F.linear(c, w, b), x))
+        outs.append(matmul(x, w, b))
     return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
 
 
+def matmul(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """F.linear(x, w, b) for x (N, in), each row's bits independent of N: -> (N, out)."""
+    return exact_linear(x, w, b) if on_gpu(x) else rowwise(lambda c: F.linear(c, w, b), x)
+
+
 def _norm(m, x: Tensor) -> Tensor:
-    return x if m is None else rowwise(m, x)
+    if m is None:
+        return x
+    mode = NORM_MODES.get(type(m).__name__)
+    if mode is not None and on_gpu(x):
+        eps = getattr(m, "variance_epsilon", None) or m.eps
+        return exact_rmsnorm(x.reshape(-1, x.shape[-1]), m.weight, eps, mode).reshape(x.shape)
+    return rowwise(m, x)
 
 
 class Exact:
@@ -150,7 +185,7 @@ class Exact:
             x = x * m.embed_tokens.embed_scale.to(x.dtype)
         for i, layer in enumerate(m.layers):
             x = through(layer, lambda x, i=i, layer=layer: self._layer(i, layer, x, rows, pos, cos, sin, cache, inplace), x)
-        return rowwise(m.norm, x)
+        return _norm(m.norm, x)
 
     def _layer(self, i: int, layer, x: Tensor, rows, pos, cos, sin, cache: list, inplace: bool) -> Tensor:
         """Decoder layer i on x (N, H) -> (N, H); writes its K/V into cache[i] (see forward)."""
@@ -178,21 +213,21 @@ class Exact:
             return experts(mlp, x)
         gate, up = linear(x, g_gu).chunk(2, dim=-1)                                    # (N, I) each
         act = getattr(mlp, "act_fn", None) or mlp.activation_fn
-        return linear(rowwise(act, gate) * up, g_down)
+        return linear(each(act, gate) * up, g_down)
 
     def logits(self, h: Tensor) -> Tensor:
         """(N, H) final hidden states -> (N, V) logits (soft-capped where the family does)."""
         z = linear(h, [self.model.lm_head])
         cap = self.arch.final_softcap
-        return z if not cap else rowwise(lambda c: torch.tanh(c / cap) * cap, z)
+        return z if not cap else each(lambda c: torch.tanh(c / cap) * cap, z)
 
     def _qkv(self, a, spec, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         N, nh, nkv, D = qkv.shape[0], self.nh, self.nkv, self.D
         q, k, v = qkv.split([nh * D, nkv * D, nkv * D], dim=-1)
         if spec.qk_norm == "head":
-            q, k = rowwise(a.q_norm, q.reshape(N * nh, D)), rowwise(a.k_norm, k.reshape(N * nkv, D))
+            q, k = _norm(a.q_norm, q.reshape(N * nh, D)), _norm(a.k_norm, k.reshape(N * nkv, D))
         elif spec.qk_norm == "full":
-            q, k = rowwise(a.q_norm, q), rowwise(a.k_norm, k)
+            q, k = _norm(a.q_norm, q), _norm(a.k_norm, k)
         return q.reshape(N, nh, D), k.reshape(N, nkv, D), v.reshape(N, nkv, D)
 
     def _attend(self, q: Tensor, rows: Tensor, pos: Tensor, kc: Tensor, vc: Tensor, window, scale: float) -> Tensor:
@@ -201,6 +236,8 @@ class Exact:
         a key block gathered once per tile: a query's row never depends on its tile-mates (as in `rowwise`)."""
         N, nh, D = q.shape
         B, nkv, L, _ = kc.shape
+        if on_gpu(q):    # one launch: a program per (token, KV head), its GQA group as the query tile
+            return exact_attention(q, rows, pos, kc, vc, window, scale, BLOCK).reshape(N, nh * D)
         dev = q.device
         qi = torch.arange(N * nh, device=dev)
         seq = rows[qi // nh] * nkv + (qi % nh) // (nh // nkv)                          # (N nh,) its (row, KV head)
@@ -257,8 +294,8 @@ def experts(mlp, x: Tensor) -> Tensor:
         tok, slot = (idx == i).nonzero(as_tuple=True)                                  # (n,) each
         if not len(tok):
             continue
-        gate, up = rowwise(lambda c: F.linear(c, e.gate_up_proj[i]), x[tok]).chunk(2, dim=-1)   # (n, I) each
-        y = rowwise(lambda c: F.linear(c, e.down_proj[i]), rowwise(e.act_fn, gate) * up)        # (n, H)
+        gate, up = matmul(x[tok], e.gate_up_proj[i]).chunk(2, dim=-1)                  # (n, I) each
+        y = matmul(each(e.act_fn, gate) * up, e.down_proj[i])                          # (n, H)
         slots = slots.index_put((tok, slot), y * weight[tok, slot][:, None])
     out = slots[:, 0]
     for j in range(1, k):                # slot order: the same additions for a token in any call
@@ -304,11 +341,14 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int
     def run(ids: Tensor) -> tuple[Tensor, Tensor]:   # inside the root's forward under FSDP: its weights gathered
         dtype = ex.model.model.embed_tokens.weight.dtype
         cache = ex.new_cache(B, int(pos.max()) + 1, ids.device, dtype)
-        h = ex.forward(ids, rows, pos, cache, inplace=False)                          # (N, H)
-        lp = token_logprobs(ex.logits(h[at]), temperature)                            # (M, V)
-        logp = lp.gather(-1, tgt[:, None]).squeeze(-1)                                # (M,)
-        ent = -rowwise(lambda z: (z.exp() * z).sum(-1, keepdim=True), lp).squeeze(-1) # (M,)
-        zeros = lp.new_zeros(B, C)
+        h = ex.forward(ids, rows, pos, cache, inplace=not torch.is_grad_enabled())[at]   # (M, H)
+        logp, ent = [], []
+        for hc, tc in zip(h.split(HEAD_ROWS), tgt.split(HEAD_ROWS)):   # (M, V) float32 log-probs held a chunk at a time
+            lp = token_logprobs(ex.logits(hc), temperature)                            # (m, V)
+            logp.append(lp.gather(-1, tc[:, None]).squeeze(-1))                        # (m,)
+            ent.append(-rowwise(lambda z: (z.exp() * z).sum(-1, keepdim=True), lp).squeeze(-1))   # (m,)
+        logp, ent = torch.cat(logp), torch.cat(ent)
+        zeros = logp.new_zeros(B, C)
         return zeros.index_put((r, c), logp), zeros.index_put((r, c), ent)
 
     return through(model, run, input_ids[rows, cols])

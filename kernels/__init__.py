@@ -12,6 +12,10 @@ TRITON_INTERPRET=1 for tests on CPU) and the torch reference twin elsewhere, so 
     o = decode_attention_kernel(qkv, cos, sin, pos, k, v, key_ok, last, scale)   # rotary + cache write +
                                                             # attention of one new token per sequence
 
+exact_logprobs' kernels (kernels/exact_gemm.py: exact_linear, exact_rmsnorm; kernels/exact_attention.py:
+exact_attention) are not chosen here: the engine and the trainer must take the same path on a device, so
+engines/exact.py picks one per device (`on_gpu`), with the torch path as its portable twin.
+
 Targets < 0 mark padded tokens: logp = entropy = 0 there, and no gradient flows from them.
 
 Implementations register themselves in the registry's "kernel" kind as "<op>.<name>" (below: an op's

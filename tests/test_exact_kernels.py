@@ -1,0 +1,115 @@
+"""The exact path's Triton kernels (kernels/exact_gemm.py, kernels/exact_attention.py): a row's bits do not depend
+on how many rows the call has or where the row sits, a one-token decode step's attention over the cache equals
+the same token's row in the full-sequence call, and the exact engine on the Triton path samples log-probs the
+trainer gives back bit for bit. On a CPU under TRITON_INTERPRET=1 at tiny shapes (in a subprocess; there the
+kernels' tl.dot is an explicit product and sum: kernels/exact_gemm.py EXPLICIT_DOT); on CUDA natively, with the
+GEMM at W1's shapes too."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def check_gemm_and_norm(device: str, shapes=((70, 80, 70),)):
+    """Rows of exact_linear and exact_rmsnorm: the same bits in any call, near transformers' / F.linear's values."""
+    import torch.nn.functional as F
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from kernels.exact_gemm import exact_linear, exact_rmsnorm
+    g = torch.Generator().manual_seed(0)
+    for M, K, N in shapes:
+        for dtype in (torch.float32, torch.bfloat16):
+            x, w, b = (torch.randn(*s, generator=g).to(device, dtype) for s in [(M, K), (N, K), (N,)])
+            full = exact_linear(x, w, b)                                                  # (M, N)
+            ref = F.linear(x.double(), w.double(), b.double())    # float64: no TF32, whatever a test left set
+            ulp = 1e-5 if dtype == torch.float32 else 2 ** -7   # the interpreter's bfloat16 cast truncates: one ulp
+            assert ((full.float() - ref).abs() <= ulp * ref.abs() + 1e-3).all(), (M, K, N, dtype)
+            pick = torch.tensor([M - 1, 3, M // 2 + 13, 64, 0], device=device)
+            for rows in (pick, pick[:1], torch.arange(M, device=device).flip(0)):
+                assert torch.equal(exact_linear(x[rows], w, b), full[rows]), (M, K, N, dtype, rows)
+    x = x[:20]
+    for mode, cls in enumerate([Qwen2RMSNorm, Olmo2RMSNorm, Gemma3RMSNorm]):
+        m = cls(x.shape[1]).to(device, x.dtype)
+        torch.nn.init.normal_(m.weight, 0, 0.5)
+        eps = getattr(m, "variance_epsilon", None) or m.eps
+        y = exact_rmsnorm(x, m.weight.detach(), eps, mode)
+        with torch.no_grad():
+            want = m(x).float()
+        assert ((y.float() - want).abs() <= 2 * 2 ** -7 * want.abs() + 1e-5).all(), cls
+        assert torch.equal(exact_rmsnorm(x[[19, 3, 0]], m.weight.detach(), eps, mode), y[[19, 3, 0]])
+
+
+def check_attention(device: str):
+    """exact_attention near softmax attention (float64); a decode call (one token per row, nothing past it in the cache)
+    equals the full-sequence call's rows bit for bit."""
+    from kernels.exact_attention import exact_attention
+    g = torch.Generator().manual_seed(0)
+    B, nh, nkv, D, L = 3, 6, 2, 16, 48                   # 3 query heads per KV head; 3 key blocks of 16
+    for dtype, window in ((torch.float32, None), (torch.bfloat16, 7)):
+        kc, vc = (torch.randn(B, nkv, L, D, generator=g).to(device, dtype) for _ in range(2))
+        lens = torch.tensor([35, 4, 8])
+        rows = torch.repeat_interleave(torch.arange(B), lens).to(device)
+        pos = torch.cat([torch.arange(n) for n in lens.tolist()]).to(device)
+        q = torch.randn(len(rows), nh, D, generator=g).to(device, dtype)
+        full = exact_attention(q, rows, pos, kc, vc, window, 0.25, 16)                   # (N, nh, D)
+        for n in (0, 5, len(rows) - 1):                  # against softmax attention in float32
+            b, p = int(rows[n]), int(pos[n])
+            t = torch.arange(L, device=device)
+            ok = (t <= p) & ((p - t < window) if window else True)
+            k, v = kc[b].double().repeat_interleave(nh // nkv, 0), vc[b].double().repeat_interleave(nh // nkv, 0)
+            w = (q[n].double()[:, None] @ k.transpose(1, 2)).squeeze(1) * 0.25           # (nh, L) float64
+            ref = (w.masked_fill(~ok, float("-inf")).softmax(-1)[:, None] @ v).squeeze(1)
+            assert (full[n].double() - ref).abs().max() < (1e-4 if dtype == torch.float32 else 0.05)
+        pick = torch.tensor([len(rows) - 1, 20, 37], device=device)   # the last token of row 2, one of rows 0 and 1
+        stale = kc.clone(), vc.clone()
+        for n in pick.tolist():                          # the decode step's cache: nothing written past the token
+            stale[0][rows[n], :, pos[n] + 1:] = 0
+            stale[1][rows[n], :, pos[n] + 1:] = 0
+        assert torch.equal(exact_attention(q[pick], rows[pick], pos[pick], *stale, window, 0.25, 16), full[pick])
+
+
+INTERPRETED = r"""
+import sys
+import torch
+sys.path.insert(0, "tests")
+import engines.exact as exact
+from models import completion_logprobs, load_model
+from test_exact import generate, trainer_logprobs
+from test_exact_kernels import check_attention, check_gemm_and_norm
+check_gemm_and_norm("cpu")
+check_attention("cpu")
+model, _ = load_model(sys.argv[1], torch.device("cpu"), torch.float32)
+assert exact.on_gpu(torch.zeros(1))                     # the interpreter takes the Triton path
+r = generate(model, n=1, max_new=5)
+m = r.completion_mask.bool()
+got = trainer_logprobs(model, r, torch.randperm(len(m), generator=torch.Generator().manual_seed(1)))
+assert m.sum() > 10 and torch.equal(got[m], r.logprobs[m])
+ref = completion_logprobs(model, r.input_ids, r.attention_mask, m.shape[1], 0.9)[0].detach().float()
+assert (ref[m] - r.logprobs[m]).abs().max() < 1e-3
+print("ok")
+"""
+
+
+def test_kernels_and_the_engine_on_the_triton_path_interpreted(random_model_dir):
+    """One subprocess (torch and transformers imported once): the GEMM, RMSNorm and attention checks, then the
+    exact engine on the Triton path: its sampled log-probs equal the trainer's, batched otherwise, bit for bit."""
+    triton = pytest.importorskip("triton")
+    if tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9):
+        pytest.skip("triton < 3.9's interpreter calls int() on 1-element arrays, which numpy >= 2.4 refuses")
+    out = subprocess.run([sys.executable, "-c", INTERPRETED, random_model_dir], cwd=ROOT, capture_output=True,
+                         text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+
+
+@cuda
+def test_gpu_gemm_rmsnorm_and_attention_are_invariant():
+    check_gemm_and_norm("cuda", shapes=((100, 80, 70), (4100, 896, 4864), (3000, 4864, 896), (700, 896, 151936)))
+    check_attention("cuda")
