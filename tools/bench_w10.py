@@ -16,7 +16,9 @@ prints its failure; models left when --budget seconds have passed are skipped, a
 Normalised: seconds per (parameter read per token), relative to qwen2's fast path in the same run. A token reads
 every weight except the embedding rows it does not look up (the head reads the whole vocabulary matrix); an MoE
 token reads its top_k experts of E. Goals (issue 32): every listed family within 1.3x of qwen2; the generic path
-within 2x and at most 0.5x of transformers' static-cache generate.
+within 2x and at most 0.5x of transformers' static-cache generate. "x qwen2 per byte" divides instead by the bytes
+a decode step of the whole batch reads (bytes_per_step: the experts some token of the batch picks, not top_k of
+them, and the K/V cache at its mean length), which is what bounds a memory-bound step.
 """
 import argparse
 import json
@@ -81,17 +83,27 @@ def build(model_type: str, fields: dict, tiny: bool, device, dtype):
         torch.set_default_dtype(default)
 
 
-def params_read(model) -> int:
-    """Parameters one decode token reads: all but the embedding rows it does not look up (the head reads the whole
-    matrix, tied or not); of routed experts, top_k of E."""
+def params_read(model, batch: int = 1) -> int:
+    """Parameters one decode step of `batch` tokens reads: all but the embedding rows it does not look up (the head
+    reads the whole matrix, tied or not); of routed experts, those some token picks: top_k of E for one token, and
+    for a batch the expected number of distinct experts, E (1 - (1 - top_k / E)^batch), with uniform routing
+    (at 128 tokens, top-4 of 32: all of them)."""
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     n = sum(p.numel() for p in model.parameters()) - emb.numel() + (head.numel() if head is emb else 0)
     c = model.config
     for name, p in model.named_parameters():
         if ".experts." in name:
-            n -= p.numel() * (1 - c.num_experts_per_tok / c.num_experts)
+            n -= p.numel() * (1 - c.num_experts_per_tok / c.num_experts) ** batch
     return int(n)
+
+
+def bytes_per_step(model, row: dict, work: dict, dtype) -> int:
+    """Bytes one decode step reads on average over the rollout: the weights the batch touches (params_read at its
+    batch) and every sequence's K/V cache at the mean cached length (prompt + half the new tokens)."""
+    B = work["prompts"] * work["samples"]
+    weights = params_read(model, B) * torch.finfo(dtype).bits // 8
+    return int(weights + B * (work["prompt_len"] + work["new"] / 2) * row["kv_bytes_per_position"])
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
@@ -142,6 +154,7 @@ def run_model(name: str, a, work: dict, device, dtype, emit=lambda row: None) ->
     # K and V bytes per cached position of one sequence: what a decode token reads besides the weights
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * D * torch.finfo(dtype).bits // 8
     row = {"model": name, "model_type": model_type, "params_read": params_read(model), "kv_bytes_per_position": kv}
+    row["bytes_per_step"] = bytes_per_step(model, row, work, dtype)
     engine = BuiltinEngine(model, eos_id=V, pad_id=0, fast=True)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=work["new"])
     gen = torch.Generator(device=device).manual_seed(0)
@@ -176,18 +189,21 @@ def table(rows: list[dict], device: str) -> str:
     per = lambda r, k: r[k] / r["params_read"]
     lines = [f"W10 on {device}: rollout of {{prompts}} x {{samples}} x {{new}} new tokens; x qwen2 = seconds per "
              "parameter read, over qwen2's fast path", "",
-             "| model | path | params read / token | engine s | x qwen2 | hf static s | engine / hf | log-prob gap mean, max |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | path | params read / token | engine s | x qwen2 | GB read / step | x qwen2 per byte | hf static s "
+             "| engine / hf | log-prob gap mean, max |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | | | |")
             continue
         rel = f"{per(r, 'engine_s') / per(base, 'engine_s'):.2f}" if base else ""
         hf = r.get("hf_static_s")
         hf_s, ratio = ("", "") if hf is None else (f"{hf:.3f}", f"{r['engine_s'] / hf:.2f}")
         gap = f"{r['logprob_gap_mean']:.2e}, {r['logprob_gap_max']:.2e}" if "logprob_gap_mean" in r else ""
+        per_byte = f"{r['engine_s'] / r['bytes_per_step'] / (base['engine_s'] / base['bytes_per_step']):.2f}" \
+            if base else ""
         lines.append(f"| {r['model']} | {r['path']} | {r['params_read'] / 1e6:.1f}M | {r['engine_s']:.3f} | {rel} | "
-                     f"{hf_s} | {ratio} | {gap} |")
+                     f"{r['bytes_per_step'] / 1e9:.2f} | {per_byte} | {hf_s} | {ratio} | {gap} |")
     return "\n".join(lines)
 
 
