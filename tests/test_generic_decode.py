@@ -1,6 +1,9 @@
-"""The generic decode path's own compiled step (engines/generic_decode.py): under the engine's force_eager stance,
+"""The generic decode path (engines/generic_decode.py). Its own compiled step: under the engine's force_eager stance,
 with the model's layers compiled for training as run_setup.py compiles them, the step still runs through one
-compiled graph of its own, samples the portable loop's tokens, and compiles nothing for the layers themselves."""
+compiled graph of its own, samples the portable loop's tokens, and compiles nothing for the layers themselves.
+Its decode attention (decode_attention_forward, both routes): the loop's tokens and teacher forcing's log-probs
+for granite and gemma3_text, equal to plain attention alone, and with the Triton kernel interpreted on the CPU;
+the model's own attention where the route does not apply."""
 import pytest
 import torch
 
@@ -55,6 +58,19 @@ def test_gpu_generic_step_compiled_and_graphed_beside_compiled_layers():
     dec = GenericDecoder(model)
     _gpu_check(model, dec)
     assert dec.use_graph and dec.captured and dec._step != dec._forward, "the compiled step fell back: see stderr"
+    assert dec.attention == "kernel", dec.why_model_attention          # the decode-attention kernel's route
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_generic_step_sdpa_route_graphed():
+    """The other route of decode_attention_forward (sdpa over the cache, GQA as queries of their KV head), compiled
+    and captured: log-probs equal teacher forcing."""
+    from engines.generic_decode import GenericDecoder
+    from test_architectures import _gpu_check
+    model = tiny_model("gemma3_text").cuda()
+    dec = GenericDecoder(model, attention="sdpa")
+    _gpu_check(model, dec)
+    assert dec.use_graph and dec.captured and dec.attention == "sdpa"
 
 
 def spy_kernel(monkeypatch) -> list:
