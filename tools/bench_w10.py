@@ -4,6 +4,7 @@
     python tools/bench_w10.py                     # GPU: every model below, bf16, ~5 minutes at most (--budget)
     python tools/bench_w10.py --tiny              # CPU smoke run: the same code on 2-layer toy shapes, seconds
     python tools/bench_w10.py --only qwen3,gemma3 --no-hf --json out.json
+    python tools/bench_w10.py --only granite --hf granite --check --profile granite   # + log-prob gap, kernel table
 
 Workload: 16 prompts x 8 samples, 64 random tokens each, 256 new tokens, temperature 1, top_p 1, random bf16
 weights built here from each family's config class (no hub), EOS outside the vocabulary, so every row runs to
@@ -15,7 +16,9 @@ prints its failure; models left when --budget seconds have passed are skipped, a
 Normalised: seconds per (parameter read per token), relative to qwen2's fast path in the same run. A token reads
 every weight except the embedding rows it does not look up (the head reads the whole vocabulary matrix); an MoE
 token reads its top_k experts of E. Goals (issue 32): every listed family within 1.3x of qwen2; the generic path
-within 2x and at most 0.5x of transformers' static-cache generate.
+within 2x and at most 0.5x of transformers' static-cache generate. "x qwen2 per byte" divides instead by the bytes
+a decode step of the whole batch reads (bytes_per_step: the experts some token of the batch picks, not top_k of
+them, and the K/V cache at its mean length), which is what bounds a memory-bound step.
 """
 import argparse
 import json
@@ -80,17 +83,27 @@ def build(model_type: str, fields: dict, tiny: bool, device, dtype):
         torch.set_default_dtype(default)
 
 
-def params_read(model) -> int:
-    """Parameters one decode token reads: all but the embedding rows it does not look up (the head reads the whole
-    matrix, tied or not); of routed experts, top_k of E."""
+def params_read(model, batch: int = 1) -> int:
+    """Parameters one decode step of `batch` tokens reads: all but the embedding rows it does not look up (the head
+    reads the whole matrix, tied or not); of routed experts, those some token picks: top_k of E for one token, and
+    for a batch the expected number of distinct experts, E (1 - (1 - top_k / E)^batch), with uniform routing
+    (at 128 tokens, top-4 of 32: all of them)."""
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     n = sum(p.numel() for p in model.parameters()) - emb.numel() + (head.numel() if head is emb else 0)
     c = model.config
     for name, p in model.named_parameters():
         if ".experts." in name:
-            n -= p.numel() * (1 - c.num_experts_per_tok / c.num_experts)
+            n -= p.numel() * (1 - c.num_experts_per_tok / c.num_experts) ** batch
     return int(n)
+
+
+def bytes_per_step(model, row: dict, work: dict, dtype) -> int:
+    """Bytes one decode step reads on average over the rollout: the weights the batch touches (params_read at its
+    batch) and every sequence's K/V cache at the mean cached length (prompt + half the new tokens)."""
+    B = work["prompts"] * work["samples"]
+    weights = params_read(model, B) * torch.finfo(dtype).bits // 8
+    return int(weights + B * (work["prompt_len"] + work["new"] / 2) * row["kv_bytes_per_position"])
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
@@ -111,7 +124,24 @@ def profile(fn, out: str) -> str:
     return out
 
 
-def run_model(name: str, a, work: dict, device, dtype) -> dict:
+def logprob_gap(model, out) -> dict:
+    """How far the rollout's sampling log-probs are from teacher forcing on its own tokens (models.completion_logprobs,
+    16 rows at a time so that a plain head's (rows, C, V) logits stay small): mean and max over completion tokens.
+    A float-noise figure (bf16: both sides round), not a pass/fail; a wrong attention shows as a gap of another size."""
+    from models import completion_logprobs
+    C = out.completion_mask.shape[1]
+    mask = out.completion_mask.bool()
+    gaps = []
+    with torch.no_grad():
+        for r in range(0, out.input_ids.shape[0], 16):
+            ids, am = (t[r:r + 16].to(model.device) for t in (out.input_ids, out.attention_mask))
+            logp, _ = completion_logprobs(model, ids, am, C)
+            gaps.append((logp.float().cpu() - out.logprobs[r:r + 16].float())[mask[r:r + 16]].abs())
+    g = torch.cat(gaps)
+    return {"logprob_gap_mean": g.mean().item(), "logprob_gap_max": g.max().item()}
+
+
+def run_model(name: str, a, work: dict, device, dtype, emit=lambda row: None) -> dict:
     from engines.base import SamplingParams
     from engines.builtin import BuiltinEngine
     model_type, fields, path = MODELS[name]
@@ -124,16 +154,23 @@ def run_model(name: str, a, work: dict, device, dtype) -> dict:
     # K and V bytes per cached position of one sequence: what a decode token reads besides the weights
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * D * torch.finfo(dtype).bits // 8
     row = {"model": name, "model_type": model_type, "params_read": params_read(model), "kv_bytes_per_position": kv}
+    row["bytes_per_step"] = bytes_per_step(model, row, work, dtype)
     engine = BuiltinEngine(model, eos_id=V, pad_id=0, fast=True)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=work["new"])
     gen = torch.Generator(device=device).manual_seed(0)
-    first, row["engine_s"] = timed(lambda: engine.generate(prompts, work["samples"], sampling, gen), a.repeats)
-    row["engine_first_s"] = first
+    first, times, out = bench_workload.timed(lambda: engine.generate(prompts, work["samples"], sampling, gen),
+                                             a.repeats)
+    row["engine_s"], row["engine_first_s"] = statistics.median(times), first
     row["path"] = type(engine.decoder).__name__ if engine.decoder is not None else "portable loop"
     if getattr(engine.decoder, "use_graph", False) is False and device.type == "cuda":
         row["path"] += " (no graph)"
+    if row["path"].startswith("GenericDecoder"):   # its decode attention: kernel, sdpa or the model's own
+        row["path"] += f", {engine.decoder.attention} attention"
+    if a.check:
+        row.update(logprob_gap(model, out))
     if a.profile == name and device.type == "cuda":
         row["profile"] = profile(lambda: engine.generate(prompts, work["samples"], sampling, gen), a.profile_out)
+    emit(row)   # the engine's figures, before transformers' generate (a run cut short keeps them)
     if not a.no_hf and (not a.hf or name in a.hf.split(",")):
         ids = torch.tensor(prompts, device=device).repeat_interleave(work["samples"], 0)
         fn = lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
@@ -152,17 +189,21 @@ def table(rows: list[dict], device: str) -> str:
     per = lambda r, k: r[k] / r["params_read"]
     lines = [f"W10 on {device}: rollout of {{prompts}} x {{samples}} x {{new}} new tokens; x qwen2 = seconds per "
              "parameter read, over qwen2's fast path", "",
-             "| model | path | params read / token | engine s | x qwen2 | hf static s | engine / hf |",
-             "|---|---|---|---|---|---|---|"]
+             "| model | path | params read / token | engine s | x qwen2 | GB read / step | x qwen2 per byte | hf static s "
+             "| engine / hf | log-prob gap mean, max |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | | | |")
             continue
         rel = f"{per(r, 'engine_s') / per(base, 'engine_s'):.2f}" if base else ""
         hf = r.get("hf_static_s")
         hf_s, ratio = ("", "") if hf is None else (f"{hf:.3f}", f"{r['engine_s'] / hf:.2f}")
+        gap = f"{r['logprob_gap_mean']:.2e}, {r['logprob_gap_max']:.2e}" if "logprob_gap_mean" in r else ""
+        per_byte = f"{r['engine_s'] / r['bytes_per_step'] / (base['engine_s'] / base['bytes_per_step']):.2f}" \
+            if base else ""
         lines.append(f"| {r['model']} | {r['path']} | {r['params_read'] / 1e6:.1f}M | {r['engine_s']:.3f} | {rel} | "
-                     f"{hf_s} | {ratio} |")
+                     f"{r['bytes_per_step'] / 1e9:.2f} | {per_byte} | {hf_s} | {ratio} | {gap} |")
     return "\n".join(lines)
 
 
@@ -177,6 +218,8 @@ def main():
     p.add_argument("--hf", default="", help="comma-separated models to run transformers' generate for (default: all)")
     p.add_argument("--profile", default="", help="one model whose engine rollout is profiled once more (GPU)")
     p.add_argument("--profile-out", default="w10_profile.txt", help="where --profile writes its kernel table")
+    p.add_argument("--check", action="store_true",
+                   help="also measure each engine rollout's log-prob gap to teacher forcing (mean, max)")
     a = p.parse_args()
     names = [n.strip() for n in a.only.split(",") if n.strip()] or list(MODELS)
     unknown = [n for n in names if n not in MODELS]
@@ -195,17 +238,26 @@ def main():
         if time.perf_counter() - start > a.budget:
             rows.append({"model": name, "error": f"skipped: the {a.budget:.0f} s budget was spent"})
             continue
+        def save(row: dict):   # after each model and before its generate: a run cut short keeps what it measured
+            if rows and rows[-1] is row:
+                rows.pop()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump({"device": dev_name, "work": work, "rows": rows, "argv": sys.argv[1:],
+                               "FAST_DECODE_ATTN": os.environ.get("FAST_DECODE_ATTN", "")}, f, indent=1)
         try:
-            rows.append(run_model(name, a, work, device, dtype))
+            save(run_model(name, a, work, device, dtype, emit=save))
         except Exception as e:   # one family's failure is a row of the table, not the end of the run
-            rows.append({"model": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"})
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            if rows and rows[-1].get("model") == name:     # the engine ran; transformers' generate failed
+                rows[-1]["hf_error"] = why
+                save(rows[-1])
+            else:
+                save({"model": name, "error": why})
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        print(json.dumps(rows[-1]), flush=True)
-        if a.json:   # after each model: a run cut short still leaves the rows it measured
-            with open(a.json, "w") as f:
-                json.dump({"device": dev_name, "work": work, "rows": rows, "argv": sys.argv[1:],
-                           "FAST_DECODE_ATTN": os.environ.get("FAST_DECODE_ATTN", "")}, f, indent=1)
     print(table(rows, dev_name).format(**work))
 
 
