@@ -47,15 +47,20 @@ GEMM = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 if HAS_TRITON:
     @triton.jit
+    def grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+        """Program pid's (row block, column block) of an (M, N) output in grouped order: GROUP_M row blocks walk a
+        column block together, so neighbouring programs share the right operand's tiles in L2."""
+        n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+        group = GROUP_M * n_n
+        first_m = (pid // group) * GROUP_M
+        size_m = min(n_m - first_m, GROUP_M)
+        return first_m + (pid % group) % size_m, (pid % group) // size_m
+
+    @triton.jit
     def _logits_tile(h_ptr, w_ptr, M, V, H, pid, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      GROUP_M: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
         """One (BM, BN) tile of h @ w.T in float32 (h (M, H), w (V, H), both row-major), grouped order."""
-        n_m, n_n = tl.cdiv(M, BM), tl.cdiv(V, BN)
-        group = GROUP_M * n_n                                       # tiles sharing GROUP_M row blocks: L2 reuse
-        first_m = (pid // group) * GROUP_M
-        size_m = min(n_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % group) % size_m
-        pid_n = (pid % group) // size_m
+        pid_m, pid_n = grouped_tile(pid, M, V, BM, BN, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, BK)

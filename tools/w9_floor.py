@@ -40,6 +40,7 @@ import bench_w9  # noqa: E402
 import w2_floor  # noqa: E402  (its timer, traffic probe, setting parser and commit reader)
 from w2_floor import bench, commit, parse_settings  # noqa: E402
 import triton_vs_cublas_gemm  # noqa: E402
+from kernels.linear_logprob import grouped_tile  # noqa: E402
 from kernels.fused_kl import (LOSS_CHUNK_BYTES, LOSS_LAUNCH, _merge_kernel, fused_kl_loss, loss_rows,  # noqa: E402
                               row_kl, tile_grad)
 fused_kl_module = importlib.import_module("kernels.fused_kl")   # the module: kernels/ exports a function of that name
@@ -58,13 +59,8 @@ def _logits_kl_kernel(hs_ptr, ws_ptr, ht_ptr, wt_ptr, zs_ptr, zt_ptr, part_ptr, 
     # cdiv(V, BN), as _part_kernel writes them: no pass reads the tiles back for the statistics.
     # LOAD_T: zt is already in memory (a cuBLAS product): the tile is read, not computed.
     # Tiles walk GROUP row tiles per column tile, so neighbouring programs share the weights' tiles in L2.
-    npm, npn = tl.cdiv(M, BM), tl.cdiv(V, BN)
-    tile = tl.program_id(0)
-    width = GROUP * npn
-    first_m = (tile // width) * GROUP
-    gm = min(npm - first_m, GROUP)
-    pm = first_m + (tile % width) % gm
-    pn = (tile % width) // gm
+    pm, pn = grouped_tile(tl.program_id(0), M, V, BM, BN, GROUP)
+    npn = tl.cdiv(V, BN)                                 # column tiles: the statistics' columns per row
     rows = pm * BM + tl.arange(0, BM)
     cols = pn * BN + tl.arange(0, BN)
     rows_in, cols_in = rows % M, cols % V            # past the edge: repeat real rows / columns, masked later
