@@ -234,6 +234,17 @@ def test_experience_cat_repads_prompt_left_and_completion_right():
     assert out.completion_mask[2].tolist() == [1, 1, 0]
 
 
+def test_context_length_reads_a_vlm_text_config():
+    from types import SimpleNamespace
+    from transformers import LlavaConfig, Qwen2Config, Qwen2VLConfig
+    from models import context_length
+    length = lambda c: context_length(SimpleNamespace(config=c))
+    assert length(Qwen2Config(max_position_embeddings=77)) == 77
+    assert length(Qwen2VLConfig(text_config={"max_position_embeddings": 99})) == 99      # in text_config only
+    assert length(LlavaConfig(text_config={"model_type": "qwen2", "max_position_embeddings": 55})) == 55
+    assert length(SimpleNamespace()) == 1 << 30                                         # a config naming none
+
+
 # --- engine ---------------------------------------------------------------------------------------
 def test_sampling_logprobs_match_teacher_forcing(random_model_dir):
     from models import completion_logprobs, load_model
