@@ -543,6 +543,7 @@ class _Done:
             "episode/tool_calls": mean(e["tool_calls"]), "episode/tool_errors": mean(e["tool_errors"]),
             "episode/return": mean(self.returns.tolist()), "env_fail": float(len(failed)),
             **{f"env_fail/{c}": float(k) for c, k in counts[name].items()},
+            # counts: summed over ranks and rounds (their names are in distributed.SUMMED), not averaged
             "tokens/in_loss": sum(e["model_tokens"]), "tokens/out_of_loss": sum(e["observation_tokens"])}
         return self.returns, {"names": [name], "failed": failed, "failure_counts": counts, "metrics": metrics,
                               "reasons": [f"{name}[{f['sample']}]: {f['reason']}" for f in failed]}
