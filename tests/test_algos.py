@@ -392,7 +392,8 @@ def test_dpo_loss_hand_values_and_gradient():
 
 @pytest.mark.parametrize("estimator", ["k3", "exact"])
 def test_online_dpo_refuses_a_kl_coef_it_would_ignore(estimator):
-    cfg = config.fill_defaults(config.parse(["algo.name=online_dpo", "algo.kl_coef=0.1", f"algo.kl_estimator={estimator}"]))
+    argv = ["algo.name=online_dpo", "algo.kl_coef=0.1", f"algo.kl_estimator={estimator}"]
+    cfg = config.fill_defaults(config.parse(argv))
     with pytest.raises(config.UserError, match=r"takes no KL term.*algo.kl_coef=0\b") as e:
         config_checks.validate(cfg)
     assert "\n" not in str(e.value)

@@ -85,9 +85,9 @@ def test_sampling_logprobs_are_the_teacher_forced_ones_over_the_whole_episode(ep
 
 
 def test_episode_counts_sum_over_ranks_and_rates_average():
-    """Two ranks' episode metrics (each rank scores its own episodes: engines/episodes.py Done), reduced key by key as reduce_metrics
-    does (distributed.combine of each rank's declared value): token and failure counts are the sums over ranks, a
-    rank's count would report half the batch; per-episode rates stay means."""
+    """Two ranks' episode metrics (each rank scores its own episodes: engines/episodes.py Done), reduced key by key
+    as reduce_metrics does (distributed.combine of each rank's declared value): token and failure counts are the
+    sums over ranks, a rank's count would report half the batch; per-episode rates stay means."""
     import distributed
     from engines.episodes import Done
 
