@@ -126,8 +126,8 @@ class Experience:
             elif f.name == "pixel_values" and parts[0].dim() == 3:  # patch rows: pad every picture to the most
                 N = max(p.shape[1] for p in parts)
                 parts = [torch.nn.functional.pad(p, (0, 0, 0, N - p.shape[1])) for p in parts]
-            elif parts[0].dim() == 2 and f.name != "image_grid_thw":
-                parts = [torch.nn.functional.pad(p, (0, C - p.shape[1])) for p in parts]
+            elif parts[0].dim() >= 2 and f.name not in IMAGE_FIELDS:   # per completion token: (B, C) or (B, C, H)
+                parts = [torch.nn.functional.pad(p, (0, 0) * (p.dim() - 2) + (0, C - p.shape[1])) for p in parts]
             out[f.name] = torch.cat(parts)
         return Experience(**out)
 

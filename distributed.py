@@ -108,8 +108,8 @@ def all_sum(values: list[float]) -> list[float]:
 # How a metric reduces over ranks, declared where it is made: row[key] = Sum(x), Max(x), Min(x), Mean(x) or
 # Ratio(numerator, denominator) (each summed over ranks, then divided: the right mean of a quantity whose count
 # differs by rank, e.g. the length of the correct answers). A plain number is a Mean, except for these names of
-# metrics made outside the row's code (rewards/pool.py's failure counts): SUMMED prefixes are summed, time/* and
-# */max take the largest.
+# metrics made outside the row's code (rewards/pool.py's failure counts, engines/multiturn.py's token and failure
+# counts): SUMMED prefixes are summed, time/* and */max take the largest.
 @dataclass(frozen=True)
 class Mean:
     value: float
@@ -136,7 +136,7 @@ class Ratio:
     den: float
 
 
-SUMMED = ("tokens_per_s", "reward_fail")
+SUMMED = ("tokens_per_s", "reward_fail", "env_fail", "tokens/in_loss", "tokens/out_of_loss")
 
 
 def declared(key: str, value):

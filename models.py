@@ -81,7 +81,11 @@ def encode_prompts(tok, prompts: list[str], rendered: list[bool] | None = None) 
 
 
 def context_length(model) -> int:
-    return getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    """The longest sequence the model takes; a VLM's config keeps its decoder's in text_config. Unbounded when the
+    config names none."""
+    c = model.config
+    text = c.get_text_config() if hasattr(c, "get_text_config") else c
+    return getattr(c, "max_position_embeddings", None) or getattr(text, "max_position_embeddings", None) or 1 << 30
 
 
 def plain_head(model) -> bool:

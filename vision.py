@@ -370,22 +370,40 @@ def positions(model, input_ids: Tensor, attention_mask: Tensor, images: dict | N
         return text
     merge = base_model(model).config.vision_config.spatial_merge_size
     where = slots(model, input_ids, images, prompt_len)                                  # (B, T)
+    # the k-th image pad of a row shows its pictures in turn, each taking t * H * W pads (H, W: the merged grid)
+    index = images["image_index"].to(where.device)
+    index = index[:, None] if index.dim() == 1 else index                                # (B, K), -1 = none
+    index = index if index.shape[1] else index.new_full((len(index), 1), -1)
+    grid = images["image_grid_thw"].to(where.device)                                     # (U, 3)
+    grid = torch.cat([grid, grid.new_zeros(1, 3)])        # row U: a no-picture of 0 pads, so -1 needs no branch
+    t, H, W = grid[:, 0], grid[:, 1] // merge, grid[:, 2] // merge                        # (U + 1,) each
+    pic = torch.where(index >= 0, index, len(grid) - 1)                                  # (B, K)
+    n, width = (t * H * W)[pic], W.clamp(min=1)[pic]                                     # (B, K) pads, grid width
+    # the text after a picture moves on by its grid's longer side, not by its pad count
+    moved = (torch.maximum(H, W) - t * H * W)[pic]                                       # (B, K)
+    ends = n.cumsum(-1)                                                                  # (B, K)
+    count = where.sum(-1)                                                                # (B,)
+    if bool((count < ends[:, -1]).any()):   # the one host sync: a row's pads cannot hold its pictures
+        b = int((count < ends[:, -1]).nonzero()[0])
+        k = int((ends[b] > count[b]).nonzero()[0])
+        raise ValueError(f"row {b} has fewer image tokens than its pictures' {int(n[b, k])}")
+    rank = where.cumsum(-1) - 1                                                          # (B, T) pad's rank in row
+    k = torch.searchsorted(ends, rank.clamp(min=0), right=True)                          # (B, T) its picture
+    shows = where & (k < index.shape[1])                                                 # pads past the last: text
+    k = k.clamp(max=index.shape[1] - 1)
+    within = rank - (ends - n).gather(1, k)                                              # (B, T) pad's rank in picture
+    last = shows & (within == n.gather(1, k) - 1)                                        # (B, T) a picture's last pad
+    step = torch.where(last, moved.gather(1, k), 0)                                      # (B, T)
+    text = text + step.cumsum(-1) - step                                                 # moved by the pictures before
+    start_col = torch.zeros(index.shape[0], index.shape[1] + 1, dtype=torch.long, device=text.device)   # (B, K + 1)
+    cols = torch.arange(text.shape[1], device=text.device).expand_as(text)               # (B, T)
+    start_col.scatter_(1, torch.where(shows & (within == 0), k, index.shape[1]), cols)  # each picture's first pad
+    s = text.gather(1, start_col[:, :-1].gather(1, k))                                   # (B, T) its picture's start
+    w = width.gather(1, k)                                                               # (B, T)
     out = text[None].repeat(3, 1, 1)                                                     # (3, B, T)
-    grids = images["image_grid_thw"].tolist()
-    for b, pictures in enumerate(row_pictures(images)):
-        cols = where[b].nonzero().flatten()
-        for u in pictures:
-            t, h, w = grids[u]
-            H, W = h // merge, w // merge
-            mine, cols = cols[:t * H * W], cols[t * H * W:]
-            if len(mine) < t * H * W:
-                raise ValueError(f"row {b} has fewer image tokens than its pictures' {t * H * W}")
-            s = int(out[0, b, mine[0]])
-            k = torch.arange(len(mine), device=input_ids.device)
-            out[0, b, mine] = s
-            out[1, b, mine], out[2, b, mine] = s + k // W, s + k % W
-            # the tokens after the picture: moved by the grid's longer side, not by its token count
-            out[:, b, mine[-1] + 1:] += max(H, W) - len(mine)
+    out[0] = torch.where(shows, s, text)
+    out[1] = torch.where(shows, s + within // w, text)
+    out[2] = torch.where(shows, s + within % w, text)
     return out
 
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from algos.common import Algorithm, masked_mean
 from algos.grpo import group_stats
-from config import opt, section
+from config import UserError, opt, section
 from registry import register
 
 LOSSES = ("sigmoid", "ipo", "simpo")
@@ -38,6 +38,9 @@ class DPOConfig:
                                                    "{prompt, chosen, rejected}")
 
     def check(self, cfg) -> list:
+        if cfg.algo.name == "online_dpo" and cfg.algo.kl_coef != 0:   # the loss below has no KL term to weigh
+            raise UserError(f"algo 'online_dpo' takes no KL term in its loss: algo.kl_coef={cfg.algo.kl_coef} would do "
+                            "nothing; use algo.kl_coef=0 (algo.dpo.beta sets how far it may move from the reference)")
         return [("beta", self.beta > 0, "> 0")]
 
 

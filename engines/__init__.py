@@ -4,8 +4,11 @@
     builtin.py     builtin     plain torch + transformers; on CUDA it decodes through engines/fast_decode.py
     vllm.py        vllm        vLLM in the trainer's process (optional: requirements-vllm.txt)
     fast_decode.py (not an engine: builtin.py's CUDA decode step; decode_weights.py: how it reads the weights;
-                   decode_step.py: the model step, families.py: what differs by family, moe.py: routed experts)
+                   decode_step.py: the model step, families.py: what differs by family, moe.py: routed experts;
+                   fast_turns.py: its multi-turn calls, start_episodes / decode_turn / feed / finish)
     generic_decode.py (not an engine: builtin.py's CUDA decode for other causal LMs, over transformers' StaticCache)
-    multiturn.py   (not an engine: the multi-turn sampler train.py uses when env.name is set; docs/environments.md)
+    exact.py       (not an engine: exact_logprobs' decoder and trainer forward, the same bits on both; docs/exact.md)
+    multiturn.py   (not an engine: the multi-turn sampler train.py uses when env.name is set; docs/environments.md;
+                   episodes.py: its per-episode record and the Episodes it gives)
 """
 from engines import builtin, vllm  # noqa: F401  (each file registers its engine; vllm.py imports vLLM lazily)

@@ -390,6 +390,17 @@ def test_dpo_loss_hand_values_and_gradient():
     assert sequence_scores(logp, None, mask, "simpo").item() == pytest.approx(-2.0)
 
 
+@pytest.mark.parametrize("estimator", ["k3", "exact"])
+def test_online_dpo_refuses_a_kl_coef_it_would_ignore(estimator):
+    argv = ["algo.name=online_dpo", "algo.kl_coef=0.1", f"algo.kl_estimator={estimator}"]
+    cfg = config.fill_defaults(config.parse(argv))
+    with pytest.raises(config.UserError, match=r"takes no KL term.*algo.kl_coef=0\b") as e:
+        config_checks.validate(cfg)
+    assert "\n" not in str(e.value)
+    config_checks.validate(config.fill_defaults(config.parse(["algo.name=online_dpo"])))   # kl_coef=0 is fine
+    config_checks.validate(config.fill_defaults(config.parse(["algo.kl_coef=0.1"])))       # grpo takes it
+
+
 def test_online_dpo_loss_on_a_grouped_batch():
     batch = batch_of([1.0, 0, 0.5, 1, 1], [[1, 1]] * 5, [0, 0, 0, 1, 1], ref_logprobs=torch.zeros(5, 2))
     cfg = algo_cfg()
@@ -444,9 +455,10 @@ def short_reward(prompt, completion, **_):
 def test_every_algorithm_runs_and_learns_a_toy_reward(name, random_model_dir, tmp_path):
     import json
     import train
+    kl = [] if name == "online_dpo" else ["algo.kl_coef=0.01"]   # online_dpo's loss has no KL term and refuses one
     train.main([f"model={random_model_dir}", f"algo.name={name}", "steps=12", "eval_every=12", "eval_size=8",
                 "prompts_per_step=8", "samples_per_prompt=4", "rewards=test_short", f"out_dir={tmp_path}", "lr=3e-3",
-                "progress=false", "algo.minibatch_size=16", "algo.kl_coef=0.01"])   # 2 updates per step, KL on
+                "progress=false", "algo.minibatch_size=16", *kl])   # 2 updates per step, KL on
     rows = step_rows(tmp_path)
     assert len(rows) == 12 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows[:4]), rows
     # measured wherever an update ran (a DAPO step that found no group with signal trains and measures nothing)

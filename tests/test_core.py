@@ -234,6 +234,27 @@ def test_experience_cat_repads_prompt_left_and_completion_right():
     assert out.completion_mask[2].tolist() == [1, 1, 0]
 
 
+def test_experience_cat_pads_per_token_fields_of_any_rank_along_time():
+    a, b = _toy_batch(C=3)[0].select(torch.tensor([0, 1])), _toy_batch(C=2)[0].select(torch.tensor([0, 1]))
+    a.ref_hidden, b.ref_hidden = torch.randn(2, 3, 5), torch.randn(2, 2, 5)          # (B, C, H), widths differ
+    a.values, b.values = torch.randn(2, 3), torch.randn(2, 2)
+    out = Experience.cat([a, b])
+    assert out.ref_hidden.shape == (4, 3, 5) and out.values.shape == (4, 3)
+    assert torch.equal(out.ref_hidden[:2], a.ref_hidden) and torch.equal(out.ref_hidden[2:, :2], b.ref_hidden)
+    assert not out.ref_hidden[2:, 2:].any() and not out.values[2:, 2:].any()          # the pad column is zeros
+
+
+def test_context_length_reads_a_vlm_text_config():
+    from types import SimpleNamespace
+    from transformers import LlavaConfig, Qwen2Config, Qwen2VLConfig
+    from models import context_length
+    length = lambda c: context_length(SimpleNamespace(config=c))
+    assert length(Qwen2Config(max_position_embeddings=77)) == 77
+    assert length(Qwen2VLConfig(text_config={"max_position_embeddings": 99})) == 99      # in text_config only
+    assert length(LlavaConfig(text_config={"model_type": "qwen2", "max_position_embeddings": 55})) == 55
+    assert length(SimpleNamespace()) == 1 << 30                                         # a config naming none
+
+
 # --- engine ---------------------------------------------------------------------------------------
 def test_sampling_logprobs_match_teacher_forcing(random_model_dir):
     from models import completion_logprobs, load_model

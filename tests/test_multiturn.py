@@ -84,6 +84,27 @@ def test_sampling_logprobs_are_the_teacher_forced_ones_over_the_whole_episode(ep
     assert info["metrics"]["tokens/out_of_loss"] == obs.sum().item()
 
 
+def test_episode_counts_sum_over_ranks_and_rates_average():
+    """Two ranks' episode metrics (each rank scores its own episodes: engines/episodes.py Done), reduced key by key
+    as reduce_metrics does (distributed.combine of each rank's declared value): token and failure counts are the
+    sums over ranks, a rank's count would report half the batch; per-episode rates stay means."""
+    import distributed
+    from engines.episodes import Done
+
+    def rank(model_tokens, observation_tokens, failed):
+        B = len(model_tokens)
+        episodes = {"name": "env:x", "turns": [2] * B, "tool_calls": [0] * B, "tool_errors": [0] * B,
+                    "success": [i % 2 == 0 for i in range(B)], "failed": failed,
+                    "model_tokens": model_tokens, "observation_tokens": observation_tokens}
+        return Done(torch.ones(B), episodes).result()[1]["metrics"]
+
+    made = [rank([5.0, 7.0], [3.0, 0.0], [None, ("timeout", "slow")]), rank([11.0, 2.0], [4.0, 4.0], [None, None])]
+    row = {k: distributed.combine([distributed.declared(k, m[k]) for m in made]) for k in made[0]}
+    assert row["tokens/in_loss"] == 25 and row["tokens/out_of_loss"] == 11
+    assert row["env_fail"] == 1 and row["env_fail/timeout"] == 1 and row["env_fail/error"] == 0
+    assert row["accuracy"] == 0.5 and row["episode/turns"] == 2
+
+
 def both_paths(model, tok, sampling, check_every=1, cut_turns=False, attention="kernel", device="cpu", compact=False):
     """The same seeded echo episodes through the portable loop and the fast path (on CPU: no graph, no compile);
     compact: the fast path compacts its cache before every chunk (else only when the next turn would not fit)."""

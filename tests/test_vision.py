@@ -2,6 +2,7 @@
 image tokens in rollout and training alike, never enter the loss, and the frozen tower takes no gradient."""
 import ast
 import os
+import re
 import sys
 from dataclasses import replace
 
@@ -273,3 +274,90 @@ def test_lora_adapts_the_language_model_only(tmp_path):
     changed = {k for k in base if not torch.equal(base[k], merged[k])}
     assert changed and all(k.rsplit(".", 1)[0] in adapted for k in changed), sorted(changed)[:4]
     assert not any("visual" in k for k in changed)
+
+
+def positions_loop(model, input_ids, attention_mask, images, prompt_len=None, start=None):
+    """vision.positions as it was first written, a Python loop per row and per picture: the reference its vectorised
+    form must equal."""
+    text = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    if start is not None:
+        text = text + start[:, None]
+    merge = vision.base_model(model).config.vision_config.spatial_merge_size
+    where = vision.slots(model, input_ids, images, prompt_len)
+    out = text[None].repeat(3, 1, 1)
+    grids = images["image_grid_thw"].tolist()
+    for b, pictures in enumerate(vision.row_pictures(images)):
+        cols = where[b].nonzero().flatten()
+        for u in pictures:
+            t, h, w = grids[u]
+            H, W = h // merge, w // merge
+            mine, cols = cols[:t * H * W], cols[t * H * W:]
+            if len(mine) < t * H * W:
+                raise ValueError(f"row {b} has fewer image tokens than its pictures' {t * H * W}")
+            s = int(out[0, b, mine[0]])
+            k = torch.arange(len(mine))
+            out[0, b, mine] = s
+            out[1, b, mine], out[2, b, mine] = s + k // W, s + k % W
+            out[:, b, mine[-1] + 1:] += max(H, W) - len(mine)
+    return out
+
+
+def random_layout(g, episodes: bool, IMG: int = 9, B: int = 5):
+    """Rows of text and pictures' image pads (several per row in episodes, whose pads image_mask names; one or none
+    per row else, plus an image pad sampled in the completion that is text), left-padded, with their picture table."""
+    grids, index, rows, masks = [], [], [], []
+    for b in range(B):
+        pictures = int(torch.randint(0, 4 if episodes else 2, (1,), generator=g))
+        ids, shown, mine = [], [], []
+        for _ in range(pictures):
+            t = 1 + int(torch.randint(0, 2, (1,), generator=g))
+            h, w = 2 * (1 + torch.randint(0, 3, (2,), generator=g))                # even: whole merged patches
+            grids.append([t, int(h), int(w)])
+            mine.append(len(grids) - 1)
+            text = int(torch.randint(0, 3, (1,), generator=g))
+            ids += [1] * text + [IMG] * (t * int(h) * int(w) // 4)
+            shown += [False] * text + [True] * (t * int(h) * int(w) // 4)
+        extra = int(torch.randint(0, 2, (1,), generator=g))             # pads past the row's pictures: text
+        ids, shown = ids + [IMG] * extra + [3], shown + [True] * extra + [False]
+        tail = [2, 2, 2]                                                # the last 4 columns: a completion
+        tail.insert(int(torch.randint(0, 4, (1,), generator=g)), IMG)   # with a sampled image pad, which is text
+        rows.append(ids + tail)
+        masks.append(shown + [False] * len(tail))
+        index.append(mine)
+    T = max(map(len, rows)) + 2
+    pad = [T - len(r) for r in rows]
+    ids = torch.tensor([[0] * p + r for p, r in zip(pad, rows)])                      # (B, T) left-padded
+    mask = torch.tensor([[0] * p + [1] * len(r) for p, r in zip(pad, rows)])
+    K = max(1, max(map(len, index)))
+    images = {"pixel_values": torch.zeros(len(grids), 1, 1), "image_grid_thw": torch.tensor(grids).view(-1, 3)}
+    if episodes:
+        images["image_index"] = torch.tensor([m + [-1] * (K - len(m)) for m in index])                  # (B, K)
+        images["image_mask"] = torch.tensor([[False] * p + m for p, m in zip(pad, masks)])
+    else:
+        images["image_index"] = torch.tensor([m[0] if m else -1 for m in index])                         # (B,)
+    return ids, mask, images
+
+
+def test_mrope_positions_equal_the_per_row_loop_on_random_layouts():
+    from types import SimpleNamespace
+    from transformers import Qwen2VLConfig
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+    model = SimpleNamespace(config=Qwen2VLConfig(text_config={"rope_parameters": rope}, image_token_id=9,
+                                                 vision_config={"spatial_merge_size": 2}))
+    g = torch.Generator().manual_seed(0)
+    for trial in range(24):
+        episodes = trial % 2 == 1
+        ids, mask, images = random_layout(g, episodes)
+        start = torch.randint(0, 50, (len(ids),), generator=g) if trial % 4 == 3 else None
+        prompt_len = None if episodes else ids.shape[1] - 4
+        want = positions_loop(model, ids, mask, images, prompt_len, start)
+        got = vision.positions(model, ids, mask, images, prompt_len, start)
+        assert got.shape == (3, *ids.shape) and torch.equal(got, want), trial
+    # a row whose pads cannot hold its pictures: the same one-line error
+    ids, mask, images = random_layout(torch.Generator().manual_seed(3), True)
+    rows = (images["image_index"] >= 0).sum(-1).nonzero().flatten()
+    images["image_mask"][rows[-1]] = False
+    with pytest.raises(ValueError) as want:
+        positions_loop(model, ids, mask, images)
+    with pytest.raises(ValueError, match=re.escape(str(want.value))):
+        vision.positions(model, ids, mask, images)

@@ -14,7 +14,8 @@ import vision
 from buffer import Experience, ReplayBuffer
 from config import AGG_MODES, AlgoConfig, Config, ReplayConfig, UserError
 from engines.base import SamplingParams
-from engines.multiturn import MultiTurn, Renderer, _Batch
+from engines.episodes import EpisodeBatch
+from engines.multiturn import MultiTurn, Renderer
 from envs.pool import EnvPool
 from envs.wire import WireError, check_result
 from microbatch import micro_batches
@@ -111,7 +112,7 @@ def test_a_bad_picture_costs_its_episode_and_the_trainer_checks_again(vlm):
         modes = ["fine", "bomb", "gif", "no_slot", "thin", "fine"]
         ro = mt.generate([], [{"prompt": "?", "mode": m} for m in modes], 1, SamplingParams(1.0, 1.0, 3),
                          torch.Generator().manual_seed(0))
-        ep = _Batch(1)
+        ep = EpisodeBatch(1)
         bomb = {"text": "<image>", "image": picture_envs.png((3000, 3000), 0, mode="1")}
         assert mt._tokenise(ep, 0, bomb, "user", "step") is None and "3000 x 3000" in ep.failed[0][1]
     finally:
