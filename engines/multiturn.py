@@ -139,7 +139,7 @@ class MultiTurn:
         engine: train.py's engine; with engine=vllm its turns() writes the turns (engines/vllm.py: VLLMTurns)."""
         self.model, self.tok, self.cfg, self.env = model, tok, cfg, cfg.env
         self.fast, self.cut_turns, self.decoder = fast, cut_turns, None
-        self.split = OFF   # tools/bench_w4.py sets a Split(device, on=True) to time the phases of a rollout
+        self.split = OFF   # tools/bench_w4.py sets an engines.fast_decode.Split(device, on=True) to time the phases of a rollout
         if cfg.engine == "vllm":   # the fast path's loop, with vLLM writing the turns
             if engine is None:
                 raise UserError(f"env.name={cfg.env.name} with engine=vllm needs the vllm engine passed in (engine=)")
