@@ -170,8 +170,9 @@ def test_a_training_run_has_zero_mismatch_at_every_step(tmp_path, extra):
     import train
     threads = torch.get_num_threads()
     try:   # in this process: a subprocess would import torch and transformers again (most of its time)
+        # micro-batches: past the first, each reads the engine's log-probs until an optimizer step (update.py)
         train.main([*extra, "exact_logprobs=true", "steps=3", "prompts_per_step=4", "eval_every=100", "eval_size=4",
-                    "threads=1", "progress=false", f"out_dir={tmp_path}"])
+                    "micro_batch_size=4", "threads=1", "progress=false", f"out_dir={tmp_path}"])
     finally:
         torch.set_num_threads(threads)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
