@@ -42,7 +42,7 @@ def trainer_logprobs(model, r, order, splits=2):
     C, out = r.completion_mask.shape[1], torch.zeros_like(r.logprobs)
     for rows in order.chunk(splits):
         ids, mask = r.input_ids[rows], r.attention_mask[rows]
-        ids, mask = torch.cat([torch.zeros_like(ids[:, :3]), ids], 1), torch.cat([torch.zeros_like(mask[:, :3]), mask], 1)
+        ids, mask = (torch.cat([torch.zeros_like(t[:, :3]), t], 1) for t in (ids, mask))
         dev = next(model.parameters()).device
         with torch.no_grad():   # the GPU path gives values only (kernels/exact_gemm.py)
             out[rows] = exact.completion_logprobs(model, ids.to(dev), mask.to(dev), C, 0.9)[0].float().cpu()
@@ -84,7 +84,8 @@ def test_lora_adapters_reach_both_sides(random_model_dir, monkeypatch):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
 
 
-@pytest.mark.parametrize("key,value", [("engine", "vllm"), ("engine_lag", 1), ("top_k", 2), ("logprobs_mode", "processed"),
+@pytest.mark.parametrize("key,value", [("engine", "vllm"), ("engine_lag", 1), ("top_k", 2),
+                                       ("logprobs_mode", "processed"),
                                        ("top_p", 0.9), ("engine_dtype", "bfloat16"), ("max_staleness", 1)])
 def test_the_option_is_refused_where_exactness_cannot_hold(key, value):
     cfg = Config()
@@ -165,7 +166,8 @@ def test_fsdp2_trainer_on_two_ranks_equals_the_engine(tmp_path, random_model_dir
 
 @pytest.mark.parametrize("extra", [["algo.epochs=2", "algo.tis=token"], ["lora.r=4", "lr=1e-2"],
                                    ["--config", os.path.join(ROOT, "configs/multiturn.yaml"), "samples_per_prompt=2",
-                                    f"model={os.path.join(ROOT, 'assets/hilo-model')}"]], ids=["single", "lora", "hilo"])
+                                    f"model={os.path.join(ROOT, 'assets/hilo-model')}"]],
+                         ids=["single", "lora", "hilo"])
 def test_a_training_run_has_zero_mismatch_at_every_step(tmp_path, extra):
     import train
     threads = torch.get_num_threads()
