@@ -27,10 +27,10 @@ from kernels.logprob import HAS_TRITON
 # (BM, BN, BK, num_warps, num_stages); tools/exact_gemm_tiles.py times candidates on a card and can rewrite this.
 # TILES-BEGIN
 TILES = {
-    "narrow": (64, 64, 64, 4, 3),
-    "long_k": (64, 64, 64, 4, 3),
-    "vocab": (64, 64, 64, 4, 3),
-    "other": (64, 64, 64, 4, 3),
+    "narrow": (64, 16, 64, 4, 4),
+    "long_k": (16, 32, 128, 4, 4),
+    "vocab": (128, 128, 64, 8, 3),
+    "other": (32, 32, 128, 4, 3),
 }
 # TILES-END
 

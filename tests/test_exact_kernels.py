@@ -17,7 +17,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 # tile configurations (BM, BN, BK, warps, stages) of kernels/exact_gemm.py's TILES to check, besides the table's own
-TILE_CHOICES = [(64, 64, 64, 4, 3), (32, 32, 128, 4, 3), (16, 32, 128, 4, 4), (64, 16, 64, 4, 4), (128, 64, 64, 4, 3)]
+TILE_CHOICES = [(64, 64, 64, 4, 3), (32, 32, 128, 4, 3), (16, 32, 128, 4, 4), (64, 16, 64, 4, 4), (128, 64, 64, 4, 3),
+                (128, 128, 64, 8, 3)]
 
 
 def check_every_tile(device: str, shapes):
