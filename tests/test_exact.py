@@ -164,9 +164,11 @@ def test_fsdp2_trainer_on_two_ranks_equals_the_engine(tmp_path, random_model_dir
     assert [p.exitcode for p in procs] == [0, 0] and all(os.path.exists(f"{out}.{r}") for r in range(2))
 
 
-@pytest.mark.parametrize("extra", [["algo.epochs=2", "algo.tis=token"], ["lora.r=4", "lr=1e-2"],
+# two micro-batches each (32, 32 and 8 samples a step)
+@pytest.mark.parametrize("extra", [["algo.epochs=2", "algo.tis=token", "micro_batch_size=16"],
+                                   ["lora.r=4", "lr=1e-2", "micro_batch_size=16"],
                                    ["--config", os.path.join(ROOT, "configs/multiturn.yaml"), "samples_per_prompt=2",
-                                    f"model={os.path.join(ROOT, 'assets/hilo-model')}"]],
+                                    f"model={os.path.join(ROOT, 'assets/hilo-model')}", "micro_batch_size=4"]],
                          ids=["single", "lora", "hilo"])
 def test_a_training_run_has_zero_mismatch_at_every_step(tmp_path, extra):
     import train
@@ -174,7 +176,7 @@ def test_a_training_run_has_zero_mismatch_at_every_step(tmp_path, extra):
     try:   # in this process: a subprocess would import torch and transformers again (most of its time)
         # micro-batches: past the first, each reads the engine's log-probs until an optimizer step (update.py)
         train.main([*extra, "exact_logprobs=true", "steps=3", "prompts_per_step=4", "eval_every=100", "eval_size=4",
-                    "micro_batch_size=4", "threads=1", "progress=false", f"out_dir={tmp_path}"])
+                    "threads=1", "progress=false", f"out_dir={tmp_path}"])
     finally:
         torch.set_num_threads(threads)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
