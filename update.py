@@ -16,6 +16,7 @@ Per mini-batch (one optimizer step):
   4. the optimizer steps (PPO's critic too, with its own optimizer).
 The first mini-batch also measures `logprob_mismatch`: |engine log-prob - trainer log-prob| on the fresh samples,
 before any update has moved the policy, so any gap is numerics or a broken weight sync, never learning.
+Under exact_logprobs it measures the first micro-batch only: the others read the engine's log-probs (`reuses_sampled`).
 Metrics stay on the device until one transfer per optimizer step: an `.item()` per micro-batch would stall the
 GPU until the host caught up.
 pack=true (docs/packing.md): each micro-batch's real tokens run through the policy as one sequence, positions
@@ -97,14 +98,28 @@ class ExactValues(torch.autograd.Function):
         return grad, None
 
 
-def micro_loss(learner: Learner, micro, packed: Packed | None = None):
+def reuses_sampled(learner: Learner, micro, unmoved: bool) -> bool:
+    """exact_logprobs: whether micro's loss may read the engine's sampled log-probs in place of the exact pass.
+    While the policy's weights are those that sampled every row, the two are the same bits (tests/test_exact.py),
+    so the pass would only recompute them. unmoved: no optimizer step yet in this batch, and not the micro-batch
+    that measures logprob_mismatch. An on-policy buffer only: then every row is of this version on every rank, so
+    all ranks decide alike (FSDP's gathers in the exact pass stay paired). micro on the host: no device sync."""
+    cfg = learner.cfg
+    return (cfg.exact_logprobs and unmoved and not cfg.replay.enabled
+            and bool((micro.versions == learner.version).all()))
+
+
+def micro_loss(learner: Learner, micro, packed: Packed | None = None, sampled: bool = False):
     """-> (loss, trainer log-probs (b, c), the algorithm's metrics) of one micro-batch (packed: its padding-free
-    layout, when pack=true)."""
+    layout, when pack=true). sampled: the loss reads micro.sample_logprobs as the exact forward's values
+    (exact_logprobs, `reuses_sampled`)."""
     cfg = learner.cfg
     if cfg.fused_loss and not cfg.exact_logprobs:   # speed: the loss's gradient is taken in the kernel, rows at a time
         return fused_policy_loss(learner, micro, packed)
     C, ref_kl = micro.completion_mask.shape[1], None
-    if cfg.exact_logprobs:   # values: the engine's own forward, bit for bit (engines/exact.py); gradient: the forward below
+    if cfg.exact_logprobs and sampled:   # the exact pass's bits, already computed by the engine that sampled them
+        exact_logp = micro.sample_logprobs.float()                                    # (b, C)
+    elif cfg.exact_logprobs:   # values: the engine's own forward, bit for bit (engines/exact.py); gradient: below
         with torch.no_grad():   # memory: run first, so its transients are gone before the autograd graph below exists
             exact_logp, _ = exact.completion_logprobs(learner.policy, micro.input_ids, micro.attention_mask, C,
                                                       trainer_temperature(cfg))
@@ -310,13 +325,15 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
     pieces = split(mb, cfg.micro_batch_size, learner.loss_agg, cfg.algo.norm_len)   # size 0 = one pass
     # the packed forward's attention for forward and backward alike: a recompute must see what the forward saw
     with packed_attention(learner.policy) if packs else contextlib.nullcontext():
-        for micro, weight in distributed.accumulate(learner.trained, pieces, cfg.offload):   # one reduce-scatter
+        for i, (micro, weight) in enumerate(distributed.accumulate(learner.trained, pieces, cfg.offload)):
             packed = pack(micro).to(learner.device) if packs else None   # index math on the host: no device sync
+            # exact_logprobs: the first micro-batch measures the mismatch; the rest may read the engine's bits
+            sampled = reuses_sampled(learner, micro, measure_mismatch and i > 0)
             micro = micro.to(learner.device)
             moe.set_routes(learner.policy, micro.routes)   # moe.routing_replay: its backward's recompute too
-            loss, logp, metrics = micro_loss(learner, micro, packed)
+            loss, logp, metrics = micro_loss(learner, micro, packed, sampled)
             (loss * (weight * scale)).backward()
-            if measure_mismatch:
+            if measure_mismatch and not sampled:   # a reused row's gap is 0 by construction: not a measurement
                 add_mismatch(m, micro, logp, learner.version)
             # x scale as for the loss, so that the plain mean over ranks (distributed.reduce_metrics) is the global one
             for k, v in {**metrics, "loss": loss.detach()}.items():

@@ -153,8 +153,10 @@ class Exact:
         self.arch, why = arch_of(self.model)
         if self.arch is None:
             raise ValueError(f"exact_logprobs does not cover this model: {why}")
-        if any(s.moe for s in self.arch.layers) and any("experts" in n and "lora_" in n for n, _ in model.named_parameters()):
-            raise ValueError("exact_logprobs does not cover LoRA adapters on routed experts (lora.targets without them)")
+        lora_on_experts = any("experts" in n and "lora_" in n for n, _ in model.named_parameters())
+        if lora_on_experts and any(s.moe for s in self.arch.layers):
+            raise ValueError("exact_logprobs does not cover LoRA adapters on routed experts "
+                             "(lora.targets without them)")
         c = self.model.config
         self.nh, self.nkv = c.num_attention_heads, c.num_key_value_heads
         self.D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -184,7 +186,8 @@ class Exact:
         if self.arch.embed_scale:
             x = x * m.embed_tokens.embed_scale.to(x.dtype)
         for i, layer in enumerate(m.layers):
-            x = through(layer, lambda x, i=i, layer=layer: self._layer(i, layer, x, rows, pos, cos, sin, cache, inplace), x)
+            x = through(layer, lambda x, i=i, layer=layer: self._layer(i, layer, x, rows, pos, cos, sin, cache,
+                                                                       inplace), x)
         return _norm(m.norm, x)
 
     def _layer(self, i: int, layer, x: Tensor, rows, pos, cos, sin, cache: list, inplace: bool) -> Tensor:
@@ -385,7 +388,8 @@ class ExactDecoder:
                 self.states.pop(next(iter(self.states)))
             dev = self._device()
             st = {"cache": self.ex.new_cache(B, S, dev, self._dtype()), "graph": None,
-                  "tok": torch.zeros(B, dtype=torch.long, device=dev), "pos": torch.zeros(B, dtype=torch.long, device=dev),
+                  "tok": torch.zeros(B, dtype=torch.long, device=dev),
+                  "pos": torch.zeros(B, dtype=torch.long, device=dev),
                   "rows": torch.arange(B, device=dev)}
             if self.use_graph:
                 self._capture(st)

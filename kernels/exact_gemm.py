@@ -1,10 +1,11 @@
 """Batch-invariant GEMM and RMSNorm for exact_logprobs on a GPU (engines/exact.py, docs/exact.md).
 
-`exact_linear(x, w, b)`: x (M, K) @ w (N, K)^T + b -> (M, N), one launch. One tile configuration (TILE below,
-never autotuned), no split-K, K reduced tile after tile from k = 0 upwards into one float32 accumulator: every
-output element is the same sequence of MMA steps over its own row of x and column of w^T, whatever M is and
-wherever the row sits (M is a runtime argument that Triton is told not to specialise on). So a token's row has
-the same bits in a one-token decode step as in the trainer's 40k-row forward.
+`exact_linear(x, w, b)`: x (M, K) @ w (N, K)^T + b -> (M, N), one launch. One tile configuration per weight shape
+(`tile_of`: by N and K only, never by M, never autotuned at run time), no split-K, K reduced tile after tile from
+k = 0 upwards into one float32 accumulator: every output element is the same sequence of MMA steps over its own row
+of x and column of w^T, whatever M is and wherever the row sits (M is a runtime argument that Triton is told not
+to specialise on). So a token's row has the same bits in a one-token decode step as in the trainer's 40k-row
+forward.
 
 `exact_rmsnorm(x, w, eps, mode)`: one program per row, the row's sum of squares in one fixed reduction; the three
 conventions of the families engines/families.py covers (`NORM_MODES`).
@@ -19,7 +20,35 @@ from torch import Tensor
 
 from kernels.logprob import HAS_TRITON
 
-TILE = dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3)   # fixed: a row's bits depend on this, never on M
+# One tile configuration per weight shape class, chosen by the weight's (N, K) alone (`tile_of`), never by M: a row's
+# K order (BK, from k = 0 up) and its tile (BM, BN, warps: the MMA instructions) are then the same in a decode step
+# and in the trainer's call on the same weight. The classes exist because a decode step's M is small: with one
+# tile for all, a narrow output (k, v) gets few programs and a long K (the down projection) runs serially in few.
+# (BM, BN, BK, num_warps, num_stages); tools/exact_gemm_tiles.py times candidates on a card and can rewrite this.
+# TILES-BEGIN
+TILES = {
+    "narrow": (64, 16, 64, 4, 4),
+    "long_k": (16, 32, 128, 4, 4),
+    "vocab": (128, 128, 64, 8, 3),
+    "other": (32, 32, 128, 4, 3),
+}
+# TILES-END
+
+
+def shape_class(N: int, K: int) -> str:
+    """The TILES class of a weight (N outputs, K inputs): vocab (N >= 16384: the head), narrow (N <= 256: the k and
+    v projections of a GQA model), long_k (K >= 2 N: the down projection), other (q, o, gate, up)."""
+    if N >= 16384:
+        return "vocab"
+    if N <= 256:
+        return "narrow"
+    return "long_k" if K >= 2 * N else "other"
+
+
+def tile_of(N: int, K: int) -> dict:
+    """The fixed launch configuration for a weight (N, K): one per weight, whatever the call's M."""
+    BM, BN, BK, warps, stages = TILES[shape_class(N, K)]
+    return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
 
 # transformers' RMSNorm conventions: 0 llama-like `w * x_hat.to(dtype)`, 1 olmo2 `(w * x_hat).to(dtype)`,
 # 2 gemma `(x_hat * (1 + w)).to(dtype)` (x_hat = x * rsqrt(mean(x^2) + eps) in float32)
@@ -89,7 +118,7 @@ def exact_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M == 0:
         return y
-    t = TILE
+    t = tile_of(N, K)
     grid = (triton.cdiv(M, t["BM"]), triton.cdiv(N, t["BN"]))
     _gemm[grid](x, w, b if b is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
                 HAS_BIAS=b is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

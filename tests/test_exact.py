@@ -42,7 +42,7 @@ def trainer_logprobs(model, r, order, splits=2):
     C, out = r.completion_mask.shape[1], torch.zeros_like(r.logprobs)
     for rows in order.chunk(splits):
         ids, mask = r.input_ids[rows], r.attention_mask[rows]
-        ids, mask = torch.cat([torch.zeros_like(ids[:, :3]), ids], 1), torch.cat([torch.zeros_like(mask[:, :3]), mask], 1)
+        ids, mask = (torch.cat([torch.zeros_like(t[:, :3]), t], 1) for t in (ids, mask))
         dev = next(model.parameters()).device
         with torch.no_grad():   # the GPU path gives values only (kernels/exact_gemm.py)
             out[rows] = exact.completion_logprobs(model, ids.to(dev), mask.to(dev), C, 0.9)[0].float().cpu()
@@ -84,7 +84,8 @@ def test_lora_adapters_reach_both_sides(random_model_dir, monkeypatch):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
 
 
-@pytest.mark.parametrize("key,value", [("engine", "vllm"), ("engine_lag", 1), ("top_k", 2), ("logprobs_mode", "processed"),
+@pytest.mark.parametrize("key,value", [("engine", "vllm"), ("engine_lag", 1), ("top_k", 2),
+                                       ("logprobs_mode", "processed"),
                                        ("top_p", 0.9), ("engine_dtype", "bfloat16"), ("max_staleness", 1)])
 def test_the_option_is_refused_where_exactness_cannot_hold(key, value):
     cfg = Config()
@@ -163,13 +164,17 @@ def test_fsdp2_trainer_on_two_ranks_equals_the_engine(tmp_path, random_model_dir
     assert [p.exitcode for p in procs] == [0, 0] and all(os.path.exists(f"{out}.{r}") for r in range(2))
 
 
-@pytest.mark.parametrize("extra", [["algo.epochs=2", "algo.tis=token"], ["lora.r=4", "lr=1e-2"],
+# two micro-batches each (32, 32 and 8 samples a step)
+@pytest.mark.parametrize("extra", [["algo.epochs=2", "algo.tis=token", "micro_batch_size=16"],
+                                   ["lora.r=4", "lr=1e-2", "micro_batch_size=16"],
                                    ["--config", os.path.join(ROOT, "configs/multiturn.yaml"), "samples_per_prompt=2",
-                                    f"model={os.path.join(ROOT, 'assets/hilo-model')}"]], ids=["single", "lora", "hilo"])
+                                    f"model={os.path.join(ROOT, 'assets/hilo-model')}", "micro_batch_size=4"]],
+                         ids=["single", "lora", "hilo"])
 def test_a_training_run_has_zero_mismatch_at_every_step(tmp_path, extra):
     import train
     threads = torch.get_num_threads()
     try:   # in this process: a subprocess would import torch and transformers again (most of its time)
+        # micro-batches: past the first, each reads the engine's log-probs until an optimizer step (update.py)
         train.main([*extra, "exact_logprobs=true", "steps=3", "prompts_per_step=4", "eval_every=100", "eval_size=4",
                     "threads=1", "progress=false", f"out_dir={tmp_path}"])
     finally:

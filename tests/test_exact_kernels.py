@@ -16,14 +16,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def check_gemm_and_norm(device: str, shapes=((70, 80, 70),)):
-    """Rows of exact_linear and exact_rmsnorm: the same bits in any call, near transformers' / F.linear's values."""
-    import torch.nn.functional as F
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
-    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+# tile configurations (BM, BN, BK, warps, stages) of kernels/exact_gemm.py's TILES to check, besides the table's own
+TILE_CHOICES = [(64, 64, 64, 4, 3), (32, 32, 128, 4, 3), (16, 32, 128, 4, 4), (64, 16, 64, 4, 4), (128, 64, 64, 4, 3),
+                (128, 128, 64, 8, 3)]
 
-    from kernels.exact_gemm import exact_linear, exact_rmsnorm
+
+def check_every_tile(device: str, shapes):
+    """Each of TILE_CHOICES, forced on every weight class: exact_linear's rows keep their bits whatever M and place."""
+    import kernels.exact_gemm as eg
+    own = dict(eg.TILES)
+    try:
+        for tile in TILE_CHOICES:
+            eg.TILES.update({c: tile for c in eg.TILES})
+            check_gemm(device, shapes)
+    finally:
+        eg.TILES.update(own)
+
+
+def check_gemm(device: str, shapes):
+    """Rows of exact_linear: the same bits in any call (any M, any place), near F.linear's values."""
+    import torch.nn.functional as F
+
+    from kernels.exact_gemm import exact_linear
     g = torch.Generator().manual_seed(0)
     for M, K, N in shapes:
         for dtype in (torch.float32, torch.bfloat16):
@@ -32,10 +46,20 @@ def check_gemm_and_norm(device: str, shapes=((70, 80, 70),)):
             ref = F.linear(x.double(), w.double(), b.double())    # float64: no TF32, whatever a test left set
             ulp = 1e-5 if dtype == torch.float32 else 2 ** -7   # the interpreter's bfloat16 cast truncates: one ulp
             assert ((full.float() - ref).abs() <= ulp * ref.abs() + 1e-3).all(), (M, K, N, dtype)
-            pick = torch.tensor([M - 1, 3, M // 2 + 13, 64, 0], device=device)
+            pick = torch.tensor([M - 1, 3, M // 2 + 13, 64, 0], device=device) % M
             for rows in (pick, pick[:1], torch.arange(M, device=device).flip(0)):
                 assert torch.equal(exact_linear(x[rows], w, b), full[rows]), (M, K, N, dtype, rows)
-    x = x[:20]
+    return x
+
+
+def check_gemm_and_norm(device: str, shapes=((70, 80, 70),)):
+    """Rows of exact_linear and exact_rmsnorm: the same bits in any call, near transformers' / F.linear's values."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from kernels.exact_gemm import exact_rmsnorm
+    x = check_gemm(device, shapes)[:20]
     for mode, cls in enumerate([Qwen2RMSNorm, Olmo2RMSNorm, Gemma3RMSNorm]):
         m = cls(x.shape[1]).to(device, x.dtype)
         torch.nn.init.normal_(m.weight, 0, 0.5)
@@ -83,8 +107,9 @@ sys.path.insert(0, "tests")
 import engines.exact as exact
 from models import completion_logprobs, load_model
 from test_exact import generate, trainer_logprobs
-from test_exact_kernels import check_attention, check_gemm_and_norm
+from test_exact_kernels import check_attention, check_every_tile, check_gemm_and_norm
 check_gemm_and_norm("cpu")
+check_every_tile("cpu", ((70, 150, 40),))
 check_attention("cpu")
 model, _ = load_model(sys.argv[1], torch.device("cpu"), torch.float32)
 assert exact.on_gpu(torch.zeros(1))                     # the interpreter takes the Triton path
@@ -112,4 +137,5 @@ def test_kernels_and_the_engine_on_the_triton_path_interpreted(random_model_dir)
 @cuda
 def test_gpu_gemm_rmsnorm_and_attention_are_invariant():
     check_gemm_and_norm("cuda", shapes=((100, 80, 70), (4100, 896, 4864), (3000, 4864, 896), (700, 896, 151936)))
+    check_every_tile("cuda", shapes=((300, 896, 128), (200, 4864, 896)))
     check_attention("cuda")
