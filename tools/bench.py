@@ -79,8 +79,8 @@ def part_ours(a) -> dict:
             f"parallel={'replicate' if 'rep' in a.variant.split(':') else 'fsdp'}",
             "progress=false", *a.set.split()]
     train.main(argv)
-    for name in sorted(os.listdir(run_dir)):   # profile_step=N in --set: keep each rank's summary beside the logs
-        if name.startswith("profile-rank") and name.endswith(".txt"):
+    for name in sorted(os.listdir(run_dir)):   # profile_step=N in --set: each rank's summary and trace beside the logs
+        if name.startswith("profile-rank") and name.endswith((".txt", ".json.gz")):
             shutil.copy(os.path.join(run_dir, name), os.path.join(a.out, f"{os.path.basename(run_dir)}-{name}"))
     mem = cuda_info()
     if torch.distributed.is_initialized():   # torchrun: every rank's peak memory, then rank 0 alone reports
