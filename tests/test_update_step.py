@@ -45,6 +45,14 @@ def run_updates(model, fused: bool, device: torch.device, poison: list[bool]) ->
     return stats, optimizer
 
 
+def flat(stats: dict) -> dict:
+    """update()'s stats as plain numbers: a reduction-tagged value (distributed.Ratio, Max ...) gives its fields."""
+    out = {}
+    for k, v in stats.items():
+        out.update({f"{k}.{f}": x for f, x in vars(v).items()} if hasattr(v, "__dataclass_fields__") else {k: v})
+    return out
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_device_side_skip_takes_the_host_choice_steps(random_model_dir, device):
@@ -60,8 +68,9 @@ def test_device_side_skip_takes_the_host_choice_steps(random_model_dir, device):
         out[fused] = (stats, opt, torch.cat([p.detach().flatten() for p in model.parameters()]))
     (s1, o1, p1), (s0, o0, p0) = out[True], out[False]
     assert [s["skipped_updates"] for s in s1] == [s["skipped_updates"] for s in s0] == [0, 1, 0]
-    for a, b in zip(s1, s0):   # everything before the step is the same computation
-        assert a.keys() == b.keys() and all(a[k] == b[k] or a[k] != a[k] for k in a), (a, b)
+    for a, b in zip(s1, s0):   # the same computation up to the step (fused and foreach AdamW may differ in ulps)
+        a, b = flat(a), flat(b)
+        assert a.keys() == b.keys() and a == pytest.approx(b, rel=1e-4, abs=1e-6, nan_ok=True), (a, b)
     start = torch.cat([p.detach().flatten() for p in base.parameters()])
     assert (p0 - start).abs().max() > 1e-4                                   # the updates moved the weights
     assert torch.allclose(p1, p0, rtol=1e-5, atol=1e-6), (p1 - p0).abs().max()
