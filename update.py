@@ -387,9 +387,12 @@ def optimizer_step(learner: Learner, m: dict, step: int) -> tuple[dict, bool]:
 
 
 def on_device_skip(optimizer) -> bool:
-    """Does the optimizer skip a step by itself, reading a flag on the device? Fused Adam / AdamW do (found_inf);
-    a streamed one (offload.stream) steps chunk by chunk and keeps the host's choice."""
-    return bool(optimizer.defaults.get("fused")) and not hasattr(optimizer, "offload_device")
+    """Does the optimizer skip a step by itself, reading a flag on the device? Fused Adam / AdamW do (found_inf).
+    A streamed one (offload.stream) steps chunk by chunk, and FSDP2's sharded parameters are DTensors that the
+    flag, a plain tensor, would have to meet inside the fused op: both keep the host's choice."""
+    from torch.distributed.tensor import DTensor
+    return (bool(optimizer.defaults.get("fused")) and not hasattr(optimizer, "offload_device")
+            and not any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]))
 
 
 def to_host(m: dict, device: torch.device) -> dict:
