@@ -24,7 +24,7 @@ def batch(vocab: int, seed: int) -> Experience:
                       versions=torch.zeros(B, dtype=torch.long), truncated=torch.zeros(B, dtype=torch.bool))
 
 
-def run_updates(model, fused: bool, device: torch.device, poison: list[bool]) -> tuple[list[dict], torch.optim.Optimizer]:
+def run_updates(model, fused: bool, device: torch.device, poison: list[bool]) -> tuple[list[dict], torch.optim.AdamW]:
     """update() once per entry of poison (True: a NaN advantage, so the step must be skipped); -> stats, optimizer."""
     cfg = config.Config()
     cfg.micro_batch_size, cfg.samples_per_prompt, cfg.lr = 3, 4, 1e-3   # several micro-batches, 2 groups

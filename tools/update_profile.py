@@ -1,7 +1,8 @@
 """Where the update phase's wall time goes, from a profile_step trace: GPU busy, idle gaps and what the host did.
 
     python train.py profile_step=3 ... ; python tools/update_profile.py RUN_DIR/profile-rank0.json.gz
-    python tools/bench.py --parts ours --set 'profile_step=3' --steps 3 --out OUT ; python tools/update_profile.py OUT/*.json.gz
+    python tools/bench.py --parts ours --set 'profile_step=3' --steps 3 --out OUT
+    python tools/update_profile.py OUT/ours-128-ckpt-compile-np1-profile-rank0.json.gz
 
 profiling.py's summary gives a phase's wall against its kernel time; this says why they differ: the GPU's idle
 gaps inside the phase (sorted, with the host calls that ended each one: a sync that drained the queue, or the
