@@ -18,14 +18,15 @@ The first mini-batch also measures `logprob_mismatch`: |engine log-prob - traine
 before any update has moved the policy, so any gap is numerics or a broken weight sync, never learning.
 Under exact_logprobs it measures the first micro-batch only: the others read the engine's log-probs (`reuses_sampled`).
 Metrics stay on the device until one transfer per optimizer step: an `.item()` per micro-batch would stall the
-GPU until the host caught up.
+GPU until the host caught up. For the same reason the micro-batches go up through pinned memory (to_device), and
+a fused optimizer steps before that transfer, skipping itself on the device when 3. says so (optimizer_step).
 pack=true (docs/packing.md): each micro-batch's real tokens run through the policy as one sequence, positions
 restarting per sample (microbatch.pack; packed_completion below), with the same losses and gradients.
 """
 import contextlib
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -316,6 +317,19 @@ def add_mismatch(m: dict, micro, logp, version: int):
     m["_mis_max"] = torch.maximum(m["_mis_max"], top) if "_mis_max" in m else top
 
 
+def to_device(x, device: torch.device):
+    """x (an Experience or a Packed: a dataclass of tensors) with its CPU tensors on device. To a GPU through pinned
+    memory with non_blocking copies: a copy from pageable memory first waits for every kernel queued before it
+    (CUDA's rule for such copies), so each micro-batch would start on an idle GPU; these queue behind the work."""
+    def move(t):
+        if not torch.is_tensor(t) or t.device == device:
+            return t
+        if device.type == "cuda" and t.device.type == "cpu":
+            return t.pin_memory().to(device, non_blocking=True)   # the pinned copy lives until the copy is done
+        return t.to(device)
+    return replace(x, **{f.name: move(getattr(x, f.name)) for f in fields(x)})
+
+
 def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
     """Forward + backward of every micro-batch of the mini-batch mb; -> its metrics as device tensors."""
     cfg, m = learner.cfg, {}
@@ -326,10 +340,11 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
     # the packed forward's attention for forward and backward alike: a recompute must see what the forward saw
     with packed_attention(learner.policy) if packs else contextlib.nullcontext():
         for i, (micro, weight) in enumerate(distributed.accumulate(learner.trained, pieces, cfg.offload)):
-            packed = pack(micro).to(learner.device) if packs else None   # index math on the host: no device sync
+            # queued copies (to_device): the host goes on to launch this micro-batch while the GPU ends the last
+            packed = to_device(pack(micro), learner.device) if packs else None   # index math on the host: no sync
             # exact_logprobs: the first micro-batch measures the mismatch; the rest may read the engine's bits
             sampled = reuses_sampled(learner, micro, measure_mismatch and i > 0)
-            micro = micro.to(learner.device)
+            micro = to_device(micro, learner.device)
             moe.set_routes(learner.policy, micro.routes)   # moe.routing_replay: its backward's recompute too
             loss, logp, metrics = micro_loss(learner, micro, packed, sampled)
             (loss * (weight * scale)).backward()
@@ -342,30 +357,65 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
     return m
 
 
-def optimizer_step(learner: Learner, m: dict, step: int) -> bool:
-    """Average (replicate), clip, and step if loss and gradient are finite on every rank. m: host floats, gets
-    grad_norm (and critic_grad_norm). -> whether the step was applied."""
+def clip_gradients(learner: Learner) -> torch.Tensor:
+    """Average (replicate) and clip the policy's gradients; -> their global norm before clipping, on the device
+    (it reaches the host with the metrics, in their one transfer)."""
     distributed.average_gradients(learner.policy)   # parallel=replicate: one all-reduce (FSDP: a no-op)
     if learner.critic is not None:
         distributed.average_gradients(learner.critic.model)
-    grad_norm = torch.nn.utils.clip_grad_norm_(learner.policy.parameters(), learner.cfg.grad_clip or float("inf"))
-    m["grad_norm"] = distributed.grad_norm_value(grad_norm)
-    finite = torch.tensor(float(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])), device=learner.device)
+    norm = torch.nn.utils.clip_grad_norm_(learner.policy.parameters(), learner.cfg.grad_clip or float("inf"))
+    from torch.distributed.tensor import DTensor   # sharded gradients: the norm over every rank's shard
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def optimizer_step(learner: Learner, m: dict, step: int) -> tuple[dict, bool]:
+    """Clip, then step if loss and gradient are finite on every rank. m: the mini-batch's metrics as device
+    tensors (accumulate_gradients). -> (m as host floats with grad_norm (and critic_grad_norm), whether the step was
+    applied). A fused optimizer steps before anything reaches the host: it reads the finite flag on the device
+    (found_inf, as a GradScaler sets it) and skips the whole update itself, moments and step count included, so
+    the GPU runs backward, clip and step back to back and the host waits once, for the metrics, after them."""
+    m["grad_norm"] = clip_gradients(learner)
+    finite = (torch.isfinite(torch.as_tensor(m["loss"], device=learner.device))
+              & torch.isfinite(m["grad_norm"])).float()                                      # () 1.0 or 0.0
     if distributed.world() > 1:   # every rank must skip together or its shard drifts
         torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN, group=distributed.group())
-    if not finite.item():
+    early = on_device_skip(learner.optimizer)
+    if early:
+        learner.optimizer.found_inf = 1.0 - finite
+        try:
+            learner.optimizer.step()
+        finally:
+            del learner.optimizer.found_inf
+    m = to_host({**m, "_finite": finite}, learner.device)
+    if not m.pop("_finite"):
         learner.bad_updates += 1
         if distributed.rank() == 0:
             print(f"step {step}: non-finite loss or gradient, update skipped ({learner.bad_updates} in a row)",
                   flush=True)
-        return False
-    learner.optimizer.step()
+        return m, False
+    if not early:
+        learner.optimizer.step()
     learner.schedule.step()
     if learner.critic is not None:   # its own optimizer
         m["critic_grad_norm"] = learner.critic.step()
     learner.bad_updates = 0
     checkpoint.crash_point("update", step)
-    return True
+    return m, True
+
+
+def on_device_skip(optimizer) -> bool:
+    """Does the optimizer skip a step by itself, reading a flag on the device? Fused Adam / AdamW do (found_inf).
+    A streamed one (offload.stream) steps chunk by chunk, and FSDP2's sharded parameters are DTensors that the
+    flag, a plain tensor, would have to meet inside the fused op: both keep the host's choice."""
+    from torch.distributed.tensor import DTensor
+    return (bool(optimizer.defaults.get("fused")) and not hasattr(optimizer, "offload_device")
+            and not any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]))
+
+
+def to_host(m: dict, device: torch.device) -> dict:
+    """Every metric (device tensors or numbers) to the host in one transfer: one sync per optimizer step."""
+    return dict(zip(m, torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
+                                    for v in m.values()]).tolist()))
 
 
 def minibatch_size(cfg, n_samples: int) -> int:
@@ -389,12 +439,9 @@ def update(learner: Learner, buffer, generator: torch.Generator, step: int, n_sa
         if learner.critic is not None:
             learner.critic.optimizer.zero_grad(set_to_none=True)
         m = accumulate_gradients(learner, mb, measure_mismatch=mismatch is None)
-        # every metric of this mini-batch to the host in one transfer (one sync per optimizer step)
-        m = dict(zip(m, torch.stack([torch.as_tensor(v, dtype=torch.float32, device=learner.device).reshape(())
-                                     for v in m.values()]).tolist()))
+        m, ok = optimizer_step(learner, m, step)   # m: host floats from here
         if mismatch is None:
             mismatch = (m.pop("_mis_sum"), m.pop("_mis_n"), m.pop("_mis_max"))
-        ok = optimizer_step(learner, m, step)
         for k, v in m.items():
             stats.setdefault(k, []).append(v)
         skipped, applied = skipped + (not ok), applied + ok

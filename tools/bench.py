@@ -79,8 +79,8 @@ def part_ours(a) -> dict:
             f"parallel={'replicate' if 'rep' in a.variant.split(':') else 'fsdp'}",
             "progress=false", *a.set.split()]
     train.main(argv)
-    for name in sorted(os.listdir(run_dir)):   # profile_step=N in --set: keep each rank's summary beside the logs
-        if name.startswith("profile-rank") and name.endswith(".txt"):
+    for name in sorted(os.listdir(run_dir)):   # profile_step=N in --set: each rank's summary and trace beside the logs
+        if name.startswith("profile-rank") and name.endswith((".txt", ".json.gz")):
             shutil.copy(os.path.join(run_dir, name), os.path.join(a.out, f"{os.path.basename(run_dir)}-{name}"))
     mem = cuda_info()
     if torch.distributed.is_initialized():   # torchrun: every rank's peak memory, then rank 0 alone reports
@@ -318,9 +318,11 @@ def main():
     p.add_argument("--lora", type=int, default=0, help="TRL's LoRA rank (peft, all linear layers); 0 = full fine-tune")
     p.add_argument("--trl-ckpt", action="store_true", help="also run TRL with gradient checkpointing")
     p.add_argument("--steps", type=int, default=4, help="measured steps (after one warm-up step)")
-    p.add_argument("--ours", default="32:ckpt:compile,32:ckpt:compile:hf",
+    p.add_argument("--ours", default="128:ckpt:compile,32:ckpt:compile",
                    help="comma list of variants MICRO[:ckpt][:compile][:fused][:hf][:rep]: micro_batch_size, "
-                        "grad_checkpointing, compile, fused_loss, compiled_recompute=false, parallel=replicate")
+                        "grad_checkpointing, compile, fused_loss, compiled_recompute=false, parallel=replicate "
+                        "(default: W1's headline, one pass over its 128 samples, then the setting within TRL's "
+                        "checkpointed memory)")
     p.add_argument("--micro", default="16", help=argparse.SUPPRESS)      # internal: one variant's parts
     p.add_argument("--variant", default="", help=argparse.SUPPRESS)
     p.add_argument("--set", default="", help="more train.py settings for ours, e.g. 'profile_step=3 offload=true'")
