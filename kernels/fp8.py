@@ -12,12 +12,20 @@ the tests) it is the torch twin: the same quantised values dequantised and multi
 numbers are the GPU's up to the order of the sums; it simulates FP8's rounding, it is not faster. A GPU without
 FP8 is refused before any work (`check_device`).
 """
+import os
+
 import torch
 from torch import Tensor
+
+from kernels.fp8_gemm import MAX_ROWS, fp8_weight_gemm
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max      # 448.0: e4m3's largest finite value
 ROWS = 4096                         # rows quantised at a time: the float32 temporary of a 7B head stays ~60 MB
+# the GPU's GEMM at decode-sized row counts (<= fp8_gemm.MAX_ROWS): "scaled_mm" (activations quantised per token,
+# torch._scaled_mm) or "triton" (kernels/fp8_gemm.py: bf16 activations, the weight converted in registers); read
+# when the step is traced, so set it before building a decoder (tools/lora_decode_bench.py compares both)
+GEMM = os.environ.get("FAST_DECODE_FP8_GEMM", "scaled_mm")
 
 
 def has_fp8(device) -> bool:
@@ -67,8 +75,12 @@ def quantise_activations(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """x (..., K) -> (..., N) in x's dtype: x @ (w8 * scale[:, None]).T + bias, x quantised per row to e4m3 first.
-    One FP8 GEMM on CUDA (a GPU without FP8 was refused before: check_device), the float32 twin elsewhere."""
+    One FP8 GEMM on CUDA (a GPU without FP8 was refused before: check_device), the float32 twin elsewhere; with
+    GEMM = "triton", up to MAX_ROWS rows on CUDA take kernels/fp8_gemm.py instead (x not quantised)."""
     lead, K = x.shape[:-1], x.shape[-1]
+    if x.is_cuda and GEMM == "triton" and x.numel() // K <= MAX_ROWS:
+        y = fp8_weight_gemm(x.reshape(-1, K).contiguous(), w8, scale).view(*lead, -1)
+        return y if bias is None else y + bias
     x8, sx = quantise_activations(x.reshape(-1, K))                                # (M, K), (M, 1)
     if x.is_cuda:
         # w8.t() is (K, N) column-major, the layout _scaled_mm wants for its second operand

@@ -159,6 +159,32 @@ def test_a_gpu_without_fp8_is_refused_in_one_line(monkeypatch):
     check_device("cpu")                                                  # the CPU runs the twin
 
 
+def test_the_triton_weight_gemm_matches_the_twin_interpreted():
+    """kernels/fp8_gemm.py under TRITON_INTERPRET=1 (float32 activations: the interpreter's bf16 dots are not to be
+    trusted), unsplit and split over K, rows and columns that leave partial tiles."""
+    from tests.interpret import run_interpreted
+    run_interpreted("""
+import torch
+from kernels.fp8 import quantise_rows
+from kernels.fp8_gemm import fp8_weight_gemm, tiles
+g = torch.Generator().manual_seed(0)
+for M, N, K in ((3, 32, 256), (20, 64, 48)):
+    x = torch.randn(M, K, generator=g)
+    w8, s = quantise_rows(torch.randn(N, K, generator=g))
+    ref = x @ (w8.float() * s[:, None]).t()
+    assert torch.allclose(fp8_weight_gemm(x, w8, s), ref, atol=1e-4, rtol=1e-5), (M, N, K)
+assert [tiles(3, 32, 256)[3], tiles(20, 64, 48)[3]] == [2, 3]        # both split over K
+print("ok")
+""")
+
+
+def test_tiles_fill_the_card_at_w6s_shapes():
+    from kernels.fp8_gemm import SMS, tiles
+    for N, K in ((37888, 3584), (3584, 18944), (152064, 3584), (4608, 3584)):    # gate/up, down, head, q/k/v
+        BM, BN, BK, split = tiles(64, N, K)
+        assert BM == 64 and K % (BK * split) == 0 and -(-N // BN) * split >= SMS, (N, K)
+
+
 @CUDA
 def test_scaled_mm_matches_the_twin_on_a_gpu():
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -170,14 +196,24 @@ def test_scaled_mm_matches_the_twin_on_a_gpu():
     twin = dequantised_mm(*quantise_activations(x), w8, scale)           # the same quantised values, float32
     assert y.dtype == torch.bfloat16
     assert torch.allclose(y.float(), twin, rtol=2e-2, atol=2e-2 * twin.abs().max().item())
+    from kernels.fp8_gemm import fp8_weight_gemm
+    for K in (512, 4096):                                                # unsplit, and split over K
+        x = torch.randn(64, K, device="cuda", generator=g).bfloat16()
+        w8, scale = quantise_rows(torch.randn(1024, K, device="cuda", generator=g))
+        y = fp8_weight_gemm(x, w8, scale)
+        ref = x.float() @ (w8.float() * scale[:, None]).t()
+        assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), ref, rtol=2e-2, atol=1e-2 * ref.abs().max().item())
 
 
 @CUDA
-def test_fp8_decoder_on_a_gpu_samples_close_to_teacher_forcing(random_model_dir):
+@pytest.mark.parametrize("gemm", ["scaled_mm", "triton"])
+def test_fp8_decoder_on_a_gpu_samples_close_to_teacher_forcing(random_model_dir, gemm, monkeypatch):
     """The compiled, graphed step with FP8 groups (fp8_all: the random model's widths are multiples of 16 but
-    the head's 14 rows are not, so the head stays bf16 here)."""
+    the head's 14 rows are not, so the head stays bf16 here), with either GPU GEMM."""
     from engines.base import SamplingParams
+    from kernels import fp8
     from models import completion_logprobs, load_model
+    monkeypatch.setattr(fp8, "GEMM", gemm)
     model, tok = load_model(random_model_dir, torch.device("cuda"), torch.bfloat16)
     dec = FastDecoder(model, weights="fp8_all")
     ids = torch.randint(2, 14, (8, 6), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))

@@ -2,17 +2,18 @@
 GPU, one command (#22, #38):
 
     python tools/lora_decode_bench.py --out $OUT/lora_decode          # W6: Qwen2.5-7B shape, r=16 on all linear layers
-    python tools/lora_decode_bench.py --out $OUT/fp8 --variants fp8,addmm --repeats 2   # FP8 against W6's route
+    python tools/lora_decode_bench.py --out $OUT/fp8 --variants addmm,fp8,triton --repeats 2   # FP8 vs W6's route
     python tools/lora_decode_bench.py --small --out /tmp/ld          # CPU smoke run (toy shape, eager, no graph)
 
 A random Qwen2 at W6's shape (tools/bench.py SHAPES, bf16, built in memory), peft LoRA r=16 alpha 32 on every
 linear layer with B random (peft starts it at zero), 8 x 8 prompts of 64 random tokens, 256 new tokens at
-temperature 1, EOS outside the vocabulary (every row runs to full length). Variants, in this order because
-packing is for good (it changes the model's storage): fused; in_place unpacked (engines.decode_weights.PACK off:
-15 GEMMs per layer per token); in_place packed, the low-rank product by addmm (8 GEMMs), then by mm and an add
+temperature 1, EOS outside the vocabulary (every row runs to full length). Variants, run in the order --variants
+gives them (unpacked before the packed ones: packing changes the model's storage for good): fused; in_place
+unpacked (engines.decode_weights.PACK off: 15 GEMMs per layer per token); in_place packed, the low-rank product by addmm (8 GEMMs), then by mm and an add
 (decode_weights.LOW_RANK="mm"); fp8: the route engine_dtype=fp8 takes (FP8 copies of the merged weights of
-every group of at least decode_weights.FP8_MIN elements and of the head, the rest fused in bf16); fp8_all: every
-group and the head in FP8. Per variant: median rollout seconds over --repeats calls after a warm-up call
+every group of at least decode_weights.FP8_MIN elements and of the head, the rest fused in bf16), its decode GEMMs
+torch._scaled_mm's (activations quantised per token) or, "fp8 triton" (--variants triton), kernels/fp8_gemm.py's
+(bf16 activations); fp8_all: every group and the head in FP8. Per variant: median rollout seconds over --repeats calls after a warm-up call
 (compile, capture), the peak memory allocated during a rollout, the largest and the mean |engine - teacher-forced|
 log-prob over 8 rows (the peft model in bf16: the trainer's side), and on a GPU a torch.profiler summary of one rollout (kernel names and
 counts: the GEMMs launched) in OUT/profile-<variant>.txt. Also what packing took: seconds and the peak memory
@@ -32,10 +33,11 @@ import torch
 from bench import SHAPES   # tools/bench.py: the workloads' shapes
 
 GIB = 2**30
-VARIANTS = [   # name (its last word is its --variants name), decode weights, decode_weights.PACK, .LOW_RANK
-    ("fused", "fused", True, "addmm"), ("fp8", "fp8", True, "addmm"), ("in_place unpacked", "in_place", False, "addmm"),
-    ("in_place packed addmm", "in_place", True, "addmm"), ("in_place packed mm", "in_place", True, "mm"),
-    ("fp8_all", "fp8_all", True, "addmm")]
+VARIANTS = [   # name (its last word is its --variants name), decode weights, decode_weights.PACK, .LOW_RANK, fp8.GEMM
+    ("fused", "fused", True, "addmm", "scaled_mm"), ("fp8", "fp8", True, "addmm", "scaled_mm"),
+    ("fp8 triton", "fp8", True, "addmm", "triton"), ("in_place unpacked", "in_place", False, "addmm", "scaled_mm"),
+    ("in_place packed addmm", "in_place", True, "addmm", "scaled_mm"),
+    ("in_place packed mm", "in_place", True, "mm", "scaled_mm"), ("fp8_all", "fp8_all", True, "addmm", "scaled_mm")]
 
 
 def build(shape: dict, r: int, device, dtype):
@@ -112,13 +114,14 @@ def main():
     p.add_argument("--small", action="store_true", help="toy shape on CPU (eager, no graph, no compile)")
     p.add_argument("--r", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="fused,unpacked,addmm,mm", help="a subset of fused,fp8,unpacked,addmm,mm,"
-                   "fp8_all (run in this order: packing is for good)")
+    p.add_argument("--variants", default="fused,unpacked,addmm,mm", help="some of fused,fp8,triton,unpacked,addmm,mm,"
+                   "fp8_all, run in the order given (unpacked before addmm and mm: packing is for good)")
     p.add_argument("--budget-s", type=float, default=0, help="start no variant after this many seconds (0: no limit)")
     a = p.parse_args()
     start = time.perf_counter()
     os.makedirs(a.out, exist_ok=True)
     from engines import decode_weights
+    from kernels import fp8
     from engines.base import SamplingParams
     from engines.fast_decode import FastDecoder
     shape = SHAPES["small" if a.small else "w6"]
@@ -131,11 +134,15 @@ def main():
     sampling = SamplingParams(1.0, 1.0, shape["new"])
     res = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "shape": "small" if a.small else "w6",
            "r": a.r, "model_gib": torch.cuda.memory_allocated(device) / GIB if gpu else 0.0, "variants": {}}
-    for name, weights, pack, low_rank in [v for v in VARIANTS if v[0].split()[-1] in a.variants.split(",")]:
+    by_key = {v[0].split()[-1]: v for v in VARIANTS}
+    todo = a.variants.split(",")
+    if set(todo) - set(by_key) or ("unpacked" in todo and {"addmm", "mm"} & set(todo[:todo.index("unpacked")])):
+        p.error(f"--variants: a subset of {','.join(by_key)}, unpacked before addmm and mm (packing is for good)")
+    for name, weights, pack, low_rank, gemm in [by_key[k] for k in todo]:
         if a.budget_s and time.perf_counter() - start > a.budget_s:
             print(f"{name}: skipped (--budget-s {a.budget_s:.0f} spent)", flush=True)
             continue
-        decode_weights.PACK, decode_weights.LOW_RANK = pack, low_rank
+        decode_weights.PACK, decode_weights.LOW_RANK, fp8.GEMM = pack, low_rank, gemm
         if gpu:
             torch.cuda.reset_peak_memory_stats(device)
         mem = lambda: (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)) if gpu else (0, 0)
@@ -169,7 +176,7 @@ def write(res: dict, out: str):
     v = res["variants"]
     base = next((b for b in ("in_place packed addmm", "fused") if b in v), None)   # W6's route, else the default
     lines += [f"\n{n} / {base}: {v[n]['median_s'] / v[base]['median_s']:.3f}x the rollout"
-              for n in ("fp8", "fp8_all") if n in v and base]
+              for n in ("fp8", "fp8 triton", "fp8_all") if n in v and base]
     with open(os.path.join(out, "lora_decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
