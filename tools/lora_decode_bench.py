@@ -117,6 +117,7 @@ def main():
     p.add_argument("--variants", default="fused,unpacked,addmm,mm", help="some of fused,fp8,triton,unpacked,addmm,mm,"
                    "fp8_all, run in the order given (unpacked before addmm and mm: packing is for good)")
     p.add_argument("--budget-s", type=float, default=0, help="start no variant after this many seconds (0: no limit)")
+    p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled rollout per variant")
     a = p.parse_args()
     start = time.perf_counter()
     os.makedirs(a.out, exist_ok=True)
@@ -133,7 +134,8 @@ def main():
     mask = torch.ones_like(ids)
     sampling = SamplingParams(1.0, 1.0, shape["new"])
     res = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "shape": "small" if a.small else "w6",
-           "r": a.r, "model_gib": torch.cuda.memory_allocated(device) / GIB if gpu else 0.0, "variants": {}}
+           "r": a.r, "model_gib": torch.cuda.memory_allocated(device) / GIB if gpu else 0.0, "variants": {},
+           "errors": {}}
     by_key = {v[0].split()[-1]: v for v in VARIANTS}
     todo = a.variants.split(",")
     if set(todo) - set(by_key) or ("unpacked" in todo and {"addmm", "mm"} & set(todo[:todo.index("unpacked")])):
@@ -152,8 +154,15 @@ def main():
         built = {"build_s": time.perf_counter() - t0, "build_peak_over_model_gib": (peaks[0] - before[0]) / GIB,
                  "build_reserved_peak_over_before_gib": (peaks[1] - before[1]) / GIB,
                  "reserved_after_build_gib": mem()[1] / GIB}
-        row = res["variants"][name] = {**built, **rollout_row(model, dec, ids, mask, sampling, V, a.repeats, device)}
-        if gpu:
+        try:   # one variant's failure (a kernel that does not build on this card) is reported, the rest still run
+            row = res["variants"][name] = {**built, **rollout_row(model, dec, ids, mask, sampling, V, a.repeats,
+                                                                  device)}
+        except Exception as e:
+            res["errors"][name] = f"{type(e).__name__}: {str(e)[:500]}"
+            print(f"{name}: failed: {res['errors'][name]}", flush=True)
+            dec.release()
+            continue
+        if gpu and a.profile:
             path = os.path.join(a.out, f"profile-{name.replace(' ', '-')}.txt")
             profile_one(dec, ids, mask, sampling, V, device, path)
         print(f"{name}: {json.dumps(row)}", flush=True)
@@ -177,6 +186,7 @@ def write(res: dict, out: str):
     base = next((b for b in ("in_place packed addmm", "fused") if b in v), None)   # W6's route, else the default
     lines += [f"\n{n} / {base}: {v[n]['median_s'] / v[base]['median_s']:.3f}x the rollout"
               for n in ("fp8", "fp8 triton", "fp8_all") if n in v and base]
+    lines += [f"\n{n}: failed: {e}" for n, e in res["errors"].items()]
     with open(os.path.join(out, "lora_decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
