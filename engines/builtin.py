@@ -100,7 +100,9 @@ class BuiltinEngine:
                                                                     generator)
             model.train(was_training)
             return make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
-        if self.fp8 and sampling.rollout and not plain and images is None:   # the FP8 rollout (engine_dtype=fp8)
+        if self.fp8 and sampling.rollout and images is not None:
+            raise ValueError(f"engine_dtype={self.fp8} does not cover prompts with pictures yet: use engine_dtype=auto")
+        if self.fp8 and sampling.rollout and not plain:   # the FP8 rollout (engine_dtype=fp8)
             self.fp8_decoder = self.fp8_decoder or FastDecoder(model, keep_cache=self.keep_cache, weights=self.fp8)
             completion, alive, logprobs, done = self.fp8_decoder.sample(ids, mask, sampling, self.eos_id,
                                                                         self.pad_id, generator)
