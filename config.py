@@ -200,7 +200,10 @@ class Config:
                                     "renormalised distribution actually sampled from, as vLLM's processed_logprobs)",
                              choices=("raw", "processed"))
     engine_dtype: str = opt("auto", "dtype the rollout engine samples in: auto (the trainer's) or float32 / bfloat16 "
-                                    "(a copy of the policy in that dtype, synced after each step)", choices=DTYPES)
+                                    "(a copy of the policy in that dtype, synced after each step), or fp8 (FP8 "
+                                    "copies of the large decode GEMM weights, per-channel scaled; algo.tis defaults "
+                                    "to token; fp8_all: every GEMM and the head; docs/mismatch.md)",
+                            choices=DTYPES + ("fp8", "fp8_all"))
     engine_lag: int = opt(0, "the engine samples with the weights of this many RL steps ago (a stale policy; "
                              "0 = the current ones; a resumed run starts the lag afresh)")
     exact_logprobs: bool = opt(False, "engine and trainer compute a sampled token's log-prob through one batch-"
@@ -285,7 +288,10 @@ class Config:
 def parse(argv: list[str], script: str = "train.py") -> Config:
     """argv -> Config. Order: defaults < YAML file < key=value overrides. Call config_checks.validate() before
     using it. `script` names the entry script in --help."""
-    return config_tree.parse(Config, argv, script)
+    cfg = config_tree.parse(Config, argv, script)
+    if cfg.engine_dtype in ("fp8", "fp8_all"):   # FP8 sampling defaults algo.tis to token; an algo.tis given wins
+        cfg = config_tree.parse(Config, ["algo.tis=token", *argv], script)
+    return cfg
 
 
 def help_text(cfg=None, prefix: str = "", script: str = "train.py") -> str:

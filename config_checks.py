@@ -18,6 +18,7 @@ import torch
 import registry
 from config import REPO, Config, UserError, plugin_args, sections
 
+FP8 = ("fp8", "fp8_all")   # engine_dtype's FP8 values (engines/decode_weights.py: the fp8 routes)
 MAX_EVAL_K = 1024   # eval_k samples of one prompt go through the engine together
 MIN_WORKER_MB = 64  # an environment worker (Python + envs/) starts within about half of it
 
@@ -42,6 +43,7 @@ def validate(cfg: Config, world: int = 1):
                         "'replay.max_staleness' >= 0 and 'replay.decay' in (0, 1]")
     check_partial(cfg)
     check_mismatch_sources(cfg, world)
+    check_fp8(cfg, world)
     if cfg.mode == "async":   # from here on, `world` counts the ranks that train
         world = validate_async(cfg, world, algo)
     # distributed: every rank must run the same number of forward/backward passes (FSDP's collectives pair up
@@ -154,10 +156,25 @@ def mismatch_sources(cfg: Config) -> list[str]:
 
 def check_mismatch_sources(cfg: Config, world: int):
     """The mismatch options live in the built-in engine's single-turn rollout, one process, mode=sync."""
-    on = mismatch_sources(cfg)
+    on = [k for k in mismatch_sources(cfg) if not (k == "engine_dtype" and cfg.engine_dtype in FP8)]   # check_fp8
     if on and (cfg.engine != "builtin" or cfg.env.name or cfg.mode != "sync" or world > 1 or cfg.lora.r):
         raise UserError(f"{', '.join(on)} (the mismatch lab's options) need engine=builtin, single-turn rollouts "
                         "(no env.name), mode=sync, one process and no LoRA")
+
+
+def check_fp8(cfg: Config, world: int):
+    """engine_dtype=fp8 lives in the built-in engine's fast decoder (engines/decode_weights.py), single-turn,
+    mode=sync: LoRA and several processes are fine; the lab's other sources and sharded weights are not."""
+    if cfg.engine_dtype not in FP8:
+        return
+    off = [k for k, bad in [("engine=builtin", cfg.engine != "builtin"), ("no env.name", bool(cfg.env.name)),
+                            ("top_k=0", cfg.top_k > 0), ("logprobs_mode=raw", cfg.logprobs_mode != "raw"),
+                            ("engine_lag=0", cfg.engine_lag > 0), ("offload=false", cfg.offload),
+                            ("mode=sync", cfg.mode == "async"),
+                            ("parallel=replicate", world > 1 and cfg.parallel == "fsdp")] if bad]
+    if off:
+        raise UserError(f"engine_dtype={cfg.engine_dtype} samples through the built-in engine's fast decoder: it "
+                        f"needs {', '.join(off)}")
 
 
 def check_batch_split(cfg: Config, world: int):

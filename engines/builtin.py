@@ -8,7 +8,9 @@ cache (fast=True takes the fast paths there too, eagerly). Prompts with pictures
 where it covers the VLM's text decoder (Qwen2-VL, Qwen2.5-VL: the prefill gets the pictures' embeddings and
 M-RoPE positions, the decode is text), else the portable loop.
 
-Two deliberate mismatches for the mismatch lab (docs/mismatch.md), both off by default: `sample_dtype` (a copy of
+`sample_dtype="fp8"` (engine_dtype=fp8) samples training rollouts with FP8 copies of the large decode weights, the
+policy itself otherwise (engines/decode_weights.py; evaluation keeps the policy's dtype). Two deliberate
+mismatches for the mismatch lab (docs/mismatch.md), both off by default: `sample_dtype` (a copy of
 the policy in another dtype, e.g. a bf16 engine beside an fp32 trainer) and `lag` (the copy gets each synced set
 of weights `lag` syncs late: a stale policy). They apply to training rollouts only (SamplingParams.rollout);
 evaluation samples with the policy itself. The copy always runs the portable loop.
@@ -22,9 +24,10 @@ import torch
 
 from engines.base import Rollout, SamplingParams, left_pad, make_rollout, sample_tokens
 from engines.exact import ExactDecoder
-from engines.fast_decode import FastDecoder, supported
+from engines.fast_decode import FastDecoder, supported, why_not
 from engines.generic_decode import GenericDecoder
 from engines.moe import Recorder
+from kernels.fp8 import check_device as check_fp8
 from registry import register
 import vision
 
@@ -48,6 +51,15 @@ class BuiltinEngine:
                  sample_dtype: str = "auto", lag: int = 0, decode_weights: str = "fused", exact: bool = False,
                  routing_replay: bool = False, **_):
         self.model = model          # the policy itself on one device: sync is free
+        # engine_dtype=fp8: training rollouts through a fast decoder with FP8 copies of the large GEMM weights
+        # (engines/decode_weights.py: the fp8 routes), on the CPU its eager twin; the policy is not copied
+        self.fp8 = sample_dtype if sample_dtype in ("fp8", "fp8_all") else None
+        if self.fp8:
+            check_fp8(next(model.parameters()).device)
+            if why_not(model):
+                raise ValueError(f"engine_dtype={sample_dtype} needs a model the fast decoder covers: {why_not(model)}")
+            sample_dtype = "auto"
+        self.fp8_decoder = None
         dtype = next(model.parameters()).dtype if sample_dtype == "auto" else getattr(torch, sample_dtype)
         # the mismatch lab: training rollouts sample with a copy in another dtype and/or with stale weights
         self.rollout_model = model
@@ -86,6 +98,14 @@ class BuiltinEngine:
             self.decoder = self.decoder or ExactDecoder(model)
             completion, alive, logprobs, done = self.decoder.sample(ids, mask, sampling, self.eos_id, self.pad_id,
                                                                     generator)
+            model.train(was_training)
+            return make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
+        if self.fp8 and sampling.rollout and images is not None:
+            raise ValueError(f"engine_dtype={self.fp8} does not cover prompts with pictures yet: use engine_dtype=auto")
+        if self.fp8 and sampling.rollout and not plain:   # the FP8 rollout (engine_dtype=fp8)
+            self.fp8_decoder = self.fp8_decoder or FastDecoder(model, keep_cache=self.keep_cache, weights=self.fp8)
+            completion, alive, logprobs, done = self.fp8_decoder.sample(ids, mask, sampling, self.eos_id,
+                                                                        self.pad_id, generator)
             model.train(was_training)
             return make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
         if not plain and (self.fast or (self.fast is None and device.type == "cuda")):

@@ -94,7 +94,8 @@ class Step:
                 act = getattr(layer.mlp, "act_fn", None) or layer.mlp.activation_fn
                 y = project(act(gate) * up, p_down)
             x = x + _norm(post_m, y)
-        logits = self.model.lm_head(m.norm(x[:, -1]))                        # (B, V)
+        h = m.norm(x[:, -1])                                  # (B, H); the fp8 routes' head follows the layers'
+        logits = project(h, self.fused[-1]) if len(self.fused) > len(m.layers) else self.model.lm_head(h)  # (B, V)
         if arch.final_softcap:
             logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
         return logits

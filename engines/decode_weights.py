@@ -17,7 +17,16 @@ buffers (captured graphs hold their addresses), along one of two routes (`WEIGHT
   FAST_DECODE_PACK=0). Groups that cannot be packed (trained weights, mixed dtypes or devices, DoRA) read each
   weight where it lives and add their adapters' product from separate A and B (`low_rank`).
 
-Measured: docs/lora.md ("decode_weights=in_place"), tools/lora_decode_bench.py.
+FP8 (engine_dtype=fp8: the engine's training rollouts; engines/builtin.py): a third route, "fp8", the fused one
+with every group whose weights hold at least FP8_MIN elements (and the head, `refresh`'s head) replaced by a
+float8_e4m3 copy of its merged weights with one float32 scale per output channel (kernels/fp8.py: quantise_rows),
+made at refresh; the step applies it as one scaled FP8 GEMM with the activations quantised per token
+(kernels/fp8.py: fp8_linear). The master weights are never touched. Only large weights: a decode GEMM of a small
+weight is latency-bound, and FP8's activation quantisation costs more than its halved bytes save (docs/speed.md,
+the probe: at 0.5B only the head and the MLP's gate/up gained; at 7B the MLP and the head). "fp8_all" quantises
+every group and the head (small models: the mismatch lab, docs/mismatch.md).
+
+Measured: docs/lora.md ("decode_weights=in_place", "FP8"), tools/lora_decode_bench.py.
 """
 import os
 from typing import NamedTuple
@@ -26,9 +35,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.fp8 import FP8, fp8_linear, gemm_fits, quantise_rows
 from lora import dense_weight
 
-WEIGHTS = ("fused", "in_place")  # FastDecoder(weights=): how the step reads the weights (refresh)
+WEIGHTS = ("fused", "in_place", "fp8", "fp8_all")  # FastDecoder(weights=): how the step reads the weights (refresh)
+# the fp8 routes: a group (or the head) goes to FP8 when its weights hold at least this many elements. 2**25
+# (~34 M, 64 MB in bf16) sits between the largest weight that lost in docs/speed.md's probe (7B q/k/v, 16.5 M) and
+# the smallest that gained (7B down_proj, 68 M); on a GPU a weight whose dimensions are not multiples of 16 stays
+# bf16 too (torch._scaled_mm's rule)
+FP8_MIN = {"fp8": 2**25, "fp8_all": 0}
 # switches, set before building a decoder (tests, tools/lora_decode_bench.py) or from the environment: whether
 # decode_weights=in_place re-packs each group's frozen weights with its adapters' A (pack_group; "0": the unpacked
 # route, 15 GEMMs per layer per token with LoRA on every projection, for comparison), and how the packed group adds
@@ -191,10 +206,13 @@ def low_rank_add(y: Tensor, B: Tensor) -> None:
 
 def project(x: Tensor, p: tuple) -> Tensor:
     """x (B, T, in) -> (B, T, out): the projections of one group (FastDecoder.refresh) applied to their shared
-    input. p = (ws, b, A, B, R): one GEMM per weight in ws (outputs side by side) and the bias; then either
+    input. p = (ws, b, A, B, R): one GEMM per weight in ws (outputs side by side) and the bias (or, ws an FP8
+    weight and its scales, one scaled FP8 GEMM: the fp8 routes); then either
     R = 0 and the low-rank product x A^T B^T of separate A, B (if any), or R > 0: ws is one packed weight
     (pack_group) whose GEMM gave [x W^T + b | x A^T], and one addmm adds (x A^T) B^T into its first columns."""
     ws, b, A, B, R = p
+    if ws[0].dtype == FP8:                      # the fp8 routes: ws = [w8 (out, in), scale (out,)] (fp8_group)
+        return fp8_linear(x, ws[0], ws[1], b)
     y = F.linear(x, ws[0], b) if len(ws) == 1 else torch.cat([F.linear(x, w) for w in ws], dim=-1)
     if len(ws) > 1 and b is not None:
         y = y + b
@@ -222,7 +240,8 @@ def pack_layers(layers) -> list[list]:
     return packs
 
 
-def refresh(layers, fused: list[tuple], packs: list[list] | None, weights: str) -> list[tuple]:
+@torch.no_grad()   # copies for the decoder, never part of a graph the trainer differentiates
+def refresh(layers, fused: list[tuple], packs: list[list] | None, weights: str, head=None) -> list[tuple]:
     """Per layer, what each of its four GEMM groups (q/k/v, gate/up, o, down) applies, as (ws, b, A, B, R) for
     `project`, re-read before each rollout into the same buffers (captured graphs stay valid).
     weights="fused": q/k/v and gate/up concatenated into one weight each, LoRA adapters merged (lora.dense_weight),
@@ -233,6 +252,10 @@ def refresh(layers, fused: list[tuple], packs: list[list] | None, weights: str) 
     are views of one buffer whose last rows hold the adapters' A) gets its A-rows and block-diagonal B
     refilled (`fill`): two GEMMs per group. An unpacked group (pack_group says why) reads each weight where it
     lives and adds its adapters' low-rank product from separate A and B (`low_rank`, a few MB of copies).
+    weights="fp8" / "fp8_all": the fused route, but a group with at least FP8_MIN[weights] elements of weight gets
+    an FP8 copy of its merged weights and per-row scales (fp8_group), and the head (the model's lm_head, given as
+    head) likewise, its tuple appended after the layers' (engines/decode_step.py applies it; read in place when it
+    stays bf16).
     layers: the decoder's layers; fused: the last call's tuples, refilled in place ([] for none); packs: per layer,
     per group, its Pack or None (pack_layers; None: no packing), a group moved since (a .to()) packed again here."""
     new = []
@@ -244,7 +267,27 @@ def refresh(layers, fused: list[tuple], packs: list[list] | None, weights: str) 
                 packs[i][j] = pack_group(ms)
         layer_packs = packs[i] if packs else (None,) * 4
         new.append(tuple(_group(ms, prev, pk, weights) for ms, prev, pk in zip(groups(layer), old, layer_packs)))
+    if weights in FP8_MIN and head is not None:
+        new.append(_group([head], fused[len(layers)] if len(fused) > len(layers) else None, None, weights))
     return new
+
+
+def fp8_fits(ms: list, weights: str, device) -> bool:
+    """Does the group ms (sharing an input) go to FP8 on this route: weights="fp8" or "fp8_all", at least
+    FP8_MIN[weights] elements, and on a GPU dimensions that torch._scaled_mm takes?"""
+    if weights not in FP8_MIN:
+        return False
+    ws = [base_weight(m) for m in ms]
+    n, k = sum(w.shape[0] for w in ws), ws[0].shape[1]
+    return n * k >= FP8_MIN[weights] and (torch.device(device).type != "cuda" or gemm_fits(n, k))
+
+
+def fp8_group(ms: list, prev_w: list | None) -> list:
+    """[w8 (out, in) e4m3, scale (out,) float32] of the group's merged weights (LoRA adapters merged, lora.dense_weight;
+    outputs side by side), refilled into prev_w's buffers when given (captured graphs stay valid)."""
+    merged = [dense_weight(m) for m in ms]
+    w = torch.cat(merged) if len(merged) > 1 else merged[0]                             # (out, in)
+    return list(quantise_rows(w, None if prev_w is None or prev_w[0].dtype != FP8 else tuple(prev_w)))
 
 
 def _group(ms: list, prev: tuple | None, pack: Pack | None, weights: str) -> tuple:
@@ -256,12 +299,14 @@ def _group(ms: list, prev: tuple | None, pack: Pack | None, weights: str) -> tup
     if pack is not None:
         return [pack.w], pack.b, None, fill(pack, prev[3]), pack.w.shape[0] - pack.out
     b = bias_of(ms[0]) if len(ms) == 1 else _cat([bias_of(m) for m in ms], prev[1])   # one: read in place
+    if fp8_fits(ms, weights, base_weight(ms[0]).device):
+        return fp8_group(ms, prev[0]), b, None, None, 0
     if weights == "in_place":
         return [base_weight(m) for m in ms], b, *low_rank(ms, prev[2], prev[3]), 0
     if len(ms) == 1 and type(ms[0]) is torch.nn.Linear:
         return [ms[0].weight], b, None, None, 0                             # read in place
     merged = [dense_weight(m) for m in ms]                                  # new tensors, or W if adapters are off
-    if prev[0] is not None:
+    if prev[0] is not None and prev[0][0].dtype != FP8:
         return [_cat(merged, prev[0][0])], b, None, None, 0
     w = torch.cat(merged) if len(ms) > 1 else merged[0]
     return [w.clone() if w is base_weight(ms[0]) else w], b, None, None, 0  # ours, so later calls can refill it

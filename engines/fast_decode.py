@@ -172,7 +172,8 @@ class FastDecoder(Step, Turns):
     def refresh(self):
         """Re-read the weights the step applies (engines/decode_weights.py: refresh) before each rollout, into the
         same buffers (captured graphs stay valid): the optimizer moved them since the last call."""
-        self.fused = decode_weights.refresh(self.model.model.layers, self.fused, self.packs, self.weights)
+        self.fused = decode_weights.refresh(self.model.model.layers, self.fused, self.packs, self.weights,
+                                            self.model.lm_head)
 
     def _state(self, B: int, S: int, N: int, graph_sampling: bool, device, dtype, turns: bool = False) -> dict:
         """Cache and static buffers for batch B, S cache slots and N new tokens (a graph reads and writes only

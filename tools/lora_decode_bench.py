@@ -1,16 +1,21 @@
-"""The LoRA rollout alone, decode_weights=fused against in_place unpacked and packed, one GPU, one command (#22):
+"""The LoRA rollout alone, decode_weights=fused against in_place unpacked and packed, and FP8 (engine_dtype=fp8), one
+GPU, one command (#22, #38):
 
     python tools/lora_decode_bench.py --out $OUT/lora_decode          # W6: Qwen2.5-7B shape, r=16 on all linear layers
+    python tools/lora_decode_bench.py --out $OUT/fp8 --variants addmm,fp8,triton --repeats 2   # FP8 vs W6's route
     python tools/lora_decode_bench.py --small --out /tmp/ld          # CPU smoke run (toy shape, eager, no graph)
 
 A random Qwen2 at W6's shape (tools/bench.py SHAPES, bf16, built in memory), peft LoRA r=16 alpha 32 on every
 linear layer with B random (peft starts it at zero), 8 x 8 prompts of 64 random tokens, 256 new tokens at
-temperature 1, EOS outside the vocabulary (every row runs to full length). Variants, in this order because
-packing is for good (it changes the model's storage): fused; in_place unpacked (engines.decode_weights.PACK off:
-15 GEMMs per layer per token); in_place packed, the low-rank product by addmm (8 GEMMs), then by mm and an add
-(decode_weights.LOW_RANK="mm"). Per variant: median rollout seconds over --repeats calls after a warm-up call
-(compile, capture), the peak memory allocated during a rollout, the largest |engine - teacher-forced| log-prob
-over 8 rows (the peft model in bf16), and on a GPU a torch.profiler summary of one rollout (kernel names and
+temperature 1, EOS outside the vocabulary (every row runs to full length). Variants, run in the order --variants
+gives them (unpacked before the packed ones: packing changes the model's storage for good): fused; in_place
+unpacked (engines.decode_weights.PACK off: 15 GEMMs per layer per token); in_place packed, the low-rank product by addmm (8 GEMMs), then by mm and an add
+(decode_weights.LOW_RANK="mm"); fp8: the route engine_dtype=fp8 takes (FP8 copies of the merged weights of
+every group of at least decode_weights.FP8_MIN elements and of the head, the rest fused in bf16), its decode GEMMs
+torch._scaled_mm's (activations quantised per token) or, "fp8 triton" (--variants triton), kernels/fp8_gemm.py's
+(bf16 activations); fp8_all: every group and the head in FP8. Per variant: median rollout seconds over --repeats calls after a warm-up call
+(compile, capture), the peak memory allocated during a rollout, the largest and the mean |engine - teacher-forced|
+log-prob over 8 rows (the peft model in bf16: the trainer's side), and on a GPU a torch.profiler summary of one rollout (kernel names and
 counts: the GEMMs launched) in OUT/profile-<variant>.txt. Also what packing took: seconds and the peak memory
 over the model before it (one group's buffer expected, never a model copy), and of reserved memory.
 Writes OUT/lora_decode.json and OUT/lora_decode.md.
@@ -28,9 +33,11 @@ import torch
 from bench import SHAPES   # tools/bench.py: the workloads' shapes
 
 GIB = 2**30
-VARIANTS = [   # name (its last word is its --variants name), decode weights, decode_weights.PACK, .LOW_RANK
-    ("fused", "fused", True, "addmm"), ("in_place unpacked", "in_place", False, "addmm"),
-    ("in_place packed addmm", "in_place", True, "addmm"), ("in_place packed mm", "in_place", True, "mm")]
+VARIANTS = [   # name (its last word is its --variants name), decode weights, decode_weights.PACK, .LOW_RANK, fp8.GEMM
+    ("fused", "fused", True, "addmm", "scaled_mm"), ("fp8", "fp8", True, "addmm", "scaled_mm"),
+    ("fp8 triton", "fp8", True, "addmm", "triton"), ("in_place unpacked", "in_place", False, "addmm", "scaled_mm"),
+    ("in_place packed addmm", "in_place", True, "addmm", "scaled_mm"),
+    ("in_place packed mm", "in_place", True, "mm", "scaled_mm"), ("fp8_all", "fp8_all", True, "addmm", "scaled_mm")]
 
 
 def build(shape: dict, r: int, device, dtype):
@@ -82,9 +89,10 @@ def rollout_row(model, dec, ids, mask, sampling, eos: int, repeats: int, device)
     with torch.no_grad():   # 8 rows: the (rows, C, V) logits of all 64 would not fit beside a 7B model
         full = torch.cat([ids[:8], completion[:8]], 1)
         logp = completion_logprobs(model, full, torch.ones_like(full), C)[0]                # (8, C)
-    gap = float(((logp.float() - logprobs[:8].float()).abs() * alive[:8]).max())
+    gap = (logp.float() - logprobs[:8].float()).abs() * alive[:8]                                  # (8, C)
     return {"first_s": times[0], "times_s": times[1:], "median_s": statistics.median(times[1:]),
-            "peak_alloc_gib": peak, "logprob_gap_max": gap, "new_tokens": int(alive.sum())}
+            "peak_alloc_gib": peak, "logprob_gap_max": float(gap.max()),
+            "logprob_gap_mean": float(gap.sum() / alive[:8].sum()), "new_tokens": int(alive.sum())}
 
 
 def profile_one(dec, ids, mask, sampling, eos: int, device, path: str):
@@ -106,11 +114,15 @@ def main():
     p.add_argument("--small", action="store_true", help="toy shape on CPU (eager, no graph, no compile)")
     p.add_argument("--r", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="fused,unpacked,addmm,mm", help="a subset of fused,unpacked,addmm,mm "
-                   "(run in this order: packing is for good)")
+    p.add_argument("--variants", default="fused,unpacked,addmm,mm", help="some of fused,fp8,triton,unpacked,addmm,mm,"
+                   "fp8_all, run in the order given (unpacked before addmm and mm: packing is for good)")
+    p.add_argument("--budget-s", type=float, default=0, help="start no variant after this many seconds (0: no limit)")
+    p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled rollout per variant")
     a = p.parse_args()
+    start = time.perf_counter()
     os.makedirs(a.out, exist_ok=True)
     from engines import decode_weights
+    from kernels import fp8
     from engines.base import SamplingParams
     from engines.fast_decode import FastDecoder
     shape = SHAPES["small" if a.small else "w6"]
@@ -122,9 +134,17 @@ def main():
     mask = torch.ones_like(ids)
     sampling = SamplingParams(1.0, 1.0, shape["new"])
     res = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "shape": "small" if a.small else "w6",
-           "r": a.r, "model_gib": torch.cuda.memory_allocated(device) / GIB if gpu else 0.0, "variants": {}}
-    for name, weights, pack, low_rank in [v for v in VARIANTS if v[0].split()[-1] in a.variants.split(",")]:
-        decode_weights.PACK, decode_weights.LOW_RANK = pack, low_rank
+           "r": a.r, "model_gib": torch.cuda.memory_allocated(device) / GIB if gpu else 0.0, "variants": {},
+           "errors": {}}
+    by_key = {v[0].split()[-1]: v for v in VARIANTS}
+    todo = a.variants.split(",")
+    if set(todo) - set(by_key) or ("unpacked" in todo and {"addmm", "mm"} & set(todo[:todo.index("unpacked")])):
+        p.error(f"--variants: a subset of {','.join(by_key)}, unpacked before addmm and mm (packing is for good)")
+    for name, weights, pack, low_rank, gemm in [by_key[k] for k in todo]:
+        if a.budget_s and time.perf_counter() - start > a.budget_s:
+            print(f"{name}: skipped (--budget-s {a.budget_s:.0f} spent)", flush=True)
+            continue
+        decode_weights.PACK, decode_weights.LOW_RANK, fp8.GEMM = pack, low_rank, gemm
         if gpu:
             torch.cuda.reset_peak_memory_stats(device)
         mem = lambda: (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)) if gpu else (0, 0)
@@ -134,8 +154,15 @@ def main():
         built = {"build_s": time.perf_counter() - t0, "build_peak_over_model_gib": (peaks[0] - before[0]) / GIB,
                  "build_reserved_peak_over_before_gib": (peaks[1] - before[1]) / GIB,
                  "reserved_after_build_gib": mem()[1] / GIB}
-        row = res["variants"][name] = {**built, **rollout_row(model, dec, ids, mask, sampling, V, a.repeats, device)}
-        if gpu:
+        try:   # one variant's failure (a kernel that does not build on this card) is reported, the rest still run
+            row = res["variants"][name] = {**built, **rollout_row(model, dec, ids, mask, sampling, V, a.repeats,
+                                                                  device)}
+        except Exception as e:
+            res["errors"][name] = f"{type(e).__name__}: {str(e)[:500]}"
+            print(f"{name}: failed: {res['errors'][name]}", flush=True)
+            dec.release()
+            continue
+        if gpu and a.profile:
             path = os.path.join(a.out, f"profile-{name.replace(' ', '-')}.txt")
             profile_one(dec, ids, mask, sampling, V, device, path)
         print(f"{name}: {json.dumps(row)}", flush=True)
@@ -149,12 +176,17 @@ def write(res: dict, out: str):
         json.dump(res, f, indent=1)
     lines = [f"LoRA rollout, {res['shape']} shape, r={res['r']}, {res['device']}; model {res['model_gib']:.2f} GiB", "",
              "| variant | rollout median s | first s | peak alloc GiB | build s | build peak over model GiB "
-             "(reserved) | max logprob gap |",
+             "(reserved) | logprob gap max / mean |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {n} | {v['median_s']:.3f} | {v['first_s']:.2f} | {v['peak_alloc_gib']:.2f} | {v['build_s']:.2f} "
               f"| {v['build_peak_over_model_gib']:.3f} ({v['build_reserved_peak_over_before_gib']:.3f}) "
-              f"| {v['logprob_gap_max']:.3f} |"
+              f"| {v['logprob_gap_max']:.3f} / {v['logprob_gap_mean']:.4f} |"
               for n, v in res["variants"].items()]
+    v = res["variants"]
+    base = next((b for b in ("in_place packed addmm", "fused") if b in v), None)   # W6's route, else the default
+    lines += [f"\n{n} / {base}: {v[n]['median_s'] / v[base]['median_s']:.3f}x the rollout"
+              for n in ("fp8", "fp8 triton", "fp8_all") if n in v and base]
+    lines += [f"\n{n}: failed: {e}" for n, e in res["errors"].items()]
     with open(os.path.join(out, "lora_decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

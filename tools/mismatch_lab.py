@@ -24,6 +24,7 @@ from tools.ablate import finish_figure, launch, summary  # noqa: E402  (its runn
 SOURCES = {   # each a one-line change of the default run; "none" is the reference without mismatch
     "none": [],
     "bf16": ["engine_dtype=bfloat16"],                       # the engine samples with a bf16 copy, the trainer fp32
+    "fp8": ["engine_dtype=fp8_all"],                         # FP8 decode GEMMs (every one: the tiny model's are small)
     "top_k": ["top_k=2", "logprobs_mode=processed"],         # truncated sampling, reported as vLLM reports it
     "top_p": ["top_p=0.8", "logprobs_mode=processed"],
     "stale": ["engine_lag=4"],                               # samples from the weights of 4 steps ago
@@ -33,9 +34,15 @@ SOURCES = {   # each a one-line change of the default run; "none" is the referen
 REPAIRS = {"off": [], "token": ["algo.tis=token"], "seq": ["algo.tis=seq"], "mask": ["algo.tis=mask"]}
 
 
+def repair_args(source: str, repair: str) -> list[str]:
+    """algo.tis's override; "off" is the default except with FP8 sampling (token there), so it is said then."""
+    fp8 = any(a.startswith("engine_dtype=fp8") for a in SOURCES[source])
+    return ["algo.tis=off"] if repair == "off" and fp8 else REPAIRS[repair]
+
+
 def entry(source: str, repair: str) -> str:
     """tools/ablate.py's entry (algo[:key=value...]) of one experiment; also its label and directory name."""
-    return ":".join(["grpo", *SOURCES[source], *REPAIRS[repair]])
+    return ":".join(["grpo", *SOURCES[source], *repair_args(source, repair)])
 
 
 def experiments(sources: list[str], repairs: list[str]) -> list[tuple[str, str]]:
@@ -44,7 +51,7 @@ def experiments(sources: list[str], repairs: list[str]) -> list[tuple[str, str]]
 
 
 def command(source: str, repair: str, common: list[str]) -> str:
-    return " ".join(["python train.py", *SOURCES[source], *REPAIRS[repair], *common])
+    return " ".join(["python train.py", *SOURCES[source], *repair_args(source, repair), *common])
 
 
 def series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,96 @@
+"""FP8 (float8_e4m3fn) GEMMs for the rollout's decode step (engine_dtype=fp8: engines/decode_weights.py), with their
+torch twin, the same functions on every device:
+
+    w8, scale = quantise_rows(w)                 # w (N, K) -> w8 (N, K) e4m3, scale (N,) float32: w ~ w8 * scale[:, None]
+    y = fp8_linear(x, w8, scale, bias)           # x (..., K) -> y (..., N) in x's dtype, ~ x @ w.T + bias
+
+Weights are scaled per output channel (one float32 scale per row of W, its absolute max over 448, e4m3's largest
+finite value); activations per row (per token), quantised on the fly inside the step. On a GPU with FP8 tensor
+cores (compute capability 8.9+: Ada, Hopper) `fp8_linear` is one `torch._scaled_mm` with rowwise scales, float32
+accumulation, output in x's dtype: the weight bytes a decode step reads halve against bf16. Elsewhere (the CPU, and
+the tests) it is the torch twin: the same quantised values dequantised and multiplied in float32, so the twin's
+numbers are the GPU's up to the order of the sums; it simulates FP8's rounding, it is not faster. A GPU without
+FP8 is refused before any work (`check_device`).
+"""
+import os
+
+import torch
+from torch import Tensor
+
+from kernels.fp8_gemm import MAX_ROWS, fp8_weight_gemm
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max      # 448.0: e4m3's largest finite value
+ROWS = 4096                         # rows quantised at a time: the float32 temporary of a 7B head stays ~60 MB
+# the GPU's GEMM at decode-sized row counts (<= fp8_gemm.MAX_ROWS): "scaled_mm" (activations quantised per token,
+# torch._scaled_mm) or "triton" (kernels/fp8_gemm.py: bf16 activations, the weight converted in registers); read
+# when the step is traced, so set it before building a decoder (tools/lora_decode_bench.py compares both)
+GEMM = os.environ.get("FAST_DECODE_FP8_GEMM", "scaled_mm")
+
+
+def has_fp8(device) -> bool:
+    """Can this device run `torch._scaled_mm` in e4m3 (the real FP8 GEMM rather than the twin)?"""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def check_device(device):
+    """Refuse, in one line, a GPU without FP8 tensor cores: its only route would be the slow twin."""
+    device = torch.device(device)
+    if device.type == "cuda" and not has_fp8(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"engine_dtype=fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper, "
+                         f"Blackwell); {torch.cuda.get_device_name(device)} is sm_{major}{minor}: use "
+                         "engine_dtype=auto")
+
+
+def gemm_fits(n: int, k: int) -> bool:
+    """torch._scaled_mm takes matrices whose dimensions are multiples of 16."""
+    return n % 16 == 0 and k % 16 == 0
+
+
+@torch.no_grad()
+def quantise_rows(w: Tensor, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """w (N, K) -> (w8 (N, K) e4m3, scale (N,) float32) with w ~ w8 * scale[:, None]; into out's buffers when
+    given (the last rollout's: captured graphs keep their addresses). A row of zeros gets scale 1 (its w8 is 0)."""
+    N, K = w.shape
+    w8, scale = out if out is not None else (torch.empty(N, K, dtype=FP8, device=w.device),
+                                              torch.empty(N, dtype=torch.float32, device=w.device))
+    for i in range(0, N, ROWS):
+        rows = w[i:i + ROWS].float()                                               # (r, K)
+        s = rows.abs().amax(1) / FP8_MAX                                           # (r,)
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        w8[i:i + ROWS].copy_((rows / s[:, None]).clamp(-FP8_MAX, FP8_MAX))         # rounds to nearest e4m3
+        scale[i:i + ROWS].copy_(s)
+    return w8, scale
+
+
+def quantise_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x (M, K) -> (x8 (M, K) e4m3, scale (M, 1) float32), one scale per row (token); inside the compiled step
+    this fuses into one kernel with what produced x."""
+    s = x.float().abs().amax(-1, keepdim=True) / FP8_MAX                           # (M, 1)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
+def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., K) -> (..., N) in x's dtype: x @ (w8 * scale[:, None]).T + bias, x quantised per row to e4m3 first.
+    One FP8 GEMM on CUDA (a GPU without FP8 was refused before: check_device), the float32 twin elsewhere; with
+    GEMM = "triton", up to MAX_ROWS rows on CUDA take kernels/fp8_gemm.py instead (x not quantised)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    if x.is_cuda and GEMM == "triton" and x.numel() // K <= MAX_ROWS:
+        y = fp8_weight_gemm(x.reshape(-1, K).contiguous(), w8, scale).view(*lead, -1)
+        return y if bias is None else y + bias
+    x8, sx = quantise_activations(x.reshape(-1, K))                                # (M, K), (M, 1)
+    if x.is_cuda:
+        # w8.t() is (K, N) column-major, the layout _scaled_mm wants for its second operand
+        y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=scale[None], out_dtype=x.dtype)   # (M, N)
+    else:
+        y = dequantised_mm(x8, sx, w8, scale).to(x.dtype)
+    y = y.view(*lead, -1)
+    return y if bias is None else y + bias
+
+
+def dequantised_mm(x8: Tensor, sx: Tensor, w8: Tensor, scale: Tensor) -> Tensor:
+    """The twin of the scaled GEMM: (x8 * sx) @ (w8 * scale[:, None]).T in float32, (M, N)."""
+    return (x8.float() * sx) @ (w8.float() * scale[:, None]).t()

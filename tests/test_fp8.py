@@ -1,0 +1,230 @@
+"""engine_dtype=fp8: the FP8 quantiser and GEMM (kernels/fp8.py), the decoder's fp8 routes
+(engines/decode_weights.py: refresh, fp8_group), the engine and the config (tis defaulted, bad values refused).
+CPU tests run the torch twin; the GPU tests run torch._scaled_mm and the compiled, graphed decoder."""
+import pytest
+import torch
+
+import config
+import config_checks
+from engines import decode_weights
+from engines.decode_weights import FP8_MIN
+from engines.fast_decode import FastDecoder
+from kernels.fp8 import FP8, FP8_MAX, check_device, dequantised_mm, fp8_linear, quantise_rows
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_quantise_rows_scales_each_row_to_e4m3s_range():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 40, generator=g) * torch.tensor([1e-3, 0.1, 1.0, 30.0, 500.0, 0.0])[:, None]   # (6, 40)
+    w8, scale = quantise_rows(w)
+    assert w8.dtype == FP8 and scale.dtype == torch.float32 and w8.shape == w.shape
+    deq = w8.float() * scale[:, None]
+    amax = w.abs().amax(1)
+    # the largest element of a row lands on 448 exactly, so each row's absolute max survives to float rounding
+    assert torch.allclose(deq.abs().amax(1), amax, rtol=1e-6)
+    assert scale[5] == 1 and not w8[5].float().any()                     # a zero row: scale 1, zeros
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for normal values, one subnormal step (2^-9) below
+    err = (deq - w).abs()
+    assert (err <= w.abs() / 16 + scale[:, None] * 2**-9 * 1.001).all()
+    assert err.max() > 0                                                 # it did round
+    out = (torch.empty_like(w8), torch.empty_like(scale))
+    w8b, sb = quantise_rows(w, out)
+    assert w8b is out[0] and sb is out[1] and torch.equal(w8b.float(), w8.float()) and torch.equal(sb, scale)
+
+
+def test_fp8_linear_twin_is_close_to_the_full_precision_product():
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(4, 3, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(32, generator=g)
+    w8, scale = quantise_rows(w)
+    y = fp8_linear(x, w8, scale, b)                                      # (4, 3, 32)
+    ref = x @ w.t() + b
+    rel = ((y - ref).norm() / ref.norm()).item()
+    assert y.shape == (4, 3, 32) and 0 < rel < 0.08, rel                 # FP8's rounding of both operands, no more
+    # the activations are quantised per row: scaling one row scales its output alone
+    x2 = x.clone()
+    x2[0, 0] *= 1000
+    assert torch.allclose(fp8_linear(x2, w8, scale)[0, 0], 1000 * fp8_linear(x, w8, scale)[0, 0], rtol=1e-4)
+    assert torch.equal(fp8_linear(x2, w8, scale)[1:], fp8_linear(x, w8, scale)[1:])
+    assert fp8_linear(x.bfloat16(), w8, scale).dtype == torch.bfloat16
+
+
+def _fp8_groups(dec) -> tuple[list[list[bool]], bool]:
+    """Per layer, which of its four groups are FP8; and whether the head is (its tuple follows the layers')."""
+    fp8 = lambda p: p is not None and p[0][0].dtype == FP8
+    L = len(dec.model.model.layers)
+    return [[fp8(p) for p in layer] for layer in dec.fused[:L]], fp8(dec.fused[L])
+
+
+def test_refresh_quantises_the_large_groups_and_leaves_the_master_weights(random_model_dir, monkeypatch):
+    from models import load_model
+    model, _ = load_model(random_model_dir, torch.device("cpu"), torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # the random model's groups: q/k/v 128 x 64, gate/up 256 x 64, o 64 x 64, down 64 x 128, the head 14 x 64
+    monkeypatch.setitem(FP8_MIN, "fp8", 10_000)
+    dec = FastDecoder(model, weights="fp8")
+    dec.refresh()
+    L = len(model.model.layers)
+    assert len(dec.fused) == L + 1                                       # the layers' groups, then the head
+    assert _fp8_groups(dec) == ([[False, True, False, False]] * L, False)   # gate/up alone: over 10,000 elements
+    assert dec.fused[L][0][0] is model.lm_head.weight                    # the small head stays, read in place
+    mlp = model.model.layers[0].mlp
+    w8, scale = dec.fused[0][1][0]
+    w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])           # (256, 64)
+    assert torch.allclose(w8.float() * scale[:, None], w, rtol=1 / 16, atol=float(scale.max()) * 2**-9)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())   # the masters untouched
+    ptrs = (w8.data_ptr(), scale.data_ptr())
+    with torch.no_grad():
+        mlp.up_proj.weight.mul_(2)
+    dec.refresh()                                                        # refilled in place, with the new weights
+    w8, scale = dec.fused[0][1][0]
+    assert (w8.data_ptr(), scale.data_ptr()) == ptrs
+    assert torch.allclose(w8.float()[128:] * scale[128:, None], 2 * before["model.layers.0.mlp.up_proj.weight"],
+                          rtol=1 / 16, atol=float(scale.max()) * 2**-9)
+    dec_all = FastDecoder(model, weights="fp8_all")
+    dec_all.refresh()
+    assert _fp8_groups(dec_all) == ([[True] * 4] * L, True)             # fp8_all: every group and the head
+
+
+def test_lora_adapters_are_merged_into_the_fp8_copy(random_model_dir, monkeypatch):
+    import lora
+    from config import LoRAConfig
+    from models import load_model
+    model, _ = load_model(random_model_dir, torch.device("cpu"), torch.float32)
+    model = lora.wrap(model, LoRAConfig(r=4, alpha=8), "random")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    dec = FastDecoder(model, weights="fp8_all")
+    dec.refresh()
+    down = model.get_base_model().model.layers[1].mlp.down_proj
+    w8, scale = dec.fused[1][3][0]
+    merged, base = lora.dense_weight(down), down.base_layer.weight
+    deq = w8.float() * scale[:, None]
+    assert (deq - merged).abs().max() < (deq - base).abs().max() / 4    # W + B A, not W
+
+
+def _engine_gap(model, tok, dtype: str, rollout: bool) -> tuple[float, object]:
+    from engines.base import SamplingParams
+    from engines.builtin import BuiltinEngine
+    from models import completion_logprobs
+    engine = BuiltinEngine(model, tok.eos_token_id, tok.pad_token_id, sample_dtype=dtype)
+    prompts = [tok(p)["input_ids"] for p in ["1+2=", "123+456=", "7="]]
+    r = engine.generate(prompts, 4, SamplingParams(max_new_tokens=10, rollout=rollout), torch.Generator().manual_seed(0))
+    C = r.completion_mask.shape[1]
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, r.input_ids, r.attention_mask, C, 1.0)
+    return float(((logp - r.logprobs).abs() * r.completion_mask).max()), engine
+
+
+def test_the_engine_samples_training_rollouts_in_fp8_and_evaluates_with_the_policy(random_model_dir):
+    from models import load_model
+    model, tok = load_model(random_model_dir, torch.device("cpu"), torch.float32)
+    gap, engine = _engine_gap(model, tok, "fp8_all", rollout=True)
+    assert engine.fp8_decoder is not None and engine.rollout_model is model     # no copy of the policy
+    assert 1e-5 < gap < 1.0, gap                                         # FP8's mismatch: present, bounded
+    gap, engine = _engine_gap(model, tok, "fp8_all", rollout=False)     # evaluation: the policy itself
+    assert engine.fp8_decoder is None and gap < 1e-4, gap
+
+
+def test_fp8_defaults_tis_to_token_and_refuses_what_it_cannot_do():
+    parse = lambda *a: config.fill_defaults(config.parse(list(a)))
+    assert parse("engine_dtype=fp8").algo.tis == "token"
+    assert parse("engine_dtype=fp8", "algo.tis=off").algo.tis == "off"   # given: it wins, even off
+    assert parse("algo.tis=off", "engine_dtype=fp8_all", "algo.tis=seq").algo.tis == "seq"
+    assert parse().algo.tis == "off" and parse("engine_dtype=bfloat16").algo.tis == "off"
+    config_checks.validate(parse("engine_dtype=fp8", "lora.r=8"))       # LoRA is fine (not a lab-only option)
+    from engines import exact
+    for args, message in [
+        (["engine_dtype=fp8", "top_k=4"], "engine_dtype=fp8 samples through the built-in engine's fast decoder: "
+                                          "it needs top_k=0"),
+        (["engine_dtype=fp8", "engine=vllm"], "it needs engine=builtin"),
+        (["engine_dtype=fp8", "env.name=hilo"], "it needs no env.name"),
+        (["engine_dtype=fp8", "exact_logprobs=true"], "exact_logprobs=true needs engine_dtype at its default"),
+        (["engine_dtype=fp4"], "config key 'engine_dtype' must be one of auto, float32, bfloat16, fp8, fp8_all")]:
+        with pytest.raises(config.UserError, match=message) as e:
+            cfg = parse(*args)
+            config_checks.validate(cfg)
+            exact.check_config(cfg)
+        assert "\n" not in str(e.value)
+
+
+def test_a_gpu_without_fp8_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match="engine_dtype=fp8 needs FP8 tensor cores .* NVIDIA A100 is sm_80") as e:
+        check_device("cuda:0")
+    assert "\n" not in str(e.value)
+    check_device("cpu")                                                  # the CPU runs the twin
+
+
+def test_the_triton_weight_gemm_matches_the_twin_interpreted():
+    """kernels/fp8_gemm.py under TRITON_INTERPRET=1 (float32 activations: the interpreter's bf16 dots are not to be
+    trusted), unsplit and split over K, rows and columns that leave partial tiles."""
+    from tests.interpret import run_interpreted
+    run_interpreted("""
+import torch
+from kernels.fp8 import quantise_rows
+from kernels.fp8_gemm import fp8_weight_gemm, tiles
+g = torch.Generator().manual_seed(0)
+for M, N, K in ((3, 32, 256), (20, 64, 48)):
+    x = torch.randn(M, K, generator=g)
+    w8, s = quantise_rows(torch.randn(N, K, generator=g))
+    ref = x @ (w8.float() * s[:, None]).t()
+    assert torch.allclose(fp8_weight_gemm(x, w8, s), ref, atol=1e-4, rtol=1e-5), (M, N, K)
+assert [tiles(3, 32, 256)[3], tiles(20, 64, 48)[3]] == [2, 3]        # both split over K
+print("ok")
+""")
+
+
+def test_tiles_fill_the_card_at_w6s_shapes():
+    from kernels.fp8_gemm import SMS, tiles
+    for N, K in ((37888, 3584), (3584, 18944), (152064, 3584), (4608, 3584)):    # gate/up, down, head, q/k/v
+        BM, BN, BK, split = tiles(64, N, K)
+        assert BM == 64 and K % (BK * split) == 0 and -(-N // BN) * split >= SMS, (N, K)
+
+
+@CUDA
+def test_scaled_mm_matches_the_twin_on_a_gpu():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 512, device="cuda", generator=g).bfloat16()
+    w = torch.randn(1024, 512, device="cuda", generator=g).bfloat16()
+    w8, scale = quantise_rows(w)
+    y = fp8_linear(x, w8, scale)                                         # torch._scaled_mm
+    from kernels.fp8 import quantise_activations
+    twin = dequantised_mm(*quantise_activations(x), w8, scale)           # the same quantised values, float32
+    assert y.dtype == torch.bfloat16
+    assert torch.allclose(y.float(), twin, rtol=2e-2, atol=2e-2 * twin.abs().max().item())
+    from kernels.fp8_gemm import fp8_weight_gemm
+    for K in (512, 4096):                                                # unsplit, and split over K
+        x = torch.randn(64, K, device="cuda", generator=g).bfloat16()
+        w8, scale = quantise_rows(torch.randn(1024, K, device="cuda", generator=g))
+        y = fp8_weight_gemm(x, w8, scale)
+        ref = x.float() @ (w8.float() * scale[:, None]).t()
+        assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), ref, rtol=2e-2, atol=1e-2 * ref.abs().max().item())
+
+
+@CUDA
+@pytest.mark.parametrize("gemm", ["scaled_mm", "triton"])
+def test_fp8_decoder_on_a_gpu_samples_close_to_teacher_forcing(random_model_dir, gemm, monkeypatch):
+    """The compiled, graphed step with FP8 groups (fp8_all: the random model's widths are multiples of 16 but
+    the head's 14 rows are not, so the head stays bf16 here), with either GPU GEMM."""
+    from engines.base import SamplingParams
+    from kernels import fp8
+    from models import completion_logprobs, load_model
+    monkeypatch.setattr(fp8, "GEMM", gemm)
+    model, tok = load_model(random_model_dir, torch.device("cuda"), torch.bfloat16)
+    dec = FastDecoder(model, weights="fp8_all")
+    ids = torch.randint(2, 14, (8, 6), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    completion, alive, logprobs, _ = dec.sample(ids, torch.ones_like(ids), SamplingParams(max_new_tokens=16), 1, 0,
+                                                torch.Generator(device="cuda").manual_seed(0))
+    C = completion.shape[1]
+    full = torch.cat([ids, completion], 1)
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, full, torch.ones_like(full), C, 1.0)
+    gap = float(((logp.float() - logprobs.float()).abs() * alive).max())
+    assert dec.use_graph and gap < 0.5, gap
+    dec.refresh()
+    assert _fp8_groups(dec) == ([[True] * 4] * len(model.model.layers), False)
+    assert decode_weights.FP8_MIN["fp8"] > 0
