@@ -76,6 +76,9 @@ def routed_experts(x: Tensor, router: Tensor, top_k: int, norm_topk: bool, gate_
     N, H = x.shape
     E = gate_up.shape[0]
     probs = F.linear(x, router).float().softmax(-1)                          # (N, E)
+    # topk, not a rank computed in one fused pass (which would save one of topk's two kernels): exact ties (a
+    # padding token's zero hidden state gives equal probabilities) must break as the trainer's router breaks
+    # them, which is topk's own order
     weight, idx = probs.topk(top_k, dim=-1)                                  # (N, k) each
     if norm_topk:
         weight = weight / weight.sum(-1, keepdim=True)
@@ -83,18 +86,39 @@ def routed_experts(x: Tensor, router: Tensor, top_k: int, norm_topk: bool, gate_
     if chosen is not None:
         chosen.append(idx)
     flat = idx.reshape(-1)                                                   # (N k,) expert of each pair
-    order = flat.argsort(stable=True)                                        # pairs grouped by expert
+    order, at, offs = _by_expert(flat, E)                                    # pairs grouped by expert
     expert = flat[order]                                                     # (N k,) sorted
     token = order // top_k                                                   # (N k,) the token of each pair
-    # (E,) end of each expert's block; searchsorted, not bincount: its output size would need the host
-    offs = torch.searchsorted(expert, torch.arange(E, device=x.device), right=True).to(torch.int32)
     if grouped is None:
         grouped = use_grouped(x, gate_up, down)
     h = _expert_mm(x[token], gate_up, expert, offs, grouped)                # (N k, 2I)
     g, u = h.chunk(2, dim=-1)
     h = _expert_mm((act(g) * u).contiguous(), down, expert, offs, grouped)  # (N k, H)
-    h = h * weight.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, token, h)                       # (N, H)
+    # back to token order by a gather (at: each pair's row in the sorted layout), then each token's k rows weighted
+    # and summed: one fused pass, no zeroed buffer and no atomic scatter-add
+    return (h[at].view(N, top_k, H) * weight[..., None]).sum(1)              # (N, H)
+
+
+# below this many (token, expert) pairs (a decode step's), the expert-sorted order is counted in one fused pass
+# over pairs x pairs instead of a sort, which is one slow kernel at these sizes; a prefill's pairs take the sort
+COUNT_PAIRS = 2048
+
+
+def _by_expert(flat: Tensor, E: int) -> tuple[Tensor, Tensor, Tensor]:
+    """flat (M,) expert of each pair -> order (M,): the pairs stably sorted by expert; place (M,): each pair's
+    position in that order (order's inverse); offs (E,) int32: the end of each expert's block in it."""
+    M = flat.shape[0]
+    i = torch.arange(M, device=flat.device)
+    if M > COUNT_PAIRS:
+        order = flat.argsort(stable=True)
+        # searchsorted, not bincount: its output size would need the host
+        offs = torch.searchsorted(flat[order], torch.arange(E, device=flat.device), right=True).to(torch.int32)
+        return order, torch.empty_like(order).scatter_(0, order, i), offs
+    # a pair's place in the stable order: the pairs of smaller experts, plus the earlier pairs of its own expert
+    before = (flat[None, :] < flat[:, None]) | ((flat[None, :] == flat[:, None]) & (i[None, :] < i[:, None]))
+    place = before.sum(1)                                                     # (M,)
+    offs = (flat[None, :] <= torch.arange(E, device=flat.device)[:, None]).sum(1).to(torch.int32)   # (E,)
+    return torch.empty_like(flat).scatter_(0, place, i), place, offs
 
 
 def moe_block(mlp, x: Tensor, grouped: bool | None = None, sink: Tensor | None = None,

@@ -120,7 +120,7 @@ def profile(fn, out: str) -> str:
         fn()
         sync()
     with open(out, "w") as f:
-        f.write(p.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+        f.write(p.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
     return out
 
 
@@ -168,8 +168,9 @@ def run_model(name: str, a, work: dict, device, dtype, emit=lambda row: None) ->
         row["path"] += f", {engine.decoder.attention} attention"
     if a.check:
         row.update(logprob_gap(model, out))
-    if a.profile == name and device.type == "cuda":
-        row["profile"] = profile(lambda: engine.generate(prompts, work["samples"], sampling, gen), a.profile_out)
+    if name in a.profile.split(",") and device.type == "cuda":
+        out = a.profile_out if a.profile == name else a.profile_out.replace(".txt", f".{name}.txt")
+        row["profile"] = profile(lambda: engine.generate(prompts, work["samples"], sampling, gen), out)
     emit(row)   # the engine's figures, before transformers' generate (a run cut short keeps them)
     if not a.no_hf and (not a.hf or name in a.hf.split(",")):
         ids = torch.tensor(prompts, device=device).repeat_interleave(work["samples"], 0)
@@ -216,7 +217,8 @@ def main():
     p.add_argument("--budget", type=float, default=300.0, help="seconds; models not started by then are skipped")
     p.add_argument("--json", default="", help="also write the rows here (after each model)")
     p.add_argument("--hf", default="", help="comma-separated models to run transformers' generate for (default: all)")
-    p.add_argument("--profile", default="", help="one model whose engine rollout is profiled once more (GPU)")
+    p.add_argument("--profile", default="", help="comma-separated models whose engine rollout is profiled once more "
+                   "(GPU); with several, each table goes to --profile-out with the model's name before .txt")
     p.add_argument("--profile-out", default="w10_profile.txt", help="where --profile writes its kernel table")
     p.add_argument("--check", action="store_true",
                    help="also measure each engine rollout's log-prob gap to teacher forcing (mean, max)")
