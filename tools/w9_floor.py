@@ -49,7 +49,6 @@ GB = 1e9
 BAR = 1.3
 
 
-
 @triton.jit
 def _logits_kl_kernel(hs_ptr, ws_ptr, ht_ptr, wt_ptr, zs_ptr, zt_ptr, part_ptr, M, V, KS, KT, stride_z, inv_t,
                       REVERSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -263,6 +262,16 @@ def plain_gemm(H, V, T):
     return tuple(max(r[k]) for k in ("cublas", "triton", "triton+stats"))
 
 
+def inputs(n, H, V, dev="cuda"):
+    """W9's operands, bf16: student hidden hs (n, H) and head ws (V, H) with gradients, teacher ht, wt alike
+    without, and the per-token loss weights a (n,)."""
+    hs = torch.randn(n, H, device=dev).to(torch.bfloat16).requires_grad_()
+    ws = (torch.randn(V, H, device=dev) / H**0.5).to(torch.bfloat16).requires_grad_()
+    ht = torch.randn(n, H, device=dev).to(torch.bfloat16)
+    wt = (torch.randn(V, H, device=dev) / H**0.5).to(torch.bfloat16)
+    return hs, ws, ht, wt, torch.rand(n, device=dev)
+
+
 def fused_report(H, V, args, a_ms=None):
     """--fused: the statistics-in-the-epilogue route at the loss's chunk: its logits step, a plain Triton GEMM's
     rate, and the loss with the route swapped in; what the route would need to reach the bar."""
@@ -271,12 +280,7 @@ def fused_report(H, V, args, a_ms=None):
     r = fused_logits(H, V, m)
     c, c2, f, h = (r["sustained_ms"][x] for x in ("cublas", "cublas+row_kl", "fused", "half"))
     cub, tri, tri_stats = plain_gemm(H, V, m)
-    dev = "cuda"
-    hs = torch.randn(args.n, H, device=dev).to(torch.bfloat16).requires_grad_()
-    ws = (torch.randn(V, H, device=dev) / H**0.5).to(torch.bfloat16).requires_grad_()
-    ht = torch.randn(args.n, H, device=dev).to(torch.bfloat16)
-    wt = (torch.randn(V, H, device=dev) / H**0.5).to(torch.bfloat16)
-    a = torch.rand(args.n, device=dev)
+    hs, ws, ht, wt, a = inputs(args.n, H, V)
     fn = lambda hs, ws, ht, wt, a: fused_kl_loss(hs, ws, ht, wt, a)                           # noqa: E731
     loss = {"cuBLAS products + row_kl (shipped)": bench_w9.measure(fn, hs, ws, ht, wt, a, True, args.rep)}
     for name, load_t in (("both products in the kernel", False), ("cuBLAS zt, zs in the kernel", True)):
@@ -307,19 +311,14 @@ def fused_report(H, V, args, a_ms=None):
 
 
 def shape_report(H, V, args, settings, budgets):
-    dev = "cuda"
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
-    hs = torch.randn(args.n, H, device=dev).to(torch.bfloat16).requires_grad_()
-    ws = (torch.randn(V, H, device=dev) / H**0.5).to(torch.bfloat16).requires_grad_()
-    ht = torch.randn(args.n, H, device=dev).to(torch.bfloat16)
-    wt = (torch.randn(V, H, device=dev) / H**0.5).to(torch.bfloat16)
-    a = torch.rand(args.n, device=dev)
+    hs, ws, ht, wt, a = inputs(args.n, H, V)
     m = loss_rows(args.n, V, 2, LOSS_CHUNK_BYTES)
     k = -(-args.n // m)
     print(f"\nH={H} V={V}: chunk {m} tokens, {k} chunks", flush=True)
     mm = products(hs.detach(), ws.detach(), ht, wt, args.block, False)
     mm_c = products(hs.detach(), ws.detach(), ht, wt, m, True)
-    tr = traffic(m, V, k, dev)
+    tr = traffic(m, V, k, hs.device)
     pt = passes(hs.detach(), ws.detach(), ht, wt, m, settings)
     runs = loss_runs(hs, ws, ht, wt, a, settings, budgets, args.rep)
     fa, fc, fb = sum(mm.values()), sum(mm_c.values()), tr["ms"]
