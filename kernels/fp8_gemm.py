@@ -20,7 +20,7 @@ from torch import Tensor
 from kernels.logprob import HAS_TRITON
 
 MAX_ROWS = 128          # decode-sized M; more rows go to _scaled_mm (fp8.fp8_linear)
-SMS = 132               # H100 SXM's multiprocessors: the split aims at >= 2 programs per multiprocessor
+SMS = 132               # multiprocessors the K split is sized for: >= 2 programs on each (docs/lora.md)
 
 
 def tiles(M: int, N: int, K: int) -> tuple[int, int, int, int]:
