@@ -4,13 +4,15 @@ GEMM, `fp8.GEMM = "triton"`):
     y = fp8_weight_gemm(x, w8, scale)        # x (M, K) bf16, w8 (N, K) e4m3, scale (N,) float32 -> (M, N) in x's dtype
 
 Why beside torch._scaled_mm: at a decode step's few rows (M <= 128) the GEMM only streams the weight, and cuBLAS's
-FP8 kernels read it well below the card's bandwidth at these shapes (docs/speed.md's probe: 7B down_proj 46 us for
-68 MB); they also need the activations quantised first (one more kernel per GEMM). Here each program converts a
-(BN, BK) tile of the FP8 weight to bf16 in registers and multiplies with tensor cores, the per-channel scale applied
-in the epilogue; the activations stay bf16, so the engine's only rounding beyond bf16 is the weights'. A narrow
+FP8 kernels read it well below the card's bandwidth at these shapes (docs/speed.md's probe); they also need the
+activations quantised first (one more kernel per GEMM). Here each program converts a (BN, BK) tile of the FP8
+weight to bf16 in registers and multiplies with tensor cores, the per-channel scale applied in the epilogue; the
+activations stay bf16, so the engine's only rounding beyond bf16 is the weights'. A narrow
 output (down_proj's 3584 columns) gives too few column tiles to fill the card, so the K range is split over
 programs (SPLIT) and the float32 partial sums are added by one reduction after. Rows beyond 128 (a prefill) take
 _scaled_mm: there the GEMM is compute-bound and FP8's tensor cores win.
+Off by default: at W6's shape the rollout through it was slower than through _scaled_mm (docs/lora.md, "FP8 rollout
+weights").
 
 The torch twin is kernels/fp8.py's dequantised product (the same values up to the order of the sums).
 """
