@@ -21,10 +21,10 @@ FP8 (engine_dtype=fp8: the engine's training rollouts; engines/builtin.py): a th
 with every group whose weights hold at least FP8_MIN elements (and the head, `refresh`'s head) replaced by a
 float8_e4m3 copy of its merged weights with one float32 scale per output channel (kernels/fp8.py: quantise_rows),
 made at refresh; the step applies it as one scaled FP8 GEMM with the activations quantised per token
-(kernels/fp8.py: fp8_linear). The master weights are never touched. Only large weights: a decode GEMM of a small
-weight is latency-bound, and FP8's activation quantisation costs more than its halved bytes save (docs/speed.md,
-the probe: at 0.5B only the head and the MLP's gate/up gained; at 7B the MLP and the head). "fp8_all" quantises
-every group and the head (small models: the mismatch lab, docs/mismatch.md).
+(kernels/fp8.py: fp8_linear). The master weights are never touched. Only large weights (FP8_MIN): a decode GEMM
+of a small weight is latency-bound, so its halved bytes save little, and its activation quantisation may be a
+kernel of its own. "fp8_all" quantises every group and the head (small models: the mismatch lab,
+docs/mismatch.md).
 
 Measured: docs/lora.md ("decode_weights=in_place", "FP8"), tools/lora_decode_bench.py.
 """
@@ -39,11 +39,12 @@ from kernels.fp8 import FP8, fp8_linear, gemm_fits, quantise_rows
 from lora import dense_weight
 
 WEIGHTS = ("fused", "in_place", "fp8", "fp8_all")  # FastDecoder(weights=): how the step reads the weights (refresh)
-# the fp8 routes: a group (or the head) goes to FP8 when its weights hold at least this many elements. 2**25
-# (~34 M, 64 MB in bf16) sits between the largest weight that lost in docs/speed.md's probe (7B q/k/v, 16.5 M) and
-# the smallest that gained (7B down_proj, 68 M); on a GPU a weight whose dimensions are not multiples of 16 stays
+# the fp8 routes: a group (or the head) goes to FP8 when its weights hold at least this many elements. 14 * 2**20
+# (~14.7 M) takes a 7B's q/k/v (16.5 M), whose quantisation fuses into the norm before it, and leaves its o_proj
+# (12.8 M), whose input comes out of the attention op, so its quantisation would be a kernel of its own costing
+# about what the FP8 GEMM saves (docs/lora.md); on a GPU a weight whose dimensions are not multiples of 16 stays
 # bf16 too (torch._scaled_mm's rule)
-FP8_MIN = {"fp8": 2**25, "fp8_all": 0}
+FP8_MIN = {"fp8": 14 * 2**20, "fp8_all": 0}
 # switches, set before building a decoder (tests, tools/lora_decode_bench.py) or from the environment: whether
 # decode_weights=in_place re-packs each group's frozen weights with its adapters' A (pack_group; "0": the unpacked
 # route, 15 GEMMs per layer per token with LoRA on every projection, for comparison), and how the packed group adds
@@ -285,9 +286,14 @@ def fp8_fits(ms: list, weights: str, device) -> bool:
 def fp8_group(ms: list, prev_w: list | None) -> list:
     """[w8 (out, in) e4m3, scale (out,) float32] of the group's merged weights (LoRA adapters merged, lora.dense_weight;
     outputs side by side), refilled into prev_w's buffers when given (captured graphs stay valid)."""
-    merged = [dense_weight(m) for m in ms]
-    w = torch.cat(merged) if len(merged) > 1 else merged[0]                             # (out, in)
-    return list(quantise_rows(w, None if prev_w is None or prev_w[0].dtype != FP8 else tuple(prev_w)))
+    return list(quantise_rows(merged(ms), None if prev_w is None or prev_w[0].dtype != FP8 else tuple(prev_w)))
+
+
+def merged(ms: list, out: Tensor | None = None) -> Tensor:
+    """(out, in): the group's weights with their LoRA adapters merged (lora.dense_weight), outputs side by side;
+    into out (the last rollout's buffer) when given. A lone projection without active adapters gives its own W."""
+    ws = [dense_weight(m) for m in ms]                                      # new tensors, or W if adapters are off
+    return _cat(ws, out) if out is not None or len(ws) > 1 else ws[0]
 
 
 def _group(ms: list, prev: tuple | None, pack: Pack | None, weights: str) -> tuple:
@@ -305,8 +311,7 @@ def _group(ms: list, prev: tuple | None, pack: Pack | None, weights: str) -> tup
         return [base_weight(m) for m in ms], b, *low_rank(ms, prev[2], prev[3]), 0
     if len(ms) == 1 and type(ms[0]) is torch.nn.Linear:
         return [ms[0].weight], b, None, None, 0                             # read in place
-    merged = [dense_weight(m) for m in ms]                                  # new tensors, or W if adapters are off
     if prev[0] is not None and prev[0][0].dtype != FP8:
-        return [_cat(merged, prev[0][0])], b, None, None, 0
-    w = torch.cat(merged) if len(ms) > 1 else merged[0]
+        return [merged(ms, prev[0][0])], b, None, None, 0
+    w = merged(ms)
     return [w.clone() if w is base_weight(ms[0]) else w], b, None, None, 0  # ours, so later calls can refill it
