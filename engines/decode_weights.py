@@ -285,8 +285,18 @@ def fp8_fits(ms: list, weights: str, device) -> bool:
 
 def fp8_group(ms: list, prev_w: list | None) -> list:
     """[w8 (out, in) e4m3, scale (out,) float32] of the group's merged weights (LoRA adapters merged, lora.dense_weight;
-    outputs side by side), refilled into prev_w's buffers when given (captured graphs stay valid)."""
-    return list(quantise_rows(merged(ms), None if prev_w is None or prev_w[0].dtype != FP8 else tuple(prev_w)))
+    outputs side by side), refilled into prev_w's buffers when given (captured graphs stay valid). Each projection
+    is quantised straight into its rows: no concatenated bf16 copy of the group is made."""
+    ws = [base_weight(m) for m in ms]
+    n, k = sum(w.shape[0] for w in ws), ws[0].shape[1]
+    w8, scale = (prev_w if prev_w is not None and prev_w[0].dtype == FP8 else
+                 (torch.empty(n, k, dtype=FP8, device=ws[0].device),
+                  torch.empty(n, dtype=torch.float32, device=ws[0].device)))
+    row = 0
+    for m, w in zip(ms, ws):
+        quantise_rows(dense_weight(m), (w8[row:row + w.shape[0]], scale[row:row + w.shape[0]]))
+        row += w.shape[0]
+    return [w8, scale]
 
 
 def merged(ms: list, out: Tensor | None = None) -> Tensor:
