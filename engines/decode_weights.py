@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.fp8 import FP8, fp8_linear, gemm_fits, quantise_rows
+from kernels.fp8_quant import merge_quantise
 from lora import dense_weight
 
 WEIGHTS = ("fused", "in_place", "fp8", "fp8_all")  # FastDecoder(weights=): how the step reads the weights (refresh)
@@ -45,6 +46,12 @@ WEIGHTS = ("fused", "in_place", "fp8", "fp8_all")  # FastDecoder(weights=): how 
 # about what the FP8 GEMM saves (docs/lora.md); on a GPU a weight whose dimensions are not multiples of 16 stays
 # bf16 too (torch._scaled_mm's rule)
 FP8_MIN = {"fp8": 14 * 2**20, "fp8_all": 0}
+# how the fp8 routes' refresh makes a GPU's FP8 copies: "torch" (lora.dense_weight, then kernels/fp8.py's
+# quantise_rows: several eager passes over each weight per rollout) or "triton" (kernels/fp8_quant.py: one kernel
+# per projection merges its adapters and quantises; not yet timed on a GPU, so not the default: docs/lora.md)
+FP8_REFRESH = os.environ.get("FAST_DECODE_FP8_REFRESH", "torch")
+if FP8_REFRESH not in ("torch", "triton"):
+    raise ValueError(f"FAST_DECODE_FP8_REFRESH={FP8_REFRESH!r}: use torch or triton")
 # switches, set before building a decoder (tests, tools/lora_decode_bench.py) or from the environment: whether
 # decode_weights=in_place re-packs each group's frozen weights with its adapters' A (pack_group; "0": the unpacked
 # route, 15 GEMMs per layer per token with LoRA on every projection, for comparison), and how the packed group adds
@@ -69,10 +76,12 @@ def _cat(ts: list, out: Tensor | None) -> Tensor | None:
     return torch.cat(ts, out=out) if out is not None else torch.cat(ts)
 
 
-def low_rank(ms: list, prev_a: Tensor | None, prev_b: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+def low_rank(ms: list, prev_a: Tensor | None, prev_b: Tensor | None,
+             dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
     """The active LoRA adapters of layers ms (sharing one input) as one pair: A (R, in) stacks every adapter's
     A, B (sum of outs, R) is block-diagonal with each adapter's B * alpha / r in its layer's rows, so
-    x A^T B^T is every adapter's update of the concatenated output in two GEMMs. (None, None) without adapters."""
+    x A^T B^T is every adapter's update of the concatenated output in two GEMMs. (None, None) without adapters.
+    In dtype (default: the base weights')."""
     blocks, row = [], 0                                     # (A, scaled B, first output row)
     for m in ms:
         if hasattr(m, "lora_A") and not (m.disable_adapters or m.merged):
@@ -83,7 +92,7 @@ def low_rank(ms: list, prev_a: Tensor | None, prev_b: Tensor | None) -> tuple[Te
         row += base_weight(m).shape[0]
     if not blocks:
         return None, None
-    dtype = base_weight(ms[0]).dtype
+    dtype = dtype or base_weight(ms[0]).dtype
     with torch.no_grad():
         a = torch.cat([A for A, _, _ in blocks]).to(dtype)                     # (R, in)
         b = torch.zeros(row, a.shape[0], dtype=dtype, device=a.device)         # (out, R)
@@ -286,7 +295,8 @@ def fp8_fits(ms: list, weights: str, device) -> bool:
 def fp8_group(ms: list, prev_w: list | None) -> list:
     """[w8 (out, in) e4m3, scale (out,) float32] of the group's merged weights (LoRA adapters merged, lora.dense_weight;
     outputs side by side), refilled into prev_w's buffers when given (captured graphs stay valid). Each projection
-    is quantised straight into its rows: no concatenated bf16 copy of the group is made."""
+    is quantised straight into its rows: no concatenated bf16 copy of the group is made; on a GPU with
+    FP8_REFRESH = "triton" by one kernel that also merges its adapters (not DoRA: those take the torch route)."""
     ws = [base_weight(m) for m in ms]
     n, k = sum(w.shape[0] for w in ws), ws[0].shape[1]
     w8, scale = (prev_w if prev_w is not None and prev_w[0].dtype == FP8 else
@@ -294,7 +304,11 @@ def fp8_group(ms: list, prev_w: list | None) -> list:
                   torch.empty(n, dtype=torch.float32, device=ws[0].device)))
     row = 0
     for m, w in zip(ms, ws):
-        quantise_rows(dense_weight(m), (w8[row:row + w.shape[0]], scale[row:row + w.shape[0]]))
+        rows = (w8[row:row + w.shape[0]], scale[row:row + w.shape[0]])
+        if FP8_REFRESH == "triton" and w.is_cuda and not any(getattr(m, "use_dora", {}).values()):
+            merge_quantise(w, *low_rank([m], None, None, torch.float32), rows)    # A (R, in), B (out, R) float32
+        else:
+            quantise_rows(dense_weight(m), rows)
         row += w.shape[0]
     return [w8, scale]
 

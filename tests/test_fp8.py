@@ -103,6 +103,9 @@ def test_lora_adapters_are_merged_into_the_fp8_copy(random_model_dir, monkeypatc
     merged, base = lora.dense_weight(down), down.base_layer.weight
     deq = w8.float() * scale[:, None]
     assert (deq - merged).abs().max() < (deq - base).abs().max() / 4    # W + B A, not W
+    # what FP8_REFRESH="triton" hands the merge-and-quantise kernel (kernels/fp8_quant.py): A, B * alpha / r in float32
+    A, B = decode_weights.low_rank([down], None, None, torch.float32)
+    assert A.dtype == B.dtype == torch.float32 and torch.allclose(base + B @ A, merged, atol=1e-6)
 
 
 def _engine_gap(model, tok, dtype: str, rollout: bool) -> tuple[float, object]:
@@ -159,15 +162,19 @@ def test_a_gpu_without_fp8_is_refused_in_one_line(monkeypatch):
     check_device("cpu")                                                  # the CPU runs the twin
 
 
-def test_the_triton_fp8_gemm_matches_the_twin_interpreted():
-    """kernels/fp8_gemm.py's kernel under TRITON_INTERPRET=1 against the dequantised float32 twin, split over K
-    (the last range shorter), rows and columns that leave partial tiles; launched directly (the custom op around
-    it costs the interpreter more than the kernel: the GPU test goes through it)."""
+def test_the_fp8_kernels_match_their_twins_interpreted():
+    """Under TRITON_INTERPRET=1 (one subprocess for both kernels: its start costs more than they do).
+    kernels/fp8_gemm.py's kernel against the dequantised float32 twin, split over K (the last range shorter),
+    rows and columns that leave partial tiles; launched directly (the custom op around it costs the interpreter
+    more than the kernel: the GPU test goes through it). kernels/fp8_quant.py's merge-and-quantise: the scales,
+    and the quotient before its e4m3 rounding (a float32 w8: the interpreter's e4m3 rounding is not the GPU's),
+    with and without adapters."""
     from tests.interpret import run_interpreted
     run_interpreted("""
 import torch
-from kernels.fp8 import dequantised_mm, quantise_activations, quantise_rows
+from kernels.fp8 import dequantised_mm, quantise_activations, quantise_rows, row_scales
 from kernels.fp8_gemm import launch, tiles
+from kernels.fp8_quant import merge_quantise
 g = torch.Generator().manual_seed(0)
 for M, N, K in ((3, 96, 320), (20, 64, 48)):
     x8, sx = quantise_activations(torch.randn(M, K, generator=g))
@@ -176,6 +183,15 @@ for M, N, K in ((3, 96, 320), (20, 64, 48)):
     parts = launch(x8, sx.view(M), w8, s, t)                          # (S, M, N)
     assert parts.shape == (t.S, M, N) and t.S > 1, (t, parts.shape)
     assert torch.allclose(parts.sum(0), dequantised_mm(x8, sx, w8, s), atol=1e-4, rtol=1e-5), (M, N, K)
+for N, K, R in ((40, 96, 0), (70, 200, 16), (33, 64, 5)):
+    w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+    a, b = (torch.randn(R, K, generator=g), torch.randn(N, R, generator=g) * 0.01) if R else (None, None)
+    q, s = torch.full((N, K), float("nan")), torch.full((N,), float("nan"))
+    merge_quantise(w, a, b, (q, s))
+    m = w.float() if a is None else w.float() + b @ a                 # (N, K): the merged weight
+    ref = row_scales(m)                                               # (N, 1)
+    assert torch.allclose(s, ref[:, 0], rtol=1e-6, atol=0) and torch.allclose(q, m / ref, rtol=0, atol=1e-3)
+    assert R or (torch.equal(s, ref[:, 0]) and torch.equal(q, m / ref))    # no sum: bit-equal
 print("ok")
 """)
 
@@ -214,14 +230,31 @@ def test_fp8_gemms_match_the_twin_on_a_gpu():
 
 
 @CUDA
-@pytest.mark.parametrize("gemm", ["triton", "scaled_mm"])
-def test_fp8_decoder_on_a_gpu_samples_close_to_teacher_forcing(random_model_dir, gemm, monkeypatch):
+def test_merge_quantise_matches_the_twin_on_a_gpu():
+    from kernels.fp8_quant import merge_quantise, merged_twin
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for N, K, R in ((4608, 3584, 16), (100, 200, 0), (33, 64, 5)):
+        w = (torch.randn(N, K, device="cuda", generator=g) * 0.05).bfloat16()
+        a = torch.randn(R, K, device="cuda", generator=g) if R else None
+        b = torch.randn(N, R, device="cuda", generator=g) * 0.01 if R else None
+        out = (torch.empty(N, K, dtype=FP8, device="cuda"), torch.full((N,), float("nan"), device="cuda"))
+        merge_quantise(w, a, b, out)
+        w8, s = merged_twin(w, a, b)
+        assert torch.allclose(out[1], s, rtol=1e-6, atol=0), (N, K, R)
+        same = (out[0].float() == w8.float()).float().mean().item()     # the sums' order may move a tie
+        assert same == 1.0 if not R else same > 0.999, (N, K, R, same)
+
+
+@CUDA
+@pytest.mark.parametrize("gemm,refresh", [("triton", "triton"), ("scaled_mm", "torch")])
+def test_fp8_decoder_on_a_gpu_samples_close_to_teacher_forcing(random_model_dir, gemm, refresh, monkeypatch):
     """The compiled, graphed step with FP8 groups (fp8_all: the random model's widths are multiples of 16 but
-    the head's 14 rows are not, so the head stays bf16 here), with either GPU GEMM."""
+    the head's 14 rows are not, so the head stays bf16 here), with either GPU GEMM and either refresh."""
     from engines.base import SamplingParams
     from kernels import fp8
     from models import completion_logprobs, load_model
     monkeypatch.setattr(fp8, "GEMM", gemm)
+    monkeypatch.setattr(decode_weights, "FP8_REFRESH", refresh)
     model, tok = load_model(random_model_dir, torch.device("cuda"), torch.bfloat16)
     dec = FastDecoder(model, weights="fp8_all")
     ids = torch.randint(2, 14, (8, 6), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
