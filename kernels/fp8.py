@@ -20,7 +20,7 @@ import os
 import torch
 from torch import Tensor
 
-from kernels.fp8_gemm import fp8_gemm, wins
+from kernels.fp8_gemm import HAS_TRITON, fp8_gemm, wins
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max      # 448.0: e4m3's largest finite value
@@ -92,7 +92,7 @@ def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None = None)
     partial sums over K ranges are added here, in order."""
     lead, K = x.shape[:-1], x.shape[-1]
     x8, sx = quantise_activations(x.reshape(-1, K))                                # (M, K), (M, 1)
-    if x.is_cuda and GEMM == "triton" and wins(x8.shape[0], w8.shape[0], K):
+    if x.is_cuda and GEMM == "triton" and HAS_TRITON and wins(x8.shape[0], w8.shape[0], K):
         y = fp8_gemm(x8, sx, w8, scale).sum(0).to(x.dtype)                         # (M, N)
     elif x.is_cuda:
         # w8.t() is (K, N) column-major, the layout _scaled_mm wants for its second operand
