@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.fp8 import FP8, fp8_linear, gemm_fits, quantise_rows
-from kernels.fp8_quant import merge_quantise
+from kernels.fp8_quant import HAS_TRITON, merge_quantise
 from lora import dense_weight
 
 WEIGHTS = ("fused", "in_place", "fp8", "fp8_all")  # FastDecoder(weights=): how the step reads the weights (refresh)
@@ -305,7 +305,7 @@ def fp8_group(ms: list, prev_w: list | None) -> list:
     row = 0
     for m, w in zip(ms, ws):
         rows = (w8[row:row + w.shape[0]], scale[row:row + w.shape[0]])
-        if FP8_REFRESH == "triton" and w.is_cuda and not any(getattr(m, "use_dora", {}).values()):
+        if FP8_REFRESH == "triton" and HAS_TRITON and w.is_cuda and not any(getattr(m, "use_dora", {}).values()):
             merge_quantise(w, *low_rank([m], None, None, torch.float32), rows)    # A (R, in), B (out, R) float32
         else:
             quantise_rows(dense_weight(m), rows)
