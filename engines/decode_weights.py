@@ -21,10 +21,10 @@ FP8 (engine_dtype=fp8: the engine's training rollouts; engines/builtin.py): a th
 with every group whose weights hold at least FP8_MIN elements (and the head, `refresh`'s head) replaced by a
 float8_e4m3 copy of its merged weights with one float32 scale per output channel (kernels/fp8.py: quantise_rows),
 made at refresh; the step applies it as one scaled FP8 GEMM with the activations quantised per token
-(kernels/fp8.py: fp8_linear). The master weights are never touched. Only large weights: a decode GEMM of a small
-weight is latency-bound, and FP8's activation quantisation costs more than its halved bytes save (docs/speed.md,
-the probe: at 0.5B only the head and the MLP's gate/up gained; at 7B the MLP and the head). "fp8_all" quantises
-every group and the head (small models: the mismatch lab, docs/mismatch.md).
+(kernels/fp8.py: fp8_linear). The master weights are never touched. Only large weights (FP8_MIN): a decode GEMM
+of a small weight is latency-bound, so its halved bytes save little, and its activation quantisation may be a
+kernel of its own. "fp8_all" quantises every group and the head (small models: the mismatch lab,
+docs/mismatch.md).
 
 Measured: docs/lora.md ("decode_weights=in_place", "FP8"), tools/lora_decode_bench.py.
 """
@@ -36,14 +36,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.fp8 import FP8, fp8_linear, gemm_fits, quantise_rows
+from kernels.fp8_quant import HAS_TRITON, merge_quantise
 from lora import dense_weight
 
 WEIGHTS = ("fused", "in_place", "fp8", "fp8_all")  # FastDecoder(weights=): how the step reads the weights (refresh)
-# the fp8 routes: a group (or the head) goes to FP8 when its weights hold at least this many elements. 2**25
-# (~34 M, 64 MB in bf16) sits between the largest weight that lost in docs/speed.md's probe (7B q/k/v, 16.5 M) and
-# the smallest that gained (7B down_proj, 68 M); on a GPU a weight whose dimensions are not multiples of 16 stays
+# the fp8 routes: a group (or the head) goes to FP8 when its weights hold at least this many elements. 14 * 2**20
+# (~14.7 M) takes a 7B's q/k/v (16.5 M), whose quantisation fuses into the norm before it, and leaves its o_proj
+# (12.8 M), whose input comes out of the attention op, so its quantisation would be a kernel of its own costing
+# about what the FP8 GEMM saves (docs/lora.md); on a GPU a weight whose dimensions are not multiples of 16 stays
 # bf16 too (torch._scaled_mm's rule)
-FP8_MIN = {"fp8": 2**25, "fp8_all": 0}
+FP8_MIN = {"fp8": 14 * 2**20, "fp8_all": 0}
+# how the fp8 routes' refresh makes a GPU's FP8 copies: "torch" (lora.dense_weight, then kernels/fp8.py's
+# quantise_rows: several eager passes over each weight per rollout) or "triton" (kernels/fp8_quant.py: one kernel
+# per projection merges its adapters and quantises; not yet timed on a GPU, so not the default: docs/lora.md)
+FP8_REFRESH = os.environ.get("FAST_DECODE_FP8_REFRESH", "torch")
+if FP8_REFRESH not in ("torch", "triton"):
+    raise ValueError(f"FAST_DECODE_FP8_REFRESH={FP8_REFRESH!r}: use torch or triton")
 # switches, set before building a decoder (tests, tools/lora_decode_bench.py) or from the environment: whether
 # decode_weights=in_place re-packs each group's frozen weights with its adapters' A (pack_group; "0": the unpacked
 # route, 15 GEMMs per layer per token with LoRA on every projection, for comparison), and how the packed group adds
@@ -68,10 +76,12 @@ def _cat(ts: list, out: Tensor | None) -> Tensor | None:
     return torch.cat(ts, out=out) if out is not None else torch.cat(ts)
 
 
-def low_rank(ms: list, prev_a: Tensor | None, prev_b: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+def low_rank(ms: list, prev_a: Tensor | None, prev_b: Tensor | None,
+             dtype: torch.dtype | None = None) -> tuple[Tensor | None, Tensor | None]:
     """The active LoRA adapters of layers ms (sharing one input) as one pair: A (R, in) stacks every adapter's
     A, B (sum of outs, R) is block-diagonal with each adapter's B * alpha / r in its layer's rows, so
-    x A^T B^T is every adapter's update of the concatenated output in two GEMMs. (None, None) without adapters."""
+    x A^T B^T is every adapter's update of the concatenated output in two GEMMs. (None, None) without adapters.
+    In dtype (default: the base weights')."""
     blocks, row = [], 0                                     # (A, scaled B, first output row)
     for m in ms:
         if hasattr(m, "lora_A") and not (m.disable_adapters or m.merged):
@@ -82,7 +92,7 @@ def low_rank(ms: list, prev_a: Tensor | None, prev_b: Tensor | None) -> tuple[Te
         row += base_weight(m).shape[0]
     if not blocks:
         return None, None
-    dtype = base_weight(ms[0]).dtype
+    dtype = dtype or base_weight(ms[0]).dtype
     with torch.no_grad():
         a = torch.cat([A for A, _, _ in blocks]).to(dtype)                     # (R, in)
         b = torch.zeros(row, a.shape[0], dtype=dtype, device=a.device)         # (out, R)
@@ -284,10 +294,30 @@ def fp8_fits(ms: list, weights: str, device) -> bool:
 
 def fp8_group(ms: list, prev_w: list | None) -> list:
     """[w8 (out, in) e4m3, scale (out,) float32] of the group's merged weights (LoRA adapters merged, lora.dense_weight;
-    outputs side by side), refilled into prev_w's buffers when given (captured graphs stay valid)."""
-    merged = [dense_weight(m) for m in ms]
-    w = torch.cat(merged) if len(merged) > 1 else merged[0]                             # (out, in)
-    return list(quantise_rows(w, None if prev_w is None or prev_w[0].dtype != FP8 else tuple(prev_w)))
+    outputs side by side), refilled into prev_w's buffers when given (captured graphs stay valid). Each projection
+    is quantised straight into its rows: no concatenated bf16 copy of the group is made; on a GPU with
+    FP8_REFRESH = "triton" by one kernel that also merges its adapters (not DoRA: those take the torch route)."""
+    ws = [base_weight(m) for m in ms]
+    n, k = sum(w.shape[0] for w in ws), ws[0].shape[1]
+    w8, scale = (prev_w if prev_w is not None and prev_w[0].dtype == FP8 else
+                 (torch.empty(n, k, dtype=FP8, device=ws[0].device),
+                  torch.empty(n, dtype=torch.float32, device=ws[0].device)))
+    row = 0
+    for m, w in zip(ms, ws):
+        rows = (w8[row:row + w.shape[0]], scale[row:row + w.shape[0]])
+        if FP8_REFRESH == "triton" and HAS_TRITON and w.is_cuda and not any(getattr(m, "use_dora", {}).values()):
+            merge_quantise(w, *low_rank([m], None, None, torch.float32), rows)    # A (R, in), B (out, R) float32
+        else:
+            quantise_rows(dense_weight(m), rows)
+        row += w.shape[0]
+    return [w8, scale]
+
+
+def merged(ms: list, out: Tensor | None = None) -> Tensor:
+    """(out, in): the group's weights with their LoRA adapters merged (lora.dense_weight), outputs side by side;
+    into out (the last rollout's buffer) when given. A lone projection without active adapters gives its own W."""
+    ws = [dense_weight(m) for m in ms]                                      # new tensors, or W if adapters are off
+    return _cat(ws, out) if out is not None or len(ws) > 1 else ws[0]
 
 
 def _group(ms: list, prev: tuple | None, pack: Pack | None, weights: str) -> tuple:
@@ -305,8 +335,7 @@ def _group(ms: list, prev: tuple | None, pack: Pack | None, weights: str) -> tup
         return [base_weight(m) for m in ms], b, *low_rank(ms, prev[2], prev[3]), 0
     if len(ms) == 1 and type(ms[0]) is torch.nn.Linear:
         return [ms[0].weight], b, None, None, 0                             # read in place
-    merged = [dense_weight(m) for m in ms]                                  # new tensors, or W if adapters are off
     if prev[0] is not None and prev[0][0].dtype != FP8:
-        return [_cat(merged, prev[0][0])], b, None, None, 0
-    w = torch.cat(merged) if len(ms) > 1 else merged[0]
+        return [merged(ms, prev[0][0])], b, None, None, 0
+    w = merged(ms)
     return [w.clone() if w is base_weight(ms[0]) else w], b, None, None, 0  # ours, so later calls can refill it

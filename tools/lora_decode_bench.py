@@ -2,7 +2,7 @@
 GPU, one command (#22, #38):
 
     python tools/lora_decode_bench.py --out $OUT/lora_decode          # W6: Qwen2.5-7B shape, r=16 on all linear layers
-    python tools/lora_decode_bench.py --out $OUT/fp8 --variants addmm,fp8,triton --repeats 2   # FP8 vs W6's route
+    python tools/lora_decode_bench.py --out $OUT/fp8 --variants addmm,fp8,refresh --repeats 2   # FP8 vs W6's route
     python tools/lora_decode_bench.py --small --out /tmp/ld          # CPU smoke run (toy shape, eager, no graph)
 
 A random Qwen2 at W6's shape (tools/bench.py SHAPES, bf16, built in memory), peft LoRA r=16 alpha 32 on every
@@ -12,12 +12,15 @@ gives them (unpacked before the packed ones: packing changes the model's storage
 unpacked (engines.decode_weights.PACK off: 15 GEMMs per layer per token); in_place packed, the low-rank product by addmm (8 GEMMs), then by mm and an add
 (decode_weights.LOW_RANK="mm"); fp8: the route engine_dtype=fp8 takes (FP8 copies of the merged weights of
 every group of at least decode_weights.FP8_MIN elements and of the head, the rest fused in bf16), its decode GEMMs
-torch._scaled_mm's (activations quantised per token) or, "fp8 triton" (--variants triton), kernels/fp8_gemm.py's
-(bf16 activations); fp8_all: every group and the head in FP8. Per variant: median rollout seconds over --repeats calls after a warm-up call
-(compile, capture), the peak memory allocated during a rollout, the largest and the mean |engine - teacher-forced|
-log-prob over 8 rows (the peft model in bf16: the trainer's side), and on a GPU a torch.profiler summary of one rollout (kernel names and
-counts: the GEMMs launched) in OUT/profile-<variant>.txt. Also what packing took: seconds and the peak memory
-over the model before it (one group's buffer expected, never a model copy), and of reserved memory.
+kernels/fp8_gemm.py's (the default) or, "fp8 scaled_mm" (--variants scaled_mm), torch._scaled_mm's, the
+activations quantised per token for both; "fp8 refresh" (--variants refresh): fp8 with the FP8 copies made by
+kernels/fp8_quant.py's merge-and-quantise kernel (decode_weights.FP8_REFRESH); fp8_all: every group and the head
+in FP8. Per variant: median rollout seconds over --repeats calls after a warm-up call (compile, capture), the
+peak memory allocated during a rollout, the largest and the mean |engine - teacher-forced| log-prob over 8 rows
+(the peft model in bf16: the trainer's side), and on a GPU a torch.profiler summary of one rollout (kernel names
+and counts: the GEMMs launched; microseconds per call and per token step) in OUT/profile-<variant>.txt. Also what
+packing took: seconds and the peak memory over the model before it (one group's buffer expected, never a model
+copy), and of reserved memory.
 Writes OUT/lora_decode.json and OUT/lora_decode.md.
 """
 import argparse
@@ -33,11 +36,15 @@ import torch
 from bench import SHAPES   # tools/bench.py: the workloads' shapes
 
 GIB = 2**30
-VARIANTS = [   # name (its last word is its --variants name), decode weights, decode_weights.PACK, .LOW_RANK, fp8.GEMM
-    ("fused", "fused", True, "addmm", "scaled_mm"), ("fp8", "fp8", True, "addmm", "scaled_mm"),
-    ("fp8 triton", "fp8", True, "addmm", "triton"), ("in_place unpacked", "in_place", False, "addmm", "scaled_mm"),
-    ("in_place packed addmm", "in_place", True, "addmm", "scaled_mm"),
-    ("in_place packed mm", "in_place", True, "mm", "scaled_mm"), ("fp8_all", "fp8_all", True, "addmm", "scaled_mm")]
+VARIANTS = [   # name (its last word is its --variants name), decode weights, decode_weights.PACK, .LOW_RANK,
+    # fp8.GEMM, decode_weights.FP8_REFRESH
+    ("fused", "fused", True, "addmm", "triton", "torch"), ("fp8", "fp8", True, "addmm", "triton", "torch"),
+    ("fp8 scaled_mm", "fp8", True, "addmm", "scaled_mm", "torch"),
+    ("fp8 refresh", "fp8", True, "addmm", "triton", "triton"),
+    ("in_place unpacked", "in_place", False, "addmm", "triton", "torch"),
+    ("in_place packed addmm", "in_place", True, "addmm", "triton", "torch"),
+    ("in_place packed mm", "in_place", True, "mm", "triton", "torch"),
+    ("fp8_all", "fp8_all", True, "addmm", "triton", "torch")]
 
 
 def build(shape: dict, r: int, device, dtype):
@@ -96,16 +103,24 @@ def rollout_row(model, dec, ids, mask, sampling, eos: int, repeats: int, device)
 
 
 def profile_one(dec, ids, mask, sampling, eos: int, device, path: str):
-    """Kernel names, counts and times of one rollout (CUDA graph replays included), top 15 by time."""
+    """Kernel names, counts and times of one rollout (CUDA graph replays included), top 25 by time, with
+    microseconds per call and per token step (sampling.max_new_tokens steps, the prefill's share included)."""
     from torch.profiler import ProfilerActivity, profile
+    steps = sampling.max_new_tokens
+    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         dec.sample(ids, mask, sampling, eos, 0, torch.Generator(device=device).manual_seed(1))
         sync(device)
+    wall = time.perf_counter() - t0
     events = [e for e in p.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
-    top = sorted(events, key=lambda e: -e.self_device_time_total)[:15]
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:25]
+    total = sum(e.self_device_time_total for e in events)                          # us
     with open(path, "w") as f:
-        f.write(f"GPU kernel time {sum(e.self_device_time_total for e in events) / 1e6:.3f} s\n")
-        f.writelines(f"{e.self_device_time_total / 1e6:8.4f} s  x{e.count:<7d} {e.key[:110]}\n" for e in top)
+        f.write(f"GPU kernel time {total / 1e6:.3f} s over {wall:.3f} s of wall (profiled); {steps} token steps: "
+                f"{total / steps:.1f} us of kernels per step\n  total s   calls/step  us/call  us/step  kernel\n")
+        f.writelines(f"{e.self_device_time_total / 1e6:8.4f} {e.count / steps:8.2f} "
+                     f"{e.self_device_time_total / e.count:8.2f} {e.self_device_time_total / steps:8.1f}  "
+                     f"{e.key[:100]}\n" for e in top)
 
 
 def main():
@@ -114,8 +129,9 @@ def main():
     p.add_argument("--small", action="store_true", help="toy shape on CPU (eager, no graph, no compile)")
     p.add_argument("--r", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="fused,unpacked,addmm,mm", help="some of fused,fp8,triton,unpacked,addmm,mm,"
-                   "fp8_all, run in the order given (unpacked before addmm and mm: packing is for good)")
+    p.add_argument("--variants", default="fused,unpacked,addmm,mm", help="some of fused,fp8,scaled_mm,refresh,"
+                   "unpacked,addmm,mm,fp8_all, run in the order given (unpacked before addmm and mm: packing is for "
+                   "good)")
     p.add_argument("--budget-s", type=float, default=0, help="start no variant after this many seconds (0: no limit)")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled rollout per variant")
     a = p.parse_args()
@@ -140,11 +156,12 @@ def main():
     todo = a.variants.split(",")
     if set(todo) - set(by_key) or ("unpacked" in todo and {"addmm", "mm"} & set(todo[:todo.index("unpacked")])):
         p.error(f"--variants: a subset of {','.join(by_key)}, unpacked before addmm and mm (packing is for good)")
-    for name, weights, pack, low_rank, gemm in [by_key[k] for k in todo]:
+    for name, weights, pack, low_rank, gemm, refresh in [by_key[k] for k in todo]:
         if a.budget_s and time.perf_counter() - start > a.budget_s:
             print(f"{name}: skipped (--budget-s {a.budget_s:.0f} spent)", flush=True)
             continue
-        decode_weights.PACK, decode_weights.LOW_RANK, fp8.GEMM = pack, low_rank, gemm
+        decode_weights.PACK, decode_weights.LOW_RANK, decode_weights.FP8_REFRESH = pack, low_rank, refresh
+        fp8.GEMM = gemm
         if gpu:
             torch.cuda.reset_peak_memory_stats(device)
         mem = lambda: (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)) if gpu else (0, 0)
@@ -185,7 +202,7 @@ def write(res: dict, out: str):
     v = res["variants"]
     base = next((b for b in ("in_place packed addmm", "fused") if b in v), None)   # W6's route, else the default
     lines += [f"\n{n} / {base}: {v[n]['median_s'] / v[base]['median_s']:.3f}x the rollout"
-              for n in ("fp8", "fp8 triton", "fp8_all") if n in v and base]
+              for n in ("fp8", "fp8 scaled_mm", "fp8 refresh", "fp8_all") if n in v and base]
     lines += [f"\n{n}: failed: {e}" for n, e in res["errors"].items()]
     with open(os.path.join(out, "lora_decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
