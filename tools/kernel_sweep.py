@@ -15,6 +15,10 @@ Prints one line per case (`ok` or `FAIL` with the family, the case and the error
   logprob  logprob_entropy (forward and backward; the split row_stats path too) -> logprob_entropy_reference
   linear   linear_logprob_entropy (cuBLAS + passes, and fuse_matmul's GEMM kernels) -> the reference on h @ w.T
   loss     linear_logprob_loss (gradients in the forward) -> autograd through the reference
+  exact_gemm, exact_attn, fused_kl, fp8_gemm, fp8_quant
+           the exact path's GEMM, RMSNorm and attention, the fused KL's passes, the FP8 GEMM and the FP8 refresh:
+           tools/kernel_families.py says what each checks. fp8_* need FP8 tensor cores on a GPU (sm_89+): on an
+           older card the sweep prints one `skip` line per family and counts neither a pass nor a failure
   decoder  engines/fast_decode.py end to end on the random test model (graph, both samplers, prompt length 1
            and odd, one new token) -> teacher-forced log-probs (GPU sizes only)
 LoRA's decode packing (engines/decode_weights.py) has no Triton kernel, so nothing of it is swept here.
@@ -27,7 +31,6 @@ import math
 import os
 import sys
 import time
-import zlib
 
 import torch
 
@@ -39,21 +42,10 @@ from kernels.linear_logprob import linear_logprob_entropy  # noqa: E402
 from kernels.logprob import logprob_entropy, logprob_entropy_reference  # noqa: E402
 from kernels.logprob_loss import linear_logprob_loss  # noqa: E402
 from kernels.sample import cdf_sample, gumbel_sample, gumbel_sample_reference  # noqa: E402
+from tools import kernel_families  # noqa: E402
+from tools.kernel_families import BF16, F32, QWEN_V, gen, rel  # noqa: E402
 
-F32, BF16 = torch.float32, torch.bfloat16
 TOL = {F32: 1e-4, BF16: 1e-2}      # relative L2 error, as tests/test_kernels.py
-QWEN_V = 151936
-
-
-def rel(a, b) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    if not torch.isfinite(a).all():
-        return math.inf
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))   # the same inputs in every process
 
 
 # --- sample -----------------------------------------------------------------------------------------------------
@@ -339,7 +331,8 @@ def decoder_cases(size):
 
 FAMILIES = {"sample": (sample_cases, check_sample), "decode": (decode_cases, check_decode),
             "logprob": (logprob_cases, check_logprob), "linear": (linear_cases, check_linear),
-            "loss": (loss_cases, check_loss), "decoder": (decoder_cases, check_decoder)}
+            "loss": (loss_cases, check_loss), **kernel_families.FAMILIES, "decoder": (decoder_cases, check_decoder)}
+NEEDS = kernel_families.NEEDS      # family -> fn(device) -> why it cannot run on this device (None: it can)
 
 
 def describe(case: dict) -> str:
@@ -347,10 +340,15 @@ def describe(case: dict) -> str:
 
 
 def sweep(families, size: str, device: str, out=sys.stdout) -> tuple[int, int]:
-    """Run the families' cases, one line each; -> (passed, failed)."""
+    """Run the families' cases, one line each; -> (passed, failed). A family this device cannot run gets one
+    `skip` line and counts in neither."""
     passed = failed = 0
     for name in families:
         cases, check = FAMILIES[name]
+        why = NEEDS[name](device) if name in NEEDS else None
+        if why:
+            print(f"skip {name:8s} {why}", file=out, flush=True)
+            continue
         for case in cases(size):
             t = time.perf_counter()
             try:

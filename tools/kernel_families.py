@@ -1,0 +1,359 @@
+"""tools/kernel_sweep.py's families for the exact path's, the fused KL's and the FP8 rollout's Triton kernels, and the
+helpers every family shares (a module of its own: the sweep's runner and its first families fill the other file).
+
+  exact_gemm  kernels/exact_gemm.py: exact_linear's `_gemm` with each TILES class's tile (rows of 1, odd sizes and
+              sizes no tile divides, bias or none) -> float64 F.linear; exact_rmsnorm in each of its NORM_MODES -> the
+              mode's formula in torch
+  exact_attn  kernels/exact_attention.py: exact_attention, trainer-like calls (whole sequences) and decode-like ones
+              (one token per row at a late position), GQA groups 1/3/7, a sliding window or none, caches whose length
+              no key block divides, both cache layouts the engine makes -> softmax attention in float64
+  fused_kl    kernels/fused_kl.py: fused_kl's forward and backward kernels on ragged tiles (`_stats_kernel`,
+              `_grad_kernel`) and fused_kl_loss's split rows (`_part_kernel`, `_merge_kernel`), both directions ->
+              fused_kl_reference and autograd through it
+  fp8_gemm    kernels/fp8_gemm.py: the FP8 x FP8 split-K GEMM (its default tiles and a K split whose last range is
+              shorter) -> kernels/fp8.py dequantised_mm on the same quantised values
+  fp8_quant   kernels/fp8_quant.py: merge_quantise with and without LoRA factors, partial row blocks and K steps, a
+              zero row -> merged_twin
+The FP8 families need FP8 tensor cores on a GPU (compute capability 8.9+): elsewhere the sweep skips them with one
+line (`NEEDS`), counting neither a pass nor a failure. Under the interpreter they run on CPU tensors, with float32
+where the GPU would round to e4m3 in the kernel (triton 3.9's interpreter rounds e4m3 unfaithfully).
+"""
+import importlib
+import math
+import os
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+F32, BF16 = torch.float32, torch.bfloat16
+QWEN_V = 151936
+# bfloat16 bands in ulps: 1 where the GPU rounds to nearest; 2 under TRITON_INTERPRET=1, whose bfloat16 casts
+# truncate (a cast inside the kernel and the store's can each lose most of an ulp)
+BF16_ULPS = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    if not torch.isfinite(a).all():
+        return math.inf
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))   # the same inputs in every process
+
+
+def worst_excess(got, want, rtol: float, atol: float) -> float:
+    """max |got - want| / (rtol |want| + atol) over the elements (<= 1: inside torch.allclose's band); inf on nan."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    if not torch.isfinite(got).all():
+        return math.inf
+    return ((got - want).abs() / (rtol * want.abs() + atol)).max().item() if got.numel() else 0.0
+
+
+# --- exact_gemm ----------------------------------------------------------------------------------------------------
+
+def check_exact_gemm(device, op, M, K, N, dtype, bias=False, mode=0) -> float:
+    """op "linear": exact_linear(x, w, b) against float64 F.linear on the same values; op "norm": exact_rmsnorm of x
+    (M, K) in `mode` against that mode's formula in float32. tests/test_exact_kernels.py's tolerances (relative to
+    the value: float32 1e-5, bfloat16 one ulp, the norm two; the bfloat16 ones doubled under the interpreter:
+    BF16_ULPS). Returns the worst error as a fraction of the tolerance."""
+    from kernels.exact_gemm import exact_linear, exact_rmsnorm, shape_class
+    g = gen("exact_gemm", op, M, K, N, dtype, bias, mode)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    if op == "linear":
+        w, b = torch.randn(N, K, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype)
+        with torch.no_grad():
+            y = exact_linear(x.to(device), w.to(device), b.to(device) if bias else None)
+        assert y.shape == (M, N) and y.dtype == dtype, (y.shape, y.dtype, shape_class(N, K))
+        want = F.linear(x.double(), w.double(), b.double() if bias else None)
+        err = worst_excess(y, want, 1e-5 if dtype == F32 else BF16_ULPS * 2 ** -7, 1e-3)
+    else:
+        w = (1 + 0.5 * torch.randn(K, generator=g)).to(dtype)
+        eps = 1e-6
+        with torch.no_grad():
+            y = exact_rmsnorm(x.to(device), w.to(device), eps, mode)
+        xh = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)    # (M, K) float32
+        want = (w.float() * xh.to(dtype).float(), w.float() * xh, xh * (1 + w.float()))[mode]
+        assert y.shape == (M, K) and y.dtype == dtype, (y.shape, y.dtype)
+        err = worst_excess(y, want, 2 * BF16_ULPS * 2 ** -7, 1e-5)
+    assert err <= 1, f"error {err:.3g} x the tolerance"
+    return err
+
+
+def exact_gemm_cases(size):
+    # (M, K, N): each TILES class (kernels/exact_gemm.py shape_class) with M of 1, odd, and past one row tile;
+    # K and N that no tile divides
+    shapes = {"narrow": [(1, 896, 128), (3, 100, 200), (65, 70, 40)],
+              "long_k": [(1, 4864, 896), (17, 600, 257)],
+              "other": [(3, 896, 1152), (33, 100, 300)],
+              "vocab": [(1, 64, 16384), (130, 100, 16400)]}
+    if size == "gpu":
+        shapes["vocab"].append((3, 896, QWEN_V))
+        shapes["long_k"].append((129, 4864, 896))
+    if size == "cpu":   # the interpreter: an explicit product per tile; one shape per class but the vocabulary's
+        # (its 128-column tiles over 16,384 columns take seconds; tests/test_exact_kernels.py interprets that tile)
+        shapes = {"narrow": [(3, 70, 40)], "long_k": [(5, 600, 257)], "other": [(19, 100, 300)]}
+    for i, (M, K, N) in enumerate(M_K_N for group in shapes.values() for M_K_N in group):
+        for dtype in (F32, BF16):
+            for bias in (False, True):
+                if size == "gpu" or bias == (dtype == BF16) or (size == "sanitizer" and bias == i % 2):
+                    yield dict(op="linear", M=M, K=K, N=N, dtype=dtype, bias=bias)
+    # (rows, hidden): one row of 7; rows past a warp's worth; a hidden size one past a power of two
+    norms = [(1, 7), (3, 64), (130, 896), (2, 4097)] if size != "cpu" else [(1, 7), (3, 200)]
+    for i, (M, H) in enumerate(norms):
+        for dtype in (F32, BF16):
+            for mode in (0, 1, 2):
+                if size != "sanitizer" or i == 0 or mode == i % 3:   # memcheck: every mode at one size
+                    yield dict(op="norm", M=M, K=H, N=H, dtype=dtype, mode=mode)
+
+
+# --- exact_attn ----------------------------------------------------------------------------------------------------
+
+def attention_twin(q, rows, pos, kc, vc, window, scale):
+    """Softmax attention in float64 of tokens (rows, pos) over caches (B, nkv, L, D): keys at slots <= pos (and
+    within the window) -> (N, nh, D). One product per cache row (its tokens together), not a copy of it per token."""
+    N, nh, D = q.shape
+    nkv, L = kc.shape[1], kc.shape[2]
+    out = torch.empty(N, nh, D, dtype=torch.float64)
+    t = torch.arange(L)
+    for b in rows.unique().tolist():
+        at = (rows == b).nonzero()[:, 0]                                               # (n,) its tokens
+        k = kc[b].double().repeat_interleave(nh // nkv, 0)                             # (nh, L, D)
+        v = vc[b].double().repeat_interleave(nh // nkv, 0)
+        p = pos[at]
+        ok = t[None] <= p[:, None]                                                     # (n, L)
+        if window:
+            ok &= p[:, None] - t[None] < window
+        s = torch.einsum("nhd,hld->nhl", q[at].double(), k) * scale                   # (n, nh, L)
+        out[at] = torch.einsum("nhl,hld->nhd", s.masked_fill(~ok[:, None], -math.inf).softmax(-1), v)
+    return out
+
+
+def check_exact_attn(device, call, B, nh, nkv, D, L, window, block, dtype, layout) -> float:
+    """exact_attention over caches (B, nkv, L, D) (layout "heads": contiguous; "slots": the (B, L, nkv, D) tensor
+    seen through a transpose, as engines/exact.py's out-of-place cache write leaves it), call "train": every
+    position of sequences of several lengths (1 and L among them); "decode": one token per row at a late position,
+    rows out of order. tests/test_exact_kernels.py's tolerance (max abs: float32 1e-4, bfloat16 0.05)."""
+    from kernels.exact_attention import exact_attention
+    g = gen("exact_attn", call, B, nh, nkv, D, L, window, block, layout)
+    shape = (B, nkv, L, D) if layout == "heads" else (B, L, nkv, D)
+    kc, vc = (torch.randn(*shape, generator=g).to(dtype) for _ in range(2))
+    if layout == "slots":
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)                                 # (B, nkv, L, D) views
+    if call == "train":
+        lens = torch.tensor(([1, L, max(1, L // 2 + 3)] * B)[:B])
+        rows = torch.repeat_interleave(torch.arange(B), lens)
+        pos = torch.cat([torch.arange(n) for n in lens.tolist()])
+    else:
+        rows = torch.randperm(B, generator=g)
+        pos = L - 1 - torch.randint(0, min(L, 5), (B,), generator=g)
+    q = torch.randn(len(rows), nh, D, generator=g).to(dtype)
+    scale = D ** -0.5
+    put = lambda t: t.to(device)
+    with torch.no_grad():
+        o = exact_attention(put(q), put(rows), put(pos), put(kc), put(vc), window, scale, block)
+    assert o.shape == q.shape and o.dtype == dtype, (o.shape, o.dtype)
+    want = attention_twin(q, rows, pos, kc, vc, window, scale)
+    tol = 1e-4 if dtype == F32 else 0.05
+    err = (o.double().cpu() - want).abs().max().item() if torch.isfinite(o).all() else math.inf
+    assert err <= tol, f"error {err} > {tol}"
+    return err
+
+
+def exact_attn_cases(size):
+    if size == "cpu":   # float32 and bfloat16 alike: the interpreter's dot is an explicit product here
+        for call, B, nh, nkv, D, L, window, block, dtype, layout in (
+                ("train", 2, 6, 2, 16, 17, None, 16, F32, "heads"), ("decode", 3, 14, 2, 40, 70, 7, 16, BF16, "slots"),
+                ("train", 2, 2, 2, 16, 17, 5, 16, BF16, "slots"), ("decode", 1, 2, 1, 32, 64, None, 64, F32, "heads")):
+            yield dict(call=call, B=B, nh=nh, nkv=nkv, D=D, L=L, window=window, block=block, dtype=dtype, layout=layout)
+        return
+    # every (head_dim, heads, dtype, call) once, the (cache length, window, key block, layout) settings in turn:
+    # a length no key block divides, a window shorter than the sequence and one longer than the cache
+    settings = ((50, None, 64, "heads"), (131, 7, 64, "slots"), (64, 4096, 16, "heads"))
+    i = 0
+    for D in (40, 64, 128):
+        for nh, nkv in ((4, 4), (6, 2), (14, 2)):          # MHA, 3 per group, Qwen2.5-0.5B's 7 per group
+            for dtype in (F32, BF16):
+                for call in ("train", "decode"):
+                    L, window, block, layout = settings[i % len(settings)]
+                    i += 1
+                    yield dict(call=call, B=3, nh=nh, nkv=nkv, D=D, L=L, window=window, block=block, dtype=dtype,
+                               layout=layout)
+    if size == "gpu":                                       # a real batch at a late position of a long cache
+        yield dict(call="decode", B=64, nh=14, nkv=2, D=64, L=1000, window=None, block=64, dtype=BF16,
+                   layout="slots")
+
+
+# --- fused_kl ------------------------------------------------------------------------------------------------------
+
+def check_fused_kl(device, op, N, Hs, Ht, V, dtype, reverse, temperature, rows_per_block, split=None,
+                   chunk_bytes=1) -> float:
+    """op "kl": fused_kl (Triton forward `_stats_kernel`, backward `_grad_kernel`) in `rows_per_block`-row token
+    blocks and tiles of chunk_bytes (1: 128-column blocks, the last ragged); op "loss": fused_kl_loss (`_part_kernel` with
+    `split` programs per row, `_merge_kernel`, then `_grad_kernel` in the forward) in chunks of rows_per_block rows.
+    Against fused_kl_reference on float32 copies of the inputs, gradients through autograd: tests/test_fused_kl.py's
+    allclose band (float32 1e-4, bfloat16 5e-2). Returns the worst error as a fraction of the band."""
+    fk = importlib.import_module("kernels.fused_kl")   # kernels/__init__.py's fused_kl (a function) hides it
+    g = gen("fused_kl", op, N, Hs, Ht, V, dtype, reverse, temperature, rows_per_block, split, chunk_bytes)
+    hs = (torch.randn(N, Hs, generator=g) * 2 / Hs ** 0.5).to(dtype)                   # logits ~ N(0, 4)
+    ws = torch.randn(V, Hs, generator=g).to(dtype)
+    ht, wt = (torch.randn(N, Ht, generator=g) * 2 / Ht ** 0.5).to(dtype), torch.randn(V, Ht, generator=g).to(dtype)
+    weights = torch.rand(N, generator=g)
+    hd, wd = hs.to(device, copy=True).requires_grad_(), ws.to(device, copy=True).requires_grad_()
+    if op == "kl":
+        kl = fk.fused_kl(hd, wd, ht.to(device), wt.to(device), temperature, reverse, use_triton=True,
+                         chunk_bytes=chunk_bytes, rows_per_block=rows_per_block)
+        (kl * weights.to(device)).sum().backward()
+    else:
+        saved = dict(fk.LOSS_LAUNCH)
+        fk.LOSS_LAUNCH.update(SPLIT=split, BLOCK=128 if split > 1 else 4096)
+        try:
+            loss, kl = fk.fused_kl_loss(hd, wd, ht.to(device), wt.to(device), weights.to(device), temperature, reverse,
+                                        use_triton=True, chunk_bytes=2 * hs.element_size() * V * rows_per_block)
+        finally:
+            fk.LOSS_LAUNCH.clear()
+            fk.LOSS_LAUNCH.update(saved)
+        loss.backward()
+    f32 = [t.detach().to(device).float().requires_grad_(i < 2) for i, t in enumerate((hs, ws, ht, wt))]
+    ref = fk.fused_kl_reference(*f32, temperature, reverse)                             # (N,)
+    (ref * weights.to(device)).sum().backward()
+    tol = 1e-4 if dtype == F32 else 5e-2
+    err = max(worst_excess(kl, ref, tol, tol), worst_excess(hd.grad, f32[0].grad, tol, tol),
+              worst_excess(wd.grad, f32[1].grad, tol, tol))
+    assert err <= 1, f"error {err:.3g} x the tolerance"
+    return err
+
+
+def fused_kl_cases(size):
+    # (N, Hs, Ht, V, rows_per_block, chunk_bytes): one token; token blocks that leave a ragged last one; V = 300
+    # (two 128-column blocks and 44 left over) and 1,000; fused_kl's backward over several token blocks
+    shapes = [(1, 16, 8, 300, 8, 1), (19, 16, 40, 300, 8, 1), (37, 64, 64, 1000, 16, 1)]
+    if size == "gpu":   # a real vocabulary in the default tiles (16,384 columns, the last ragged)
+        shapes += [(3, 896, 896, QWEN_V, 2, None), (130, 64, 32, 4097, 64, 1)]
+    if size == "cpu":
+        shapes = [(1, 16, 8, 300, 8, 1), (10, 16, 40, 300, 8, 1)]
+    for N, Hs, Ht, V, rows, chunk in shapes:
+        for dtype in (F32, BF16):
+            for reverse in (True, False):
+                if size == "cpu" and reverse != (dtype == F32):
+                    continue
+                temperature = 0.8 if reverse else 1.0
+                case = dict(N=N, Hs=Hs, Ht=Ht, V=V, dtype=dtype, reverse=reverse, temperature=temperature,
+                            rows_per_block=rows)
+                yield dict(op="kl", **case, chunk_bytes=chunk or (256 << 20))
+                for split in (1, 3):
+                    if size != "cpu" or split == (3 if reverse else 1):
+                        yield dict(op="loss", **case, split=split)
+
+
+# --- fp8_gemm ------------------------------------------------------------------------------------------------------
+
+def fp8_needs(device) -> str | None:
+    """Why this device cannot run the FP8 kernels (None: it can): tl.dot on e4m3 and e4m3 stores want sm_89+."""
+    if device != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) >= (8, 9):
+        return None
+    return f"needs FP8 tensor cores (compute capability 8.9+); {torch.cuda.get_device_name()} is sm_{major}{minor}"
+
+
+def check_fp8_gemm(device, M, N, K, split) -> float:
+    """kernels/fp8_gemm.py's kernel, launched with tiles(M, N, K) (split "default") or with K cut into 32-deep
+    steps, a few per range, so that the last range is shorter ("short_last"), against dequantised_mm on the same
+    quantised values: tests/test_fp8.py's GPU band (rtol 1e-2, atol 1e-2 x the largest output). On CUDA the default
+    split goes through fp8_gemm, the custom op the compiled decode step calls."""
+    from kernels.fp8 import dequantised_mm, quantise_activations, quantise_rows
+    from kernels.fp8_gemm import Tiles, fp8_gemm, launch, tiles
+    g = gen("fp8_gemm", M, N, K, split)
+    x8, sx = quantise_activations(torch.randn(M, K, generator=g))                      # (M, K) e4m3, (M, 1)
+    w8, sw = quantise_rows(torch.randn(N, K, generator=g) * 0.05)                      # (N, K) e4m3, (N,)
+    t = tiles(M, N, K)
+    if split == "short_last":   # p 32-deep blocks per range, p not dividing K's: the last range is shorter
+        nk = K // 32
+        p = next(p for p in (3, 2, 5, 7) if nk % p)
+        t = Tiles(t.BM, 64, 32, -(-nk // p), 32 * p, 4, 2)
+        assert t.S > 1 and t.per * t.S > K, (t, K)
+    put = lambda x: x.to(device)
+    if device == "cuda" and split == "default":
+        parts = fp8_gemm(put(x8), put(sx), put(w8), put(sw))
+    else:
+        parts = launch(put(x8), put(sx.view(M)), put(w8), put(sw), t)
+    assert parts.shape == (t.S, M, N) and parts.dtype == F32, (parts.shape, t)
+    twin = dequantised_mm(x8, sx, w8, sw)                                               # (M, N) float32
+    err = worst_excess(parts.sum(0), twin, 1e-2, 1e-2 * twin.abs().max().item())
+    assert err <= 1, f"error {err:.3g} x the tolerance"
+    return err
+
+
+def fp8_gemm_cases(size):
+    # K a multiple of 32: tl.dot on e4m3 takes no step shallower than 32 on a GPU
+    shapes = [(1, 64, 128), (3, 1000, 320), (17, 33, 96), (64, 1024, 512), (100, 96, 4096), (128, 257, 1024)]
+    if size == "gpu":
+        shapes += [(64, 4608, 3584), (1, 3584, 18944)]
+    if size == "cpu":
+        shapes = [(1, 64, 128), (17, 33, 96), (3, 100, 320)]
+    for M, N, K in shapes:
+        for split in ("default", "short_last"):
+            yield dict(M=M, N=N, K=K, split=split)
+
+
+# --- fp8_quant -----------------------------------------------------------------------------------------------------
+
+def check_fp8_quant(device, N, K, R, dtype) -> float:
+    """merge_quantise(w, a, b) (R = 0: w alone) into e4m3 (on CUDA; under the interpreter a float32 w8 takes the
+    quotient before its rounding) against merged_twin: the scales within 1e-6 relative; the e4m3 values equal
+    without adapters, and with them at most 0.1% one e4m3 step away (the sums' order may move a tie); the float32
+    quotient within 1e-3 (tests/test_fp8.py). Row 0 is all zeros (its scale is 1). Returns the worst scale error."""
+    from kernels.fp8 import FP8, row_scales
+    from kernels.fp8_quant import merge_quantise, merged_twin
+    g = gen("fp8_quant", N, K, R, dtype)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(dtype)
+    w[0] = 0
+    a = torch.randn(R, K, generator=g) if R else None
+    b = torch.randn(N, R, generator=g) * 0.01 if R else None
+    if R:
+        b[0] = 0
+    put = lambda x: None if x is None else x.to(device)
+    q8 = torch.full((N, K), float("nan")).to(FP8 if device == "cuda" else F32).to(device)   # nan: not written
+    scale = torch.full((N,), float("nan"), device=device)
+    merge_quantise(put(w), put(a), put(b), (q8, scale))
+    w8, s = (x.cpu() for x in merged_twin(put(w), put(a), put(b)))                    # on the device, as the GPU test
+    q8, scale = q8.cpu(), scale.cpu()
+    err = ((scale - s).abs() / s).max().item() if torch.isfinite(scale).all() else math.inf
+    assert err <= 1e-6 and scale[0] == 1, f"scales off by {err} (relative); row 0's scale {scale[0].item()}"
+    if device != "cuda":
+        m = w.float() if a is None else w.float() + b @ a                              # (N, K)
+        q_err = (q8 - m / row_scales(m)).abs().max().item() if torch.isfinite(q8).all() else math.inf
+        assert q_err <= 1e-3, f"quotient off by {q_err}"
+        return err
+    got, want = q8.float(), w8.float()
+    differ = got != want
+    if not R:
+        assert not differ.any(), f"{int(differ.sum())} e4m3 values differ without adapters"
+    else:
+        step = torch.maximum(got.abs(), want.abs()) / 8 + 2 ** -9                     # one e4m3 step, at most
+        assert (differ.float().mean() <= 1e-3 and ((got - want).abs() <= step * 1.001).all()
+                ), f"{int(differ.sum())} of {differ.numel()} e4m3 values differ, max {(got - want).abs().max()}"
+    return err
+
+
+def fp8_quant_cases(size):
+    # (N, K, R): row blocks of 32 and K steps of 128 left partial; ranks 0, 1, 5 (padded to 16) and 16, 64
+    shapes = [(1, 64, 0), (33, 200, 5), (100, 128, 0), (70, 300, 16), (64, 3584, 1), (257, 896, 64)]
+    if size == "gpu":
+        shapes += [(4608, 3584, 16)]
+    if size == "cpu":
+        shapes = [(1, 64, 0), (33, 200, 5)]
+    for N, K, R in shapes:
+        for dtype in (BF16, F32):
+            if size != "cpu" or dtype == (BF16 if R else F32):
+                yield dict(N=N, K=K, R=R, dtype=dtype)
+
+
+FAMILIES = {"exact_gemm": (exact_gemm_cases, check_exact_gemm), "exact_attn": (exact_attn_cases, check_exact_attn),
+            "fused_kl": (fused_kl_cases, check_fused_kl), "fp8_gemm": (fp8_gemm_cases, check_fp8_gemm),
+            "fp8_quant": (fp8_quant_cases, check_fp8_quant)}
+NEEDS = {"fp8_gemm": fp8_needs, "fp8_quant": fp8_needs}   # family -> fn(device) -> why it cannot run here, or None
