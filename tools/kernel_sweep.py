@@ -11,7 +11,7 @@ Prints one line per case (`ok` or `FAIL` with the family, the case and the error
 `N passed, N failed`; exits 1 on any failure. Families (kernel -> twin):
   sample   gumbel_sample / cdf_sample -> log_softmax at the drawn token, the token inside the row, never a banned
            column, a row with one live token gives that token, and gumbel_sample_reference on the same rows
-  decode   decode_attention -> decode_attention_reference (output and the cache write)
+  decode   decode_attention -> decode_attention_reference (output and the cache write; Qwen3's q/k head norms too)
   logprob  logprob_entropy (forward and backward; the split row_stats path too) -> logprob_entropy_reference
   linear   linear_logprob_entropy (cuBLAS + passes, and fuse_matmul's GEMM kernels) -> the reference on h @ w.T
   loss     linear_logprob_loss (gradients in the forward) -> autograd through the reference
@@ -100,10 +100,11 @@ def sample_cases(size):
 
 # --- decode attention -------------------------------------------------------------------------------------------
 
-def check_decode(device, B, nh, nkv, D, S, last, dtype, splits) -> float:
+def check_decode(device, B, nh, nkv, D, S, last, dtype, splits, qk_norm=False) -> float:
     """The kernel and its twin on the same inputs (cache clones): output and cache within TOL (bf16: the kernel
-    takes P in the cache's dtype for P @ V, the twin float32)."""
-    g = gen("decode", B, nh, nkv, D, S, last, splits)
+    takes P in the cache's dtype for P @ V, the twin float32). qk_norm: each q and k head RMS-normed first (Qwen3's
+    q_norm / k_norm, the kernel's `_head_norm`)."""
+    g = gen("decode", B, nh, nkv, D, S, last, splits, *(("qk_norm",) if qk_norm else ()))
     qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=g).to(dtype)
     k, v = (torch.randn(B, nkv, S, D, generator=g).to(dtype) for _ in range(2))
     ang = torch.arange(S + 1)[:, None] * 0.1 / (1 + torch.arange(D))[None]            # (S + 1, D) rotary-like
@@ -111,12 +112,13 @@ def check_decode(device, B, nh, nkv, D, S, last, dtype, splits) -> float:
     pos = torch.randint(0, S + 1, (B,), generator=g)
     ok = torch.rand(B, S, generator=g) > 0.3
     ok[0] = False                                                                      # row 0: only its new token
+    norm = tuple((1 + 0.3 * torch.randn(D, generator=g)).to(dtype) for _ in range(2)) + (1e-6,) if qk_norm else None
     put = lambda t: t.to(device)
     kk, vv = put(k), put(v)
     out = decode_attention(put(qkv), put(cos), put(sin), put(pos), kk, vv, put(ok), put(torch.tensor([last])), 0.125,
-                           splits=splits)
+                           splits=splits, qk_norm=norm and (put(norm[0]), put(norm[1]), norm[2]))
     kr, vr = k.clone(), v.clone()
-    want = decode_attention_reference(qkv, cos, sin, pos, kr, vr, ok, torch.tensor([last]), 0.125)
+    want = decode_attention_reference(qkv, cos, sin, pos, kr, vr, ok, torch.tensor([last]), 0.125, qk_norm=norm)
     tol = 2e-2 if dtype == BF16 else TOL[F32]
     err = max(rel(out, want), rel(kk, kr), rel(vv, vr))
     assert err <= tol, f"error {err} > {tol}"
@@ -129,6 +131,7 @@ def decode_cases(size):
                                                (3, 14, 2, 64, 64, 63, 1), (1, 4, 4, 128, 64, 0, 4),
                                                (3, 2, 1, 32, 320, 201, 4), (1, 14, 2, 64, 320, 201, 1)):
             yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=F32, splits=splits)
+        yield dict(B=3, nh=14, nkv=2, D=64, S=64, last=63, dtype=F32, splits=4, qk_norm=True)
         return
     heads = ((2, 1), (14, 2), (4, 4))                   # the random test model's, Qwen2.5-0.5B's, MHA
     for D in (32, 64, 128):
@@ -137,12 +140,18 @@ def decode_cases(size):
                 if size == "sanitizer":                 # every (head_dim, heads, dtype); each edge of the rest once
                     for B, S, last, splits in ((1, 64, 0, 1), (3, 64, 63, 4), (128, 64, 7, 1), (3, 320, 201, 1)):
                         yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype, splits=splits)
+                        if nkv == 2 and B < 128:        # Qwen3's head norms in the kernel, with and without splits
+                            yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype, splits=splits,
+                                       qk_norm=True)
                     continue
                 for B in (1, 3, 128):
                     for S, last in ((64, 0), (64, 7), (64, 63), (320, 201)):
                         for splits in (1, 4):
                             if splits == 1 or (S, last) in ((64, 0), (320, 201)):
                                 yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype, splits=splits)
+                                if nkv == 2 and B == 3:
+                                    yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype,
+                                               splits=splits, qk_norm=True)
 
 
 # --- log-prob / entropy from logits -------------------------------------------------------------------------------
