@@ -15,6 +15,8 @@ Why: torch._grouped_mm (a CUTLASS grouped GEMM) read the 32 experts of W10's qwe
 card's memory rate at this shape (docs/architectures.md, "qwen3_moe at W10's batch"). The torch twins
 (`expert_gate_up_reference`, `expert_down_reference`) are the same contract, for tests and the CPU.
 """
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -82,8 +84,12 @@ if HAS_TRITON:
 
 
 # (BM, BN, BK, warps, stages) per kernel, chosen by timing in a CUDA graph at W10's qwen3_moe decode shape
-# (docs/architectures.md); tools/decode_kernel_bench.py --moe times candidates
+# (docs/architectures.md); tools/decode_kernel_bench.py --moe times candidates.
+# FAST_DECODE_MOE_SETTINGS="32x64x64x4x4,32x64x64x4x4" (gate_up's, down's) overrides them for a run
 SETTINGS = {"gate_up": (32, 64, 64, 4, 4), "down": (32, 64, 64, 4, 4)}
+if os.environ.get("FAST_DECODE_MOE_SETTINGS"):
+    SETTINGS.update(zip(("gate_up", "down"), (tuple(int(v) for v in c.split("x"))
+                                              for c in os.environ["FAST_DECODE_MOE_SETTINGS"].split(","))))
 
 
 def _check(x: Tensor, offs: Tensor, w: Tensor, M: int, in_dim: int):

@@ -99,7 +99,7 @@ def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: d
     return rows
 
 
-def moe_rows(reps: int, variants: list[tuple], layers: int = 8) -> list[str]:
+def moe_rows(reps: int, variants: list[tuple], layers: int = 8, found: dict | None = None) -> list[str]:
     """W10's qwen3_moe experts at decode (128 tokens, top-4 of 32, hidden 1024, expert MLP 768): torch's grouped
     GEMM route (gather, grouped GEMM, SiLU x up, grouped GEMM) against kernels/moe_experts.py's two kernels at each
     variant (gate_up's (BM, BN, BK, warps, stages) + down's), in one CUDA graph over `layers` layers' weights."""
@@ -121,6 +121,8 @@ def moe_rows(reps: int, variants: list[tuple], layers: int = 8) -> list[str]:
         return torch._grouped_mm((torch.nn.functional.silu(a) * u).contiguous(), dns[i].transpose(1, 2), offs=offs)
     want = grouped(0).float()
     us = graph_us(lambda: [grouped(i) for i in range(layers)], 1, reps) / layers
+    if found is not None:
+        found.update(grouped_us=us, variants=[])
     rows = [f"| moe experts | {E} x ({2 * I}x{H} + {H}x{I}), {N * k} pairs | torch._grouped_mm + SiLU | {us:.2f} | "
             f"{gb / us * 1e3:.2f} TB/s; counts {torch.bincount(flat, minlength=E).min().item()}-"
             f"{torch.bincount(flat, minlength=E).max().item()} |"]
@@ -135,6 +137,8 @@ def moe_rows(reps: int, variants: list[tuple], layers: int = 8) -> list[str]:
         except Exception as e:
             rows.append(f"| moe experts | | triton {cu} + {cd} | failed | {type(e).__name__} |")
             continue
+        if found is not None:
+            found["variants"].append({"gate_up": cu, "down": cd, "us": us, "gate_up_us": ug, "rel_err": err})
         rows.append(f"| moe experts | | triton gate_up {cu} + down {cd} | {us:.2f} | {gb / us * 1e3:.2f} TB/s "
                     f"(gate_up alone {ug:.2f} us); rel. err vs grouped {err:.1e} |")
     return rows
@@ -176,7 +180,8 @@ def main():
     ap.add_argument("--reps", type=int, default=50, help="graph replays per measurement (median)")
     ap.add_argument("--calls", type=int, default=10, help="sampler calls per graph")
     ap.add_argument("--splits", default="1:128,4:32,4:64,8:32,8:64,16:16,16:32",
-                    help="attention splits:block[:warps:stages], comma-separated")
+                    help="attention splits:block[:warps:stages[:heads]], comma-separated; or per shape, "
+                    "'w1=...;qwen3=...'")
     ap.add_argument("--shape", default="w1", help="the attention's decode shapes (SHAPES: w1, qwen3), comma-separated")
     ap.add_argument("--attention-only", action="store_true", help="skip the sampler rows")
     ap.add_argument("--moe", default="", help="also time qwen3_moe's experts: kernels/moe_experts.py's settings "
@@ -188,8 +193,9 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("decode_kernel_bench needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
-    variants = [tuple(int(x) for x in v.split(":")) for v in args.splits.split(",")]
+    parse = lambda text: [tuple(int(x) for x in v.split(":")) for v in text.split(",")]
     shapes = args.shape.split(",")
+    per_shape = dict(item.split("=") for item in args.splits.split(";")) if "=" in args.splits else {}
     if any(sh not in SHAPES for sh in shapes):
         raise SystemExit(f"--shape takes {', '.join(SHAPES)}; got {args.shape!r}")
     part = lambda f, **kw: lambda *a: f(*a, **kw)
@@ -199,18 +205,19 @@ def main():
     found = {}
     rows = [copy_row(args.reps)] if args.copy else []
     for sh in shapes:
-        rows += attention_rows(args.reps, variants, sh, found.setdefault(sh, {}))
+        rows += attention_rows(args.reps, parse(per_shape.get(sh, args.splits)), sh, found.setdefault(sh, {}))
         print("\n".join(rows), flush=True)
     if args.moe:
         from kernels.moe_experts import SETTINGS as MOE
         rows += moe_rows(args.reps, [MOE["gate_up"] + MOE["down"] if v == "default" else
-                                     tuple(int(x) for x in v.split(":")) for v in args.moe.split(",")])
+                                     tuple(int(x) for x in v.split(":")) for v in args.moe.split(",")],
+                         found=found.setdefault("moe", {}))
     if not args.attention_only:
         rows += sampler_rows(args.reps, args.calls, samplers)
     if args.json:
         mean = lambda v: sum(v["us"]) / len(v["us"])
-        best = {sh: min((v for v in f.values() if v["splits"] == 1 and v["warps"] and len(v["us"]) == 3), key=mean,
-                        default=None) for sh, f in found.items()}
+        best = {sh: min((v for v in found[sh].values() if v["splits"] == 1 and v["warps"] and len(v["us"]) == 3),
+                        key=mean, default=None) for sh in shapes}
         with open(args.json, "w") as f:
             json.dump({"shapes": {sh: SHAPES[sh] for sh in shapes}, "variants": found, "best_unsplit": best}, f,
                       indent=1)
