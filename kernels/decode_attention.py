@@ -13,7 +13,9 @@ small kernels per layer (measured: docs/kernels.md, "Decode attention"). Here on
 KV head) rotates the group's g query heads and its key in registers, stores the key and value in the cache,
 then reads that head's K/V once for all g query heads (GQA) up to the slot before `last`, which the graph
 passes as a device tensor, so each replay reads only the cache so far; the new token's own key and value
-enter the online softmax from registers. Scores and the online softmax are float32; P @ V takes P in the
+enter the online softmax from registers. A program may take several KV heads (`heads`): its tiles then hold
+each head's block of slots side by side, and each query row's scores outside its own head are masked, so one
+dot product per block serves them all. Scores and the online softmax are float32; P @ V takes P in the
 cache's dtype (as flash attention does); q and k are rounded to the cache's dtype after the rotation, as
 the layer-by-layer computation does.
 
@@ -236,10 +238,12 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
 # unsplit launch settings (block, warps, stages, heads) by head_dim, each chosen by timing candidates at a real
 # decode shape (64: W1's, 128: qwen3's) over many layers' caches, so that reads come from memory as in the decode
 # step; 256 takes small tiles because large K and V tiles, double-buffered, would not fit in shared memory.
-# heads: KV heads per program (fewer, longer programs: each pays the prologue's chain of dependent loads once for
-# several heads). How they were picked: docs/kernels.md. FAST_DECODE_ATTN="128=64x4x2x1,..." overrides entries
-# for a run (tools/decode_kernel_bench.py --shape qwen3 times the candidates)
-SETTINGS = {64: (128, 4, 2, 1), 128: (32, 4, 2, 1), 256: (32, 4, 2, 1)}
+# heads: KV heads per program. Two of qwen3's (2 query heads each) fill 4 of the dot's 16 rows instead of 2, and
+# halve the programs that each pay the prologue's chain of dependent loads; with 16-slot blocks and 3 stages their
+# tiles still let 4 programs share an SM. How they were picked: docs/architectures.md, "Decode attention and
+# experts, timed". FAST_DECODE_ATTN="128=16x4x3x2,..." overrides entries for a run
+# (tools/decode_kernel_bench.py --shape qwen3,w1 times the candidates)
+SETTINGS = {64: (64, 4, 3, 1), 128: (16, 4, 3, 2), 256: (32, 4, 2, 1)}
 for _item in filter(None, os.environ.get("FAST_DECODE_ATTN", "").split(",")):
     _d, _s = _item.split("=")
     SETTINGS[int(_d)] = (*(int(x) for x in _s.split("x")), 1)[:4]

@@ -73,6 +73,7 @@ if HAS_TRITON:
         M, n_out = (tok.shape[0], w.shape[1] // 2) if gated else (x.shape[0], w.shape[1])   # rows: the pairs
         out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
         if M:
+            bk = bk if x.element_size() <= 2 else max(16, bk // 2)   # float32: the same bytes per stage as bf16's
             _expert_gemm[(w.shape[0], triton.cdiv(n_out, bn))](
                 x, tok, w, offs, out, x.stride(0), w.stride(0), w.stride(1), out.stride(0), n_out, w.shape[2],
                 GATED=gated, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
@@ -84,9 +85,11 @@ if HAS_TRITON:
 
 
 # (BM, BN, BK, warps, stages) per kernel, chosen by timing in a CUDA graph at W10's qwen3_moe decode shape
-# (docs/architectures.md); tools/decode_kernel_bench.py --moe times candidates.
-# FAST_DECODE_MOE_SETTINGS="32x64x64x4x4,32x64x64x4x4" (gate_up's, down's) overrides them for a run
-SETTINGS = {"gate_up": (32, 64, 64, 4, 4), "down": (32, 64, 64, 4, 4)}
+# (docs/architectures.md, "Decode attention and experts, timed"); tools/decode_kernel_bench.py --moe times
+# candidates. BM 32: one row block holds an expert's pairs at a decode batch (about 16 each at 128 tokens x top-4
+# of 32). Settings are for 2-byte dtypes; float32 inputs take half the BK, so the stages still fit in shared
+# memory. FAST_DECODE_MOE_SETTINGS="32x128x64x8x3,32x128x64x8x3" (gate_up's, down's) overrides them for a run
+SETTINGS = {"gate_up": (32, 128, 64, 8, 3), "down": (32, 128, 64, 8, 3)}
 if os.environ.get("FAST_DECODE_MOE_SETTINGS"):
     SETTINGS.update(zip(("gate_up", "down"), (tuple(int(v) for v in c.split("x"))
                                               for c in os.environ["FAST_DECODE_MOE_SETTINGS"].split(","))))
