@@ -8,7 +8,10 @@ GEMM (torch._grouped_mm: a GEMM per block in one launch, block bounds read on th
 gate/up, another every down projection. Shapes stay fixed whatever the routing, so the step still fits in one
 CUDA graph. Where torch has no grouped GEMM for this device and dtype (`grouped_ok` probes once), `_dense_mm`
 gives the same result by multiplying every pair by all experts' weights and keeping its own expert's block:
-E / top_k times the arithmetic, the weights still read once (decode is bound by reading them).
+E / top_k times the arithmetic, the weights still read once (decode is bound by reading them). A decode step's
+few pairs on a GPU go to kernels/moe_experts.py instead (`triton_experts`: SiLU experts in bf16 or fp16), whose
+two kernels read each expert's weights at a higher rate than the grouped GEMM at that size and fold the gather
+of x and SiLU(gate) * up into the first (docs/architectures.md, "Decode attention and experts, timed").
 """
 import inspect
 import os
@@ -100,13 +103,13 @@ def routed_experts(x: Tensor, router: Tensor, top_k: int, norm_topk: bool, gate_
         chosen.append(idx)
     flat = idx.reshape(-1)                                                   # (N k,) expert of each pair
     order, at, offs = _by_expert(flat, E)                                    # pairs grouped by expert
-    expert = flat[order]                                                     # (N k,) sorted
     token = order // top_k                                                   # (N k,) the token of each pair
     if grouped is None or (grouped == "triton" and flat.shape[0] > COUNT_PAIRS):   # a prefill: no kernel for it
         grouped = use_grouped(x, gate_up, down)
     if grouped == "triton":   # x's rows gathered, SiLU(gate) * up and each expert's weights read once, in-kernel
         h = expert_down(expert_gate_up(x, token, offs, gate_up), offs, down)   # (N k, H)
     else:
+        expert = flat[order]                                                 # (N k,) sorted
         h = _expert_mm(x[token], gate_up, expert, offs, grouped)            # (N k, 2I)
         g, u = h.chunk(2, dim=-1)
         h = _expert_mm((act(g) * u).contiguous(), down, expert, offs, grouped)   # (N k, H)

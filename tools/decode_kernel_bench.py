@@ -2,9 +2,14 @@
 
     python tools/decode_kernel_bench.py --out bench_out/decode
 
-- Attention (kernels/decode_attention.py) at W1's decode shape (batch 128, 14 query / 2 KV heads of 64, 320 slots):
-  one CUDA graph of 24 calls over 24 layers' caches, so every read comes from memory as in the step, not L2;
-  per layer-call time with 64 / 192 / 318 slots filled, for the unsplit kernel and flash-decoding splits.
+- Attention (kernels/decode_attention.py) at W1's decode shape (batch 128, 14 query / 2 KV heads of 64, 320 slots)
+  or qwen3's (--shape w1,qwen3: 16 query / 8 KV heads of 128, 28 layers): one CUDA graph of a call per layer
+  over the layers' caches, so every read comes from memory as in the step, not L2; per layer-call time with
+  64 / 192 / 318 slots filled, for the unsplit kernel (KV heads a program: --splits' fifth field) and
+  flash-decoding splits.
+- Experts (kernels/moe_experts.py, --moe) at W10's qwen3_moe decode shape (128 tokens x top-4 of 32, hidden 1024,
+  expert MLP 768) against torch's grouped GEMM route, in one graph over 8 layers' weights; --copy: a 2 GiB
+  device copy, the card's rate in the same command.
 - Sampler (kernels/sample.py) at 128 x 151,936 bf16 logits: the Gumbel kernel, the inverse-CDF one at a few
   settings; the cuBLAS lm_head (128 x 896 by 896 x 151,936) alone as the floor, and head + sampler in one graph.
 Time: median over --reps replays of a graph holding --calls calls, divided by the calls. Writes a markdown table
