@@ -56,6 +56,9 @@ def validate(cfg: Config, world: int = 1):
     if cfg.activation_budget and not (cfg.grad_checkpointing and cfg.compile and cfg.compiled_recompute):
         raise UserError("activation_budget sets the recompute inside compiled layers: it needs grad_checkpointing=true "
                         "compile=true (and compiled_recompute=true); without them leave it 0")
+    if cfg.activation_budget and cfg.memory_budget_gib:   # memory.py predicts the full recompute's peak only
+        raise UserError("activation_budget with memory_budget_gib: the budget's peak prediction assumes "
+                        "activation_budget=0; set one of them")
     if cfg.offload and cfg.parallel == "replicate":
         raise UserError("offload=true keeps FSDP shards in CPU memory: it needs parallel=fsdp")
     if cfg.offload and "RANK" not in os.environ:

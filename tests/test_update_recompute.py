@@ -69,6 +69,8 @@ def test_setup_hands_the_budget_to_the_partitioner(random_model_dir):
     (["activation_budget=0.5", "compile=true"], "needs grad_checkpointing=true compile=true"),
     (["activation_budget=0.5", "grad_checkpointing=true", "compile=true", "compiled_recompute=false"],
      "needs grad_checkpointing=true compile=true"),
+    (["activation_budget=0.5", "grad_checkpointing=true", "compile=true", "memory_budget_gib=20"],
+     "assumes activation_budget=0"),
 ])
 def test_bad_budget_refused_in_one_line(flags, message):
     with pytest.raises(config.UserError, match=message) as e:
