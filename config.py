@@ -234,6 +234,10 @@ class Config:
     compiled_recompute: bool = opt(True, "with grad_checkpointing and compile: recompute inside each compiled "
                                          "layer's backward (fewer host calls, same values); false: transformers' "
                                          "checkpoint wrapper around the compiled layers")
+    activation_budget: float = opt(0.0, "with grad_checkpointing and compile: the share of each layer's saved "
+                                        "activations its compiled backward keeps rather than recomputes (torch's "
+                                        "activation_memory_budget: it keeps those dearest to recompute per byte); 0 = "
+                                        "recompute all it can, 1 = as compile without checkpointing (docs/speed.md)")
     # evaluation, logging, saving
     eval_every: int = opt(10, "held-out evaluation every N steps (and at start and end)")
     eval_size: int = opt(200, "held-out prompts per evaluation (0 = all)")

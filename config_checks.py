@@ -53,6 +53,7 @@ def validate(cfg: Config, world: int = 1):
     if world > 1 and cfg.algo.minibatch_size % world:
         raise UserError(f"algo.minibatch_size={cfg.algo.minibatch_size} must be divisible by the world size {world}")
     check_batch_split(cfg, world)
+    check_activation_budget(cfg)
     if cfg.offload and cfg.parallel == "replicate":
         raise UserError("offload=true keeps FSDP shards in CPU memory: it needs parallel=fsdp")
     if cfg.offload and "RANK" not in os.environ:
@@ -126,8 +127,19 @@ def ranges(cfg: Config) -> list:
             ("algo.dual_clip", a.dual_clip, a.dual_clip == 0 or a.dual_clip > 1, "0 (off) or > 1 (verl's 3)"),
             ("reward_timeout_s", c.reward_timeout_s, c.reward_timeout_s > 0, "> 0 (seconds)"),
             ("weight_decay", c.weight_decay, c.weight_decay >= 0, ">= 0"),
+            ("activation_budget", c.activation_budget, 0 <= c.activation_budget <= 1, "in [0, 1] (0 = recompute all)"),
             *[(k, v, v >= 1, ">= 1") for k, v in at_least_1],
             *[(k, v, v >= 0, f">= 0 (0 = {zero})") for k, v, zero in at_least_0]]
+
+
+def check_activation_budget(cfg: Config):
+    """activation_budget (0 = off) tunes the recompute inside compiled layers, so it needs one."""
+    if cfg.activation_budget and not (cfg.grad_checkpointing and cfg.compile and cfg.compiled_recompute):
+        raise UserError("activation_budget sets the recompute inside compiled layers: it needs grad_checkpointing=true "
+                        "compile=true (and compiled_recompute=true); without them leave it 0")
+    if cfg.activation_budget and cfg.memory_budget_gib:   # memory.py predicts the full recompute's peak only
+        raise UserError("activation_budget with memory_budget_gib: the budget's peak prediction assumes "
+                        "activation_budget=0; set one of them")
 
 
 def check_choices(section, prefix: str = ""):

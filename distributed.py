@@ -261,10 +261,22 @@ def loss_scale(completion_mask: torch.Tensor, loss_agg: str) -> float:
     return world() * local / max(total, 1.0)
 
 
-def grad_norm_value(norm) -> float:
-    """clip_grad_norm_ returns a DTensor for sharded gradients; its full value is the global norm."""
+def global_norm(norm) -> torch.Tensor:
+    """A norm from clip_grad_norm_ or get_total_norm as a plain tensor on the device: for sharded gradients it is a
+    DTensor whose full value (over every rank's shard) is the global norm. No host sync."""
     from torch.distributed.tensor import DTensor
-    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Clip the parameters' gradients to a global norm of max_norm (0 = no clipping); -> their global norm before
+    clipping, on the device (global_norm): it can travel to the host with other metrics, in one transfer."""
+    return global_norm(torch.nn.utils.clip_grad_norm_(parameters, max_norm or float("inf")))
+
+
+def grad_norm_value(norm) -> float:
+    """global_norm on the host (one sync)."""
+    return global_norm(norm).item()
 
 
 def sync_weights(model):

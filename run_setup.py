@@ -108,7 +108,7 @@ def build_models(cfg: Config, device, dtype, fsdp: bool):
     except ValueError as e:
         raise UserError(str(e)) from None
     # memory: with compile, the recompute happens inside each compiled layer's backward (the partitioner saves
-    # the least it can: activation_memory_budget 0), so no Python re-runs the forward (docs/speed.md)
+    # what activation_budget allows: at 0 the least it can), so no Python re-runs the forward (docs/speed.md)
     in_compile = cfg.compile and cfg.compiled_recompute
     if cfg.grad_checkpointing and not in_compile:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -117,7 +117,8 @@ def build_models(cfg: Config, device, dtype, fsdp: bool):
         layers = getattr(getattr(base, "language_model", base), "layers", None)   # a VLM's: its language model's
         if layers is None:
             raise UserError("compile=true needs a model with <base>.layers (decoder layers)")
-        torch._functorch.config.activation_memory_budget = 0.0 if cfg.grad_checkpointing and in_compile else 1.0
+        keep = cfg.activation_budget if cfg.grad_checkpointing and in_compile else 1.0
+        torch._functorch.config.activation_memory_budget = keep
         for layer in layers:
             layer.compile()
     if cfg.lora.r:   # peft adapters inside the layers set up above; the engine samples with the adapted policy

@@ -363,9 +363,7 @@ def clip_gradients(learner: Learner) -> torch.Tensor:
     distributed.average_gradients(learner.policy)   # parallel=replicate: one all-reduce (FSDP: a no-op)
     if learner.critic is not None:
         distributed.average_gradients(learner.critic.model)
-    norm = torch.nn.utils.clip_grad_norm_(learner.policy.parameters(), learner.cfg.grad_clip or float("inf"))
-    from torch.distributed.tensor import DTensor   # sharded gradients: the norm over every rank's shard
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return distributed.clip_grad_norm(learner.policy.parameters(), learner.cfg.grad_clip)   # over every rank's shard
 
 
 def optimizer_step(learner: Learner, m: dict, step: int) -> tuple[dict, bool]:

@@ -50,7 +50,7 @@ from engines.decode_step import Step, attend  # noqa: F401  (attend: the "matmul
 from engines.decode_weights import WEIGHTS, groups, pack_layers
 from engines.families import FAMILIES as SUPPORTED, arch_of, mrope_rotation, rotary_tables, text_decoder
 from engines.fast_turns import Turns
-from engines.moe import use_grouped
+from engines.moe import triton_experts, use_grouped
 from kernels import sample_token
 
 
@@ -151,7 +151,10 @@ class FastDecoder(Step, Turns):
         self.packs = pack_layers(model.model.layers) if weights == "in_place" and decode_weights.PACK else None
         moe = [layer.mlp for layer, s in zip(model.model.layers, self.arch.layers) if s.moe]
         x = torch.empty(1, model.config.hidden_size, device=device, dtype=next(model.parameters()).dtype)
-        self.moe_grouped = bool(moe) and use_grouped(x, moe[0].experts.gate_up_proj, moe[0].experts.down_proj)
+        # the experts' GEMMs: kernels/moe_experts.py where it runs (a decode step's few pairs; engines/moe.py gives
+        # a prefill's many to the grouped GEMM), else torch's grouped GEMM, else the dense form
+        self.moe_grouped = bool(moe) and ("triton" if triton_experts(x, moe[0]) else
+                                          use_grouped(x, moe[0].experts.gate_up_proj, moe[0].experts.down_proj))
         c = model.config
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads

@@ -8,9 +8,13 @@ GEMM (torch._grouped_mm: a GEMM per block in one launch, block bounds read on th
 gate/up, another every down projection. Shapes stay fixed whatever the routing, so the step still fits in one
 CUDA graph. Where torch has no grouped GEMM for this device and dtype (`grouped_ok` probes once), `_dense_mm`
 gives the same result by multiplying every pair by all experts' weights and keeping its own expert's block:
-E / top_k times the arithmetic, the weights still read once (decode is bound by reading them).
+E / top_k times the arithmetic, the weights still read once (decode is bound by reading them). A decode step's
+few pairs on a GPU go to kernels/moe_experts.py instead (`triton_experts`: SiLU experts in bf16 or fp16), whose
+two kernels read each expert's weights at a higher rate than the grouped GEMM at that size and fold the gather
+of x and SiLU(gate) * up into the first (docs/architectures.md, "Decode attention and experts, timed").
 """
 import inspect
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from config import UserError, opt, section
+from kernels import use_triton
+from kernels.moe_experts import expert_down, expert_gate_up
 
 _PROBED: dict = {}   # (device type, dtype) -> whether torch._grouped_mm runs there
 
@@ -54,6 +60,15 @@ def use_grouped(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
     return x.dtype == torch.bfloat16 and grouped_ok(x.device, x.dtype) and _aligned(x, gate_up.transpose(1, 2), down)
 
 
+def triton_experts(x: Tensor, mlp) -> bool:
+    """Can kernels/moe_experts.py run this MoE block's experts on x? CUDA (or the interpreter), bf16 or fp16
+    activations and weights, SiLU experts (the kernel's epilogue), and FAST_DECODE_MOE not "grouped"."""
+    e = mlp.experts
+    return (os.environ.get("FAST_DECODE_MOE", "triton") == "triton" and use_triton(x, e.gate_up_proj)
+            and x.dtype in (torch.bfloat16, torch.float16) and e.gate_up_proj.dtype == e.down_proj.dtype == x.dtype
+            and type(e.act_fn).__name__ in ("SiLU", "SiLUActivation"))
+
+
 def _dense_mm(x: Tensor, w: Tensor, expert: Tensor) -> Tensor:
     """x (M, in), w (E, out, in), expert (M,) -> (M, out): row m times w[expert[m]]^T, through every expert."""
     E, out, _ = w.shape
@@ -71,7 +86,8 @@ def _expert_mm(x: Tensor, w: Tensor, expert: Tensor, offs: Tensor, grouped: bool
 def routed_experts(x: Tensor, router: Tensor, top_k: int, norm_topk: bool, gate_up: Tensor, down: Tensor,
                    act, grouped: bool | None = None, chosen: list | None = None) -> Tensor:
     """x (N, H) -> (N, H): the weighted sum of each token's top_k experts' MLPs (see the module's docstring).
-    grouped: force the grouped GEMM (True) or the dense form (False); None: grouped where it runs.
+    grouped: force the grouped GEMM (True) or the dense form (False); None: grouped where it runs; "triton":
+    kernels/moe_experts.py's two kernels (SiLU experts; the caller checks with `triton_experts`).
     chosen: a list that gets the experts each token took, (N, top_k) (routing replay's record)."""
     N, H = x.shape
     E = gate_up.shape[0]
@@ -87,13 +103,16 @@ def routed_experts(x: Tensor, router: Tensor, top_k: int, norm_topk: bool, gate_
         chosen.append(idx)
     flat = idx.reshape(-1)                                                   # (N k,) expert of each pair
     order, at, offs = _by_expert(flat, E)                                    # pairs grouped by expert
-    expert = flat[order]                                                     # (N k,) sorted
     token = order // top_k                                                   # (N k,) the token of each pair
-    if grouped is None:
+    if grouped is None or (grouped == "triton" and flat.shape[0] > COUNT_PAIRS):   # a prefill: no kernel for it
         grouped = use_grouped(x, gate_up, down)
-    h = _expert_mm(x[token], gate_up, expert, offs, grouped)                # (N k, 2I)
-    g, u = h.chunk(2, dim=-1)
-    h = _expert_mm((act(g) * u).contiguous(), down, expert, offs, grouped)  # (N k, H)
+    if grouped == "triton":   # x's rows gathered, SiLU(gate) * up and each expert's weights read once, in-kernel
+        h = expert_down(expert_gate_up(x, token, offs, gate_up), offs, down)   # (N k, H)
+    else:
+        expert = flat[order]                                                 # (N k,) sorted
+        h = _expert_mm(x[token], gate_up, expert, offs, grouped)            # (N k, 2I)
+        g, u = h.chunk(2, dim=-1)
+        h = _expert_mm((act(g) * u).contiguous(), down, expert, offs, grouped)   # (N k, H)
     # back to token order by a gather (at: each pair's row in the sorted layout), then each token's k rows weighted
     # and summed: one fused pass, no zeroed buffer and no atomic scatter-add
     return (h[at].view(N, top_k, H) * weight[..., None]).sum(1)              # (N, H)

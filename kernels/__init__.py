@@ -14,7 +14,9 @@ TRITON_INTERPRET=1 for tests on CPU) and the torch reference twin elsewhere, so 
 
 exact_logprobs' kernels (kernels/exact_gemm.py: exact_linear, exact_rmsnorm; kernels/exact_attention.py:
 exact_attention) are not chosen here: the engine and the trainer must take the same path on a device, so
-engines/exact.py picks one per device (`on_gpu`), with the torch path as its portable twin.
+engines/exact.py picks one per device (`on_gpu`), with the torch path as its portable twin. Nor are the decode
+step's expert GEMMs (kernels/moe_experts.py: expert_gate_up, expert_down): engines/moe.py takes them where
+`triton_experts` allows and keeps torch's grouped GEMM elsewhere.
 
 Targets < 0 mark padded tokens: logp = entropy = 0 there, and no gradient flows from them.
 

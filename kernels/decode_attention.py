@@ -13,7 +13,9 @@ small kernels per layer (measured: docs/kernels.md, "Decode attention"). Here on
 KV head) rotates the group's g query heads and its key in registers, stores the key and value in the cache,
 then reads that head's K/V once for all g query heads (GQA) up to the slot before `last`, which the graph
 passes as a device tensor, so each replay reads only the cache so far; the new token's own key and value
-enter the online softmax from registers. Scores and the online softmax are float32; P @ V takes P in the
+enter the online softmax from registers. A program may take several KV heads (`heads`): its tiles then hold
+each head's block of slots side by side, and each query row's scores outside its own head are masked, so one
+dot product per block serves them all. Scores and the online softmax are float32; P @ V takes P in the
 cache's dtype (as flash attention does); q and k are rounded to the cache's dtype after the rotation, as
 the layer-by-layer computation does.
 
@@ -21,6 +23,7 @@ the layer-by-layer computation does.
 The kernel is wrapped as a torch custom op (mutating k and v), so the decode step that calls it still compiles
 as one graph.
 """
+import math
 import os
 from typing import Optional
 
@@ -49,14 +52,20 @@ if HAS_TRITON:
     def _decode_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, ok_ptr, last_ptr, o_ptr, scale,
                           s_qkv, s_cs, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, sok_b, pm_ptr, ps_ptr, pa_ptr, tick_ptr,
                           qn_ptr, kn_ptr, eps,
-                          NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                          D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
-                          SPLITS: tl.constexpr, QK_NORM: tl.constexpr):
-        b, h, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)   # sequence, KV head, split
-        gi = tl.arange(0, GP)                                          # query heads of this group (padded)
+                          NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr,
+                          RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+                          PRECISION: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr):
+        # program (sequence b, KV heads [h0, h0 + HEADS), split). Its rows are the HEADS * G query heads of those
+        # KV heads (consecutive in qkv), padded to RP; its K/V tiles hold BLOCK slots of each of the HEADS heads
+        # side by side, and a row's scores outside its own head are masked, so one tl.dot serves all heads
+        b, hb, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+        h0 = hb * HEADS
+        r = tl.arange(0, RP)                                           # rows: query heads h0 * G + r
+        hr = r // G                                                    # (RP,) each row's KV head, from h0
         d = tl.arange(0, DP)
         dm = d < D
-        qm = (gi[:, None] < G) & dm[None, :]
+        rm = r < HEADS * G
+        qm = rm[:, None] & dm[None, :]
         # rotary: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]): each column's partner
         half = D // 2
         partner = tl.where(d < half, d + half, d - half)
@@ -65,42 +74,50 @@ if HAS_TRITON:
         cos = tl.load(cos_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32)       # (DP,)
         sin = tl.load(sin_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32) * sign
         row = qkv_ptr + b * s_qkv
-        qh = (h * G + gi)[:, None] * D                                 # (GP, 1) offsets of this group's heads
-        q = tl.load(row + qh + d[None, :], mask=qm, other=0.0).to(tl.float32)          # (GP, DP)
+        qh = (h0 * G + r)[:, None] * D                                 # (RP, 1) offsets of the rows' query heads
+        q = tl.load(row + qh + d[None, :], mask=qm, other=0.0).to(tl.float32)          # (RP, DP)
         q2 = tl.load(row + qh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
-        kr = row + NH * D + h * D
-        k_new = tl.load(kr + d, mask=dm, other=0.0)[None, :].to(tl.float32)            # (1, DP)
-        k2 = tl.load(kr + partner, mask=dm, other=0.0)[None, :].to(tl.float32)
+        kh = (h0 + hr)[:, None] * D                                    # (RP, 1) each row's own KV head
+        kr = row + NH * D
+        k_new = tl.load(kr + kh + d[None, :], mask=qm, other=0.0).to(tl.float32)       # (RP, DP)
+        k2 = tl.load(kr + kh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
         if QK_NORM:   # qwen3's RMSNorm of each head before rotary; q2, k2 hold the same values permuted
             q, q2 = _head_norm(q, q2, qn_ptr, d, partner, dm, eps, D)
             k_new, k2 = _head_norm(k_new, k2, kn_ptr, d, partner, dm, eps, D)
         q = (q * cos[None, :] + q2 * sin[None, :]).to(k_ptr.dtype.element_ty)
-        k_new = tl.sum(k_new * cos[None, :] + k2 * sin[None, :], 0).to(k_ptr.dtype.element_ty)   # (DP,)
-        v_new = tl.load(row + (NH + NKV) * D + h * D + d, mask=dm, other=0.0).to(k_ptr.dtype.element_ty)
+        k_new = (k_new * cos[None, :] + k2 * sin[None, :]).to(k_ptr.dtype.element_ty)     # (RP, DP)
+        v_new = tl.load(kr + NKV * D + kh + d[None, :], mask=qm, other=0.0).to(k_ptr.dtype.element_ty)
         last = tl.load(last_ptr)
         # split `part` reads slots [lo, hi) of [0, last): chunks of whole blocks, so the grid stays fixed while
         # the filled length grows between graph replays; splits past the filled length read nothing
         chunk = tl.maximum(tl.cdiv(tl.cdiv(last, SPLITS), BLOCK), 1) * BLOCK
         lo = part * chunk
         hi = tl.minimum(lo + chunk, last)
-        if part == 0:                                                  # one program writes the new K/V
-            tl.store(k_ptr + b * sk_b + h * sk_h + last * sk_s + d, k_new, mask=dm)
-            tl.store(v_ptr + b * sv_b + h * sv_h + last * sv_s + d, v_new, mask=dm)
+        if part == 0:                                                  # one program writes the new K/V: one row
+            wm = qm & (r % G == 0)[:, None]                            # of each KV head
+            hw = (h0 + hr)[:, None].to(tl.int64)
+            tl.store(k_ptr + b * sk_b + hw * sk_h + last * sk_s + d[None, :], k_new, mask=wm)
+            tl.store(v_ptr + b * sv_b + hw * sv_h + last * sv_s + d[None, :], v_new, mask=wm)
         # split 0 starts from the new token, from registers (its score, weight 1); the others from nothing
-        m0 = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+        m0 = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale
         first = part == 0
-        m = tl.where(first, m0, -float("inf"))                         # (GP,) running max
-        s = tl.where(first, tl.full((GP,), 1.0, tl.float32), 0.0)     # running sum
-        acc = tl.where(first, tl.zeros((GP, DP), tl.float32) + v_new.to(tl.float32)[None, :], 0.0)   # running output
+        m = tl.where(first, m0, -float("inf"))                         # (RP,) running max
+        s = tl.where(first, tl.full((RP,), 1.0, tl.float32), 0.0)     # running sum
+        acc = tl.where(first, v_new.to(tl.float32), 0.0)               # (RP, DP) running output
+        c = tl.arange(0, HEADS * BLOCK)                                # tile columns: head c // BLOCK, its slot
+        hc = c // BLOCK
+        kc = k_ptr + b * sk_b + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
+        vc = v_ptr + b * sv_b + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
+        own = hr[:, None] == hc[None, :]                               # (RP, HEADS * BLOCK)
         for s0 in range(lo, hi, BLOCK):                                # then the cache before it
-            j = s0 + tl.arange(0, BLOCK)
+            j = s0 + c % BLOCK
             jm = j < hi
             ok = (tl.load(ok_ptr + b * sok_b + j, mask=jm, other=0) != 0) & jm
             kv = jm[:, None] & dm[None, :]
-            k = tl.load(k_ptr + b * sk_b + h * sk_h + j[:, None] * sk_s + d[None, :], mask=kv, other=0.0)  # (BLOCK, DP)
-            v = tl.load(v_ptr + b * sv_b + h * sv_h + j[:, None] * sv_s + d[None, :], mask=kv, other=0.0)
-            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (GP, BLOCK) float32
-            sc = tl.where(ok[None, :], sc, -float("inf"))
+            k = tl.load(kc + j[:, None] * sk_s, mask=kv, other=0.0)   # (HEADS * BLOCK, DP)
+            v = tl.load(vc + j[:, None] * sv_s, mask=kv, other=0.0)
+            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (RP, HEADS * BLOCK) float32
+            sc = tl.where(own & ok[None, :], sc, -float("inf"))
             m_new = tl.maximum(m, tl.max(sc, 1))
             shift = tl.where(m_new == -float("inf"), 0.0, m_new)       # nothing visible yet: exp(-inf - -inf) is nan
             p_ = tl.exp(sc - shift[:, None])
@@ -112,8 +129,8 @@ if HAS_TRITON:
             o = acc / s[:, None]
             tl.store(o_ptr + b * so_b + qh + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
         else:
-            _combine(o_ptr + b * so_b + qh + d[None, :], qm, m, s, acc, (b * NKV + h) * SPLITS, part,
-                     pm_ptr, ps_ptr, pa_ptr, tick_ptr + b * NKV + h, GP, DP, SPLITS)
+            _combine(o_ptr + b * so_b + qh + d[None, :], qm, m, s, acc, (b * (NKV // HEADS) + hb) * SPLITS, part,
+                     pm_ptr, ps_ptr, pa_ptr, tick_ptr + b * (NKV // HEADS) + hb, RP, DP, SPLITS)
 
     @triton.jit
     def _head_norm(x, x2, w_ptr, d, partner, dm, eps, D: tl.constexpr):
@@ -161,27 +178,29 @@ if HAS_TRITON:
     @torch.library.custom_op("rlhack::decode_attention", mutates_args=("k", "v"))
     def _decode_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
                              key_ok: Tensor, last: Tensor, scale: float, block: int, warps: int, stages: int,
-                             splits: int, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float) -> Tensor:
+                             splits: int, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float,
+                             heads: int = 1) -> Tensor:
         B, nkv, _, D = k.shape
         nh = qkv.shape[1] // D - 2 * nkv
         out = torch.empty(B, nh * D, dtype=qkv.dtype, device=qkv.device)
         G = nh // nkv
-        GP, DP = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
-        n = B * nkv * splits if splits > 1 else 1                      # partials: only a split run needs them
-        pm, ps = (torch.empty(n * GP, dtype=torch.float32, device=qkv.device) for _ in range(2))
-        pa = torch.empty(n * GP * DP, dtype=torch.float32, device=qkv.device)
-        _decode_attention[(B, nkv, splits)](
+        RP, DP = max(16, triton.next_power_of_2(heads * G)), max(16, triton.next_power_of_2(D))
+        groups = B * (nkv // heads)                                    # (sequence, heads' group) pairs
+        n = groups * splits if splits > 1 else 1                       # partials: only a split run needs them
+        pm, ps = (torch.empty(n * RP, dtype=torch.float32, device=qkv.device) for _ in range(2))
+        pa = torch.empty(n * RP * DP, dtype=torch.float32, device=qkv.device)
+        _decode_attention[(B, nkv // heads, splits)](
             qkv, cos, sin, pos, k, v, key_ok, last, out, scale, qkv.stride(0), cos.stride(0),
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0),
-            key_ok.stride(0), pm, ps, pa, _tickets(B * nkv if splits > 1 else 1, qkv.device),
+            key_ok.stride(0), pm, ps, pa, _tickets(groups if splits > 1 else 1, qkv.device),
             cos if q_norm is None else q_norm, cos if k_norm is None else k_norm, eps,
-            NH=nh, NKV=nkv, G=G, GP=GP, D=D, DP=DP, BLOCK=block,
+            NH=nh, NKV=nkv, G=G, HEADS=heads, RP=RP, D=D, DP=DP, BLOCK=block,
             PRECISION="ieee" if k.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
             SPLITS=splits, QK_NORM=q_norm is not None, num_warps=warps, num_stages=stages)
         return out
 
     @_decode_attention_op.register_fake
-    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages, splits, q_norm, k_norm, eps):
+    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages, splits, q_norm, k_norm, eps, heads=1):
         return qkv.new_empty(qkv.shape[0], qkv.shape[1] - 2 * k.shape[1] * k.shape[3])
 
 
@@ -216,42 +235,51 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
                              f"{tuple(qw.shape)} {qw.dtype}, {tuple(kw.shape)} {kw.dtype}")
 
 
-# unsplit launch settings (block, warps, stages) by head_dim, each chosen by timing candidates at a real decode
-# shape (64: W1's, 128: qwen3's) over many layers' caches, so that reads come from memory as in the decode step;
-# 256 takes small tiles because large K and V tiles, double-buffered, would not fit in shared memory. How they
-# were picked: docs/kernels.md. FAST_DECODE_ATTN="128=64x4x2,..." overrides entries for a run
-# (tools/decode_kernel_bench.py --shape qwen3 times the candidates)
-SETTINGS = {64: (128, 4, 2), 128: (32, 4, 2), 256: (32, 4, 2)}
+# unsplit launch settings (block, warps, stages, heads) by head_dim, each chosen by timing candidates at a real
+# decode shape (64: W1's, 128: qwen3's) over many layers' caches, so that reads come from memory as in the decode
+# step; 256 takes small tiles because large K and V tiles, double-buffered, would not fit in shared memory.
+# heads: KV heads per program. Two of qwen3's (2 query heads each) fill 4 of the dot's 16 rows instead of 2, and
+# halve the programs that each pay the prologue's chain of dependent loads; with 16-slot blocks and 3 stages their
+# tiles still let 4 programs share an SM. How they were picked: docs/architectures.md, "Decode attention and
+# experts, timed". FAST_DECODE_ATTN="128=16x4x3x2,..." overrides entries for a run
+# (tools/decode_kernel_bench.py --shape qwen3,w1 times the candidates)
+SETTINGS = {64: (64, 4, 3, 1), 128: (16, 4, 3, 2), 256: (32, 4, 2, 1)}
 for _item in filter(None, os.environ.get("FAST_DECODE_ATTN", "").split(",")):
     _d, _s = _item.split("=")
-    SETTINGS[int(_d)] = tuple(int(x) for x in _s.split("x"))
+    SETTINGS[int(_d)] = (*(int(x) for x in _s.split("x")), 1)[:4]
 
 
-def settings(D: int) -> tuple[int, int, int]:
-    """(block, warps, stages) of the unsplit kernel at head_dim D: the entry of SETTINGS at the next power of two."""
+def settings(D: int) -> tuple[int, int, int, int]:
+    """(block, warps, stages, heads) of the unsplit kernel at head_dim D: SETTINGS' entry at the next power of
+    two."""
     at = max(16, 1 << (D - 1).bit_length())
-    return SETTINGS.get(at) or (SETTINGS[64] if at < 64 else (32, 4, 2))
+    return SETTINGS.get(at) or (SETTINGS[64] if at < 64 else (32, 4, 2, 1))
 
 
 def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor,
                      last: Tensor, scale: float, block: int | None = None, warps: int | None = None,
-                     stages: int | None = None, splits: int = 1, qk_norm: tuple | None = None) -> Tensor:
+                     stages: int | None = None, splits: int = 1, qk_norm: tuple | None = None,
+                     heads: int | None = None) -> Tensor:
     """See the module's docstring. The Triton kernel (CUDA, or TRITON_INTERPRET=1); block, warps, stages: the
     kernel's settings, by default SETTINGS' for this head_dim (`settings`). splits > 1: flash-decoding, each
     (sequence, KV head)'s filled slots cut into `splits` chunks of whole blocks, one program each (the grid is
     fixed; the chunk follows `last`), merged in the kernel by the last split to finish; block 32 by default
     (chunks of whole blocks: small blocks let short caches use several splits). qk_norm (q weight (D,), k weight
-    (D,), eps): RMSNorm each head of q and k before the rotation, as transformers' Qwen3RMSNorm does."""
-    b, w, st = settings(k.shape[-1]) if k.dim() == 4 else (128, 4, 2)
+    (D,), eps): RMSNorm each head of q and k before the rotation, as transformers' Qwen3RMSNorm does. heads: KV
+    heads per program (a power of two; cut to the largest that divides the model's KV heads)."""
+    b, w, st, hd = settings(k.shape[-1]) if k.dim() == 4 else (128, 4, 2, 1)
     block, warps, stages = block or (b if splits == 1 else 32), warps or w, stages or st
+    heads = heads or (hd if splits == 1 else 1)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two >= 1, got {splits}")
+    if heads < 1 or heads & (heads - 1):
+        raise ValueError(f"heads must be a power of two >= 1, got {heads}")
     if block < 16 or block & (block - 1):   # tl.dot takes no dimension under 16
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     _check(qkv, cos, sin, pos, k, v, key_ok, last, qk_norm)
     qw, kw, eps = qk_norm or (None, None, 0.0)
     return _decode_attention_op(qkv, cos, sin, pos, k, v, key_ok, last, float(scale), block, warps, stages, splits,
-                                qw, kw, float(eps))
+                                qw, kw, float(eps), math.gcd(heads, k.shape[1]))
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -120,6 +120,11 @@ check_attention(split, B=1, nh=14, nkv=2, S=64, D=64, last=0)
 from tests.test_decode_attention import check_norm
 check_norm(decode_attention)                                       # qwen3's q/k norm in the prologue, GQA 2
 check_norm(decode_attention, B=2, nh=3, nkv=3, S=40, D=24, last=39)   # D not a power of two: padded columns
+check_attention(functools.partial(decode_attention, heads=2, block=16), B=2, nh=12, nkv=4, S=50, D=24,
+                last=33)                                           # 2 KV heads a program, GQA 3: rows padded
+check_norm(functools.partial(decode_attention, heads=4, block=16), B=2, nh=8, nkv=4, S=40, D=16, last=20)
+check_attention(functools.partial(decode_attention, heads=2, splits=4, block=16), B=2, nh=8, nkv=4, S=70, D=16,
+                last=40)                                           # and split
 print("ok")
 """)
 
@@ -135,6 +140,13 @@ def test_kernel_cuda():
                         tol=3e-2)
     check_norm(decode_attention, "cuda", B=128, nh=16, nkv=8, S=320, D=128, last=200, dtype=torch.bfloat16, tol=3e-2)
     check_norm(decode_attention, "cuda", B=5, nh=6, nkv=2, S=150, D=40, last=97)   # float32, odd sizes
+    for heads, last in ((2, 0), (4, 200), (8, 319)):                   # several KV heads a program
+        check_attention(functools.partial(decode_attention, heads=heads, block=16), "cuda", B=128, nh=16, nkv=8,
+                        S=320, D=128, last=last, dtype=torch.bfloat16, tol=3e-2)
+    check_norm(functools.partial(decode_attention, heads=8, block=16), "cuda", B=128, nh=16, nkv=8, S=320, D=128,
+               last=200, dtype=torch.bfloat16, tol=3e-2)
+    check_attention(functools.partial(decode_attention, heads=2, block=64), "cuda", B=128, nh=14, nkv=2, S=320,
+                    D=64, last=200, dtype=torch.bfloat16, tol=3e-2)
     for splits, last in ((4, 0), (4, 130), (8, 319), (16, 200)):
         check_attention(functools.partial(decode_attention, splits=splits, block=32), "cuda", B=128, nh=14, nkv=2,
                         S=320, D=64, last=last, dtype=torch.bfloat16, tol=3e-2)

@@ -2,9 +2,14 @@
 
     python tools/decode_kernel_bench.py --out bench_out/decode
 
-- Attention (kernels/decode_attention.py) at W1's decode shape (batch 128, 14 query / 2 KV heads of 64, 320 slots):
-  one CUDA graph of 24 calls over 24 layers' caches, so every read comes from memory as in the step, not L2;
-  per layer-call time with 64 / 192 / 318 slots filled, for the unsplit kernel and flash-decoding splits.
+- Attention (kernels/decode_attention.py) at W1's decode shape (batch 128, 14 query / 2 KV heads of 64, 320 slots)
+  or qwen3's (--shape w1,qwen3: 16 query / 8 KV heads of 128, 28 layers): one CUDA graph of a call per layer
+  over the layers' caches, so every read comes from memory as in the step, not L2; per layer-call time with
+  64 / 192 / 318 slots filled, for the unsplit kernel (KV heads a program: --splits' fifth field) and
+  flash-decoding splits.
+- Experts (kernels/moe_experts.py, --moe) at W10's qwen3_moe decode shape (128 tokens x top-4 of 32, hidden 1024,
+  expert MLP 768) against torch's grouped GEMM route, in one graph over 8 layers' weights; --copy: a 2 GiB
+  device copy, the card's rate in the same command.
 - Sampler (kernels/sample.py) at 128 x 151,936 bf16 logits: the Gumbel kernel, the inverse-CDF one at a few
   settings; the cuBLAS lm_head (128 x 896 by 896 x 151,936) alone as the floor, and head + sampler in one graph.
 Time: median over --reps replays of a graph holding --calls calls, divided by the calls. Writes a markdown table
@@ -51,8 +56,8 @@ SHAPES = {"w1": (128, 14, 2, 320, 64, 24), "qwen3": (128, 16, 8, 320, 128, 28)}
 
 
 def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: dict | None = None) -> list[str]:
-    """variants: (splits, block) or (splits, block, warps, stages). found: filled with {variant name: [us at each
-    fill]} for --json."""
+    """variants: (splits, block), (splits, block, warps, stages) or (splits, block, warps, stages, heads: KV heads
+    per program). found: filled with {variant name: [us at each fill]} for --json."""
     B, nh, nkv, S, D, L = SHAPES[shape]
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -65,12 +70,14 @@ def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: d
     rows = []
     for filled in (64, 192, 318):
         last = torch.tensor([filled], device=dev)
-        want = decode_attention(qkv[0], cos, sin, pos, ks[0], vs[0], ok, last, 0.125, block=128, warps=4, stages=2)
+        want = decode_attention(qkv[0], cos, sin, pos, ks[0], vs[0], ok, last, 0.125, block=128, warps=4, stages=2,
+                                heads=1)
+        gb = B * nkv * (filled + 1) * D * 2 * ks[0].element_size() / 1e9   # K and V read (and the new slot written)
         for var in variants:
-            splits, block, warps, stages = (*var, None, None)[:4]
-            kw = dict(splits=splits, block=block, warps=warps, stages=stages)
+            splits, block, warps, stages, heads = (*var, None, None, None)[:5]
+            kw = dict(splits=splits, block=block, warps=warps, stages=stages, heads=heads)
             name = ("1 program per (seq, head)" if splits == 1 else f"split {splits}") + f", block {block}" + (
-                f", {warps} warps, {stages} stages" if warps else "")
+                f", {warps} warps, {stages} stages" if warps else "") + (f", {heads} KV heads a program" if heads else "")
             def run(kw=kw):
                 for i in range(L):
                     decode_attention(qkv[i], cos, sin, pos, ks[i], vs[i], ok, last, 0.125, **kw)
@@ -82,9 +89,11 @@ def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: d
                 rows.append(f"| attention {shape} | {filled} slots | {name} | failed | {type(e).__name__} |")
                 continue
             if found is not None:
-                found.setdefault(name, {"splits": splits, "block": block, "warps": warps, "stages": stages, "us": []})
+                found.setdefault(name, {"splits": splits, "block": block, "warps": warps, "stages": stages,
+                                        "heads": heads, "us": []})
                 found[name]["us"].append(us)
-            rows.append(f"| attention {shape} | {filled} slots | {name} | {us:.2f} | max diff vs 128x4x2 {err:.1e} |")
+            rows.append(f"| attention {shape} | {filled} slots | {name} | {us:.2f} | {gb / us * 1e6 / 1e3:.2f} TB/s; "
+                        f"max diff vs 128x4x2 {err:.1e} |")
     if shape == "qwen3":                                               # the q/k norm fused into the prologue
         qw, kw_ = torch.rand(D, device=dev, dtype=dt) + 0.5, torch.rand(D, device=dev, dtype=dt) + 0.5
         def normed():
@@ -93,6 +102,59 @@ def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: d
         rows.append(f"| attention {shape} | {filled} slots | default settings, with qk_norm | "
                     f"{graph_us(normed, 1, reps) / L:.2f} | |")
     return rows
+
+
+def moe_rows(reps: int, variants: list[tuple], layers: int = 8, found: dict | None = None) -> list[str]:
+    """W10's qwen3_moe experts at decode (128 tokens, top-4 of 32, hidden 1024, expert MLP 768): torch's grouped
+    GEMM route (gather, grouped GEMM, SiLU x up, grouped GEMM) against kernels/moe_experts.py's two kernels at each
+    variant (gate_up's (BM, BN, BK, warps, stages) + down's), in one CUDA graph over `layers` layers' weights."""
+    from engines.moe import _by_expert
+    from kernels.moe_experts import expert_down, expert_gate_up
+    N, H, I, E, k = 128, 1024, 768, 32, 4
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    gus = [torch.randn(E, 2 * I, H, device=dev, dtype=dt, generator=g) * H ** -0.5 for _ in range(layers)]
+    dns = [torch.randn(E, H, I, device=dev, dtype=dt, generator=g) * I ** -0.5 for _ in range(layers)]
+    x = torch.randn(N, H, device=dev, dtype=dt, generator=g)
+    flat = torch.rand(N, E, device=dev, generator=g).topk(k, -1).indices.reshape(-1)
+    order, _, offs = _by_expert(flat, E)
+    token, expert = order // k, flat[order]
+    gb = (gus[0].numel() + dns[0].numel()) * 2 / 1e9
+    def grouped(i):
+        h = torch._grouped_mm(x[token], gus[i].transpose(1, 2), offs=offs)
+        a, u = h.chunk(2, -1)
+        return torch._grouped_mm((torch.nn.functional.silu(a) * u).contiguous(), dns[i].transpose(1, 2), offs=offs)
+    want = grouped(0).float()
+    us = graph_us(lambda: [grouped(i) for i in range(layers)], 1, reps) / layers
+    if found is not None:
+        found.update(grouped_us=us, variants=[])
+    rows = [f"| moe experts | {E} x ({2 * I}x{H} + {H}x{I}), {N * k} pairs | torch._grouped_mm + SiLU | {us:.2f} | "
+            f"{gb / us * 1e3:.2f} TB/s; counts {torch.bincount(flat, minlength=E).min().item()}-"
+            f"{torch.bincount(flat, minlength=E).max().item()} |"]
+    for var in variants:
+        cu, cd = var[:5], var[5:] or var[:5]
+        try:
+            got = expert_down(expert_gate_up(x, token, offs, gus[0], cu), offs, dns[0], cd).float()
+            err = ((got - want).norm() / want.norm()).item()
+            us = graph_us(lambda: [expert_down(expert_gate_up(x, token, offs, gus[i], cu), offs, dns[i], cd)
+                                   for i in range(layers)], 1, reps) / layers
+            ug = graph_us(lambda: [expert_gate_up(x, token, offs, gus[i], cu) for i in range(layers)], 1, reps) / layers
+        except Exception as e:
+            rows.append(f"| moe experts | | triton {cu} + {cd} | failed | {type(e).__name__} |")
+            continue
+        if found is not None:
+            found["variants"].append({"gate_up": cu, "down": cd, "us": us, "gate_up_us": ug, "rel_err": err})
+        rows.append(f"| moe experts | | triton gate_up {cu} + down {cd} | {us:.2f} | {gb / us * 1e3:.2f} TB/s "
+                    f"(gate_up alone {ug:.2f} us); rel. err vs grouped {err:.1e} |")
+    return rows
+
+
+def copy_row(reps: int) -> str:
+    """The card's copy rate: a 2 GiB device-to-device copy, bytes read plus written."""
+    a = torch.empty(2 ** 30, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    us = graph_us(lambda: b.copy_(a), 1, reps)
+    return f"| copy | 2 GiB -> 2 GiB | torch copy_ (read + write) | {us:.1f} | {2 * 2 ** 31 / us / 1e6:.2f} TB/s |"
 
 
 def sampler_rows(reps: int, calls: int, variants: list[tuple]) -> list[str]:
@@ -123,30 +185,47 @@ def main():
     ap.add_argument("--reps", type=int, default=50, help="graph replays per measurement (median)")
     ap.add_argument("--calls", type=int, default=10, help="sampler calls per graph")
     ap.add_argument("--splits", default="1:128,4:32,4:64,8:32,8:64,16:16,16:32",
-                    help="attention splits:block[:warps:stages], comma-separated")
-    ap.add_argument("--shape", default="w1", choices=list(SHAPES), help="the attention's decode shape (SHAPES)")
+                    help="attention splits:block[:warps:stages[:heads]], comma-separated; or per shape, "
+                    "'w1=...;qwen3=...'")
+    ap.add_argument("--shape", default="w1", help="the attention's decode shapes (SHAPES: w1, qwen3), comma-separated")
     ap.add_argument("--attention-only", action="store_true", help="skip the sampler rows")
+    ap.add_argument("--moe", default="", help="also time qwen3_moe's experts: kernels/moe_experts.py's settings "
+                    "BM:BN:BK:warps:stages[:BM:BN:BK:warps:stages for down], comma-separated ('default': SETTINGS)")
+    ap.add_argument("--copy", action="store_true", help="also time a 2 GiB device copy (the card's rate)")
     ap.add_argument("--json", default="", help="also write each attention variant's times and the fastest unsplit "
                     "one (mean over the fills) here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_kernel_bench needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
-    variants = [tuple(int(x) for x in v.split(":")) for v in args.splits.split(",")]
+    parse = lambda text: [tuple(int(x) for x in v.split(":")) for v in text.split(",")]
+    shapes = args.shape.split(",")
+    per_shape = dict(item.split("=") for item in args.splits.split(";")) if "=" in args.splits else {}
+    if any(sh not in SHAPES for sh in shapes):
+        raise SystemExit(f"--shape takes {', '.join(SHAPES)}; got {args.shape!r}")
     part = lambda f, **kw: lambda *a: f(*a, **kw)
     samplers = [("gumbel (today: split 64, block 4096, 4 warps)", gumbel_sample)]
     samplers += [(f"cdf: block {blk}, {wp} warps, split {sp}", part(cdf_sample, split=sp, block=blk, warps=wp))
                  for sp, blk, wp in ((64, 4096, 8), (64, 4096, 4), (64, 2048, 4), (128, 2048, 8), (32, 8192, 8))]
     found = {}
-    rows = attention_rows(args.reps, variants, args.shape, found)
+    rows = [copy_row(args.reps)] if args.copy else []
+    for sh in shapes:
+        rows += attention_rows(args.reps, parse(per_shape.get(sh, args.splits)), sh, found.setdefault(sh, {}))
+        print("\n".join(rows), flush=True)
+    if args.moe:
+        from kernels.moe_experts import SETTINGS as MOE
+        rows += moe_rows(args.reps, [MOE["gate_up"] + MOE["down"] if v == "default" else
+                                     tuple(int(x) for x in v.split(":")) for v in args.moe.split(",")],
+                         found=found.setdefault("moe", {}))
     if not args.attention_only:
         rows += sampler_rows(args.reps, args.calls, samplers)
     if args.json:
         mean = lambda v: sum(v["us"]) / len(v["us"])
-        best = min((v for v in found.values() if v["splits"] == 1 and v["warps"] and len(v["us"]) == 3), key=mean,
-                   default=None)
+        best = {sh: min((v for v in found[sh].values() if v["splits"] == 1 and v["warps"] and len(v["us"]) == 3),
+                        key=mean, default=None) for sh in shapes}
         with open(args.json, "w") as f:
-            json.dump({"shape": SHAPES[args.shape], "variants": found, "best_unsplit": best}, f, indent=1)
+            json.dump({"shapes": {sh: SHAPES[sh] for sh in shapes}, "variants": found, "best_unsplit": best}, f,
+                      indent=1)
     text = (f"Decode kernels on {torch.cuda.get_device_name()} (torch {torch.__version__}); "
             f"`python tools/decode_kernel_bench.py {' '.join(sys.argv[1:])}`\n\n"
             "| kernel | shape | variant | us per call (attention: per layer) | check |\n|---|---|---|---|---|\n"
