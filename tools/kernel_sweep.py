@@ -21,10 +21,12 @@ Prints one line per case (`ok` or `FAIL` with the family, the case and the error
            older card the sweep prints one `skip` line per family and counts neither a pass nor a failure
   decoder  engines/fast_decode.py end to end on the random test model (graph, both samplers, prompt length 1
            and odd, one new token) -> teacher-forced log-probs (GPU sizes only)
-LoRA's decode packing (engines/decode_weights.py) has no Triton kernel, so nothing of it is swept here.
+LoRA's decode packing (engines/decode_weights.py) has one Triton kernel, the FP8 refresh (fp8_quant); the rest of
+it is torch, so nothing else of it is swept here.
 Sizes: "gpu" and "sanitizer" hold the same edge shapes (the sanitizer's without the biggest products: it runs
 every kernel ~100x slower); "cpu" keeps what the interpreter runs in seconds (float32 where a kernel uses tl.dot:
-the interpreter's bf16 dot is wrong, FACTS.md).
+the interpreter's bf16 dot is wrong, FACTS.md; the exact path's kernels take bf16 there, their dot being an
+explicit product under the interpreter).
 """
 import argparse
 import math
