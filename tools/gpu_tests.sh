@@ -16,7 +16,7 @@
 #   dist       with 2+ GPUs: tests/test_distributed.py, in 6 groups side by side  (T_DIST=300)
 #   sweep      tools/kernel_sweep.py --size gpu: each kernel against its torch twin at edge shapes, in two processes:
 #              `sweep` the sampling, decode-attention and log-prob families and the decoder, `sweep-more` the exact
-#              path's, the fused KL's and the FP8 kernels (tools/kernel_families.py)  (T_SWEEP=270)
+#              path's, the fused KL's, the FP8 and the MoE experts' kernels (tools/kernel_families.py)  (T_SWEEP=270)
 #   sanitizer  the sweep's smaller size under `compute-sanitizer --tool memcheck`, 8 processes  (T_SAN=330);
 #              the FP8 families print one `skip` line on a card without FP8 (before sm_89) and count nothing
 # A stage that runs out of time counts as one failure. GPU 0 takes the tests, `sweep` and half of the sanitizer
@@ -92,11 +92,11 @@ if [ "$ngpu" -ge 2 ]; then   # as tools/gpu_dist.sh: they mostly wait on imports
     dist_stage dist-arch-fsdp2 fsdp2 tests/test_architectures.py &   # qwen3 and qwen3_moe under FSDP2 (#32)
 fi
 sweep sweep 0 sample,decode,logprob,linear,loss,decoder &
-sweep sweep-more "$g1" exact_gemm,exact_attn,fused_kl,fp8_gemm,fp8_quant &
+sweep sweep-more "$g1" exact_gemm,exact_attn,fused_kl,fp8_gemm,fp8_quant,moe &
 sanitize sanitizer-sample 0 1 sample &
 sanitize sanitizer-logprob 0 1 logprob,linear,loss &
 sanitize sanitizer-exact-attn 0 1 exact_attn &
-sanitize sanitizer-fp8 0 1 fp8_gemm,fp8_quant &
+sanitize sanitizer-fp8-moe 0 1 fp8_gemm,fp8_quant,moe &
 sanitize sanitizer-decode "$g1" 1 decode &
 sanitize sanitizer-decoder "$g1" 0 decoder &
 sanitize sanitizer-exact-gemm "$g1" 1 exact_gemm &

@@ -14,6 +14,8 @@ helpers every family shares (a module of its own: the sweep's runner and its fir
               shorter) -> kernels/fp8.py dequantised_mm on the same quantised values
   fp8_quant   kernels/fp8_quant.py: merge_quantise with and without LoRA factors, partial row blocks and K steps, a
               zero row -> merged_twin
+  moe         kernels/moe_experts.py: the decode step's expert kernels (gate/up with SiLU, down) over routings with
+              empty experts and one past a row block -> expert_gate_up_reference, expert_down_reference
 The FP8 families need FP8 tensor cores on a GPU (compute capability 8.9+): elsewhere the sweep skips them with one
 line (`NEEDS`), counting neither a pass nor a failure. Under the interpreter they run on CPU tensors, with float32
 where the GPU would round to e4m3 in the kernel (triton 3.9's interpreter rounds e4m3 unfaithfully).
@@ -353,7 +355,56 @@ def fp8_quant_cases(size):
                 yield dict(N=N, K=K, R=R, dtype=dtype)
 
 
+# --- moe ----------------------------------------------------------------------------------------------------------
+
+def check_moe(device, N, H, I, E, k, skew, dtype, cfg) -> float:
+    """kernels/moe_experts.py's expert_gate_up (x gathered by token, SiLU(gate) * up in the epilogue) and
+    expert_down over N tokens routed top-k of E experts (engines/moe.py's sort by expert), against their twins
+    (expert_*_reference): tests/test_moe_experts.py's relative Frobenius bounds (bf16 1e-2; float32 5e-3 on a GPU,
+    whose float32 dots take TF32, 1e-5 interpreted). skew: most pairs on expert 1 (more than a row block), none on
+    expert E-1. cfg: (BM, BN, BK, warps, stages), None for the kernels' SETTINGS."""
+    from engines.moe import _by_expert
+    from kernels.moe_experts import expert_down, expert_down_reference, expert_gate_up, expert_gate_up_reference
+    g = gen("moe", N, H, I, E, k, skew, dtype, cfg)
+    flat = torch.rand(N, E, generator=g).topk(k, -1).indices.reshape(-1)               # (N k,) each pair's expert
+    if skew:
+        flat = torch.where(torch.rand(flat.shape, generator=g) < 0.8, 1, flat % (E - 1))
+    order, _, offs = _by_expert(flat, E)
+    token = order // k                                                                 # (M,) sorted by expert
+    x = torch.randn(N, H, generator=g).to(dtype)
+    gu = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype)
+    dn = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype)
+    put = lambda t: t.to(device)
+    a_ref = expert_gate_up_reference(x, token, offs, gu)                               # (M, I)
+    a = expert_gate_up(put(x), put(token), put(offs), put(gu), cfg)
+    y = expert_down(put(a_ref), put(offs), put(dn), cfg)                               # (M, H)
+    y_ref = expert_down_reference(a_ref, offs, dn)
+    tol = 1e-2 if dtype == BF16 else 5e-3 if device == "cuda" else 1e-5
+    for got, want in ((a, a_ref), (y, y_ref)):
+        assert got.shape == want.shape and got.dtype == dtype, (got.shape, got.dtype)
+    err = max(rel(a, a_ref), rel(y, y_ref))
+    assert err <= tol, f"error {err} > {tol}"
+    return err
+
+
+def moe_cases(size):
+    # (N, H, I, E, k, skew): one token (most experts empty); sizes no tile divides; an expert past one row block
+    # and one with no pair; W10's qwen3_moe decode shape (gpu)
+    shapes = [(1, 64, 32, 4, 2, False), (9, 40, 24, 5, 2, False), (40, 64, 48, 3, 1, True), (128, 256, 96, 8, 4, True)]
+    if size == "gpu":
+        shapes.append((128, 1024, 768, 32, 4, False))
+    if size == "cpu":   # float32 only: the interpreter's bf16 tl.dot is wrong (FACTS.md)
+        for N, H, I, E, k, skew, cfg in ((9, 40, 24, 5, 2, False, None), (40, 64, 48, 3, 1, True, (16, 16, 16, 4, 2))):
+            yield dict(N=N, H=H, I=I, E=E, k=k, skew=skew, dtype=F32, cfg=cfg)
+        return
+    for N, H, I, E, k, skew in shapes:
+        for dtype in (F32, BF16):
+            for cfg in (None, (16, 16, 16, 4, 2)):     # the tuned tiles; small ones: several row and column tiles
+                if cfg is None or size == "gpu" or dtype == BF16:
+                    yield dict(N=N, H=H, I=I, E=E, k=k, skew=skew, dtype=dtype, cfg=cfg)
+
+
 FAMILIES = {"exact_gemm": (exact_gemm_cases, check_exact_gemm), "exact_attn": (exact_attn_cases, check_exact_attn),
             "fused_kl": (fused_kl_cases, check_fused_kl), "fp8_gemm": (fp8_gemm_cases, check_fp8_gemm),
-            "fp8_quant": (fp8_quant_cases, check_fp8_quant)}
+            "fp8_quant": (fp8_quant_cases, check_fp8_quant), "moe": (moe_cases, check_moe)}
 NEEDS = {"fp8_gemm": fp8_needs, "fp8_quant": fp8_needs}   # family -> fn(device) -> why it cannot run here, or None

@@ -11,13 +11,14 @@ Prints one line per case (`ok` or `FAIL` with the family, the case and the error
 `N passed, N failed`; exits 1 on any failure. Families (kernel -> twin):
   sample   gumbel_sample / cdf_sample -> log_softmax at the drawn token, the token inside the row, never a banned
            column, a row with one live token gives that token, and gumbel_sample_reference on the same rows
-  decode   decode_attention -> decode_attention_reference (output and the cache write; Qwen3's q/k head norms too)
+  decode   decode_attention -> decode_attention_reference (output and the cache write; Qwen3's q/k head norms, and
+           several KV heads a program, too)
   logprob  logprob_entropy (forward and backward; the split row_stats path too) -> logprob_entropy_reference
   linear   linear_logprob_entropy (cuBLAS + passes, and fuse_matmul's GEMM kernels) -> the reference on h @ w.T
   loss     linear_logprob_loss (gradients in the forward) -> autograd through the reference
-  exact_gemm, exact_attn, fused_kl, fp8_gemm, fp8_quant
-           the exact path's GEMM, RMSNorm and attention, the fused KL's passes, the FP8 GEMM and the FP8 refresh:
-           tools/kernel_families.py says what each checks. fp8_* need FP8 tensor cores on a GPU (sm_89+): on an
+  exact_gemm, exact_attn, fused_kl, fp8_gemm, fp8_quant, moe
+           the exact path's GEMM, RMSNorm and attention, the fused KL's passes, the FP8 GEMM, the FP8 refresh and
+           the MoE decode experts: tools/kernel_families.py says what each checks. fp8_* need FP8 tensor cores on a GPU (sm_89+): on an
            older card the sweep prints one `skip` line per family and counts neither a pass nor a failure
   decoder  engines/fast_decode.py end to end on the random test model (graph, both samplers, prompt length 1
            and odd, one new token) -> teacher-forced log-probs (GPU sizes only)
@@ -102,10 +103,10 @@ def sample_cases(size):
 
 # --- decode attention -------------------------------------------------------------------------------------------
 
-def check_decode(device, B, nh, nkv, D, S, last, dtype, splits, qk_norm=False) -> float:
+def check_decode(device, B, nh, nkv, D, S, last, dtype, splits, qk_norm=False, heads=None) -> float:
     """The kernel and its twin on the same inputs (cache clones): output and cache within TOL (bf16: the kernel
     takes P in the cache's dtype for P @ V, the twin float32). qk_norm: each q and k head RMS-normed first (Qwen3's
-    q_norm / k_norm, the kernel's `_head_norm`)."""
+    q_norm / k_norm, the kernel's `_head_norm`). heads: KV heads per program (None: the kernel's default for D)."""
     g = gen("decode", B, nh, nkv, D, S, last, splits, *(("qk_norm",) if qk_norm else ()))
     qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=g).to(dtype)
     k, v = (torch.randn(B, nkv, S, D, generator=g).to(dtype) for _ in range(2))
@@ -118,7 +119,7 @@ def check_decode(device, B, nh, nkv, D, S, last, dtype, splits, qk_norm=False) -
     put = lambda t: t.to(device)
     kk, vv = put(k), put(v)
     out = decode_attention(put(qkv), put(cos), put(sin), put(pos), kk, vv, put(ok), put(torch.tensor([last])), 0.125,
-                           splits=splits, qk_norm=norm and (put(norm[0]), put(norm[1]), norm[2]))
+                           splits=splits, qk_norm=norm and (put(norm[0]), put(norm[1]), norm[2]), heads=heads)
     kr, vr = k.clone(), v.clone()
     want = decode_attention_reference(qkv, cos, sin, pos, kr, vr, ok, torch.tensor([last]), 0.125, qk_norm=norm)
     tol = 2e-2 if dtype == BF16 else TOL[F32]
@@ -134,6 +135,7 @@ def decode_cases(size):
                                                (3, 2, 1, 32, 320, 201, 4), (1, 14, 2, 64, 320, 201, 1)):
             yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=F32, splits=splits)
         yield dict(B=3, nh=14, nkv=2, D=64, S=64, last=63, dtype=F32, splits=4, qk_norm=True)
+        yield dict(B=3, nh=4, nkv=4, D=32, S=64, last=7, dtype=F32, splits=1, heads=4)
         return
     heads = ((2, 1), (14, 2), (4, 4))                   # the random test model's, Qwen2.5-0.5B's, MHA
     for D in (32, 64, 128):
@@ -145,6 +147,9 @@ def decode_cases(size):
                         if nkv == 2 and B < 128:        # Qwen3's head norms in the kernel, with and without splits
                             yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype, splits=splits,
                                        qk_norm=True)
+                        if nkv == 4 and B < 128:        # several KV heads a program (each head's scores masked)
+                            yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype, splits=splits,
+                                       heads=4 if splits == 1 else 2)
                     continue
                 for B in (1, 3, 128):
                     for S, last in ((64, 0), (64, 7), (64, 63), (320, 201)):
@@ -154,6 +159,9 @@ def decode_cases(size):
                                 if nkv == 2 and B == 3:
                                     yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype,
                                                splits=splits, qk_norm=True)
+                                if nkv == 4 and B == 3:
+                                    yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype,
+                                               splits=splits, heads=4 if splits == 1 else 2)
 
 
 # --- log-prob / entropy from logits -------------------------------------------------------------------------------
