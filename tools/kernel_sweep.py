@@ -18,8 +18,9 @@ Prints one line per case (`ok` or `FAIL` with the family, the case and the error
   loss     linear_logprob_loss (gradients in the forward) -> autograd through the reference
   exact_gemm, exact_attn, fused_kl, fp8_gemm, fp8_quant, moe
            the exact path's GEMM, RMSNorm and attention, the fused KL's passes, the FP8 GEMM, the FP8 refresh and
-           the MoE decode experts: tools/kernel_families.py says what each checks. fp8_* need FP8 tensor cores on a GPU (sm_89+): on an
-           older card the sweep prints one `skip` line per family and counts neither a pass nor a failure
+           the MoE decode experts: tools/kernel_families.py says what each checks. fp8_* need FP8 tensor cores
+           on a GPU (sm_89+): on an older card the sweep prints one `skip` line per family and counts neither a
+           pass nor a failure
   decoder  engines/fast_decode.py end to end on the random test model (graph, both samplers, prompt length 1
            and odd, one new token) -> teacher-forced log-probs (GPU sizes only)
 LoRA's decode packing (engines/decode_weights.py) has one Triton kernel, the FP8 refresh (fp8_quant); the rest of
