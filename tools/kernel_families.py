@@ -193,8 +193,9 @@ def exact_attn_cases(size):
 def check_fused_kl(device, op, N, Hs, Ht, V, dtype, reverse, temperature, rows_per_block, split=None,
                    chunk_bytes=1) -> float:
     """op "kl": fused_kl (Triton forward `_stats_kernel`, backward `_grad_kernel`) in `rows_per_block`-row token
-    blocks and tiles of chunk_bytes (1: 128-column blocks, the last ragged); op "loss": fused_kl_loss (`_part_kernel` with
-    `split` programs per row, `_merge_kernel`, then `_grad_kernel` in the forward) in chunks of rows_per_block rows.
+    blocks and tiles of chunk_bytes (1: 128-column blocks, the last ragged); op "loss": fused_kl_loss
+    (`_part_kernel` with `split` programs per row, `_merge_kernel`, then `_grad_kernel` in the forward) in chunks of
+    rows_per_block rows.
     Against fused_kl_reference on float32 copies of the inputs, gradients through autograd: tests/test_fused_kl.py's
     allclose band (float32 1e-4, bfloat16 5e-2). Returns the worst error as a fraction of the band."""
     fk = importlib.import_module("kernels.fused_kl")   # kernels/__init__.py's fused_kl (a function) hides it
