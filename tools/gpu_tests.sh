@@ -14,15 +14,16 @@
 #   arch-*     tests/test_architectures.py's GPU tests (every family graphed and compiled; the generic path's step
 #              compiles too), in two processes  (T_ARCH=420)
 #   dist       with 2+ GPUs: tests/test_distributed.py, in 6 groups side by side  (T_DIST=300)
-#   sweep      tools/kernel_sweep.py --size gpu: each kernel against its torch twin at edge shapes, in two processes:
-#              `sweep` the sampling, decode-attention and log-prob families and the decoder, `sweep-more` the exact
-#              path's, the fused KL's, the FP8 and the MoE experts' kernels (tools/kernel_families.py)  (T_SWEEP=270)
+#   sweep      tools/kernel_sweep.py --size gpu: each kernel against its torch twin at edge shapes, in three
+#              processes (each family's first launches are mostly Triton compiles): `sweep` the sampling,
+#              decode-attention and log-prob families and the decoder, `sweep-exact` the exact path's kernels,
+#              `sweep-more` the fused KL's, the FP8 and the MoE experts' (tools/kernel_families.py)  (T_SWEEP=270)
 #   sanitizer  the sweep's smaller size under `compute-sanitizer --tool memcheck`, 8 processes  (T_SAN=330);
 #              the FP8 families print one `skip` line on a card without FP8 (before sm_89) and count nothing
-# A stage that runs out of time counts as one failure. GPU 0 takes the tests, `sweep` and half of the sanitizer
-# runs; GPU 1 (when there is one) the kernel tests, `sweep-more` and the other half; the family tests go to GPUs
-# 2 and 3 where there are 4, else share GPUs 0 and 1. Every family of tools/kernel_sweep.py belongs in one
-# `sanitize` line below and one sweep process.
+# A stage that runs out of time counts as one failure. GPU 0 takes the tests, `sweep`, `sweep-exact` and half of
+# the sanitizer runs; GPU 1 (when there is one) the kernel tests, `sweep-more` and the other half; the family tests
+# go to GPUs 2 and 3 where there are 4, else share GPUs 0 and 1. Every family of tools/kernel_sweep.py belongs in
+# one `sanitize` line below and one `sweep` line (tests/test_kernel_edges.py checks).
 # Under the sanitizer: expandable segments off (torch's allocator then fails with "cuMemCreate: operation not
 # permitted"), and for the kernel families no caching allocator either, so that each tensor is its own allocation
 # and a read just outside it is reported instead of landing in a neighbour (the decoder family keeps the cache:
@@ -92,7 +93,8 @@ if [ "$ngpu" -ge 2 ]; then   # as tools/gpu_dist.sh: they mostly wait on imports
     dist_stage dist-arch-fsdp2 fsdp2 tests/test_architectures.py &   # qwen3 and qwen3_moe under FSDP2 (#32)
 fi
 sweep sweep 0 sample,decode,logprob,linear,loss,decoder &
-sweep sweep-more "$g1" exact_gemm,exact_attn,fused_kl,fp8_gemm,fp8_quant,moe &
+sweep sweep-exact 0 exact_gemm,exact_attn &
+sweep sweep-more "$g1" fused_kl,fp8_gemm,fp8_quant,moe &
 sanitize sanitizer-sample 0 1 sample &
 sanitize sanitizer-logprob 0 1 logprob,linear,loss &
 sanitize sanitizer-exact-attn 0 1 exact_attn &
