@@ -17,8 +17,9 @@
 #   sweep      tools/kernel_sweep.py --size gpu: each kernel against its torch twin at edge shapes, in three
 #              processes (each family's first launches are mostly Triton compiles): `sweep` the sampling,
 #              decode-attention and log-prob families and the decoder, `sweep-exact` the exact path's kernels,
-#              `sweep-more` the fused KL's, the FP8 and the MoE experts' (tools/kernel_families.py)  (T_SWEEP=270)
-#   sanitizer  the sweep's smaller size under `compute-sanitizer --tool memcheck`, 8 processes  (T_SAN=330);
+#              `sweep-more` decode attention's options and the fused KL's, the FP8 and the MoE experts' kernels
+#              (tools/kernel_families*.py)  (T_SWEEP=270)
+#   sanitizer  the sweep's smaller size under `compute-sanitizer --tool memcheck`, 9 processes  (T_SAN=330);
 #              the FP8 families print one `skip` line on a card without FP8 (before sm_89) and count nothing
 # A stage that runs out of time counts as one failure. GPU 0 takes the tests, `sweep`, `sweep-exact` and half of
 # the sanitizer runs; GPU 1 (when there is one) the kernel tests, `sweep-more` and the other half; the family tests
@@ -94,11 +95,12 @@ if [ "$ngpu" -ge 2 ]; then   # as tools/gpu_dist.sh: they mostly wait on imports
 fi
 sweep sweep 0 sample,decode,logprob,linear,loss,decoder &
 sweep sweep-exact 0 exact_gemm,exact_attn &
-sweep sweep-more "$g1" fused_kl,fp8_gemm,fp8_quant,moe &
+sweep sweep-more "$g1" decode_opts,fused_kl,fp8_gemm,fp8_quant,moe &
 sanitize sanitizer-sample 0 1 sample &
 sanitize sanitizer-logprob 0 1 logprob,linear,loss &
 sanitize sanitizer-exact-attn 0 1 exact_attn &
 sanitize sanitizer-fp8-moe 0 1 fp8_gemm,fp8_quant,moe &
+sanitize sanitizer-decode-opts 0 1 decode_opts &
 sanitize sanitizer-decode "$g1" 1 decode &
 sanitize sanitizer-decoder "$g1" 0 decoder &
 sanitize sanitizer-exact-gemm "$g1" 1 exact_gemm &

@@ -11,14 +11,15 @@ Prints one line per case (`ok` or `FAIL` with the family, the case and the error
 `N passed, N failed`; exits 1 on any failure. Families (kernel -> twin):
   sample   gumbel_sample / cdf_sample -> log_softmax at the drawn token, the token inside the row, never a banned
            column, a row with one live token gives that token, and gumbel_sample_reference on the same rows
-  decode   decode_attention -> decode_attention_reference (output and the cache write; Qwen3's q/k head norms, and
-           several KV heads a program, too)
+  decode   decode_attention -> decode_attention_reference (output and the cache write)
+  decode_opts  the same with its options: Qwen3's q/k head norms (the kernel's `_head_norm`), several KV heads a
+           program
   logprob  logprob_entropy (forward and backward; the split row_stats path too) -> logprob_entropy_reference
   linear   linear_logprob_entropy (cuBLAS + passes, and fuse_matmul's GEMM kernels) -> the reference on h @ w.T
   loss     linear_logprob_loss (gradients in the forward) -> autograd through the reference
   exact_gemm, exact_attn, fused_kl, fp8_gemm, fp8_quant, moe
            the exact path's GEMM, RMSNorm and attention, the fused KL's passes, the FP8 GEMM, the FP8 refresh and
-           the MoE decode experts: tools/kernel_families.py says what each checks. fp8_* need FP8 tensor cores
+           the MoE decode experts: tools/kernel_families*.py say what each checks. fp8_* need FP8 tensor cores
            on a GPU (sm_89+): on an older card the sweep prints one `skip` line per family and counts neither a
            pass nor a failure
   decoder  engines/fast_decode.py end to end on the random test model (graph, both samplers, prompt length 1
@@ -46,7 +47,7 @@ from kernels.linear_logprob import linear_logprob_entropy  # noqa: E402
 from kernels.logprob import logprob_entropy, logprob_entropy_reference  # noqa: E402
 from kernels.logprob_loss import linear_logprob_loss  # noqa: E402
 from kernels.sample import cdf_sample, gumbel_sample, gumbel_sample_reference  # noqa: E402
-from tools import kernel_families  # noqa: E402
+from tools import kernel_families, kernel_families_exact  # noqa: E402
 from tools.kernel_families import BF16, F32, QWEN_V, gen, rel  # noqa: E402
 
 TOL = {F32: 1e-4, BF16: 1e-2}      # relative L2 error, as tests/test_kernels.py
@@ -135,8 +136,6 @@ def decode_cases(size):
                                                (3, 14, 2, 64, 64, 63, 1), (1, 4, 4, 128, 64, 0, 4),
                                                (3, 2, 1, 32, 320, 201, 4), (1, 14, 2, 64, 320, 201, 1)):
             yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=F32, splits=splits)
-        yield dict(B=3, nh=14, nkv=2, D=64, S=64, last=63, dtype=F32, splits=4, qk_norm=True)
-        yield dict(B=3, nh=4, nkv=4, D=32, S=64, last=7, dtype=F32, splits=1, heads=4)
         return
     heads = ((2, 1), (14, 2), (4, 4))                   # the random test model's, Qwen2.5-0.5B's, MHA
     for D in (32, 64, 128):
@@ -145,24 +144,30 @@ def decode_cases(size):
                 if size == "sanitizer":                 # every (head_dim, heads, dtype); each edge of the rest once
                     for B, S, last, splits in ((1, 64, 0, 1), (3, 64, 63, 4), (128, 64, 7, 1), (3, 320, 201, 1)):
                         yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype, splits=splits)
-                        if nkv == 2 and B < 128:        # Qwen3's head norms in the kernel, with and without splits
-                            yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype, splits=splits,
-                                       qk_norm=True)
-                        if nkv == 4 and B < 128:        # several KV heads a program (each head's scores masked)
-                            yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype, splits=splits,
-                                       heads=4 if splits == 1 else 2)
                     continue
                 for B in (1, 3, 128):
                     for S, last in ((64, 0), (64, 7), (64, 63), (320, 201)):
                         for splits in (1, 4):
                             if splits == 1 or (S, last) in ((64, 0), (320, 201)):
                                 yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype, splits=splits)
-                                if nkv == 2 and B == 3:
-                                    yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype,
-                                               splits=splits, qk_norm=True)
-                                if nkv == 4 and B == 3:
-                                    yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype,
-                                               splits=splits, heads=4 if splits == 1 else 2)
+
+
+def decode_opts_cases(size):
+    """decode_attention's options: Qwen3's q/k head norms (GQA 14/2) and several KV heads a program (MHA 4/4: 4
+    a program unsplit, 2 with splits), with and without splits, at one cache slot and later ones."""
+    if size == "cpu":
+        yield dict(B=3, nh=14, nkv=2, D=64, S=64, last=63, dtype=F32, splits=4, qk_norm=True)
+        yield dict(B=3, nh=4, nkv=4, D=32, S=64, last=7, dtype=F32, splits=1, heads=4)
+        return
+    edges = ((1, 64, 0, 1), (3, 64, 63, 4), (3, 320, 201, 1))
+    if size == "gpu":
+        edges += ((3, 64, 7, 1), (3, 320, 201, 4), (1, 64, 0, 4))
+    for D in (32, 64, 128):
+        for dtype in (F32, BF16):
+            for B, S, last, splits in edges:
+                yield dict(B=B, nh=14, nkv=2, D=D, S=S, last=last, dtype=dtype, splits=splits, qk_norm=True)
+                yield dict(B=B, nh=4, nkv=4, D=D, S=S, last=last, dtype=dtype, splits=splits,
+                           heads=4 if splits == 1 else 2)
 
 
 # --- log-prob / entropy from logits -------------------------------------------------------------------------------
@@ -350,8 +355,10 @@ def decoder_cases(size):
 
 
 FAMILIES = {"sample": (sample_cases, check_sample), "decode": (decode_cases, check_decode),
+            "decode_opts": (decode_opts_cases, check_decode),
             "logprob": (logprob_cases, check_logprob), "linear": (linear_cases, check_linear),
-            "loss": (loss_cases, check_loss), **kernel_families.FAMILIES, "decoder": (decoder_cases, check_decoder)}
+            "loss": (loss_cases, check_loss), **kernel_families_exact.FAMILIES, **kernel_families.FAMILIES,
+            "decoder": (decoder_cases, check_decoder)}
 NEEDS = kernel_families.NEEDS      # family -> fn(device) -> why it cannot run on this device (None: it can)
 
 
