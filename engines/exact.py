@@ -33,8 +33,9 @@ from engines.decode_weights import groups
 from engines.families import FAMILIES, arch_of, rotary_tables
 from engines.fast_decode import base_of
 from kernels import use_triton
-from kernels.exact_attention import exact_attention
-from kernels.exact_gemm import NORM_MODES, exact_linear, exact_rmsnorm
+from kernels.exact_attention import exact_attention, exact_rope_cache
+from kernels.exact_gemm import NORM_MODES, exact_linear, exact_linear_cat, exact_rmsnorm, exact_silu_mul
+from kernels.exact_sample import exact_row_logprobs
 from models import position_ids
 
 def check_config(cfg):
@@ -65,10 +66,12 @@ ROWS = 256     # rows per call of every op on the torch path: a fixed shape, hen
 BLOCK = 64     # keys per attention block
 TQ = 16        # queries of one (row, KV head) per attention tile
 TILES = 256    # tiles per attention call: fixed as ROWS is
+CHECK_EVERY = 16   # decode steps between the host's looks at whether every row is done (each look waits for the GPU)
 HEAD_ROWS = 256    # the trainer's predicted tokens per head + log-softmax chunk (a multiple of ROWS): the chunk's
                    # (rows, V) logits and float32 log-probs are the exact pass's largest transients
 
 
+SILU = ("SiLU", "SiLUActivation")     # activation modules `exact_silu_mul` stands for (transformers', torch's)
 GPU_KERNELS = True   # False: the torch path on a GPU too (the same bits on both sides, many more launches)
 
 
@@ -121,7 +124,11 @@ def weight_of(m) -> tuple[Tensor, Tensor | None]:
 
 
 def linear(x: Tensor, mods: list) -> Tensor:
-    """x (N, in) through each module of a group, outputs concatenated: (N, sum of outs)."""
+    """x (N, in) through each module of a group, outputs concatenated: (N, sum of outs). On a GPU one launch for the
+    group (`exact_linear_cat`: its tile is the concatenation's, on both sides)."""
+    if on_gpu(x) and len(mods) <= 3:
+        wb = [weight_of(m) for m in mods]
+        return exact_linear_cat(x, [w for w, _ in wb], [b for _, b in wb])
     outs = []
     for m in mods:
         w, b = weight_of(m)
@@ -196,9 +203,14 @@ class Exact:
         pre_a, post_a, pre_m, post_m = spec.norms
         g_qkv, g_gu, g_o, g_down = groups(layer)
         q, k, v = self._qkv(layer.self_attn, spec, linear(_norm(pre_a, x), g_qkv))      # (N, nh|nkv, D)
+        kc, vc = cache[i]                                                              # (B, nkv, L, D) each
+        if inplace and on_gpu(x):    # one launch: rotary on q and k, k and v into the cache
+            q = exact_rope_cache(q, k, v, rows, pos, cos[spec.rope], sin[spec.rope], kc, vc)
+            o = self._attend(q, rows, pos, kc, vc, spec.window, layer.self_attn.scaling)   # (N, nh D)
+            x = x + _norm(post_a, linear(o.to(x.dtype), g_o))
+            return x + _norm(post_m, self._mlp(layer.mlp, spec, _norm(pre_m, x), g_gu, g_down))
         c, s = cos[spec.rope][pos][:, None], sin[spec.rope][pos][:, None]              # (N, 1, D)
         q, k = _rotate(q, c, s), _rotate(k, c, s)
-        kc, vc = cache[i]                                                              # (B, nkv, L, D) each
         if inplace:
             kc.transpose(1, 2).index_put_((rows, pos), k.to(kc.dtype))
             vc.transpose(1, 2).index_put_((rows, pos), v.to(vc.dtype))
@@ -214,8 +226,10 @@ class Exact:
         """x (N, H) through the layer's dense MLP or its routed experts -> (N, H)."""
         if spec.moe:
             return experts(mlp, x)
-        gate, up = linear(x, g_gu).chunk(2, dim=-1)                                    # (N, I) each
         act = getattr(mlp, "act_fn", None) or mlp.activation_fn
+        if on_gpu(x) and type(act).__name__ in SILU:           # one launch for silu(gate) * up
+            return linear(exact_silu_mul(linear(x, g_gu)), g_down)
+        gate, up = linear(x, g_gu).chunk(2, dim=-1)                                    # (N, I) each
         return linear(each(act, gate) * up, g_down)
 
     def logits(self, h: Tensor) -> Tensor:
@@ -347,7 +361,13 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int
         h = ex.forward(ids, rows, pos, cache, inplace=not torch.is_grad_enabled())[at]   # (M, H)
         logp, ent = [], []
         for hc, tc in zip(h.split(HEAD_ROWS), tgt.split(HEAD_ROWS)):   # (M, V) float32 log-probs held a chunk at a time
-            lp = token_logprobs(ex.logits(hc), temperature)                            # (m, V)
+            z = ex.logits(hc)                                                          # (m, V)
+            if on_gpu(z):    # the engine's kernel (`sample`): one order per row, whatever the chunk
+                _, lp, en = exact_row_logprobs(z, inv_temperature(temperature, z.device), tgt=tc)
+                logp.append(lp)
+                ent.append(en)
+                continue
+            lp = token_logprobs(z, temperature)                                        # (m, V)
             logp.append(lp.gather(-1, tc[:, None]).squeeze(-1))                        # (m,)
             ent.append(-rowwise(lambda z: (z.exp() * z).sum(-1, keepdim=True), lp).squeeze(-1))   # (m,)
         logp, ent = torch.cat(logp), torch.cat(ent)
@@ -357,8 +377,25 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int
     return through(model, run, input_ids[rows, cols])
 
 
+def inv_temperature(temperature: float, device) -> Tensor:
+    """(1,) float32 1 / temperature: the engine and the trainer scale logits by the same bits."""
+    return torch.tensor([1.0 / temperature], dtype=torch.float32, device=device)
+
+
+def seed_of(generator, device) -> Tensor:
+    """(1,) int64 on device: a Philox seed for `exact_row_logprobs`, drawn from generator (None: the default one)."""
+    at = generator.device if generator is not None else device
+    return torch.randint(0, 2 ** 62, (1,), generator=generator, device=at).to(device)
+
+
 def sample(ex: Exact, logits: Tensor, temperature: float, generator) -> tuple[Tensor, Tensor]:
-    """Logits (B, V) -> sampled tokens (B,) and their exact log-probs (B,) (the trainer's bits)."""
+    """Logits (B, V) -> sampled tokens (B,) and their exact log-probs (B,) (the trainer's bits). On a GPU the row
+    kernel the trainer's head calls (`completion_logprobs`); on a CPU `rowwise` log-softmax and multinomial."""
+    if on_gpu(logits):
+        dev = logits.device
+        tok, logp, _ = exact_row_logprobs(logits, inv_temperature(temperature, dev), seed=seed_of(generator, dev),
+                                          step=torch.zeros(1, dtype=torch.long, device=dev))
+        return tok, logp
     lp = token_logprobs(logits, temperature)                                          # (B, V)
     tok = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)             # (B,)
     return tok, lp.gather(-1, tok[:, None]).squeeze(-1)
@@ -387,34 +424,58 @@ class ExactDecoder:
             if len(self.states) >= 2:             # bound memory: e.g. one training and one evaluation shape
                 self.states.pop(next(iter(self.states)))
             dev = self._device()
+            z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=dev)
             st = {"cache": self.ex.new_cache(B, S, dev, self._dtype()), "graph": None,
-                  "tok": torch.zeros(B, dtype=torch.long, device=dev),
-                  "pos": torch.zeros(B, dtype=torch.long, device=dev),
-                  "rows": torch.arange(B, device=dev)}
+                  "tok": z(B), "pos": z(B), "rows": torch.arange(B, device=dev), "done": z(B, dtype=torch.bool),
+                  # the sampler's inputs, device tensors the graph reads: seed, step (= the output column), 1 / T
+                  "seed": z(1), "step": z(1), "inv_t": z(1, dtype=torch.float32), "eos": z(1), "pad": z(1),
+                  # outputs, a column per step: S >= the prompt + new tokens
+                  "toks": z(B, S), "logps": z(B, S, dtype=torch.float32), "alive": z(B, S, dtype=torch.bool)}
             if self.use_graph:
                 self._capture(st)
             self.states[B, S] = st
         return self.states[B, S]
 
-    def _step(self, st: dict) -> Tensor:
-        """Forward st["tok"] (B,) at st["pos"] into the cache -> logits (B, V)."""
-        return self.ex.logits(self.ex.forward(st["tok"], st["rows"], st["pos"], st["cache"], inplace=True))
+    def _record(self, st: dict, logits: Tensor, generator=None):
+        """Sample each row's next token from logits (B, V) and record it, its log-prob and whether the row was
+        still writing at column st["step"]; device tensors only on a GPU, so the CUDA graph holds it."""
+        if on_gpu(logits):
+            tok, logp, _ = exact_row_logprobs(logits, st["inv_t"], seed=st["seed"], step=st["step"])
+        else:
+            tok, logp = sample(self.ex, logits, st["temperature"], generator)
+        done, col = st["done"], st["step"]
+        tok = torch.where(done, st["pad"], tok)                                        # (B,)
+        st["alive"].index_copy_(1, col, (~done)[:, None])
+        st["toks"].index_copy_(1, col, tok[:, None])
+        st["logps"].index_copy_(1, col, torch.where(done, 0.0, logp)[:, None])
+        done |= tok == st["eos"]
+        st["tok"].copy_(tok)
+        st["step"] += 1
+
+    def _decode(self, st: dict, generator=None):
+        """One step: forward st["tok"] (B,) at st["pos"] into the cache, then sample and record the next token."""
+        logits = self.ex.logits(self.ex.forward(st["tok"], st["rows"], st["pos"], st["cache"], inplace=True))
+        st["pos"] += 1
+        self._record(st, logits, generator)
 
     def _capture(self, st: dict):
-        # warm up on a side stream (cuBLAS handles, the rotary tables), then record one step; the warm-up writes
-        # slot 0 of each row, which every prefill writes again
+        # warm up on a side stream (cuBLAS handles, the rotary tables, the kernels' compilation), then record one
+        # step; the warm-up writes slot 0 of each row, which every prefill writes again, and sample() resets the rest
+        st["temperature"] = 1.0
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            self._step(st)
+            self._decode(st)
         torch.cuda.current_stream().wait_stream(s)
         st["graph"] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(st["graph"]):
-            st["logits"] = self._step(st)
+            self._decode(st)
 
     @torch.no_grad()
     def sample(self, ids: Tensor, mask: Tensor, sampling, eos_id: int, pad_id: int, generator=None):
-        """As FastDecoder.sample: (B, P) left-padded prompts -> completion, alive, logprobs (B, C), done (B,)."""
+        """As FastDecoder.sample: (B, P) left-padded prompts -> completion, alive, logprobs (B, C), done (B,).
+        The host looks at whether every row is done every CHECK_EVERY steps only (each look waits for the GPU);
+        columns past the last row's end are cut off, so the result is the same as looking at every step."""
         B, P = ids.shape
         N = sampling.max_new_tokens
         st = self._state(B, -(-(P + N) // 64) * 64)      # rounded up: prompts of similar length share a graph
@@ -423,25 +484,26 @@ class ExactDecoder:
         h = self.ex.forward(ids[rows, cols], rows, pos[rows, cols], st["cache"], inplace=True)   # (n, H)
         logits = self.ex.logits(h[cols == P - 1])         # left padding: each row's last prompt token, in row order
         st["pos"].copy_(mask.sum(-1))                     # (B,) each row's next position
-        done = torch.zeros(B, dtype=torch.bool, device=ids.device)
-        toks, logps, alive = [], [], []
-        for t in range(N):
-            tok, logp = sample(self.ex, logits, sampling.temperature, generator)
-            tok = torch.where(done, pad_id, tok)
-            alive.append(~done)
-            toks.append(tok)
-            logps.append(torch.where(done, 0.0, logp))
-            done = done | (tok == eos_id)
-            if t == N - 1 or bool(done.all()):
+        st["done"].zero_()
+        st["step"].zero_()
+        st["alive"].zero_()                               # columns this call will not reach read as not writing
+        if on_gpu(logits):
+            st["seed"].copy_(seed_of(generator, ids.device))
+        st["inv_t"].fill_(1.0 / sampling.temperature)
+        st["eos"].fill_(eos_id)
+        st["pad"].fill_(pad_id)
+        st["temperature"] = sampling.temperature
+        self._record(st, logits, generator)
+        for t in range(1, N):
+            if (t - 1) % CHECK_EVERY == 0 and bool(st["done"].all()):
                 break
-            st["tok"].copy_(tok)
             if st["graph"] is not None:
                 st["graph"].replay()
-                logits = st["logits"]
             else:
-                logits = self._step(st)
-            st["pos"] += 1
-        return torch.stack(toks, 1), torch.stack(alive, 1), torch.stack(logps, 1), done
+                self._decode(st, generator)
+        n = int(st["alive"][:, :N].any(0).sum())          # columns up to the step where the last row ended
+        return (st["toks"][:, :n].clone(), st["alive"][:, :n].clone(), st["logps"][:, :n].clone(),
+                st["done"].clone())
 
     # --- multi-turn (engines/multiturn.py's fast loop) ------------------------------------------------
     @torch.no_grad()
