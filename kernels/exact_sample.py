@@ -70,7 +70,6 @@ if HAS_TRITON:
                 lp = z - lse
                 ent = ent + tl.sum(tl.where(ok, tl.exp(lp) * lp, 0.0), 0)
             tl.store(ent_ptr + row, -ent)
-            tl.store(tok_ptr + row, tok.to(tl.int64))
         z_tok = tl.load(z_ptr + off + tok).to(tl.float32) * inv_t
         tl.store(logp_ptr + row, z_tok - lse)
 

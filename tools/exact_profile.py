@@ -2,6 +2,8 @@
 
     python3 tools/exact_profile.py --out DIR       # DIR/exact_profile.json and DIR/exact_profile.txt
 
+0. exact_attention alone in a CUDA graph at W1's decode step and the trainer's micro-batch, for a few PART sizes
+   (kernels/exact_attention.py: the keys in parts of PART slots, 0 = one program per token and KV head).
 1. The W1 engine rollout (tools/bench_workload.py's model and prompts: 128 rows x 256 new tokens) under
    exact_logprobs, warmed up, then timed; the decode step's parts timed apart with CUDA events: the graph's replay
    (one step's forward and logits) and the eager work around it (`engines/exact.py: ExactDecoder.sample`'s loop).
@@ -64,7 +66,9 @@ def rollout_part(a, res: dict, lines: list):
     dec = eng.decoder
     st = next(iter(dec.states.values()))
     ev = lambda: torch.cuda.Event(enable_timing=True)
-    if st["graph"] is not None:
+    if st["graph"] is not None:      # from position 64 and column 0: 256 steps stay inside the cache and the outputs
+        st["pos"].fill_(64)
+        st["step"].zero_()
         s, e = ev(), ev()
         s.record()
         for _ in range(256):
@@ -72,7 +76,7 @@ def rollout_part(a, res: dict, lines: list):
         e.record()
         torch.cuda.synchronize()
         res["graph_replay_ms"] = s.elapsed_time(e) / 256
-        say(lines, f"decode graph replay (forward + logits, one step): {res['graph_replay_ms']:.3f} ms")
+        say(lines, f"decode graph replay (forward, logits, sampling, one step): {res['graph_replay_ms']:.3f} ms")
     logits = st.get("logits")
     if logits is None:
         logits = torch.randn(len(prompts) * W["samples"], W["vocab_size"], device=dev, dtype=dtype)
@@ -83,7 +87,7 @@ def rollout_part(a, res: dict, lines: list):
         bool((tk == -1).all())                         # the loop's per-step host sync
     sync()
     res["sample_eager_ms"] = (time.perf_counter() - t0) * 1000 / 256
-    say(lines, f"eager sample() + host sync, one step: {res['sample_eager_ms']:.3f} ms")
+    say(lines, f"eager sample() + host sync, one step (outside the graph now): {res['sample_eager_ms']:.3f} ms")
     from torch.profiler import ProfilerActivity, profile
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
@@ -137,10 +141,38 @@ def gemm_part(res: dict, lines: list):
                 "; ".join(f"{t} {d128[t] * 1e3:.1f} / {t10k[t] * 1e3:.1f}" for t in best[:4]))
 
 
+def attention_part(res: dict, lines: list):
+    """exact_attention at W1's decode step (128 tokens over a 384-slot cache) and the trainer's micro-batch (32
+    sequences of 320 tokens), in a CUDA graph, with the keys in parts of PART slots and without."""
+    import triton.testing
+    import kernels.exact_attention as ea
+    g = torch.Generator(device="cuda").manual_seed(0)
+    nh, nkv, D = 14, 2, 64
+    own, res["attention"] = ea.PART, {}
+    with torch.no_grad():
+        for name, B, L, per in (("decode", 128, 384, 1), ("train", 32, 320, 320)):
+            kc, vc = (torch.randn(B, nkv, L, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+            if per == 1:
+                rows = torch.arange(B, device="cuda")
+                pos = torch.randint(64, 320, (B,), device="cuda", generator=g)
+            else:
+                rows = torch.arange(B, device="cuda").repeat_interleave(per)
+                pos = torch.arange(per, device="cuda").repeat(B)
+            q = torch.randn(len(rows), nh, D, device="cuda", generator=g, dtype=torch.bfloat16)
+            for part in (0, 64, 128, 256):
+                ea.PART = part
+                fn = lambda: ea.exact_attention(q, rows, pos, kc, vc, None, 0.125, 64)
+                fn()
+                us = triton.testing.do_bench_cudagraph(fn, rep=10) * 1e3
+                res["attention"][f"{name} PART={part}"] = us
+                say(lines, f"attention {name} PART={part}: {us:.1f} us")
+    ea.PART = own
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: rollout, gemm")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: attention, rollout, gemm")
     p.add_argument("--small", action="store_true", help="bench_workload's toy shape (a CPU smoke run of the rollout)")
     a = p.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
@@ -151,7 +183,7 @@ def main():
         sys.exit("tools/exact_profile.py profiles a GPU: no CUDA device here (--small: a CPU smoke run)")
     res, lines = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}, []
     say(lines, f"device: {res['device']}, torch {torch.__version__}")
-    for name, fn in [("rollout", rollout_part), ("gemm", gemm_part)]:
+    for name, fn in [("attention", attention_part), ("rollout", rollout_part), ("gemm", gemm_part)]:
         if name in a.skip.split(","):
             continue
         try:
