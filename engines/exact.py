@@ -8,10 +8,12 @@ How (each rule: docs/exact.md):
 - Every op that is not a plain add or multiply (matmul, norm, activation, softmax, exp) runs on chunks of exactly
   ROWS rows (`rowwise`; the last chunk padded with zeros): the library sees one shape, so it takes one kernel,
   one reduction order and one vector/tail split for every row, whatever the batch.
-- On a GPU (`on_gpu`) the matmuls, RMSNorms and attention are this project's Triton kernels instead, one launch per
-  op per layer, invariant by construction (kernels/exact_gemm.py, kernels/exact_attention.py); elementwise ops
-  (activation, soft-cap) run on the whole tensor (a CUDA elementwise kernel computes each element alone); the
-  log-softmax stays `rowwise`. The GPU path gives values only: the trainer differentiates the ordinary forward.
+- On a GPU (`on_gpu`) the matmuls (a group's projections in one launch), RMSNorms, rotary with the cache write,
+  attention, silu * up and the per-row log-softmax / sampling / entropy are this project's Triton kernels instead,
+  one launch per op per layer, invariant by construction (kernels/exact_gemm.py, kernels/exact_attention.py,
+  kernels/exact_sample.py); other elementwise ops (residuals, soft-cap) run on the whole tensor (a CUDA
+  elementwise kernel computes each element alone). The GPU path gives values only: the trainer differentiates
+  the ordinary forward.
 - K/V live in a per-row cache at slot = position. Attention runs on tiles of TQ queries of one (row, KV head),
   TILES tiles per call, over blocks of BLOCK keys in slot order: scores, one max over all blocks, then exp, sums
   and p @ V accumulated block after block from zero.
@@ -404,7 +406,8 @@ def sample(ex: Exact, logits: Tensor, temperature: float, generator) -> tuple[Te
 class ExactDecoder:
     """The built-in engine's decoder under exact_logprobs: FastDecoder's calls (sample; start_episodes, feed,
     decode_turn, finish for engines/multiturn.py) over the exact forward. On CUDA the single-turn decode step
-    (forward and logits of one token per row) is a CUDA graph: the same kernels as eager, launched at once."""
+    (forward, logits, sampling and recording one token per row: `_decode`) is a CUDA graph: the same kernels as
+    eager, launched at once, with no host sync between steps."""
 
     def __init__(self, model, use_graph: bool | None = None):
         self.ex = exact_of(model)

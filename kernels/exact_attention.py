@@ -8,6 +8,9 @@ call the token is in. Keys go in blocks of `block` slots in slot order, from the
 to the block holding its own position, nothing after: the online softmax (running max, rescaled sum and
 p @ V in float32; tl.dot of fixed shapes) takes the same steps on both sides. Slots past the position or outside
 the window are masked to -inf (their weight is exactly 0, whatever the slot holds).
+
+`exact_rope_cache(q, k, v, rows, pos, cos, sin, kc, vc)`: the rotary embedding of q and k and the K/V cache write,
+one launch per layer, each element computed alone.
 """
 import torch
 from torch import Tensor
@@ -16,10 +19,6 @@ from kernels.exact_gemm import EXPLICIT_DOT
 from kernels.logprob import HAS_TRITON
 
 WARPS = 4
-# Key slots per part (a multiple of the block; 0: one program walks all of a token's blocks): each part's partial
-# softmax is its own program, and `_combine` adds the parts in slot order. The parts' bounds are slot numbers, the
-# same in every call, so a token's parts and their order follow from its position alone: still one order per token.
-PART = 128
 
 if HAS_TRITON:
     import triton
@@ -28,12 +27,10 @@ if HAS_TRITON:
     from kernels.exact_gemm import dot
 
     @triton.jit(do_not_specialize=["L", "sk_b", "sk_h"])
-    def _attend(q_ptr, rows_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, pm_ptr, ps_ptr, pa_ptr, L, window, scale,
+    def _attend(q_ptr, rows_ptr, pos_ptr, k_ptr, v_ptr, o_ptr, L, window, scale,
                 sq_n, sq_h, sk_b, sk_h, sk_s, so_n, so_h,
                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                CH: tl.constexpr, PRECISION: tl.constexpr, EXPLICIT: tl.constexpr):
-        # CH = 0: the program walks all its blocks and writes o. CH > 0: program (token, KV head, c) walks only the
-        # blocks of slots [c CH, (c + 1) CH) and writes its partial max, sum and p @ V for `_combine`
+                PRECISION: tl.constexpr, EXPLICIT: tl.constexpr):
         n, h = tl.program_id(0).to(tl.int64), tl.program_id(1)          # token, KV head
         gi = tl.arange(0, GP)
         d = tl.arange(0, DP)
@@ -45,15 +42,7 @@ if HAS_TRITON:
         m = tl.full((GP,), -1.0e30, tl.float32)                          # finite: exp(m - m_new) is never nan
         s = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, DP), tl.float32)
-        lo, hi = (first // BLOCK) * BLOCK, p + 1
-        live = p >= 0                                                    # (a scalar bool) every part, unless split
-        if CH > 0:
-            c = tl.program_id(2)
-            live = (c >= first // CH) & (c <= p // CH)                   # else a part its keys do not reach: unread
-            lo, hi = tl.maximum(lo, c * CH), tl.minimum(hi, (c + 1) * CH)
-            hi = tl.where(live, hi, lo)
-        live = gi[:, None] * 0 + live.to(tl.int32) > 0                   # (GP, 1)
-        for j0 in range(lo, hi, BLOCK):                                  # slot order, up to the token's own block
+        for j0 in range((first // BLOCK) * BLOCK, p + 1, BLOCK):        # slot order, up to the token's own block
             j = j0 + tl.arange(0, BLOCK)
             kv = (j[:, None] < L) & (d[None, :] < D)
             k = tl.load(k_ptr + base + j[:, None] * sk_s + d[None, :], mask=kv, other=0.0)   # (BLOCK, DP)
@@ -65,38 +54,6 @@ if HAS_TRITON:
             alpha = tl.exp(m - m_new)
             s = s * alpha + tl.sum(e, 1)
             acc = dot(e.to(v.dtype), v, acc * alpha[:, None], PRECISION, EXPLICIT)
-            m = m_new
-        if CH > 0:
-            at = ((n * tl.num_programs(1) + h) * tl.num_programs(2) + tl.program_id(2)) * G + gi     # (GP,)
-            tl.store(pm_ptr + at[:, None], m[:, None], mask=(gi[:, None] < G) & live)
-            tl.store(ps_ptr + at[:, None], s[:, None], mask=(gi[:, None] < G) & live)
-            tl.store(pa_ptr + at[:, None] * D + d[None, :], acc, mask=qm & live)
-        else:
-            o = acc / s[:, None]
-            tl.store(o_ptr + n * so_n + (h * G + gi)[:, None] * so_h + d[None, :], o.to(o_ptr.dtype.element_ty),
-                     mask=qm)
-
-    @triton.jit
-    def _combine(pos_ptr, pm_ptr, ps_ptr, pa_ptr, o_ptr, window, C, so_n, so_h,
-                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr):
-        # program (token, KV head): its parts from the first its window reaches to the one holding its position,
-        # in that order (the same parts, in the same order, in every call: they depend on the position alone)
-        n, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        gi = tl.arange(0, GP)
-        d = tl.arange(0, DP)
-        qm = (gi[:, None] < G) & (d[None, :] < D)
-        p = tl.load(pos_ptr + n)
-        first = tl.where(window > 0, tl.maximum(p - window + 1, 0), 0)
-        m = tl.full((GP,), -1.0e30, tl.float32)
-        s = tl.zeros((GP,), tl.float32)
-        acc = tl.zeros((GP, DP), tl.float32)
-        for c in range(first // CH, p // CH + 1):
-            at = ((n * tl.num_programs(1) + h) * C + c) * G + gi
-            mc = tl.load(pm_ptr + at, mask=gi < G, other=-1.0e30)
-            m_new = tl.maximum(m, mc)
-            alpha, beta = tl.exp(m - m_new), tl.exp(mc - m_new)
-            s = s * alpha + tl.load(ps_ptr + at, mask=gi < G, other=0.0) * beta
-            acc = acc * alpha[:, None] + tl.load(pa_ptr + at[:, None] * D + d[None, :], mask=qm, other=0.0) * beta[:, None]
             m = m_new
         o = acc / s[:, None]
         tl.store(o_ptr + n * so_n + (h * G + gi)[:, None] * so_h + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
@@ -112,22 +69,13 @@ def exact_attention(q: Tensor, rows: Tensor, pos: Tensor, kc: Tensor, vc: Tensor
     B, nkv, L, _ = kc.shape
     assert vc.stride() == kc.stride(), "k and v caches must share a layout"
     q, o = q.contiguous(), torch.empty_like(q)
-    if not N:
-        return o
-    G, block = nh // nkv, max(16, block)
-    ch = -(-PART // block) * block if PART else 0                     # a whole number of key blocks
-    C = -(-L // ch) if ch else 1
-    part = lambda *shape: torch.empty(N, nkv, C, G, *shape, device=q.device, dtype=torch.float32)
-    pm, ps, pa = (part(), part(), part(D)) if ch else (o, o, o)
-    sizes = dict(G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=max(16, triton.next_power_of_2(D)))
-    rows, pos = rows.contiguous(), pos.contiguous()
-    _attend[(N, nkv, C)](q, rows, pos, kc, vc, o, pm, ps, pa, L, window or 0, scale,
-                         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), o.stride(0), o.stride(1),
-                         BLOCK=block, CH=ch, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                         EXPLICIT=EXPLICIT_DOT, num_warps=WARPS, **sizes)
-    if ch:
-        _combine[(N, nkv)](pos, pm, ps, pa, o, window or 0, C, o.stride(0), o.stride(1), CH=ch, num_warps=WARPS,
-                           **sizes)
+    if N:
+        _attend[(N, nkv)](q, rows.contiguous(), pos.contiguous(), kc, vc, o, L, window or 0, scale,
+                          q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), o.stride(0), o.stride(1),
+                          G=nh // nkv, GP=max(16, triton.next_power_of_2(nh // nkv)), D=D,
+                          DP=max(16, triton.next_power_of_2(D)), BLOCK=max(16, block),
+                          PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EXPLICIT=EXPLICIT_DOT,
+                          num_warps=WARPS)
     return o
 
 

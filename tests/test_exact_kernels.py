@@ -73,18 +73,7 @@ def check_gemm_and_norm(device: str, shapes=((70, 80, 70),)):
 
 def check_attention(device: str):
     """exact_attention near softmax attention (float64); a decode call (one token per row, nothing past it in the cache)
-    equals the full-sequence call's rows bit for bit; with the keys in parts (PART: 2 blocks, 3 parts) and without."""
-    import kernels.exact_attention as ea
-    own = ea.PART
-    try:
-        for part in (0, 32):
-            ea.PART = part
-            check_attention_once(device)
-    finally:
-        ea.PART = own
-
-
-def check_attention_once(device: str):
+    equals the full-sequence call's rows bit for bit."""
     from kernels.exact_attention import exact_attention
     g = torch.Generator().manual_seed(0)
     B, nh, nkv, D, L = 3, 6, 2, 16, 48                   # 3 query heads per KV head; 3 key blocks of 16

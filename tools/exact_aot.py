@@ -35,16 +35,11 @@ def main():
     r = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "rows_ptr": i64, "pos_ptr": i64, "cos_ptr": bf, "sin_ptr": bf,
          "kc_ptr": bf, "vc_ptr": bf, "qo_ptr": bf}
     r.update({n: i32 for n in ("sq_n", "sk_n", "sv_n", "sc_l", "sk_b", "sk_h", "sk_s")})
-    a = {"q_ptr": bf, "rows_ptr": i64, "pos_ptr": i64, "k_ptr": bf, "v_ptr": bf, "o_ptr": bf, "pm_ptr": "*fp32",
-         "ps_ptr": "*fp32", "pa_ptr": "*fp32", "L": i32, "window": i32, "scale": f32}
+    a = {"q_ptr": bf, "rows_ptr": i64, "pos_ptr": i64, "k_ptr": bf, "v_ptr": bf, "o_ptr": bf, "L": i32,
+         "window": i32, "scale": f32}
     a.update({n: i32 for n in ("sq_n", "sq_h", "sk_b", "sk_h", "sk_s", "so_n", "so_h")})
-    sizes = dict(G=7, GP=16, D=64, DP=64)
-    for ch in (0, ea.PART):
-        compile_one(f"_attend CH={ch}", ea._attend, a, dict(BLOCK=64, CH=ch, PRECISION="tf32", EXPLICIT=False,
-                                                             **sizes), ea.WARPS)
-    c = {"pos_ptr": i64, "pm_ptr": "*fp32", "ps_ptr": "*fp32", "pa_ptr": "*fp32", "o_ptr": bf, "window": i32,
-         "C": i32, "so_n": i32, "so_h": i32}
-    compile_one("_combine", ea._combine, c, dict(CH=ea.PART, **sizes), ea.WARPS)
+    compile_one("_attend", ea._attend, a, dict(G=7, GP=16, D=64, DP=64, BLOCK=64, PRECISION="tf32", EXPLICIT=False),
+                ea.WARPS)
     compile_one("_rope_cache", ea._rope_cache, r, dict(NH=14, NKV=2, HP=16, D=64, DP=64), 4)
     s = {"z_ptr": bf, "tgt_ptr": i64, "inv_t_ptr": "*fp32", "seed_ptr": i64, "step_ptr": i64, "tok_ptr": i64,
          "logp_ptr": "*fp32", "ent_ptr": "*fp32", "R": i32, "V": i32, "stride": i32, "SAMPLE": i32}

@@ -2,8 +2,7 @@
 
     python3 tools/exact_profile.py --out DIR       # DIR/exact_profile.json and DIR/exact_profile.txt
 
-0. exact_attention alone in a CUDA graph at W1's decode step and the trainer's micro-batch, for a few PART sizes
-   (kernels/exact_attention.py: the keys in parts of PART slots, 0 = one program per token and KV head).
+0. exact_attention alone in a CUDA graph at W1's decode step and the trainer's micro-batch.
 1. The W1 engine rollout (tools/bench_workload.py's model and prompts: 128 rows x 256 new tokens) under
    exact_logprobs, warmed up, then timed; the decode step's parts timed apart with CUDA events: the graph's replay
    (one step's forward and logits) and the eager work around it (`engines/exact.py: ExactDecoder.sample`'s loop).
@@ -143,12 +142,12 @@ def gemm_part(res: dict, lines: list):
 
 def attention_part(res: dict, lines: list):
     """exact_attention at W1's decode step (128 tokens over a 384-slot cache) and the trainer's micro-batch (32
-    sequences of 320 tokens), in a CUDA graph, with the keys in parts of PART slots and without."""
+    sequences of 320 tokens), in a CUDA graph."""
     import triton.testing
     import kernels.exact_attention as ea
     g = torch.Generator(device="cuda").manual_seed(0)
     nh, nkv, D = 14, 2, 64
-    own, res["attention"] = ea.PART, {}
+    res["attention"] = {}
     with torch.no_grad():
         for name, B, L, per in (("decode", 128, 384, 1), ("train", 32, 320, 320)):
             kc, vc = (torch.randn(B, nkv, L, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
@@ -159,14 +158,11 @@ def attention_part(res: dict, lines: list):
                 rows = torch.arange(B, device="cuda").repeat_interleave(per)
                 pos = torch.arange(per, device="cuda").repeat(B)
             q = torch.randn(len(rows), nh, D, device="cuda", generator=g, dtype=torch.bfloat16)
-            for part in (0, 64, 128, 256):
-                ea.PART = part
-                fn = lambda: ea.exact_attention(q, rows, pos, kc, vc, None, 0.125, 64)
-                fn()
-                us = triton.testing.do_bench_cudagraph(fn, rep=10) * 1e3
-                res["attention"][f"{name} PART={part}"] = us
-                say(lines, f"attention {name} PART={part}: {us:.1f} us")
-    ea.PART = own
+            fn = lambda: ea.exact_attention(q, rows, pos, kc, vc, None, 0.125, 64)
+            fn()
+            us = triton.testing.do_bench_cudagraph(fn, rep=10) * 1e3
+            res["attention"][name] = us
+            say(lines, f"attention {name}: {us:.1f} us")
 
 
 def main():
