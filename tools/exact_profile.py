@@ -5,7 +5,7 @@
 0. exact_attention alone in a CUDA graph at W1's decode step and the trainer's micro-batch.
 1. The W1 engine rollout (tools/bench_workload.py's model and prompts: 128 rows x 256 new tokens) under
    exact_logprobs, warmed up, then timed; the decode step's parts timed apart with CUDA events: the graph's replay
-   (one step's forward and logits) and the eager work around it (`engines/exact.py: ExactDecoder.sample`'s loop).
+   (one step's forward and logits) and the eager work around it (`engines/exact_decode.py: ExactDecoder.sample`'s loop).
 2. One more rollout under torch.profiler: its CUDA kernels by total time, with launches per decode step.
 3. The decode GEMMs timed inside a CUDA graph (triton.testing.do_bench_cudagraph, so no host launch cost) for
    each candidate tile at M = 128 (a decode step) and the best few at M = 10240 (the trainer's exact micro-batch),
@@ -37,7 +37,7 @@ def rollout_part(a, res: dict, lines: list):
     from bench_workload import W, build_model, prompt_texts, sync
     from engines.base import SamplingParams
     from engines.builtin import BuiltinEngine
-    from engines.exact import sample
+    from engines.exact_decode import sample
     from models import encode_prompts, load_model
     path = "/tmp/w1_model"
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -102,13 +102,12 @@ def rollout_part(a, res: dict, lines: list):
     cpu = sorted([e for e in p.key_averages() if e.device_type.name == "CPU"], key=lambda e: -e.self_cpu_time_total)
     say(lines, "host (CPU self time per step, us): " + "; ".join(f"{e.key[:40]} {e.self_cpu_time_total / 256:.0f}"
                                                               for e in cpu[:12]))
-    del eng, dec, st, model
-    torch.cuda.empty_cache()
 
 
 def gemm_part(res: dict, lines: list):
     import triton.testing
     import kernels.exact_gemm as eg
+    torch.cuda.empty_cache()                          # the rollout part's model and caches are gone
     g = torch.Generator(device="cuda").manual_seed(0)
     graph_ms = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=10)
 
