@@ -7,8 +7,11 @@ of x and column of w^T, whatever M is and wherever the row sits (M is a runtime 
 to specialise on). So a token's row has the same bits in a one-token decode step as in the trainer's 40k-row
 forward.
 
+`exact_linear_cat(x, ws, bs)`: the same over up to three weights side by side (q/k/v, gate/up) in one launch, the
+bits of exact_linear on their concatenation, without the concatenated copy.
+
 `exact_rmsnorm(x, w, eps, mode)`: one program per row, the row's sum of squares in one fixed reduction; the three
-conventions of the families engines/families.py covers (`NORM_MODES`).
+conventions of the families engines/families.py covers (`NORM_MODES`). `exact_silu_mul(gu)`: silu(gate) * up.
 
 Both run under TRITON_INTERPRET=1 on a CPU for the tests (tests/test_exact_kernels.py); the engine's CPU path is
 the torch twin in engines/exact.py (`rowwise`), which keeps invariance by calling the library on one shape.
