@@ -97,11 +97,14 @@ def test_the_checked_update_gives_the_full_exact_pass_loss_gradients_and_zero_mi
     assert checked["_mis_n"] == longest[:3].sum() and full["_mis_n"] == batch.completion_mask.sum()
 
 
-def test_exact_check_below_one_is_refused_before_any_work():
+def test_exact_check_below_one_or_without_the_option_is_refused_before_any_work():
     import config_checks
     cfg = config.parse(["exact_logprobs=true", "exact_check=0"])
     with pytest.raises(config.UserError, match="'exact_check' must be >= 1; got 0"):
         config_checks.validate(cfg)
+    with pytest.raises(config.UserError, match="exact_check=4 applies to exact_logprobs=true only"):
+        exact.check_config(config.parse(["exact_check=4"]))
+    exact.check_config(config.parse(["exact_logprobs=true", "exact_check=4"]))
 
 
 def test_reuse_needs_the_option_an_unmoved_policy_this_version_and_an_on_policy_buffer(random_model_dir):
