@@ -46,8 +46,11 @@ def check_config(cfg):
     import json
     import os
 
-    from config import UserError
-    if not cfg.exact_logprobs:
+    from config import Config, UserError
+    if not cfg.exact_logprobs:   # an option set that would do nothing: it was meant to change something
+        if cfg.exact_check != Config().exact_check:
+            raise UserError(f"exact_check={cfg.exact_check} applies to exact_logprobs=true only: drop it, or set "
+                            "exact_logprobs=true")
         return
     lab = [("top_k", cfg.top_k > 0), ("logprobs_mode", cfg.logprobs_mode != "raw"), ("engine_lag", cfg.engine_lag > 0),
            ("engine_dtype", cfg.engine_dtype != "auto"), ("train_temperature", cfg.train_temperature > 0)]
