@@ -208,6 +208,9 @@ class Config:
                              "0 = the current ones; a resumed run starts the lag afresh)")
     exact_logprobs: bool = opt(False, "engine and trainer compute a sampled token's log-prob through one batch-"
                                       "invariant forward (engines/exact.py): logprob_mismatch exactly 0 (docs/exact.md)")
+    exact_check: int = opt(8, "exact_logprobs: sequences of the first micro-batch per step (per rank) that the exact "
+                              "pass recomputes to measure logprob_mismatch while the loss reads the engine's log-probs "
+                              "(>= 1; docs/exact.md)")
     train_temperature: float = opt(0.0, "temperature of the trainer's log-probs (0 = temperature, the sampling one); "
                                         "another value is a deliberate temperature mismatch")
     # optimisation

@@ -97,7 +97,7 @@ def ranges(cfg: Config) -> list:
     at_least_1 = [("samples_per_prompt", c.samples_per_prompt), ("prompts_per_step", c.prompts_per_step),
                   ("max_new_tokens", c.max_new_tokens), ("steps", c.steps), ("eval_every", c.eval_every),
                   ("reward_workers", c.reward_workers), ("max_bad_updates", c.max_bad_updates),
-                  ("algo.epochs", a.epochs)]
+                  ("algo.epochs", a.epochs), ("exact_check", c.exact_check)]
     # 0 keeps the meaning each help text gives it (torch's default, keep all, one pass, ...)
     at_least_0 = [("threads", c.threads, "torch's default"), ("keep_checkpoints", c.keep_checkpoints, "keep all"),
                   ("micro_batch_size", c.micro_batch_size, "the whole mini-batch in one pass"),

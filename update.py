@@ -16,7 +16,8 @@ Per mini-batch (one optimizer step):
   4. the optimizer steps (PPO's critic too, with its own optimizer).
 The first mini-batch also measures `logprob_mismatch`: |engine log-prob - trainer log-prob| on the fresh samples,
 before any update has moved the policy, so any gap is numerics or a broken weight sync, never learning.
-Under exact_logprobs it measures the first micro-batch only: the others read the engine's log-probs (`reuses_sampled`).
+Under exact_logprobs, while the weights are unmoved, the loss reads the engine's log-probs (`reuses_sampled`) and the
+mismatch is measured on `exact_check` sequences of the first micro-batch only (`check_exact`).
 Metrics stay on the device until one transfer per optimizer step: an `.item()` per micro-batch would stall the
 GPU until the host caught up. For the same reason the micro-batches go up through pinned memory (to_device), and
 a fused optimizer steps before that transfer, skipping itself on the device when 3. says so (optimizer_step).
@@ -102,12 +103,24 @@ class ExactValues(torch.autograd.Function):
 def reuses_sampled(learner: Learner, micro, unmoved: bool) -> bool:
     """exact_logprobs: whether micro's loss may read the engine's sampled log-probs in place of the exact pass.
     While the policy's weights are those that sampled every row, the two are the same bits (tests/test_exact.py),
-    so the pass would only recompute them. unmoved: no optimizer step yet in this batch, and not the micro-batch
-    that measures logprob_mismatch. An on-policy buffer only: then every row is of this version on every rank, so
-    all ranks decide alike (FSDP's gathers in the exact pass stay paired). micro on the host: no device sync."""
+    so the pass would only recompute them. unmoved: no optimizer step yet in this batch. An on-policy buffer only:
+    then every row is of this version on every rank, so all ranks decide alike (FSDP's gathers in the exact pass
+    stay paired). micro on the host: no device sync."""
     cfg = learner.cfg
     return (cfg.exact_logprobs and unmoved and not cfg.replay.enabled
             and bool((micro.versions == learner.version).all()))
+
+
+def check_exact(learner: Learner, micro):
+    """exact_logprobs, while the loss reads the engine's log-probs: the exact pass, values only, on micro's first
+    `exact_check` sequences, what logprob_mismatch measures (the loss's reused rows would give 0 by construction).
+    A bounded sample, so the check's cost does not grow with the micro-batch. -> (those rows, their exact
+    log-probs (k, C)), for add_mismatch."""
+    checked = micro.select(slice(0, learner.cfg.exact_check))
+    with torch.no_grad():   # the GPU path gives values only (kernels/exact_gemm.py)
+        logp, _ = exact.completion_logprobs(learner.policy, checked.input_ids, checked.attention_mask,
+                                            checked.completion_mask.shape[1], trainer_temperature(learner.cfg))
+    return checked, logp
 
 
 def micro_loss(learner: Learner, micro, packed: Packed | None = None, sampled: bool = False):
@@ -342,9 +355,11 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
         for i, (micro, weight) in enumerate(distributed.accumulate(learner.trained, pieces, cfg.offload)):
             # queued copies (to_device): the host goes on to launch this micro-batch while the GPU ends the last
             packed = to_device(pack(micro), learner.device) if packs else None   # index math on the host: no sync
-            # exact_logprobs: the first micro-batch measures the mismatch; the rest may read the engine's bits
-            sampled = reuses_sampled(learner, micro, measure_mismatch and i > 0)
+            # exact_logprobs: before any optimizer step the loss may read the engine's bits (exact pass: a sample)
+            sampled = reuses_sampled(learner, micro, measure_mismatch)
             micro = to_device(micro, learner.device)
+            if sampled and i == 0:   # first: the check's transients are gone before the autograd graph exists
+                add_mismatch(m, *check_exact(learner, micro), learner.version)
             moe.set_routes(learner.policy, micro.routes)   # moe.routing_replay: its backward's recompute too
             loss, logp, metrics = micro_loss(learner, micro, packed, sampled)
             (loss * (weight * scale)).backward()

@@ -7,7 +7,8 @@
                    decode_step.py: the model step, families.py: what differs by family, moe.py: routed experts;
                    fast_turns.py: its multi-turn calls, start_episodes / decode_turn / feed / finish)
     generic_decode.py (not an engine: builtin.py's CUDA decode for other causal LMs, over transformers' StaticCache)
-    exact.py       (not an engine: exact_logprobs' decoder and trainer forward, the same bits on both; docs/exact.md)
+    exact.py       (not an engine: exact_logprobs' trainer forward, the same bits as its decoder's; docs/exact.md;
+                   exact_decode.py: that decoder, ExactDecoder, builtin.py's and multiturn.py's under exact_logprobs)
     multiturn.py   (not an engine: the multi-turn sampler train.py uses when env.name is set; docs/environments.md;
                    episodes.py: its per-episode record and the Episodes it gives)
 """

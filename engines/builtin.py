@@ -23,7 +23,7 @@ from collections import deque
 import torch
 
 from engines.base import Rollout, SamplingParams, left_pad, make_rollout, sample_tokens
-from engines.exact import ExactDecoder
+from engines.exact_decode import ExactDecoder
 from engines.fast_decode import FastDecoder, supported, why_not
 from engines.generic_decode import GenericDecoder
 from engines.moe import Recorder

@@ -8,10 +8,12 @@ How (each rule: docs/exact.md):
 - Every op that is not a plain add or multiply (matmul, norm, activation, softmax, exp) runs on chunks of exactly
   ROWS rows (`rowwise`; the last chunk padded with zeros): the library sees one shape, so it takes one kernel,
   one reduction order and one vector/tail split for every row, whatever the batch.
-- On a GPU (`on_gpu`) the matmuls, RMSNorms and attention are this project's Triton kernels instead, one launch per
-  op per layer, invariant by construction (kernels/exact_gemm.py, kernels/exact_attention.py); elementwise ops
-  (activation, soft-cap) run on the whole tensor (a CUDA elementwise kernel computes each element alone); the
-  log-softmax stays `rowwise`. The GPU path gives values only: the trainer differentiates the ordinary forward.
+- On a GPU (`on_gpu`) the matmuls (a group's projections in one launch), RMSNorms, rotary with the cache write,
+  attention, silu * up and the per-row log-softmax / sampling / entropy are this project's Triton kernels instead,
+  one launch per op per layer, invariant by construction (kernels/exact_gemm.py, kernels/exact_attention.py,
+  kernels/exact_sample.py); other elementwise ops (residuals, soft-cap) run on the whole tensor (a CUDA
+  elementwise kernel computes each element alone). The GPU path gives values only: the trainer differentiates
+  the ordinary forward.
 - K/V live in a per-row cache at slot = position. Attention runs on tiles of TQ queries of one (row, KV head),
   TILES tiles per call, over blocks of BLOCK keys in slot order: scores, one max over all blocks, then exp, sums
   and p @ V accumulated block after block from zero.
@@ -33,8 +35,9 @@ from engines.decode_weights import groups
 from engines.families import FAMILIES, arch_of, rotary_tables
 from engines.fast_decode import base_of
 from kernels import use_triton
-from kernels.exact_attention import exact_attention
-from kernels.exact_gemm import NORM_MODES, exact_linear, exact_rmsnorm
+from kernels.exact_attention import exact_attention, exact_rope_cache
+from kernels.exact_gemm import NORM_MODES, exact_linear, exact_linear_cat, exact_rmsnorm, exact_silu_mul
+from kernels.exact_sample import exact_row_logprobs
 from models import position_ids
 
 def check_config(cfg):
@@ -43,8 +46,11 @@ def check_config(cfg):
     import json
     import os
 
-    from config import UserError
-    if not cfg.exact_logprobs:
+    from config import Config, UserError
+    if not cfg.exact_logprobs:   # an option set that would do nothing: it was meant to change something
+        if cfg.exact_check != Config().exact_check:
+            raise UserError(f"exact_check={cfg.exact_check} applies to exact_logprobs=true only: drop it, or set "
+                            "exact_logprobs=true")
         return
     lab = [("top_k", cfg.top_k > 0), ("logprobs_mode", cfg.logprobs_mode != "raw"), ("engine_lag", cfg.engine_lag > 0),
            ("engine_dtype", cfg.engine_dtype != "auto"), ("train_temperature", cfg.train_temperature > 0)]
@@ -69,6 +75,7 @@ HEAD_ROWS = 256    # the trainer's predicted tokens per head + log-softmax chunk
                    # (rows, V) logits and float32 log-probs are the exact pass's largest transients
 
 
+SILU = ("SiLU", "SiLUActivation")     # activation modules `exact_silu_mul` stands for (transformers', torch's)
 GPU_KERNELS = True   # False: the torch path on a GPU too (the same bits on both sides, many more launches)
 
 
@@ -121,7 +128,11 @@ def weight_of(m) -> tuple[Tensor, Tensor | None]:
 
 
 def linear(x: Tensor, mods: list) -> Tensor:
-    """x (N, in) through each module of a group, outputs concatenated: (N, sum of outs)."""
+    """x (N, in) through each module of a group, outputs concatenated: (N, sum of outs). On a GPU one launch for the
+    group (`exact_linear_cat`: its tile is the concatenation's, on both sides)."""
+    if on_gpu(x) and len(mods) <= 3:
+        wb = [weight_of(m) for m in mods]
+        return exact_linear_cat(x, [w for w, _ in wb], [b for _, b in wb])
     outs = []
     for m in mods:
         w, b = weight_of(m)
@@ -196,9 +207,14 @@ class Exact:
         pre_a, post_a, pre_m, post_m = spec.norms
         g_qkv, g_gu, g_o, g_down = groups(layer)
         q, k, v = self._qkv(layer.self_attn, spec, linear(_norm(pre_a, x), g_qkv))      # (N, nh|nkv, D)
+        kc, vc = cache[i]                                                              # (B, nkv, L, D) each
+        if inplace and on_gpu(x):    # one launch: rotary on q and k, k and v into the cache
+            q = exact_rope_cache(q, k, v, rows, pos, cos[spec.rope], sin[spec.rope], kc, vc)
+            o = self._attend(q, rows, pos, kc, vc, spec.window, layer.self_attn.scaling)   # (N, nh D)
+            x = x + _norm(post_a, linear(o.to(x.dtype), g_o))
+            return x + _norm(post_m, self._mlp(layer.mlp, spec, _norm(pre_m, x), g_gu, g_down))
         c, s = cos[spec.rope][pos][:, None], sin[spec.rope][pos][:, None]              # (N, 1, D)
         q, k = _rotate(q, c, s), _rotate(k, c, s)
-        kc, vc = cache[i]                                                              # (B, nkv, L, D) each
         if inplace:
             kc.transpose(1, 2).index_put_((rows, pos), k.to(kc.dtype))
             vc.transpose(1, 2).index_put_((rows, pos), v.to(vc.dtype))
@@ -214,8 +230,10 @@ class Exact:
         """x (N, H) through the layer's dense MLP or its routed experts -> (N, H)."""
         if spec.moe:
             return experts(mlp, x)
-        gate, up = linear(x, g_gu).chunk(2, dim=-1)                                    # (N, I) each
         act = getattr(mlp, "act_fn", None) or mlp.activation_fn
+        if on_gpu(x) and type(act).__name__ in SILU:           # one launch for silu(gate) * up
+            return linear(exact_silu_mul(linear(x, g_gu)), g_down)
+        gate, up = linear(x, g_gu).chunk(2, dim=-1)                                    # (N, I) each
         return linear(each(act, gate) * up, g_down)
 
     def logits(self, h: Tensor) -> Tensor:
@@ -347,7 +365,13 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int
         h = ex.forward(ids, rows, pos, cache, inplace=not torch.is_grad_enabled())[at]   # (M, H)
         logp, ent = [], []
         for hc, tc in zip(h.split(HEAD_ROWS), tgt.split(HEAD_ROWS)):   # (M, V) float32 log-probs held a chunk at a time
-            lp = token_logprobs(ex.logits(hc), temperature)                            # (m, V)
+            z = ex.logits(hc)                                                          # (m, V)
+            if on_gpu(z):    # the engine's kernel (`sample`): one order per row, whatever the chunk
+                _, lp, en = exact_row_logprobs(z, inv_temperature(temperature, z.device), tgt=tc)
+                logp.append(lp)
+                ent.append(en)
+                continue
+            lp = token_logprobs(z, temperature)                                        # (m, V)
             logp.append(lp.gather(-1, tc[:, None]).squeeze(-1))                        # (m,)
             ent.append(-rowwise(lambda z: (z.exp() * z).sum(-1, keepdim=True), lp).squeeze(-1))   # (m,)
         logp, ent = torch.cat(logp), torch.cat(ent)
@@ -357,140 +381,6 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, C: int
     return through(model, run, input_ids[rows, cols])
 
 
-def sample(ex: Exact, logits: Tensor, temperature: float, generator) -> tuple[Tensor, Tensor]:
-    """Logits (B, V) -> sampled tokens (B,) and their exact log-probs (B,) (the trainer's bits)."""
-    lp = token_logprobs(logits, temperature)                                          # (B, V)
-    tok = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)             # (B,)
-    return tok, lp.gather(-1, tok[:, None]).squeeze(-1)
-
-
-class ExactDecoder:
-    """The built-in engine's decoder under exact_logprobs: FastDecoder's calls (sample; start_episodes, feed,
-    decode_turn, finish for engines/multiturn.py) over the exact forward. On CUDA the single-turn decode step
-    (forward and logits of one token per row) is a CUDA graph: the same kernels as eager, launched at once."""
-
-    def __init__(self, model, use_graph: bool | None = None):
-        self.ex = exact_of(model)
-        # routed experts pick their tokens on the host (nonzero), which a CUDA graph cannot hold: those decode eagerly
-        graphable = self._device().type == "cuda" and not any(s.moe for s in self.ex.arch.layers)
-        self.use_graph = graphable if use_graph is None else use_graph
-        self.states: dict[tuple[int, int], dict] = {}        # (B, S) -> cache, static inputs, graph, logits
-
-    def _device(self):
-        return self.ex.model.model.embed_tokens.weight.device
-
-    def _dtype(self):
-        return self.ex.model.model.embed_tokens.weight.dtype
-
-    def _state(self, B: int, S: int) -> dict:
-        if (B, S) not in self.states:
-            if len(self.states) >= 2:             # bound memory: e.g. one training and one evaluation shape
-                self.states.pop(next(iter(self.states)))
-            dev = self._device()
-            st = {"cache": self.ex.new_cache(B, S, dev, self._dtype()), "graph": None,
-                  "tok": torch.zeros(B, dtype=torch.long, device=dev),
-                  "pos": torch.zeros(B, dtype=torch.long, device=dev),
-                  "rows": torch.arange(B, device=dev)}
-            if self.use_graph:
-                self._capture(st)
-            self.states[B, S] = st
-        return self.states[B, S]
-
-    def _step(self, st: dict) -> Tensor:
-        """Forward st["tok"] (B,) at st["pos"] into the cache -> logits (B, V)."""
-        return self.ex.logits(self.ex.forward(st["tok"], st["rows"], st["pos"], st["cache"], inplace=True))
-
-    def _capture(self, st: dict):
-        # warm up on a side stream (cuBLAS handles, the rotary tables), then record one step; the warm-up writes
-        # slot 0 of each row, which every prefill writes again
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            self._step(st)
-        torch.cuda.current_stream().wait_stream(s)
-        st["graph"] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(st["graph"]):
-            st["logits"] = self._step(st)
-
-    @torch.no_grad()
-    def sample(self, ids: Tensor, mask: Tensor, sampling, eos_id: int, pad_id: int, generator=None):
-        """As FastDecoder.sample: (B, P) left-padded prompts -> completion, alive, logprobs (B, C), done (B,)."""
-        B, P = ids.shape
-        N = sampling.max_new_tokens
-        st = self._state(B, -(-(P + N) // 64) * 64)      # rounded up: prompts of similar length share a graph
-        rows, cols = mask.bool().nonzero(as_tuple=True)
-        pos = position_ids(mask)
-        h = self.ex.forward(ids[rows, cols], rows, pos[rows, cols], st["cache"], inplace=True)   # (n, H)
-        logits = self.ex.logits(h[cols == P - 1])         # left padding: each row's last prompt token, in row order
-        st["pos"].copy_(mask.sum(-1))                     # (B,) each row's next position
-        done = torch.zeros(B, dtype=torch.bool, device=ids.device)
-        toks, logps, alive = [], [], []
-        for t in range(N):
-            tok, logp = sample(self.ex, logits, sampling.temperature, generator)
-            tok = torch.where(done, pad_id, tok)
-            alive.append(~done)
-            toks.append(tok)
-            logps.append(torch.where(done, 0.0, logp))
-            done = done | (tok == eos_id)
-            if t == N - 1 or bool(done.all()):
-                break
-            st["tok"].copy_(tok)
-            if st["graph"] is not None:
-                st["graph"].replay()
-                logits = st["logits"]
-            else:
-                logits = self._step(st)
-            st["pos"] += 1
-        return torch.stack(toks, 1), torch.stack(alive, 1), torch.stack(logps, 1), done
-
-    # --- multi-turn (engines/multiturn.py's fast loop) ------------------------------------------------
-    @torch.no_grad()
-    def start_episodes(self, prompts: list[list[int]], room: list[int], N: int, sampling, eos_id: int, pad_id: int,
-                       generator=None):
-        B = len(prompts)
-        self.dev = self._device()
-        S = max(len(p) + r for p, r in zip(prompts, room)) + N + 1
-        self.cache = self.ex.new_cache(B, S, self.dev, self._dtype())
-        self.N, self.sampling, self.generator, self.eos_id, self.pad_id = N, sampling, generator, eos_id, pad_id
-        self.pos = torch.zeros(B, dtype=torch.long, device=self.dev)                  # (B,) real tokens so far
-        self.last = torch.zeros(B, self.ex.model.config.hidden_size, device=self.dev, dtype=self._dtype())
-        self.feed(prompts)
-
-    @torch.no_grad()
-    def feed(self, chunks: list[list[int]], split=None):
-        """Append each row's chunk ([]: the row waits) at its next positions; keep each fed row's last state."""
-        lens = torch.tensor([len(c) for c in chunks], device=self.dev)
-        if not int(lens.sum()):
-            return
-        rows = torch.repeat_interleave(torch.arange(len(chunks), device=self.dev), lens)
-        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.dev)
-        start = torch.cumsum(lens, 0) - lens                                          # (B,) offset of each chunk
-        pos = self.pos[rows] + torch.arange(len(ids), device=self.dev) - start[rows]
-        h = self.ex.forward(ids, rows, pos, self.cache, inplace=True)                 # (n, H)
-        fed = lens > 0
-        self.last[fed] = h[(start + lens - 1)[fed]]
-        self.pos += lens
-
-    @torch.no_grad()
-    def decode_turn(self, writing: list[bool], left: list[int]):
-        """As FastDecoder.decode_turn -> on the CPU: tokens (B, N), written (B, N), log-probs (B, N), still (B,)."""
-        B, N = len(writing), self.N
-        gen = torch.tensor(writing, device=self.dev)
-        left = torch.tensor(left, device=self.dev)
-        toks = torch.full((B, N), self.pad_id, dtype=torch.long)
-        written = torch.zeros(B, N, dtype=torch.bool)
-        logps = torch.zeros(B, N)
-        for t in range(N):
-            if not bool(gen.any()):
-                break
-            rows = gen.nonzero().flatten()
-            tok, logp = sample(self.ex, self.ex.logits(self.last[rows]), self.sampling.temperature, self.generator)
-            toks[rows.cpu(), t], written[rows.cpu(), t], logps[rows.cpu(), t] = tok.cpu(), True, logp.float().cpu()
-            go = (tok != self.eos_id) & (t + 1 < left[rows])
-            gen[rows] = go
-            if t + 1 < N and bool(go.any()):   # the stopping token stays pending: multiturn feeds it next
-                self.feed([[int(toks[b, t])] if bool(gen[b]) else [] for b in range(B)])
-        return toks, written, logps, gen.cpu()
-
-    def finish(self):
-        self.cache = None
+def inv_temperature(temperature: float, device) -> Tensor:
+    """(1,) float32 1 / temperature: the engine and the trainer scale logits by the same bits."""
+    return torch.tensor([1.0 / temperature], dtype=torch.float32, device=device)

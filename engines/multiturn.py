@@ -48,7 +48,7 @@ from config import UserError, plugin_args
 from engines.base import SamplingParams, left_pad, top_p_filter
 from engines.builtin import _cache_kw, _cache_of
 from engines.episodes import Done, EpisodeBatch, Episodes
-from engines.exact import ExactDecoder
+from engines.exact_decode import ExactDecoder
 from engines.fast_decode import OFF, FastDecoder, supported
 from envs.base import IMAGE, EnvError, check_image
 from envs.pool import EnvPool

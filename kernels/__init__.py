@@ -12,11 +12,15 @@ TRITON_INTERPRET=1 for tests on CPU) and the torch reference twin elsewhere, so 
     o = decode_attention_kernel(qkv, cos, sin, pos, k, v, key_ok, last, scale)   # rotary + cache write +
                                                             # attention of one new token per sequence
 
-exact_logprobs' kernels (kernels/exact_gemm.py: exact_linear, exact_rmsnorm; kernels/exact_attention.py:
-exact_attention) are not chosen here: the engine and the trainer must take the same path on a device, so
-engines/exact.py picks one per device (`on_gpu`), with the torch path as its portable twin. Nor are the decode
-step's expert GEMMs (kernels/moe_experts.py: expert_gate_up, expert_down): engines/moe.py takes them where
-`triton_experts` allows and keeps torch's grouped GEMM elsewhere.
+exact_logprobs' kernels (kernels/exact_gemm.py: exact_linear, exact_linear_cat, exact_silu_mul, exact_rmsnorm;
+kernels/exact_attention.py: exact_attention, exact_rope_cache; kernels/exact_sample.py: exact_row_logprobs, the
+log-softmax, sampling and entropy per row shared by the engine and the trainer's head) are not chosen here: the
+engine and the trainer must take the same path on a device, so engines/exact.py picks one per device (`on_gpu`),
+with the torch path as its portable twin. Nor are the decode step's expert GEMMs (kernels/moe_experts.py:
+expert_gate_up, expert_down): engines/moe.py takes them where `triton_experts` allows and keeps torch's grouped
+GEMM elsewhere. Nor are engine_dtype=fp8's (engines/decode_weights.py calls them): kernels/fp8.py (quantise_rows,
+fp8_linear, with its torch twin), kernels/fp8_gemm.py (fp8_gemm, the Triton FP8 GEMM for a decode step's few rows)
+and kernels/fp8_quant.py (merge_quantise: a projection's LoRA merge and FP8 quantisation in one kernel).
 
 Targets < 0 mark padded tokens: logp = entropy = 0 there, and no gradient flows from them.
 

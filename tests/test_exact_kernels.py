@@ -100,6 +100,54 @@ def check_attention(device: str):
         assert torch.equal(exact_attention(q[pick], rows[pick], pos[pick], *stale, window, 0.25, 16), full[pick])
 
 
+def check_fused(device: str):
+    """The fused kernels keep a row's bits whatever the call: exact_linear_cat equals exact_linear on the
+    concatenated weight; exact_rope_cache, exact_silu_mul and exact_row_logprobs give a row the same bits alone,
+    reordered and in the full call, and are near their torch definitions; a sampled token's log-prob equals the
+    target mode's for the same token (the engine's and the trainer's calls)."""
+    from engines.exact import _rotate
+    from kernels.exact_attention import exact_rope_cache
+    from kernels.exact_gemm import exact_linear, exact_linear_cat, exact_silu_mul
+    from kernels.exact_sample import exact_row_logprobs
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g).to(device)
+    x, ws, bs = r(37, 24), [r(32, 24), r(16, 24), r(16, 24)], [r(32), r(16), r(16)]
+    full = exact_linear_cat(x, ws, bs)                                                # (37, 64)
+    assert torch.equal(full, exact_linear(x, torch.cat(ws), torch.cat(bs)))
+    pick = torch.tensor([36, 2, 0, 17], device=device)
+    assert torch.equal(exact_linear_cat(x[pick], ws, bs), full[pick])
+    gu = r(37, 2 * 40).bfloat16()
+    y = exact_silu_mul(gu)
+    assert torch.equal(exact_silu_mul(gu[pick]), y[pick])
+    want = torch.nn.functional.silu(gu[:, :40]) * gu[:, 40:]
+    assert ((y.float() - want.float()).abs() <= 2 ** -6 * want.float().abs() + 1e-6).all()
+    N, nh, nkv, D, B, L = 9, 4, 2, 8, 3, 16
+    qkv, cos, sin = r(N, (nh + 2 * nkv) * D), r(L, D), r(L, D)
+    q, k, v = (t.reshape(N, -1, D) for t in qkv.split([nh * D, nkv * D, nkv * D], -1))
+    rows, pos = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2], device=device), torch.tensor([0, 1, 2, 0, 1, 0, 1, 2, 3],
+                                                                                       device=device)
+    kc, vc = torch.zeros(B, nkv, L, D, device=device), torch.zeros(B, nkv, L, D, device=device)
+    qo = exact_rope_cache(q, k, v, rows, pos, cos, sin, kc, vc)
+    c, s = cos[pos][:, None], sin[pos][:, None]
+    assert (qo - _rotate(q, c, s)).abs().max() < 1e-5
+    assert (kc[rows, :, pos] - _rotate(k, c, s)).abs().max() < 1e-5 and torch.equal(vc[rows, :, pos], v)
+    kc2, vc2, p = torch.zeros_like(kc), torch.zeros_like(vc), torch.tensor([8, 2, 0], device=device)
+    assert torch.equal(exact_rope_cache(q[p], k[p], v[p], rows[p], pos[p], cos, sin, kc2, vc2), qo[p])
+    assert torch.equal(kc2[rows[p], :, pos[p]], kc[rows[p], :, pos[p]])
+    z = (r(6, 3000) * 3).bfloat16()                                                  # more than one block of BV
+    inv_t = torch.tensor([1 / 0.7], device=device)
+    seed, step = torch.tensor([5], device=device), torch.tensor([3], device=device)
+    tok, lp, _ = exact_row_logprobs(z, inv_t, seed=seed, step=step)
+    ref = torch.log_softmax(z.float() * inv_t, -1)
+    assert (lp - ref.gather(-1, tok[:, None]).squeeze(-1)).abs().max() < 1e-4
+    _, lp2, ent = exact_row_logprobs(z, inv_t, tgt=tok)
+    assert torch.equal(lp2, lp)                                                       # the engine's = the trainer's
+    assert (ent + (ref.exp() * ref).sum(-1)).abs().max() < 1e-3
+    for rows_ in (pick[:3] % 6, torch.tensor([5], device=device)):
+        assert torch.equal(exact_row_logprobs(z[rows_], inv_t, tgt=tok[rows_])[1], lp[rows_])
+        assert torch.equal(exact_row_logprobs(z[rows_], inv_t, tgt=tok[rows_])[2], ent[rows_])
+
+
 INTERPRETED = r"""
 import sys
 import torch
@@ -107,7 +155,8 @@ sys.path.insert(0, "tests")
 import engines.exact as exact
 from models import completion_logprobs, load_model
 from test_exact import generate, trainer_logprobs
-from test_exact_kernels import check_attention, check_every_tile, check_gemm_and_norm
+from test_exact_kernels import check_attention, check_every_tile, check_fused, check_gemm_and_norm
+check_fused("cpu")
 check_gemm_and_norm("cpu")
 check_every_tile("cpu", ((70, 150, 40),))
 check_attention("cpu")
@@ -139,3 +188,4 @@ def test_gpu_gemm_rmsnorm_and_attention_are_invariant():
     check_gemm_and_norm("cuda", shapes=((100, 80, 70), (4100, 896, 4864), (3000, 4864, 896), (700, 896, 151936)))
     check_every_tile("cuda", shapes=((300, 896, 128), (200, 4864, 896)))
     check_attention("cuda")
+    check_fused("cuda")

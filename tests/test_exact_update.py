@@ -1,7 +1,8 @@
-"""exact_logprobs in the update (update.py: reuses_sampled, micro_loss): while the weights are those that sampled
-the batch, the loss may read the engine's sampled log-probs instead of running the exact pass, with the same loss
-and gradients; the first micro-batch still runs the pass (logprob_mismatch measures it, and only it), and every
-micro-batch after an optimizer step runs it again. Conftest's random 2-layer model on the CPU (torch path)."""
+"""exact_logprobs in the update (update.py: reuses_sampled, check_exact, micro_loss): while the weights are those
+that sampled the batch, the loss reads the engine's sampled log-probs instead of running the exact pass, with the
+same loss and gradients; the exact pass checks `exact_check` sequences of the first micro-batch (logprob_mismatch
+measures them, and only them), and every micro-batch after an optimizer step runs it on all its rows again.
+Conftest's random 2-layer model on the CPU (torch path)."""
 import pytest
 import torch
 
@@ -47,31 +48,63 @@ def test_reading_the_sampled_logprobs_gives_the_exact_pass_loss_and_gradients(ra
     assert learner.policy.model.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
 
 
-def test_the_first_micro_batch_and_every_one_after_an_optimizer_step_run_the_exact_pass(random_model_dir,
-                                                                                        monkeypatch):
+def test_a_sample_of_the_first_micro_batch_and_every_row_after_an_optimizer_step_run_the_exact_pass(
+        random_model_dir, monkeypatch):
     monkeypatch.setattr(exact, "BLOCK", 8)
     # 10 samples: mini-batches of 6 and 4 (two optimizer steps), micro-batches of 2: 3 + 2
-    learner, batch = setup(random_model_dir, "micro_batch_size=2", "algo.minibatch_size=6")
+    learner, batch = setup(random_model_dir, "micro_batch_size=2", "algo.minibatch_size=6", "exact_check=1")
     passes, own = [], exact.completion_logprobs
     monkeypatch.setattr(exact, "completion_logprobs", lambda model, ids, *a: passes.append(len(ids)) or
                         own(model, ids, *a))
-    # the engine's values moved by 0.25 on the loss tokens: the measured gap is 0.25 on every checked token, so a
-    # reused row (gap 0 by construction) counted in the metric would pull its mean down
-    batch.sample_logprobs = batch.sample_logprobs + 0.25 * batch.completion_mask
+    # the engine's values moved on the loss tokens, by 0.1 x (row + 1): the measured gap names the row it was
+    # measured on, so a row not checked (or a reused one, gap 0 by construction) counted in the metric would
+    # make its mean differ from its max
+    shift = 0.1 * torch.arange(1, len(batch) + 1)[:, None]                                        # (B, 1)
+    batch.sample_logprobs = batch.sample_logprobs + shift * batch.completion_mask
     buf = OnPolicyBuffer()
     buf.add(batch)
     out = update.update(learner, buf, torch.Generator().manual_seed(0), step=1, n_samples=len(batch))
-    assert passes == [2, 2, 2]           # the first mini-batch's first micro-batch, then both of the second's
+    assert passes == [1, 2, 2]           # one sequence of the first micro-batch, then every row of the second's
     assert out["skipped_updates"] == 0
-    mean = out["logprob_mismatch/mean"]
-    assert mean.num / mean.den == pytest.approx(0.25, abs=1e-5) and out["logprob_mismatch/max"].value == \
-        pytest.approx(0.25, abs=1e-5)
+    mean, top = out["logprob_mismatch/mean"], out["logprob_mismatch/max"].value
+    row = round(top / 0.1) - 1           # the checked row: its shift is the gap on every one of its tokens
+    assert top == pytest.approx(0.1 * (row + 1), abs=1e-5) and mean.num / mean.den == pytest.approx(top, abs=1e-5)
+    assert mean.den == batch.completion_mask[row].sum()   # exactly that row's tokens
     # the same with the batch of another version: no row is reused (the policy that sampled it is gone)
     passes.clear()
     learner.version = 1
     buf.add(batch)
     update.update(learner, buf, torch.Generator().manual_seed(0), step=2, n_samples=len(batch))
     assert passes == [2] * 5
+
+
+def test_the_checked_update_gives_the_full_exact_pass_loss_gradients_and_zero_mismatch(random_model_dir,
+                                                                                       monkeypatch):
+    monkeypatch.setattr(exact, "BLOCK", 8)
+    learner, batch = setup(random_model_dir, "micro_batch_size=4", "exact_check=3")
+    reuse = update.reuses_sampled
+
+    def run(reuses):   # one mini-batch's forward and backward, before any optimizer step
+        monkeypatch.setattr(update, "reuses_sampled", reuses)
+        learner.policy.zero_grad(set_to_none=True)
+        m = update.accumulate_gradients(learner, batch, measure_mismatch=True)
+        return m, [p.grad.clone() for p in learner.policy.parameters()]
+    full, full_grads = run(lambda *a: False)         # the exact pass on every row, each one measured
+    checked, grads = run(reuse)
+    assert torch.equal(full["loss"], checked["loss"]) and all(torch.equal(a, b) for a, b in zip(full_grads, grads))
+    assert full["_mis_max"] == 0.0 and checked["_mis_max"] == 0.0      # exact: the engine's bits, checked
+    longest = batch.completion_mask.sum(-1).sort(descending=True, stable=True).values   # micro 0: the longest rows
+    assert checked["_mis_n"] == longest[:3].sum() and full["_mis_n"] == batch.completion_mask.sum()
+
+
+def test_exact_check_below_one_or_without_the_option_is_refused_before_any_work():
+    import config_checks
+    cfg = config.parse(["exact_logprobs=true", "exact_check=0"])
+    with pytest.raises(config.UserError, match="'exact_check' must be >= 1; got 0"):
+        config_checks.validate(cfg)
+    with pytest.raises(config.UserError, match="exact_check=4 applies to exact_logprobs=true only"):
+        exact.check_config(config.parse(["exact_check=4"]))
+    exact.check_config(config.parse(["exact_logprobs=true", "exact_check=4"]))
 
 
 def test_reuse_needs_the_option_an_unmoved_policy_this_version_and_an_on_policy_buffer(random_model_dir):

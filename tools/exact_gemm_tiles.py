@@ -4,7 +4,9 @@
     python3 tools/exact_gemm_tiles.py --write             # also rewrite TILES with each class's best (CUDA only)
     python3 tools/exact_gemm_tiles.py --hidden 4096 --inter 11008 --kv 1024 --vocab 152064   # another model
 
-A class's weights (narrow: k, v; long_k: down; vocab: the head; other: q, o, gate, up) are timed at the decode
+A class's weights (kernels/exact_gemm.py: shape_class; a group's concatenation is one weight: narrow: a lone k or v;
+long_k: down; wide: gate/up; vocab: the head; other: q/k/v, o) are timed inside a CUDA graph (the decode step
+replays one, so a standalone launch would time Triton's host launch cost instead) at the decode
 step's M (--decode, default 128 rows) and at the trainer's one exact micro-batch (--train, default 10240 tokens);
 the score is what one W1 step spends in that class: steps x t(decode) + t(train) summed over its weights, so the
 decode step (256 calls a rollout) decides. A tile is fixed per weight, never per M: changing TILES changes which
@@ -21,20 +23,21 @@ import torch.nn.functional as F
 
 import kernels.exact_gemm as eg
 
-CANDIDATES = [(64, 64, 64, 4, 3), (64, 32, 64, 4, 4), (32, 32, 64, 4, 4), (32, 32, 128, 4, 3), (16, 32, 128, 4, 4),
-              (32, 16, 128, 4, 4), (64, 16, 64, 4, 4), (32, 64, 64, 4, 4), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3)]
+CANDIDATES = [(64, 64, 64, 4, 3), (64, 32, 64, 4, 4), (32, 32, 128, 4, 3), (16, 32, 128, 4, 4), (16, 64, 128, 4, 4),
+              (64, 16, 64, 4, 4), (32, 64, 64, 4, 4), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3), (128, 32, 64, 4, 4)]
 
 
 def weights(a) -> dict:
     """class -> [(N, K), ...] of one layer (and the head), each weight once per use."""
     H, I, kv, V = a.hidden, a.inter, a.kv, a.vocab
-    return {"narrow": [(kv, H), (kv, H)], "long_k": [(H, I)], "vocab": [(V, H)],
-            "other": [(H, H), (H, H), (I, H), (I, H)]}
+    return {"narrow": [(kv, H)], "long_k": [(H, I)], "vocab": [(V, H)], "wide": [(2 * I, H)],
+            "other": [(H + 2 * kv, H), (H, H)]}
 
 
 def bench(fn) -> float:
     import triton.testing
-    return triton.testing.do_bench(fn, warmup=5, rep=20)                       # ms
+    fn()                                                        # compiled before the capture
+    return triton.testing.do_bench_cudagraph(fn, rep=20)                       # ms
 
 
 def timed(x, w, tile) -> float:
