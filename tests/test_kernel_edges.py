@@ -134,3 +134,13 @@ def test_a_card_without_fp8_skips_the_fp8_families_in_one_line(monkeypatch):
     lines = out.getvalue().splitlines()
     assert lines[:2] == [f"skip {f:8s} needs FP8 tensor cores (compute capability 8.9+); NVIDIA A100 is sm_80"
                          for f in ("fp8_gemm", "fp8_quant")] and lines[2] == "0 passed, 0 failed", lines
+
+
+def test_the_exact_gemm_shapes_sit_in_the_tile_classes_they_are_filed_under():
+    # kernels/exact_gemm.py's classes move when its tiles are re-picked: each class must keep its own shapes
+    from kernels.exact_gemm import TILES, shape_class
+    from tools import kernel_families_exact as fams
+    for table in (fams.GEMM_SHAPES, fams.GEMM_SHAPES_GPU, fams.GEMM_SHAPES_CPU):
+        for cls, shapes in table.items():
+            assert [shape_class(N, K) for _, K, N in shapes] == [cls] * len(shapes), (cls, shapes)
+    assert set(fams.GEMM_SHAPES) == set(TILES), "a TILES class without shapes in the sweep, or the reverse"

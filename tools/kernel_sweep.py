@@ -17,11 +17,11 @@ Prints one line per case (`ok` or `FAIL` with the family, the case and the error
   logprob  logprob_entropy (forward and backward; the split row_stats path too) -> logprob_entropy_reference
   linear   linear_logprob_entropy (cuBLAS + passes, and fuse_matmul's GEMM kernels) -> the reference on h @ w.T
   loss     linear_logprob_loss (gradients in the forward) -> autograd through the reference
-  exact_gemm, exact_attn, fused_kl, fp8_gemm, fp8_quant, moe
-           the exact path's GEMM, RMSNorm and attention, the fused KL's passes, the FP8 GEMM, the FP8 refresh and
-           the MoE decode experts: tools/kernel_families*.py say what each checks. fp8_* need FP8 tensor cores
-           on a GPU (sm_89+): on an older card the sweep prints one `skip` line per family and counts neither a
-           pass nor a failure
+  exact_gemm, exact_cat, exact_silu, exact_attn, exact_rope, exact_rows, fused_kl, fp8_gemm, fp8_quant, moe
+           the exact path's GEMMs, RMSNorm, SiLU, attention, rotary and sampling, the fused KL's passes, the FP8
+           GEMM, the FP8 refresh and the MoE decode experts: tools/kernel_families*.py say what each checks.
+           fp8_* need FP8 tensor cores on a GPU (sm_89+): on an older card the sweep prints one `skip` line per
+           family and counts neither a pass nor a failure
   decoder  engines/fast_decode.py end to end on the random test model (graph, both samplers, prompt length 1
            and odd, one new token) -> teacher-forced log-probs (GPU sizes only)
 LoRA's decode packing (engines/decode_weights.py) has one Triton kernel, the FP8 refresh (fp8_quant); the rest of
