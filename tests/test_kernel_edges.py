@@ -20,7 +20,7 @@ from tests.interpret import run_interpreted  # noqa: E402
 
 
 def test_every_kernel_matches_its_twin_at_edge_shapes_interpreted():
-    # one interpreter process for all families (~35 s of CPU); a failing case prints its own line
+    # one interpreter process for all families (~30 s of CPU); a failing case prints its own line
     run_interpreted("import sys; from tools.kernel_sweep import FAMILIES, sweep\n"
                     "passed, failed = sweep(list(FAMILIES), 'cpu', 'cpu')\n"
                     "sys.exit(1 if failed or not passed else 0)")
