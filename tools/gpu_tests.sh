@@ -100,7 +100,7 @@ sanitize sanitizer-sample 0 1 sample &
 sanitize sanitizer-logprob 0 1 logprob,linear,loss &
 sanitize sanitizer-exact-attn 0 1 exact_attn,exact_rope,exact_rows &
 sanitize sanitizer-fp8-moe 0 1 fp8_gemm,fp8_quant,moe &
-sanitize sanitizer-decode-opts 0 1 decode_opts &
+sanitize sanitizer-opts 0 1 decode_opts &
 sanitize sanitizer-decode "$g1" 1 decode &
 sanitize sanitizer-decoder "$g1" 0 decoder &
 sanitize sanitizer-exact-gemm "$g1" 1 exact_gemm,exact_cat,exact_silu &
