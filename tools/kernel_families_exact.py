@@ -64,7 +64,9 @@ def check_exact_gemm(device, op, M, K, N, dtype, bias=False, mode=0) -> float:
 GEMM_SHAPES = {"narrow": [(1, 896, 128), (3, 100, 200), (65, 70, 40)], "long_k": [(1, 4864, 896), (17, 600, 257)],
                "other": [(3, 896, 1152), (33, 100, 300)], "wide": [(5, 896, 4864), (17, 70, 300)],
                "vocab": [(1, 64, 16384), (130, 100, 16400)]}
-GEMM_SHAPES_GPU = {"vocab": [(3, 896, QWEN_V)], "long_k": [(129, 4864, 896)]}      # besides GEMM_SHAPES
+# besides GEMM_SHAPES (Qwen's whole head, (M, 896, 151936), is tests/test_exact_kernels.py's GPU test: the
+# interpreter cannot check it here in minutes)
+GEMM_SHAPES_GPU = {"long_k": [(129, 4864, 896)]}
 GEMM_SHAPES_CPU = {"narrow": [(3, 70, 40)], "long_k": [(5, 600, 257)], "other": [(19, 100, 300)],
                    "wide": [(17, 70, 300)]}
 
