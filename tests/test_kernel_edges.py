@@ -20,7 +20,7 @@ from tests.interpret import run_interpreted  # noqa: E402
 
 
 def test_every_kernel_matches_its_twin_at_edge_shapes_interpreted():
-    # one interpreter process for all families (~20 s of CPU); a failing case prints its own line
+    # one interpreter process for all families (~30 s of CPU); a failing case prints its own line
     run_interpreted("import sys; from tools.kernel_sweep import FAMILIES, sweep\n"
                     "passed, failed = sweep(list(FAMILIES), 'cpu', 'cpu')\n"
                     "sys.exit(1 if failed or not passed else 0)")
@@ -109,3 +109,38 @@ def test_the_sweep_has_cases_for_every_family(size):
         n = len(list(cases(size)))
         assert n > 0 or (name == "decoder" and size == "cpu"), (name, size)
 
+
+
+def test_every_family_runs_in_the_gpu_gate_once_swept_and_once_under_memcheck():
+    # tools/gpu_tests.sh names the families of each process: a family added to the sweep but not there never runs
+    import re
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import kernel_sweep
+    text = open(os.path.join(ROOT, "tools", "gpu_tests.sh")).read()
+    for kind in ("sweep", "sanitize"):
+        named = [f for line in re.findall(rf"^{kind} [\w-]+ \S+ (?:[01] )?([\w,]+) &$", text, re.M)
+                 for f in line.split(",")]
+        assert sorted(named) == sorted(kernel_sweep.FAMILIES), (kind, named)
+
+
+def test_a_card_without_fp8_skips_the_fp8_families_in_one_line(monkeypatch):
+    import io
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import kernel_sweep
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    out = io.StringIO()
+    assert kernel_sweep.sweep(["fp8_gemm", "fp8_quant"], "sanitizer", "cuda", out) == (0, 0)   # no case started
+    lines = out.getvalue().splitlines()
+    assert lines[:2] == [f"skip {f:8s} needs FP8 tensor cores (compute capability 8.9+); NVIDIA A100 is sm_80"
+                         for f in ("fp8_gemm", "fp8_quant")] and lines[2] == "0 passed, 0 failed", lines
+
+
+def test_the_exact_gemm_shapes_sit_in_the_tile_classes_they_are_filed_under():
+    # kernels/exact_gemm.py's classes move when its tiles are re-picked: each class must keep its own shapes
+    from kernels.exact_gemm import TILES, shape_class
+    from tools import kernel_families_exact as fams
+    for table in (fams.GEMM_SHAPES, fams.GEMM_SHAPES_GPU, fams.GEMM_SHAPES_CPU):
+        for cls, shapes in table.items():
+            assert [shape_class(N, K) for _, K, N in shapes] == [cls] * len(shapes), (cls, shapes)
+    assert set(fams.GEMM_SHAPES) == set(TILES), "a TILES class without shapes in the sweep, or the reverse"

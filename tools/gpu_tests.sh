@@ -14,11 +14,17 @@
 #   arch-*     tests/test_architectures.py's GPU tests (every family graphed and compiled; the generic path's step
 #              compiles too), in two processes  (T_ARCH=420)
 #   dist       with 2+ GPUs: tests/test_distributed.py, in 6 groups side by side  (T_DIST=300)
-#   sweep      tools/kernel_sweep.py --size gpu: each kernel against its torch twin at edge shapes  (T_SWEEP=270)
-#   sanitizer  the sweep's smaller size under `compute-sanitizer --tool memcheck`, 4 processes  (T_SAN=330)
-# A stage that runs out of time counts as one failure. GPU 0 takes the tests, the sweep and half of the sanitizer
-# runs; GPU 1 (when there is one) the kernel tests and the other half; the family tests go to GPUs 2 and 3 where
-# there are 4, else share GPUs 0 and 1.
+#   sweep      tools/kernel_sweep.py --size gpu: each kernel against its torch twin at edge shapes, in three
+#              processes (each family's first launches are mostly Triton compiles): `sweep` the sampling,
+#              decode-attention and log-prob families and the decoder, `sweep-exact` the exact path's kernels,
+#              `sweep-more` decode attention's options and the fused KL's, the FP8 and the MoE experts' kernels
+#              (tools/kernel_families*.py)  (T_SWEEP=270)
+#   sanitizer  the sweep's smaller size under `compute-sanitizer --tool memcheck`, 9 processes  (T_SAN=330);
+#              the FP8 families print one `skip` line on a card without FP8 (before sm_89) and count nothing
+# A stage that runs out of time counts as one failure. GPU 0 takes the tests, `sweep`, `sweep-exact` and half of
+# the sanitizer runs; GPU 1 (when there is one) the kernel tests, `sweep-more` and the other half; the family tests
+# go to GPUs 2 and 3 where there are 4, else share GPUs 0 and 1. Every family of tools/kernel_sweep.py belongs in
+# one `sanitize` line below and one `sweep` line (tests/test_kernel_edges.py checks).
 # Under the sanitizer: expandable segments off (torch's allocator then fails with "cuMemCreate: operation not
 # permitted"), and for the kernel families no caching allocator either, so that each tensor is its own allocation
 # and a read just outside it is reported instead of landing in a neighbour (the decoder family keeps the cache:
@@ -62,6 +68,12 @@ sanitize() {   # name gpu uncached families: the sweep's sanitizer size under me
     echo $? >"$out/$name.rc"
 }
 
+sweep() {   # name gpu families: the sweep's gpu size, each kernel against its twin
+    CUDA_VISIBLE_DEVICES=$2 timeout -k 15 "$T_SWEEP" python3 tools/kernel_sweep.py --size gpu --only "$3" \
+        >"$out/$1.log" 2>&1
+    echo $? >"$out/$1.rc"
+}
+
 dist_stage() {   # name -k expression [file]: part of tests/test_distributed.py (or the file) on GPUs 0 and 1
     CUDA_VISIBLE_DEVICES=0,1 timeout -k 15 "$T_DIST" python3 -m pytest -q -p no:cacheprovider \
         "${3:-tests/test_distributed.py}" -k "$2" --basetemp="$tmp/$1" --junitxml="$out/junit-$1.xml" \
@@ -81,12 +93,18 @@ if [ "$ngpu" -ge 2 ]; then   # as tools/gpu_dist.sh: they mostly wait on imports
     dist_stage dist-rest "not ($(printf '%s or ' "${groups[@]}" | sed 's/ or $//'))" &
     dist_stage dist-arch-fsdp2 fsdp2 tests/test_architectures.py &   # qwen3 and qwen3_moe under FSDP2 (#32)
 fi
-(CUDA_VISIBLE_DEVICES=0 timeout -k 15 "$T_SWEEP" python3 tools/kernel_sweep.py --size gpu >"$out/sweep.log" 2>&1
- echo $? >"$out/sweep.rc") &
+sweep sweep 0 sample,decode,logprob,linear,loss,decoder &
+sweep sweep-exact 0 exact_gemm,exact_cat,exact_silu,exact_attn,exact_rope,exact_rows &
+sweep sweep-more "$g1" decode_opts,fused_kl,fp8_gemm,fp8_quant,moe &
 sanitize sanitizer-sample 0 1 sample &
 sanitize sanitizer-logprob 0 1 logprob,linear,loss &
+sanitize sanitizer-exact-attn 0 1 exact_attn,exact_rope,exact_rows &
+sanitize sanitizer-fp8-moe 0 1 fp8_gemm,fp8_quant,moe &
+sanitize sanitizer-opts 0 1 decode_opts &
 sanitize sanitizer-decode "$g1" 1 decode &
 sanitize sanitizer-decoder "$g1" 0 decoder &
+sanitize sanitizer-exact-gemm "$g1" 1 exact_gemm,exact_cat,exact_silu &
+sanitize sanitizer-kl "$g1" 1 fused_kl &
 wait
 rm -rf "$tmp"
 echo "wall: $(($(date +%s) - t0)) s on $ngpu GPU(s)"
@@ -128,7 +146,8 @@ pytest_stages = ["tests", "kernels", "arch-decode", "arch-train"] + [os.path.bas
 for stage in [s for s in pytest_stages if not os.path.exists(os.path.join(out, f"junit-{s}.xml"))]:
     rows.append((stage, "(pytest)", 0, 1, 0, f"no junit XML (exit {rc(stage)}): see {stage}.log"))
 
-for log in ["sweep"] + sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(out, "sanitizer-*.log"))):
+logs = lambda pattern: sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(out, pattern)))
+for log in logs("sweep*.log") + logs("sanitizer-*.log"):
     text = open(os.path.join(out, log + ".log"), errors="replace").read()
     fams = {}
     for m in re.finditer(r"^(ok|FAIL) +(\w+) ", text, re.M):
@@ -136,9 +155,11 @@ for log in ["sweep"] + sorted(os.path.basename(p)[:-4] for p in glob.glob(os.pat
         n[m.group(1) == "FAIL"] += 1
     for fam, (p, fl) in sorted(fams.items()):
         rows.append((log, f"tools/kernel_sweep.py {fam}", p, fl, 0, ""))
+    for m in re.finditer(r"^skip +(\w+) +(.*)$", text, re.M):   # a family this card cannot run (FP8 before sm_89)
+        rows.append((log, f"tools/kernel_sweep.py {m.group(1)}", 0, 0, 1, m.group(2)[:80]))
     code, note = rc(log), ""
     errors = re.findall(r"ERROR SUMMARY: (\d+) error", text)
-    if log != "sweep" and (not errors or int(errors[-1])):
+    if log.startswith("sanitizer-") and (not errors or int(errors[-1])):
         note = f"memcheck: {errors[-1]} errors" if errors else "no memcheck summary"
     if code in (124, 137):
         note = (note + "; " if note else "") + "timed out"

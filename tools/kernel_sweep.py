@@ -12,22 +12,30 @@ Prints one line per case (`ok` or `FAIL` with the family, the case and the error
   sample   gumbel_sample / cdf_sample -> log_softmax at the drawn token, the token inside the row, never a banned
            column, a row with one live token gives that token, and gumbel_sample_reference on the same rows
   decode   decode_attention -> decode_attention_reference (output and the cache write)
+  decode_opts  the same with its options: Qwen3's q/k head norms (the kernel's `_head_norm`), several KV heads a
+           program
   logprob  logprob_entropy (forward and backward; the split row_stats path too) -> logprob_entropy_reference
   linear   linear_logprob_entropy (cuBLAS + passes, and fuse_matmul's GEMM kernels) -> the reference on h @ w.T
   loss     linear_logprob_loss (gradients in the forward) -> autograd through the reference
+  exact_gemm, exact_cat, exact_silu, exact_attn, exact_rope, exact_rows, fused_kl, fp8_gemm, fp8_quant, moe
+           the exact path's GEMMs, RMSNorm, SiLU, attention, rotary and sampling, the fused KL's passes, the FP8
+           GEMM, the FP8 refresh and the MoE decode experts: tools/kernel_families*.py say what each checks.
+           fp8_* need FP8 tensor cores on a GPU (sm_89+): on an older card the sweep prints one `skip` line per
+           family and counts neither a pass nor a failure
   decoder  engines/fast_decode.py end to end on the random test model (graph, both samplers, prompt length 1
            and odd, one new token) -> teacher-forced log-probs (GPU sizes only)
-LoRA's decode packing (engines/decode_weights.py) has no Triton kernel, so nothing of it is swept here.
+LoRA's decode packing (engines/decode_weights.py) has one Triton kernel, the FP8 refresh (fp8_quant); the rest of
+it is torch, so nothing else of it is swept here.
 Sizes: "gpu" and "sanitizer" hold the same edge shapes (the sanitizer's without the biggest products: it runs
 every kernel ~100x slower); "cpu" keeps what the interpreter runs in seconds (float32 where a kernel uses tl.dot:
-the interpreter's bf16 dot is wrong, FACTS.md).
+the interpreter's bf16 dot is wrong, FACTS.md; the exact path's kernels take bf16 there, their dot being an
+explicit product under the interpreter).
 """
 import argparse
 import math
 import os
 import sys
 import time
-import zlib
 
 import torch
 
@@ -39,21 +47,10 @@ from kernels.linear_logprob import linear_logprob_entropy  # noqa: E402
 from kernels.logprob import logprob_entropy, logprob_entropy_reference  # noqa: E402
 from kernels.logprob_loss import linear_logprob_loss  # noqa: E402
 from kernels.sample import cdf_sample, gumbel_sample, gumbel_sample_reference  # noqa: E402
+from tools import kernel_families, kernel_families_exact  # noqa: E402
+from tools.kernel_families import BF16, F32, QWEN_V, gen, rel  # noqa: E402
 
-F32, BF16 = torch.float32, torch.bfloat16
 TOL = {F32: 1e-4, BF16: 1e-2}      # relative L2 error, as tests/test_kernels.py
-QWEN_V = 151936
-
-
-def rel(a, b) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    if not torch.isfinite(a).all():
-        return math.inf
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))   # the same inputs in every process
 
 
 # --- sample -----------------------------------------------------------------------------------------------------
@@ -108,10 +105,11 @@ def sample_cases(size):
 
 # --- decode attention -------------------------------------------------------------------------------------------
 
-def check_decode(device, B, nh, nkv, D, S, last, dtype, splits) -> float:
+def check_decode(device, B, nh, nkv, D, S, last, dtype, splits, qk_norm=False, heads=None) -> float:
     """The kernel and its twin on the same inputs (cache clones): output and cache within TOL (bf16: the kernel
-    takes P in the cache's dtype for P @ V, the twin float32)."""
-    g = gen("decode", B, nh, nkv, D, S, last, splits)
+    takes P in the cache's dtype for P @ V, the twin float32). qk_norm: each q and k head RMS-normed first (Qwen3's
+    q_norm / k_norm, the kernel's `_head_norm`). heads: KV heads per program (None: the kernel's default for D)."""
+    g = gen("decode", B, nh, nkv, D, S, last, splits, *(("qk_norm",) if qk_norm else ()))
     qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=g).to(dtype)
     k, v = (torch.randn(B, nkv, S, D, generator=g).to(dtype) for _ in range(2))
     ang = torch.arange(S + 1)[:, None] * 0.1 / (1 + torch.arange(D))[None]            # (S + 1, D) rotary-like
@@ -119,12 +117,13 @@ def check_decode(device, B, nh, nkv, D, S, last, dtype, splits) -> float:
     pos = torch.randint(0, S + 1, (B,), generator=g)
     ok = torch.rand(B, S, generator=g) > 0.3
     ok[0] = False                                                                      # row 0: only its new token
+    norm = tuple((1 + 0.3 * torch.randn(D, generator=g)).to(dtype) for _ in range(2)) + (1e-6,) if qk_norm else None
     put = lambda t: t.to(device)
     kk, vv = put(k), put(v)
     out = decode_attention(put(qkv), put(cos), put(sin), put(pos), kk, vv, put(ok), put(torch.tensor([last])), 0.125,
-                           splits=splits)
+                           splits=splits, qk_norm=norm and (put(norm[0]), put(norm[1]), norm[2]), heads=heads)
     kr, vr = k.clone(), v.clone()
-    want = decode_attention_reference(qkv, cos, sin, pos, kr, vr, ok, torch.tensor([last]), 0.125)
+    want = decode_attention_reference(qkv, cos, sin, pos, kr, vr, ok, torch.tensor([last]), 0.125, qk_norm=norm)
     tol = 2e-2 if dtype == BF16 else TOL[F32]
     err = max(rel(out, want), rel(kk, kr), rel(vv, vr))
     assert err <= tol, f"error {err} > {tol}"
@@ -151,6 +150,24 @@ def decode_cases(size):
                         for splits in (1, 4):
                             if splits == 1 or (S, last) in ((64, 0), (320, 201)):
                                 yield dict(B=B, nh=nh, nkv=nkv, D=D, S=S, last=last, dtype=dtype, splits=splits)
+
+
+def decode_opts_cases(size):
+    """decode_attention's options: Qwen3's q/k head norms (GQA 14/2) and several KV heads a program (MHA 4/4: 4
+    a program unsplit, 2 with splits), with and without splits, at one cache slot and later ones."""
+    if size == "cpu":
+        yield dict(B=3, nh=14, nkv=2, D=64, S=64, last=63, dtype=F32, splits=4, qk_norm=True)
+        yield dict(B=3, nh=4, nkv=4, D=32, S=64, last=7, dtype=F32, splits=1, heads=4)
+        return
+    edges = ((1, 64, 0, 1), (3, 64, 63, 4), (3, 320, 201, 1))
+    if size == "gpu":
+        edges += ((3, 64, 7, 1), (3, 320, 201, 4), (1, 64, 0, 4))
+    for D in (32, 64, 128):
+        for dtype in (F32, BF16):
+            for B, S, last, splits in edges:
+                yield dict(B=B, nh=14, nkv=2, D=D, S=S, last=last, dtype=dtype, splits=splits, qk_norm=True)
+                yield dict(B=B, nh=4, nkv=4, D=D, S=S, last=last, dtype=dtype, splits=splits,
+                           heads=4 if splits == 1 else 2)
 
 
 # --- log-prob / entropy from logits -------------------------------------------------------------------------------
@@ -338,8 +355,11 @@ def decoder_cases(size):
 
 
 FAMILIES = {"sample": (sample_cases, check_sample), "decode": (decode_cases, check_decode),
+            "decode_opts": (decode_opts_cases, check_decode),
             "logprob": (logprob_cases, check_logprob), "linear": (linear_cases, check_linear),
-            "loss": (loss_cases, check_loss), "decoder": (decoder_cases, check_decoder)}
+            "loss": (loss_cases, check_loss), **kernel_families_exact.FAMILIES, **kernel_families.FAMILIES,
+            "decoder": (decoder_cases, check_decoder)}
+NEEDS = kernel_families.NEEDS      # family -> fn(device) -> why it cannot run on this device (None: it can)
 
 
 def describe(case: dict) -> str:
@@ -347,10 +367,15 @@ def describe(case: dict) -> str:
 
 
 def sweep(families, size: str, device: str, out=sys.stdout) -> tuple[int, int]:
-    """Run the families' cases, one line each; -> (passed, failed)."""
+    """Run the families' cases, one line each; -> (passed, failed). A family this device cannot run gets one
+    `skip` line and counts in neither."""
     passed = failed = 0
     for name in families:
         cases, check = FAMILIES[name]
+        why = NEEDS[name](device) if name in NEEDS else None
+        if why:
+            print(f"skip {name:8s} {why}", file=out, flush=True)
+            continue
         for case in cases(size):
             t = time.perf_counter()
             try:
