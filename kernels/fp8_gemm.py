@@ -59,8 +59,9 @@ def tiles(M: int, N: int, K: int, BN: int = 64, BK: int = 128, warps: int = 4, s
 def wins(M: int, N: int, K: int) -> bool:
     """Does this kernel beat torch._scaled_mm here? Up to 64 rows, and up to MAX_ROWS where the output is narrow
     enough to be split over K; a wide output at 65-128 rows (gate/up, the head) went faster through cuBLAS
-    (tools/fp8_gemm_bench.py, docs/lora.md)."""
-    return M <= 64 or (M <= MAX_ROWS and tiles(M, N, K).S > 1)
+    (tools/fp8_gemm_bench.py, docs/lora.md). A K that is not a multiple of 32 goes through cuBLAS too: Triton's
+    NVIDIA backend compiles an 8-bit tl.dot only with K steps of at least 32 (the interpreter takes 16)."""
+    return K % 32 == 0 and (M <= 64 or (M <= MAX_ROWS and tiles(M, N, K).S > 1))
 
 
 if HAS_TRITON:

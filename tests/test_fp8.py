@@ -207,6 +207,7 @@ def test_tiles_split_k_exactly_and_fill_the_card_at_w6s_shapes():
                 assert -(-N // t.BN) * t.S >= 2 * SMS, (N, K, t)
     # cuBLAS took the wide outputs at 128 rows, this kernel the narrow ones and everything at 64
     assert wins(64, 37888, 3584) and wins(128, 3584, 18944) and not wins(128, 37888, 3584) and not wins(129, 64, 64)
+    assert not wins(64, 64, 48)                                      # 8-bit tl.dot: K steps of 32 on a GPU
     with pytest.raises(ValueError, match="K % 16"):
         tiles(64, 64, 40)
 
