@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from conftest import step_rows, train_here_beside  # noqa: E402
+from conftest import script_here, step_rows, train_here_beside  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -208,8 +208,7 @@ def test_train_on_two_gpus(tmp_path):
     (["offload=true", "parallel=replicate"], "offload=true keeps FSDP shards in CPU memory: it needs parallel=fsdp"),
     (["parallel=ddp"], "config key 'parallel' must be one of fsdp, replicate; got 'ddp'")])
 def test_bad_parallel_settings(random_model_dir, tmp_path, settings, error):
-    r = subprocess.run([sys.executable, "train.py", f"model={random_model_dir}", *settings,
-                        f"out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = script_here("train.py", [f"model={random_model_dir}", *settings, f"out_dir={tmp_path}"])   # in this process
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [f"error: {error}"]
     assert not os.path.exists(tmp_path / "config.yaml")   # refused before anything was written
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import step_rows  # noqa: E402
+from conftest import script_here, step_rows  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,7 +87,9 @@ def test_help_lists_options():
     (["accuracy_reward=format"], "accuracy_reward 'format' is not one of the rewards (arithmetic)"),
 ])
 def test_bad_input_is_one_line_error(args, message, random_model_dir, tmp_path):
-    r = run_train(f"model={random_model_dir}", f"out_dir={tmp_path / 'run'}", *args, timeout=120)
+    # train.py's own __main__ block in this process (conftest.script_here): a subprocess's time would be nearly all
+    # imports; test_help_lists_options and the runs above start train.py as a process of its own
+    r = script_here("train.py", [f"model={random_model_dir}", f"out_dir={tmp_path / 'run'}", *args, "progress=false"])
     assert r.returncode != 0
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], r.stderr[-2000:]
