@@ -14,6 +14,7 @@ import registry
 import vision
 from buffer import Experience
 from config import AGG_MODES, AlgoConfig
+from conftest import train_here
 from engines.base import SamplingParams
 from engines.builtin import BuiltinEngine
 from microbatch import micro_batches
@@ -233,19 +234,19 @@ def test_a_row_without_its_image_slot_is_an_error(vlm):
 
 # -------------------------------------------------------------------------------------------- end to end
 
-def test_train_py_runs_replay_and_resume_on_the_vision_task(vlm, tmp_path):
-    """A short configs/vision.yaml run with replay, micro-batches, two epochs, a reference model and a resume."""
-    import subprocess
+def test_train_py_runs_replay_and_resume_on_the_vision_task(vlm, tmp_path, capsys):
+    """A short configs/vision.yaml run with replay, micro-batches, two epochs, a reference model and a resume (train.py
+    in this process: conftest.train_here)."""
     _, _, path = vlm
     out = tmp_path / "run"
-    args = [sys.executable, "train.py", "--config", "configs/vision.yaml", f"model={path}", "eval_size=8",
-            "prompts_per_step=2", "samples_per_prompt=4", "eval_every=1", "replay.enabled=true", "micro_batch_size=4",
-            "algo.epochs=2", "algo.kl_coef=0.05", "save_every=1", f"out_dir={out}", "progress=false"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(args + ["steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
-    r = subprocess.run(args + ["steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0 and "resuming from" in r.stdout + r.stderr, r.stderr[-2000:]
+    args = ["--config", "configs/vision.yaml", f"model={path}", "eval_size=8", "prompts_per_step=2",
+            "samples_per_prompt=4", "eval_every=1", "replay.enabled=true", "micro_batch_size=4", "algo.epochs=2",
+            "algo.kl_coef=0.05", "save_every=1", f"out_dir={out}", "progress=false", "threads=1"]
+    train_here(args + ["steps=1"])
+    capsys.readouterr()
+    train_here(args + ["steps=2"])
+    said = capsys.readouterr()
+    assert "resuming from" in said.out + said.err
     assert (out / "final" / "preprocessor_config.json").exists()
     model, _ = load_model(str(out / "final"), torch.device("cpu"), torch.float32)   # the final policy loads
     assert vision.tower(model) is not None
@@ -255,15 +256,11 @@ def test_lora_adapts_the_language_model_only(tmp_path):
     """lora.r=4 on the warm-started tiny VLM, 2 steps of train.py: the adapter holds language-model modules only,
     they trained (B starts at zero), and the merged policy differs from the base in those layers alone: the tower,
     the embeddings and the norms are the base's bit for bit."""
-    import subprocess
     from safetensors.torch import load_file
     out = tmp_path / "run"
-    args = [sys.executable, "train.py", "--config", "configs/vision.yaml", "steps=2", "eval_size=4", "eval_every=100",
-            "prompts_per_step=4", "samples_per_prompt=8", "lora.r=4", "lora.save_merged=true", "lr=1e-2",
-            f"out_dir={out}", "progress=false"]
-    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-2000:]
+    train_here(["--config", "configs/vision.yaml", "steps=2", "eval_size=4", "eval_every=100", "prompts_per_step=4",
+                "samples_per_prompt=8", "lora.r=4", "lora.save_merged=true", "lr=1e-2", f"out_dir={out}",
+                "progress=false", "threads=1"])   # in this process (conftest.train_here)
     adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
     assert adapter and all(".lora_" in k and "visual" not in k for k in adapter), sorted(adapter)[:4]
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if ".lora_B" in k)          # the adapters learned
