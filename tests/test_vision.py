@@ -42,10 +42,13 @@ def vlm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rollout(vlm):
-    """3 prompts x 4 samples through the built-in engine, and the batch's pictures."""
-    model, tok, path = vlm
-    rows = shapes.shapes_samples(3, heldout=False)
-    prompts = vision.encode_rows(tok, path, rows, encode_prompts)
+    return shapes_rollout(*vlm)
+
+
+def shapes_rollout(model, tok, path):
+    """3 shapes prompts x 4 samples through the built-in engine -> (the rollout, the batch's pictures, the prompts).
+    (test_vision_llava's rollout too.)"""
+    prompts = vision.encode_rows(tok, path, shapes.shapes_samples(3, heldout=False), encode_prompts)
     engine = BuiltinEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     ro = engine.generate(prompts, 4, SamplingParams(1.0, 1.0, 4), torch.Generator().manual_seed(0))
     return ro, vision.batch_images(prompts, 4), prompts
