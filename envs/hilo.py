@@ -18,12 +18,12 @@ wins (configs/multiturn.yaml: 0.39 -> 0.93 held-out in 60 steps). `digit_reward`
 Held-out split: a code is held out when a stable hash of it falls in the first `heldout_percent` of 100
 buckets (as tasks/arithmetic.py splits problems), so training never sees a held-out code.
 """
-import hashlib
 import random
 from dataclasses import dataclass
 
 from config import opt, section
 from registry import register
+from tasks.arithmetic import in_heldout
 
 
 @section("hilo", "settings of the embedded multi-turn task (task=hilo, env.name=hilo)")
@@ -42,7 +42,7 @@ class HiloConfig:
 
 
 def is_heldout(code: str, heldout_percent: int) -> bool:
-    return int.from_bytes(hashlib.blake2b(code.encode(), digest_size=8).digest(), "little") % 100 < heldout_percent
+    return in_heldout(code, heldout_percent)
 
 
 def feedback(secret: str, guess: str) -> str:

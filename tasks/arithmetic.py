@@ -51,11 +51,15 @@ PAD_TEXT, EOS_TEXT = "<pad>", "<eos>"
 CHARS = "0123456789+="
 
 
+def in_heldout(key: str, heldout_percent: int) -> bool:
+    """True when key's bucket of 100 under a stable hash (blake2b, not Python's salted hash()) is below
+    heldout_percent: the held-out split of every embedded task (arithmetic, sum3, shapes, hilo), each with its key."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % 100 < heldout_percent
+
+
 def is_heldout(a: int, b: int, heldout_percent: int) -> bool:
     """True when the problem {a, b} (order ignored) belongs to the held-out split."""
-    lo, hi = min(a, b), max(a, b)
-    h = int.from_bytes(hashlib.blake2b(f"{lo}+{hi}".encode(), digest_size=8).digest(), "little")
-    return h % 100 < heldout_percent
+    return in_heldout(f"{min(a, b)}+{max(a, b)}", heldout_percent)
 
 
 def make_sample(a: int, b: int, digits: int) -> dict:

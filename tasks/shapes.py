@@ -19,13 +19,13 @@ Held-out split: a stable hash (blake2b) of the scene's description, so no held-o
 (tools/make_tiny_vlm.py draws its supervised data from the train side too). The task takes no settings (like the
 ladder's rungs): every run sees the same scenes.
 """
-import hashlib
 import io
 import random
 
 from PIL import Image, ImageDraw
 
 from registry import register
+from tasks.arithmetic import in_heldout
 
 SIZE = 64                      # pixels per side (a multiple of the tiny VLM's patch x merge size)
 IMAGE = "<image>"              # where the picture goes in the prompt (vision.py expands it)
@@ -88,8 +88,7 @@ PROMPTS = {"count": f"{IMAGE}red circles?", "larger": f"{IMAGE}larger? a circle 
 
 
 def is_heldout(scene: dict) -> bool:
-    h = int.from_bytes(hashlib.blake2b(repr(scene).encode(), digest_size=8).digest(), "little")
-    return h % 100 < HELDOUT_PERCENT
+    return in_heldout(repr(scene), HELDOUT_PERCENT)
 
 
 def shapes_samples(n: int, heldout: bool, seed: int = 0) -> list[dict]:

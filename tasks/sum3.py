@@ -13,17 +13,16 @@ percent (longer SFT, a bigger model, or a curriculum from add4).
 Held-out split: a stable hash (blake2b) of the sorted operand triple, so every order of the same three numbers
 lands in the same split. Verifier: reward `arithmetic` (exact match of the answer string).
 """
-import hashlib
 import random
 
 from registry import register
+from tasks.arithmetic import in_heldout
 
 DIGITS, N_TRAIN, N_EVAL, HELDOUT_PERCENT = 3, 20000, 500, 10
 
 
 def is_heldout3(nums: tuple[int, int, int]) -> bool:
-    key = "+".join(str(x) for x in sorted(nums)).encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % 100 < HELDOUT_PERCENT
+    return in_heldout("+".join(str(x) for x in sorted(nums)), HELDOUT_PERCENT)
 
 
 def make_sum3_sample(nums: tuple[int, int, int]) -> dict:

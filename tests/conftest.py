@@ -1,6 +1,10 @@
 """Shared fixtures: a tiny random transformers model saved locally (no hub needed)."""
+import contextlib
+import io
 import json
 import os
+import runpy
+import subprocess
 import sys
 
 import pytest
@@ -63,24 +67,56 @@ def logprob_mismatch(sample_logprobs, trainer_logprobs, mask) -> dict[str, float
     return {"logprob_mismatch/mean": diff.mean().item(), "logprob_mismatch/max": diff.max().item()}
 
 
-def train_here(args: list[str]) -> dict:
-    """train.py's main in this process, as `python train.py ARGS` in the repository would run it, for a run that
-    is neither killed nor launched by torchrun: no second import of torch and transformers (most of a small run's
-    time). Restores what main changes for the process: torch's threads and global RNG, the environment, the
-    working directory; and gives back the GPU memory it cached, which processes started later may need."""
-    import train
+@contextlib.contextmanager
+def as_a_process():
+    """What a train.py run changes for its process, put back afterwards: torch's threads, global RNG and
+    activation_memory_budget (compile=true sets it), the environment, sys.argv, the working directory (ROOT
+    meanwhile, as `python train.py` in the repository has it); and the GPU memory it cached, which processes
+    started later may need."""
+    import torch._functorch.config as functorch
     threads, rng, env, cwd = torch.get_num_threads(), torch.get_rng_state(), dict(os.environ), os.getcwd()
+    argv, budget = list(sys.argv), functorch.activation_memory_budget
     os.chdir(ROOT)
     try:
-        return train.main(args)
+        yield
     finally:
         os.chdir(cwd)
+        sys.argv[:] = argv
         torch.set_num_threads(threads)
         torch.set_rng_state(rng)
+        functorch.activation_memory_budget = budget
         os.environ.clear()
         os.environ.update(env)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def train_here(args: list[str]) -> dict:
+    """train.py's main in this process, as `python train.py ARGS` in the repository would run it, for a run that
+    is neither killed nor launched by torchrun: no second import of torch and transformers (most of a small run's
+    time). The process's state comes back as it was (as_a_process)."""
+    import train
+    with as_a_process():
+        return train.main(args)
+
+
+def script_here(script: str, args: list[str]) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` in the repository, run in this process: the script's own `__main__` block (runpy), with
+    sys.argv as the command line sets it, its stdout and stderr captured and its exit code taken from SystemExit:
+    for a run that stops before any training (a bad input's one-line error), whose time as a subprocess would be
+    nearly all the import of torch. -> (returncode, stdout, stderr) as subprocess.run gives them; an exception the
+    script lets through propagates (where a subprocess would print its traceback and exit 1)."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with as_a_process(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        sys.argv[:] = [script, *args]
+        try:
+            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+    return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
 
 
 def train_here_beside(procs: list, here) -> None:

@@ -23,7 +23,7 @@ import run_dir
 from algos import grpo
 from algos.common import Algorithm
 from config import UserError
-from conftest import train_here
+from conftest import script_here, train_here
 from rewards.pool import RewardPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,7 +137,7 @@ def test_ppo_resume_restores_the_critic(tmp_path, random_model_dir):
 
 
 def test_resume_errors_are_one_line(tmp_path, random_model_dir):
-    r = run_train([f"model={random_model_dir}", f"resume={tmp_path}/nothing", "progress=false"])
+    r = script_here("train.py", [f"model={random_model_dir}", f"resume={tmp_path}/nothing", "progress=false"])
     assert r.returncode == 2 and r.stderr.strip() == \
         f"error: resume='{tmp_path}/nothing' is neither a checkpoint nor a run directory holding one"
 

@@ -10,23 +10,8 @@ import config_checks
 import registry
 from algos.common import clipped_policy_loss
 from algos.dapo import dapo_advantages
-from buffer import Experience
 from conftest import step_rows
-
-
-def batch_of(rewards, mask, group_ids, **extra) -> Experience:
-    mask = torch.tensor(mask, dtype=torch.float)
-    B, C = mask.shape
-    return Experience(input_ids=torch.zeros(B, 2 + C, dtype=torch.long), attention_mask=torch.ones(B, 2 + C),
-                      completion_mask=mask, sample_logprobs=torch.zeros(B, C),
-                      rewards=torch.tensor(rewards, dtype=torch.float), group_ids=torch.tensor(group_ids),
-                      versions=torch.zeros(B, dtype=torch.long), truncated=torch.zeros(B, dtype=torch.bool), **extra)
-
-
-def algo_cfg(**kw) -> config.AlgoConfig:
-    cfg = config.AlgoConfig(**kw)
-    cfg.max_new_tokens = cfg.max_new_tokens or 4       # what config.fill_defaults copies from max_new_tokens
-    return cfg
+from test_algos import algo_cfg, batch_of   # norm_len=4 there: only seq-mean-token-sum-norm reads it, unused here
 
 
 def test_kl_in_reward_takes_the_trainers_logprobs_in_a_run(random_model_dir, tmp_path):

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from conftest import step_rows, train_here_beside  # noqa: E402
+from conftest import script_here, step_rows, train_here, train_here_beside  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -103,8 +103,8 @@ def test_train_under_torchrun_matches_one_process(tmp_path, random_model_dir):
     import shutil
     for n in ("one", "two"):
         shutil.copytree(tmp_path / n, tmp_path / f"{n}-more")
-    run([sys.executable, "train.py", *args, "steps=3", f"resume={tmp_path / 'two-more'}"],
-        here=[[*args, "steps=3", f"resume={tmp_path / 'one-more'}"]], logs=tmp_path)
+    for n in ("two", "one"):   # one process each: in this one (a process start would be most of a step's time)
+        train_here([*args, "steps=3", f"resume={tmp_path / f'{n}-more'}"])
     more = {n: metrics(tmp_path / f"{n}-more")[-1] for n in ("one", "two")}
     assert more["one"]["step"] == more["two"]["step"] == 3
     for key in ("loss", "grad_norm", "kl", "reward", "eval/accuracy"):
@@ -208,8 +208,7 @@ def test_train_on_two_gpus(tmp_path):
     (["offload=true", "parallel=replicate"], "offload=true keeps FSDP shards in CPU memory: it needs parallel=fsdp"),
     (["parallel=ddp"], "config key 'parallel' must be one of fsdp, replicate; got 'ddp'")])
 def test_bad_parallel_settings(random_model_dir, tmp_path, settings, error):
-    r = subprocess.run([sys.executable, "train.py", f"model={random_model_dir}", *settings,
-                        f"out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = script_here("train.py", [f"model={random_model_dir}", *settings, f"out_dir={tmp_path}"])   # in this process
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [f"error: {error}"]
     assert not os.path.exists(tmp_path / "config.yaml")   # refused before anything was written
 

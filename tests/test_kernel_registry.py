@@ -188,8 +188,7 @@ def test_ablate_compares_kernels_like_algorithms(tmp_path, monkeypatch):
 @pytest.mark.parametrize("arg, message", [("kernels.sample=fast", "error: kernels.sample must be one of auto, "),
                                           ("logger=mlflow", "error: config key 'logger' takes a comma list of ")])
 def test_train_refuses_a_bad_kernel_or_logger_in_one_line(arg, message, tmp_path):
-    import subprocess
-    r = subprocess.run([sys.executable, "train.py", arg, f"out_dir={tmp_path / 'run'}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    from conftest import script_here
+    r = script_here("train.py", [arg, f"out_dir={tmp_path / 'run'}"])   # its __main__ block, in this process
     assert r.returncode == 2 and r.stderr.startswith(message) and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "run").exists()                            # before any work

@@ -114,14 +114,11 @@ def test_bad_logger_is_one_line_error(monkeypatch):
 
 def test_train_logs_each_evaluations_completions(tmp_path, random_model_dir):
     """train.py hands each evaluation's greedy completions to the Logger: a table at steps 0 and 2, none at 1."""
-    import subprocess
-    import sys
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "train.py", f"model={random_model_dir}", "steps=2", "eval_every=2",
-                        "eval_size=3", "prompts_per_step=2", "samples_per_prompt=2", "threads=1", "progress=false",
-                        f"out_dir={tmp_path / 'run'}"], cwd=root, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+
+    from conftest import train_here
+    train_here([f"model={random_model_dir}", "steps=2", "eval_every=2", "eval_size=3", "prompts_per_step=2",
+                "samples_per_prompt=2", "threads=1", "progress=false", f"out_dir={tmp_path / 'run'}"])
     events = EventAccumulator(str(tmp_path / "run"), size_guidance={"tensors": 0}).Reload()
     texts = events.Tensors("eval/samples/text_summary")
     assert [e.step for e in texts] == [0, 2]

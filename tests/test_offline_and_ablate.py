@@ -1,11 +1,9 @@
 """Tier-2 smoke tests of the offline preference script (train_dpo.py), the shipped preference file and tools/ablate.py."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from conftest import step_rows  # noqa: E402
+from conftest import script_here, step_rows  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,8 +39,7 @@ def test_offline_dpo_bad_file_is_one_line_error(random_model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "chosen": "2"}\n')
     for path, message in [(tmp_path / "none.jsonl", "cannot read preference file"), (bad, "line 1 needs string fields")]:
-        r = subprocess.run([sys.executable, "train_dpo.py", f"model={random_model_dir}", f"algo.dpo.data={path}"],
-                           cwd=ROOT, capture_output=True, text=True)
+        r = script_here("train_dpo.py", [f"model={random_model_dir}", f"algo.dpo.data={path}"])   # in this process
         err = r.stderr.strip().splitlines()
         assert r.returncode != 0 and len(err) == 1 and message in err[0], r.stderr[-1000:]
 
@@ -104,8 +101,7 @@ def test_ablate_restarts_a_run_interrupted_before_its_first_checkpoint(tmp_path)
 
 def test_train_dpo_refuses_a_used_out_dir(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("{}\n")             # another run's files
-    r = subprocess.run([sys.executable, "train_dpo.py", f"out_dir={tmp_path}"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    r = script_here("train_dpo.py", [f"out_dir={tmp_path}"])   # its __main__ block, in this process
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: out_dir '{tmp_path}' is not empty and holds no checkpoint to resume (a run stopped before its first "
         f"save leaves one like it): to start that run again, remove it first (rm -r {tmp_path}), or choose a new "

@@ -1,25 +1,21 @@
-"""Tier-2 smoke tests: train.py end to end in a subprocess, and every kind of bad input."""
+"""Tier-2 smoke tests: train.py end to end, and every kind of bad input. The runs that need no process of their own
+(neither killed nor signalled, nor read from the console) call train.main in the test process (conftest.train_here):
+a subprocess would spend most of a small run's time importing torch again."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-from conftest import step_rows  # noqa: E402
+from conftest import script_here, step_rows, train_here  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_train(*args, timeout=300):
-    return subprocess.run([sys.executable, "train.py", *args, "progress=false"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 def test_smoke_few_steps(tmp_path, random_model_dir):
     out = tmp_path / "run"
-    r = run_train(f"model={random_model_dir}", "steps=3", "eval_every=2", "eval_size=16", "prompts_per_step=4",
-                  f"out_dir={out}", "algo.kl_coef=0.05")   # kl on: the reference-model path runs too
-    assert r.returncode == 0, r.stderr
+    train_here([f"model={random_model_dir}", "steps=3", "eval_every=2", "eval_size=16", "prompts_per_step=4",
+                f"out_dir={out}", "algo.kl_coef=0.05", "progress=false"])   # kl on: the reference-model path runs too
     rows = step_rows(out)
     assert [row["step"] for row in rows] == [1, 2, 3]
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])   # the evaluation before training
@@ -36,14 +32,17 @@ def test_smoke_few_steps(tmp_path, random_model_dir):
 def test_compiled_layers_train_like_eager(tmp_path, random_model_dir):
     """compile=true changes speed, not the maths: the same seeded run gives the same losses and gradients, with
     the recompute inside the compiled layers (the default) and with transformers' checkpoint wrapper."""
+    import torch
     rows = {}
-    for name, flags in {"eager": ["compile=false"], "compiled": ["compile=true"],
-                        "wrapper": ["compile=true", "compiled_recompute=false"]}.items():
-        out = tmp_path / name
-        r = run_train(f"model={random_model_dir}", "steps=2", "eval_size=8", "prompts_per_step=4", "threads=1",
-                      "micro_batch_size=8", "grad_checkpointing=true", *flags, f"out_dir={out}")
-        assert r.returncode == 0, r.stderr[-2000:]
-        rows[name] = step_rows(out)
+    try:
+        for name, flags in {"eager": ["compile=false"], "compiled": ["compile=true"],
+                            "wrapper": ["compile=true", "compiled_recompute=false"]}.items():
+            out = tmp_path / name
+            train_here([f"model={random_model_dir}", "steps=2", "eval_size=8", "prompts_per_step=4", "threads=1",
+                        "micro_batch_size=8", "grad_checkpointing=true", *flags, f"out_dir={out}", "progress=false"])
+            rows[name] = step_rows(out)
+    finally:   # the layers' compiled code leaves this process's caches: later tests compile from scratch
+        torch._dynamo.reset()
     for other in ("compiled", "wrapper"):
         for a, b in zip(rows["eager"], rows[other]):
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and a["reward"] == b["reward"], other
@@ -54,9 +53,8 @@ def test_fused_loss_trains_like_autograd(tmp_path):
     rows = {}
     for flag in ("false", "true"):
         out = tmp_path / flag
-        r = run_train("steps=2", "eval_size=8", "prompts_per_step=8", "threads=1",   # the shipped model: rewards vary
-                      "micro_batch_size=8", "algo.kl_coef=0.05", f"fused_loss={flag}", f"out_dir={out}")
-        assert r.returncode == 0, r.stderr[-2000:]
+        train_here(["steps=2", "eval_size=8", "prompts_per_step=8", "threads=1",   # the shipped model: rewards vary
+                    "micro_batch_size=8", "algo.kl_coef=0.05", f"fused_loss={flag}", f"out_dir={out}", "progress=false"])
         rows[flag] = step_rows(out)
     assert rows["false"][0]["grad_norm"] > 1e-2                     # a real gradient, not rounding noise
     for a, b in zip(rows["false"], rows["true"]):
@@ -87,20 +85,22 @@ def test_help_lists_options():
     (["accuracy_reward=format"], "accuracy_reward 'format' is not one of the rewards (arithmetic)"),
 ])
 def test_bad_input_is_one_line_error(args, message, random_model_dir, tmp_path):
-    r = run_train(f"model={random_model_dir}", f"out_dir={tmp_path / 'run'}", *args, timeout=120)
+    # train.py's own __main__ block in this process (conftest.script_here): a subprocess's time would be nearly all
+    # imports; test_help_lists_options and the runs above start train.py as a process of its own
+    r = script_here("train.py", [f"model={random_model_dir}", f"out_dir={tmp_path / 'run'}", *args, "progress=false"])
     assert r.returncode != 0
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], r.stderr[-2000:]
 
 
-def test_default_run_improves_heldout_accuracy(tmp_path):
+def test_default_run_improves_heldout_accuracy(tmp_path, capsys):
     """Tier 3: a short seeded run of the embedded default (shipped model, default config) must learn.
     The full 60-step default goes 0.195 -> ~0.78; 15 steps reach ~0.6. The threshold is loose on purpose."""
     out = tmp_path / "run"
-    r = run_train("steps=15", "eval_every=15", "eval_size=100", f"out_dir={out}", "threads=1", timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    capsys.readouterr()
+    train_here(["steps=15", "eval_every=15", "eval_size=100", f"out_dir={out}", "threads=1", "progress=false"])
     rows = step_rows(out)
-    start = float(r.stdout.split("step 0: held-out accuracy ")[1].split()[0])
+    start = float(capsys.readouterr().out.split("step 0: held-out accuracy ")[1].split()[0])
     end = rows[-1]["eval/accuracy"]
     assert start < 0.35 and end >= start + 0.2, (start, end)
 

@@ -134,14 +134,12 @@ def test_chromium_renders_rows_and_no_injected_markup(tmp_path):
 
 
 def test_a_packed_training_run_leaves_a_viewable_log(tmp_path, random_model_dir):
-    """One train.py run for two checks (a process start is most of a CPU test's time): pack=true trains, and the
-    loop's trajectories.jsonl makes a page that renders."""
-    from conftest import step_rows
-    from test_train import run_train
+    """One train.py run for two checks, in this process (a process start is most of a CPU test's time): pack=true
+    trains, and the loop's trajectories.jsonl makes a page that renders."""
+    from conftest import step_rows, train_here
     out = tmp_path / "run"
-    r = run_train(f"model={random_model_dir}", "steps=2", "eval_size=8", "prompts_per_step=4", f"out_dir={out}",
-                  "micro_batch_size=8", "pack=true")
-    assert r.returncode == 0, r.stderr
+    train_here([f"model={random_model_dir}", "steps=2", "eval_size=8", "prompts_per_step=4", f"out_dir={out}",
+                "micro_batch_size=8", "pack=true", "progress=false"])
     assert all(row["logprob_mismatch/max"] < 1e-4 for row in step_rows(out))   # packed trainer = engine log-probs
     recs = [json.loads(x) for x in open(out / "trajectories.jsonl")]
     assert [r["step"] for r in recs] == [1] * 4 + [2] * 4

@@ -14,6 +14,7 @@ import registry
 import vision
 from buffer import Experience
 from config import AGG_MODES, AlgoConfig
+from conftest import train_here
 from engines.base import SamplingParams
 from engines.builtin import BuiltinEngine
 from microbatch import micro_batches
@@ -41,10 +42,13 @@ def vlm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rollout(vlm):
-    """3 prompts x 4 samples through the built-in engine, and the batch's pictures."""
-    model, tok, path = vlm
-    rows = shapes.shapes_samples(3, heldout=False)
-    prompts = vision.encode_rows(tok, path, rows, encode_prompts)
+    return shapes_rollout(*vlm)
+
+
+def shapes_rollout(model, tok, path):
+    """3 shapes prompts x 4 samples through the built-in engine -> (the rollout, the batch's pictures, the prompts).
+    (test_vision_llava's rollout too.)"""
+    prompts = vision.encode_rows(tok, path, shapes.shapes_samples(3, heldout=False), encode_prompts)
     engine = BuiltinEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     ro = engine.generate(prompts, 4, SamplingParams(1.0, 1.0, 4), torch.Generator().manual_seed(0))
     return ro, vision.batch_images(prompts, 4), prompts
@@ -177,12 +181,22 @@ def test_loss_is_on_completion_tokens_only_and_the_tower_stays_frozen(vlm, rollo
     model, _, _ = vlm
     ro, images, _ = rollout
     batch = batch_of(ro, images)
-    C = batch.completion_mask.shape[1]
     P = batch.prompt_len
     assert (batch.input_ids[:, :P] == model.config.image_token_id).sum() == 12 * 16   # 16 per picture, every row
+    assert_gradient_on_completions_only(model, batch, algo, ~batch.completion_mask.bool(), norm_len=4,
+                                        max_new_tokens=4)
+
+
+def assert_gradient_on_completions_only(model, batch: Experience, algo: str, zero, norm_len: int,
+                                        max_new_tokens: int):
+    """algo's loss on batch under every loss_agg: finite, its gradient w.r.t. the (B, C) log-probs exactly 0 where
+    zero (B, C) is true and nonzero on the completion tokens; the language model's head takes gradient, the vision
+    tower none. (test_vision_turns too, where zero marks the observation columns.)"""
     A = registry.get("algo", algo)
+    C = batch.completion_mask.shape[1]
     for agg in AGG_MODES:
-        cfg = AlgoConfig(name=algo, kl_coef=0.05, loss_agg=agg, norm_len=4, max_new_tokens=4, tis="token")
+        cfg = AlgoConfig(name=algo, kl_coef=0.05, loss_agg=agg, norm_len=norm_len, max_new_tokens=max_new_tokens,
+                         tis="token")
         b = replace(batch)
         b.advantages = A.advantages(b, cfg)
         logp, entropy = completion_logprobs(model, b.input_ids, b.attention_mask, C, 1.0, b.images())
@@ -190,11 +204,11 @@ def test_loss_is_on_completion_tokens_only_and_the_tower_stays_frozen(vlm, rollo
         loss, _ = A.loss({"logprobs": logp, "entropy": entropy}, b, cfg)
         model.zero_grad()
         loss.backward()
-        assert torch.isfinite(loss), (algo, agg)
-        assert (logp.grad[~b.completion_mask.bool()] == 0).all(), (algo, agg)
+        assert torch.isfinite(loss) and (logp.grad[zero] == 0).all(), (algo, agg)
         assert logp.grad[b.completion_mask.bool()].abs().sum() > 0, (algo, agg)
         assert all(p.grad is None for p in vision.tower(model).parameters()), (algo, agg)
-        assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+        assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0, (algo, agg)
+    model.zero_grad()
 
 
 def test_train_tower_true_trains_the_tower(vlm, rollout):
@@ -233,19 +247,19 @@ def test_a_row_without_its_image_slot_is_an_error(vlm):
 
 # -------------------------------------------------------------------------------------------- end to end
 
-def test_train_py_runs_replay_and_resume_on_the_vision_task(vlm, tmp_path):
-    """A short configs/vision.yaml run with replay, micro-batches, two epochs, a reference model and a resume."""
-    import subprocess
+def test_train_py_runs_replay_and_resume_on_the_vision_task(vlm, tmp_path, capsys):
+    """A short configs/vision.yaml run with replay, micro-batches, two epochs, a reference model and a resume (train.py
+    in this process: conftest.train_here)."""
     _, _, path = vlm
     out = tmp_path / "run"
-    args = [sys.executable, "train.py", "--config", "configs/vision.yaml", f"model={path}", "eval_size=8",
-            "prompts_per_step=2", "samples_per_prompt=4", "eval_every=1", "replay.enabled=true", "micro_batch_size=4",
-            "algo.epochs=2", "algo.kl_coef=0.05", "save_every=1", f"out_dir={out}", "progress=false"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(args + ["steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
-    r = subprocess.run(args + ["steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0 and "resuming from" in r.stdout + r.stderr, r.stderr[-2000:]
+    args = ["--config", "configs/vision.yaml", f"model={path}", "eval_size=8", "prompts_per_step=2",
+            "samples_per_prompt=4", "eval_every=1", "replay.enabled=true", "micro_batch_size=4", "algo.epochs=2",
+            "algo.kl_coef=0.05", "save_every=1", f"out_dir={out}", "progress=false", "threads=1"]
+    train_here(args + ["steps=1"])
+    capsys.readouterr()
+    train_here(args + ["steps=2"])
+    said = capsys.readouterr()
+    assert "resuming from" in said.out + said.err
     assert (out / "final" / "preprocessor_config.json").exists()
     model, _ = load_model(str(out / "final"), torch.device("cpu"), torch.float32)   # the final policy loads
     assert vision.tower(model) is not None
@@ -255,15 +269,11 @@ def test_lora_adapts_the_language_model_only(tmp_path):
     """lora.r=4 on the warm-started tiny VLM, 2 steps of train.py: the adapter holds language-model modules only,
     they trained (B starts at zero), and the merged policy differs from the base in those layers alone: the tower,
     the embeddings and the norms are the base's bit for bit."""
-    import subprocess
     from safetensors.torch import load_file
     out = tmp_path / "run"
-    args = [sys.executable, "train.py", "--config", "configs/vision.yaml", "steps=2", "eval_size=4", "eval_every=100",
-            "prompts_per_step=4", "samples_per_prompt=8", "lora.r=4", "lora.save_merged=true", "lr=1e-2",
-            f"out_dir={out}", "progress=false"]
-    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-2000:]
+    train_here(["--config", "configs/vision.yaml", "steps=2", "eval_size=4", "eval_every=100", "prompts_per_step=4",
+                "samples_per_prompt=8", "lora.r=4", "lora.save_merged=true", "lr=1e-2", f"out_dir={out}",
+                "progress=false", "threads=1"])   # in this process (conftest.train_here)
     adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
     assert adapter and all(".lora_" in k and "visual" not in k for k in adapter), sorted(adapter)[:4]
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if ".lora_B" in k)          # the adapters learned

@@ -19,8 +19,9 @@ from engines.base import SamplingParams
 from engines.builtin import BuiltinEngine
 from engines.fast_decode import supported
 from microbatch import micro_batches
-from models import completion_logprobs, encode_prompts, load_model
+from models import completion_logprobs, load_model
 from tasks import shapes
+from test_vision import shapes_rollout
 
 TOKENS = 16   # image tokens per picture: (64 / 16)^2 CLIP patches, CLS dropped (tools/make_tiny_llava.py)
 
@@ -50,12 +51,7 @@ def llava(llava_dir):
 
 @pytest.fixture(scope="module")
 def rollout(llava):
-    """3 prompts x 4 samples through the built-in engine, and the batch's pictures."""
-    model, tok, path = llava
-    prompts = vision.encode_rows(tok, path, shapes.shapes_samples(3, heldout=False), encode_prompts)
-    engine = BuiltinEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
-    ro = engine.generate(prompts, 4, SamplingParams(1.0, 1.0, 4), torch.Generator().manual_seed(0))
-    return ro, vision.batch_images(prompts, 4), prompts
+    return shapes_rollout(*llava)
 
 
 def batch_of(ro, images, seed=0) -> Experience:

@@ -12,7 +12,7 @@ import picture_envs  # noqa: F401  (tests/: env picture)
 import registry
 import vision
 from buffer import Experience, ReplayBuffer
-from config import AGG_MODES, AlgoConfig, Config, ReplayConfig, UserError
+from config import Config, ReplayConfig, UserError
 from engines.base import SamplingParams
 from engines.episodes import EpisodeBatch
 from engines.multiturn import MultiTurn, Renderer
@@ -20,9 +20,9 @@ from envs.pool import EnvPool
 from envs.wire import WireError, check_result
 from microbatch import micro_batches
 from models import completion_logprobs, load_model
+from test_vision import ALGOS, assert_gradient_on_completions_only
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALGOS = ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "online_dpo"]
 
 
 def sampler(model, env: str, **env_opts) -> MultiTurn:
@@ -233,20 +233,7 @@ def test_observation_and_picture_columns_get_exactly_zero_gradient(vlm, episodes
     C = batch.completion_mask.shape[1]
     obs = batch.attention_mask[:, -C:].bool() & ~batch.completion_mask.bool()            # (B, C)
     assert (obs & observation_pictures(ro)).sum() == observation_pictures(ro).sum() > 0   # pictures are observations
-    A = registry.get("algo", algo)
-    for agg in AGG_MODES:
-        cfg = AlgoConfig(name=algo, kl_coef=0.05, loss_agg=agg, norm_len=8, max_new_tokens=3, tis="token")
-        b = replace(batch)
-        b.advantages = A.advantages(b, cfg)
-        logp, entropy = completion_logprobs(vlm, b.input_ids, b.attention_mask, C, 1.0, b.images())
-        logp.retain_grad()
-        loss, _ = A.loss({"logprobs": logp, "entropy": entropy}, b, cfg)
-        vlm.zero_grad()
-        loss.backward()
-        assert torch.isfinite(loss) and (logp.grad[obs] == 0).all(), (algo, agg)
-        assert logp.grad[b.completion_mask.bool()].abs().sum() > 0, (algo, agg)
-        assert all(p.grad is None for p in vision.tower(vlm).parameters()), (algo, agg)
-    vlm.zero_grad()
+    assert_gradient_on_completions_only(vlm, batch, algo, obs, norm_len=8, max_new_tokens=3)
 
 
 def test_select_cat_micro_batches_and_replay_keep_each_rows_pictures(vlm, episodes):

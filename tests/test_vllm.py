@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, logprob_mismatch, make_random_model, step_rows
+from conftest import ROOT, logprob_mismatch, make_random_model, script_here, step_rows
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -55,9 +55,8 @@ def test_without_vllm_the_error_says_what_to_install(random_model_dir, tmp_path)
     import engines  # noqa: F401  (registers the engines; importing engines.vllm never needs vllm)
     with pytest.raises(UserError, match="pip install -r requirements-vllm.txt"):
         get("engine", "vllm")(model=None, eos_id=1, pad_id=0, model_path=random_model_dir)
-    r = subprocess.run([sys.executable, "train.py", f"model={random_model_dir}", "engine=vllm", "steps=1",
-                        f"out_dir={tmp_path / 'run'}", "progress=false"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    r = script_here("train.py", [f"model={random_model_dir}", "engine=vllm", "steps=1", f"out_dir={tmp_path / 'run'}",
+                                 "progress=false"])   # its __main__ block, in this process
     err = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(err) == 1 and "pip install -r requirements-vllm.txt" in err[0], r.stderr[-2000:]
 
@@ -384,9 +383,8 @@ def test_train_py_runs_grpo_with_vllm_on_the_shapes_task(tmp_path):
 
 @pytest.mark.skipif(vllm_takes_pictures(), reason="checks the refusal where vLLM cannot take pictures")
 def test_vllm_with_a_vlm_is_refused_in_one_line_before_any_work(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", "--config", "configs/vision.yaml", "engine=vllm", "steps=1",
-                        f"out_dir={tmp_path / 'run'}", "progress=false"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = script_here("train.py", ["--config", "configs/vision.yaml", "engine=vllm", "steps=1",
+                                 f"out_dir={tmp_path / 'run'}", "progress=false"])   # in this process
     err = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(err) == 1, r.stderr[-2000:]
     assert ("torchvision" if HAS_VLLM else "pip install -r requirements-vllm.txt") in err[0]

@@ -62,6 +62,11 @@ def parse_args():
     p.add_argument("--n_eval", type=int, default=ArithmeticConfig.n_eval, help="held-out problems to evaluate")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0 = torch's default; 1 is fastest on a CPU shared with other jobs)")
+    return checked_warm_start_args(p)
+
+
+def checked_warm_start_args(p: argparse.ArgumentParser):
+    """p's arguments, with the warm start's (--teacher_accuracy, --steps, --batch) refused out of range."""
     args = p.parse_args()
     if not 0.0 <= args.teacher_accuracy <= 1.0:
         p.error(f"--teacher_accuracy must be in [0, 1], got {args.teacher_accuracy}")
@@ -114,28 +119,38 @@ def sft_batch(problems, tokenizer, digits: int, teacher_accuracy: float, rng: ra
     return ids, labels
 
 
-def sft(model, tokenizer, args):
-    rng = random.Random(f"sft-{args.seed}")
-    # a pool of distinct problems (each seen ~4 times), drawn from the train side of tasks/arithmetic.py's split only
-    problems = sample_problems(args.steps * args.batch // 4, args.digits, False, ArithmeticConfig.heldout_percent, rng)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    warmup = max(1, args.steps // 20)
+def warm_start(model, steps: int, lr: float, log_every: int, loss_at):
+    """The supervised warm start of both tiny models (tools/make_tiny_vlm.py's too): AdamW (betas 0.9, 0.98, no weight
+    decay), a linear warmup over the first 5% of the steps then a cosine decay, gradients clipped at norm 1.
+    loss_at(step) -> the loss of that step's batch (it draws the batch)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    warmup = max(1, steps // 20)
     # cosine computed in float32 (torch.cos), as when assets/tiny-model was made: keeps it bit-reproducible
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.5 * (1 + torch.cos(
-        torch.tensor(torch.pi * s / args.steps)).item())))
+        torch.tensor(torch.pi * s / steps)).item())))
     model.train()
     t0 = time.time()
-    for step in range(args.steps):
-        batch = [problems[rng.randrange(len(problems))] for _ in range(args.batch)]
-        ids, labels = sft_batch(batch, tokenizer, args.digits, args.teacher_accuracy, rng)
-        loss = model(input_ids=ids, labels=labels).loss   # transformers shifts labels internally
+    for step in range(steps):
+        loss = loss_at(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 100 == 0 or step == args.steps - 1:
+        if step % log_every == 0 or step == steps - 1:
             print(f"sft step {step:4d}  loss {loss.item():.4f}  {time.time() - t0:.0f}s", flush=True)
+
+
+def sft(model, tokenizer, args):
+    rng = random.Random(f"sft-{args.seed}")
+    # a pool of distinct problems (each seen ~4 times), drawn from the train side of tasks/arithmetic.py's split only
+    problems = sample_problems(args.steps * args.batch // 4, args.digits, False, ArithmeticConfig.heldout_percent, rng)
+
+    def loss_at(step):
+        batch = [problems[rng.randrange(len(problems))] for _ in range(args.batch)]
+        ids, labels = sft_batch(batch, tokenizer, args.digits, args.teacher_accuracy, rng)
+        return model(input_ids=ids, labels=labels).loss   # transformers shifts labels internally
+    warm_start(model, args.steps, args.lr, 100, loss_at)
 
 
 @torch.no_grad()

@@ -32,7 +32,6 @@ import json
 import os
 import random
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
 import torch  # noqa: E402
@@ -44,7 +43,7 @@ from engines.builtin import BuiltinEngine  # noqa: E402
 from models import encode_prompts  # noqa: E402
 from rewards.vision import vision_reward  # noqa: E402
 from tasks import shapes  # noqa: E402
-from tools.make_tiny_model import build_tokenizer  # noqa: E402
+from tools.make_tiny_model import build_tokenizer, checked_warm_start_args, warm_start  # noqa: E402
 
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz ?"
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
@@ -65,12 +64,7 @@ def parse_args():
                    help="share of SFT rows that ask for the picture's caption (always right) instead of the question")
     p.add_argument("--n_eval", type=int, default=200, help="held-out rows to evaluate at the end")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    args = p.parse_args()
-    if not 0.0 <= args.teacher_accuracy <= 1.0:
-        p.error(f"--teacher_accuracy must be in [0, 1], got {args.teacher_accuracy}")
-    if args.steps < 1 or args.batch < 1:
-        p.error(f"--steps and --batch must be >= 1, got {args.steps} and {args.batch}")
-    return args
+    return checked_warm_start_args(p)
 
 
 def build(out: str):
@@ -148,26 +142,15 @@ def sft_batch(rows, tok, out: str, teacher_accuracy: float, caption_share: float
 def sft(model, tok, args):
     rng = random.Random(f"sft-{args.seed}")
     train = shapes.shapes_samples(shapes.N_TRAIN, heldout=False, seed=args.seed + 1)   # not the RL train rows
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    warmup = max(1, args.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.5 * (1 + torch.cos(
-        torch.tensor(torch.pi * s / args.steps)).item())))
-    model.train()
-    t0 = time.time()
-    for step in range(args.steps):
+
+    def loss_at(step):
         ids, labels, mask, images = sft_batch(rng.sample(train, args.batch), tok, args.out, args.teacher_accuracy,
                                               args.caption_share, rng)
         # the same embedding and positions as rollout and training use (vision.embed, vision.positions)
         logits = model(inputs_embeds=vision.embed(model, ids, images), attention_mask=mask,
                        position_ids=vision.positions(model, ids, mask, images), use_cache=False).logits   # (B, T, V)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % 25 == 0 or step == args.steps - 1:
-            print(f"sft step {step:4d}  loss {loss.item():.4f}  {time.time() - t0:.0f}s", flush=True)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    warm_start(model, args.steps, args.lr, 25, loss_at)
 
 
 @torch.no_grad()
