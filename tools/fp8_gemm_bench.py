@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 from kernels.fp8 import dequantised_mm, quantise_activations, quantise_rows
 from kernels.fp8_gemm import launch, tiles
+from tools.decode_kernel_bench import graph_us as graph_replay_us
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944),
           "head": (152064, 3584)}                                     # name: (N, K) at W6
@@ -35,31 +35,10 @@ WAVES = (0, 1, 2, 4)                                                  # K split 
 
 
 def graph_us(fn, est_us: float, calls: int = 1) -> float:
-    """Median microseconds per call of fn (which makes `calls` GEMM calls), replayed from one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+    """Median microseconds per call of fn (which makes `calls` GEMM calls), replayed from one CUDA graph that holds
+    about 3 ms of them (decode_kernel_bench.graph_us)."""
     reps = max(1, min(200, int(3000 / max(est_us * calls, 1))))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1000 / (reps * calls))
-    del g
-    return statistics.median(times)
+    return graph_replay_us(fn, reps, 7) / calls
 
 
 def copy_gbs() -> float:
