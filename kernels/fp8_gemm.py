@@ -25,7 +25,7 @@ from torch import Tensor
 from kernels.logprob import HAS_TRITON
 
 MAX_ROWS = 128          # decode-sized M; more rows (a prefill: compute-bound) go to _scaled_mm (fp8.fp8_linear)
-SMS = 132               # multiprocessors the K split is sized for (an H100 SXM's and an H200's: docs/lora.md)
+SMS = 132               # multiprocessors the K split fills: the cards it was tuned on (docs/lora.md names them)
 
 
 class Tiles(NamedTuple):
