@@ -193,11 +193,10 @@ def linear_logprob_loss(hidden: Tensor, weight: Tensor, targets: Tensor, tempera
         raise ValueError(f"rows_per_chunk must be a positive int or None, got {rows_per_chunk!r}")
     rows_shape, V = tuple(targets.shape), weight.shape[0]
     flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]).contiguous(), targets.reshape(-1).contiguous()  # (N, H), (N,)
-    check_inputs(flat_t, V, temperature, flat_h.shape[0])
     if flat_t.numel() == 0:
         raise ValueError(f"linear_logprob_loss needs at least one token; targets have shape {rows_shape}")
     valid = targets.reshape(rows_shape[0], -1) >= 0                # (B, C)
-    counts = valid.sum(1).tolist()                                 # one host sync: chunking needs the counts
+    counts = check_inputs(flat_t, V, temperature, flat_h.shape[0], also=valid.sum(1))   # chunking needs the counts
     keep = None if sum(counts) == flat_t.numel() else valid.reshape(-1).nonzero().squeeze(1)   # (M,)
     budget = budget_tokens(V, flat_h.element_size(), chunk_bytes)
     chunks, k = [], 0
