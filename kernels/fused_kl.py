@@ -256,8 +256,9 @@ def row_kl(zs: Tensor, zt: Tensor, inv_t: float, reverse: bool, use_triton: bool
 def logits_kl(hs: Tensor, ws: Tensor, ht: Tensor, wt: Tensor, zs: Tensor, zt: Tensor, inv_t: float, reverse: bool,
               use_triton: bool, kl: Tensor, merged: bool = True):
     """One fused_kl_loss chunk's logits and statistics: zs (m, V) := hs @ ws.T, zt := ht @ wt.T (cuBLAS), then
-    row_kl: kl (m,) written, -> (lse_s, lse_t); or, merged=False, what grad_kl takes (see row_kl). A function of its own so that tools/w9_floor.py can time the loss
-    with another route for this step (the statistics in the products' epilogue, docs/kernels.md "W9")."""
+    row_kl: kl (m,) written, -> (lse_s, lse_t); or, merged=False, what grad_kl takes (see row_kl). A function of
+    its own so that tools/w9_floor.py can time the loss with another route for this step (the statistics in the
+    products' epilogue, docs/kernels.md "W9")."""
     torch.mm(hs, ws.T, out=zs)
     torch.mm(ht, wt.T, out=zt)
     return row_kl(zs, zt, inv_t, reverse, use_triton, kl, merged)
@@ -384,11 +385,14 @@ def fused_kl(hidden_s: Tensor, weight_s: Tensor, hidden_t: Tensor, weight_t: Ten
                           int(chunk_bytes), int(rows_per_block))
 
 
+ROW_ALIGN = 128   # fused_kl_loss's chunks in whole multiples of this many rows: the products' tile height
+
+
 def loss_rows(N: int, V: int, itemsize: int, chunk_bytes: int) -> int:
-    """Tokens per fused_kl_loss chunk: two (rows, V) logits buffers in chunk_bytes, whole multiples of 128 rows
-    (the products' tile height) once there are more than 128."""
+    """Tokens per fused_kl_loss chunk: two (rows, V) logits buffers in chunk_bytes, whole multiples of ROW_ALIGN
+    rows once there are more than that."""
     n = max(1, min(N, chunk_bytes // (2 * itemsize * V)))
-    return n // 128 * 128 if 128 < n < N else n
+    return n // ROW_ALIGN * ROW_ALIGN if ROW_ALIGN < n < N else n
 
 
 class _FusedKLLoss(torch.autograd.Function):
