@@ -124,8 +124,9 @@ if HAS_TRITON:
         tl.store(at + 4 * n * S, sq)
 
     @triton.jit
-    def _merge_row(part_ptr, row, n, S, REVERSE: tl.constexpr, BLOCK_S: tl.constexpr):
-        # a row's S partial states (_part_kernel) -> (lse_s, lse_t, KL) (every part saw real columns: finite)
+    def _merge_kernel(part_ptr, lse_s_ptr, lse_t_ptr, kl_ptr, n, S, REVERSE: tl.constexpr, BLOCK_S: tl.constexpr):
+        # a row's S partial states (_part_kernel) -> its lse_s, lse_t and KL (every part saw real columns: finite)
+        row = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, BLOCK_S)
         ok = k < S
         at = part_ptr + row * S + k
@@ -138,37 +139,24 @@ if HAS_TRITON:
         mq = tl.max(qm, 0)
         sq = tl.sum(tl.exp(qm - mq) * tl.load(at + 4 * n * S, mask=ok, other=0.0), 0)
         lse_p, lse_q = mp + tl.log(sp), mq + tl.log(sq)
+        tl.store(kl_ptr + row, a / sp - lse_p + lse_q)
         if REVERSE:
-            return lse_p, lse_q, a / sp - lse_p + lse_q
+            tl.store(lse_s_ptr + row, lse_p)
+            tl.store(lse_t_ptr + row, lse_q)
         else:
-            return lse_q, lse_p, a / sp - lse_p + lse_q
+            tl.store(lse_s_ptr + row, lse_q)
+            tl.store(lse_t_ptr + row, lse_p)
 
     @triton.jit
-    def _merge_kernel(part_ptr, lse_s_ptr, lse_t_ptr, kl_ptr, n, S, REVERSE: tl.constexpr, BLOCK_S: tl.constexpr):
-        # a row's S partial states -> its lse_s, lse_t and KL
-        row = tl.program_id(0).to(tl.int64)
-        lse_s, lse_t, k = _merge_row(part_ptr, row, n, S, REVERSE, BLOCK_S)
-        tl.store(kl_ptr + row, k)
-        tl.store(lse_s_ptr + row, lse_s)
-        tl.store(lse_t_ptr + row, lse_t)
-
-    @triton.jit
-    def _grad_kernel(zs_ptr, zt_ptr, stride, lse_s_ptr, lse_t_ptr, kl_ptr, g_ptr, part_ptr, n, S, n_cols, inv_t, per,
-                     REVERSE: tl.constexpr, PARTS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
+    def _grad_kernel(zs_ptr, zt_ptr, stride, lse_s_ptr, lse_t_ptr, kl_ptr, g_ptr, n_cols, inv_t, per,
+                     REVERSE: tl.constexpr, BLOCK: tl.constexpr):
         # d loss / d (unscaled) student logits, written in place over zs: g * p_s * (log p_s - log p_t - KL) / T
         # (reverse) or g * (p_s - p_t) / T (forward). Program (row, j) writes columns [j * per, (j + 1) * per).
-        # PARTS: the row's lse_s, lse_t and KL merged here from _part_kernel's S partial states (one launch less
-        # per chunk than a merge of its own), KL stored by the row's first program; else read from lse_s_ptr ...
         row = tl.program_id(0).to(tl.int64)
         c0 = tl.program_id(1) * per
         c1 = tl.minimum(c0 + per, n_cols)
-        if PARTS:
-            ls, lt, k = _merge_row(part_ptr, row, n, S, REVERSE, BLOCK_S)
-            if tl.program_id(1) == 0:
-                tl.store(kl_ptr + row, k)
-        else:
-            ls, lt, k = tl.load(lse_s_ptr + row), tl.load(lse_t_ptr + row), tl.load(kl_ptr + row)
-        g = tl.load(g_ptr + row)
+        ls, lt = tl.load(lse_s_ptr + row), tl.load(lse_t_ptr + row)
+        k, g = tl.load(kl_ptr + row), tl.load(g_ptr + row)
         for start in range(c0, c1, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             ok = cols < c1
@@ -227,11 +215,9 @@ def tile_stats(zp: Tensor, zq: Tensor, state: list[Tensor], inv_t: float, use_tr
     _stats_kernel[(zp.shape[0],)](zp, zq, zp.stride(0), *state, zp.shape[1], inv_t, **kw)
 
 
-def row_kl(zs: Tensor, zt: Tensor, inv_t: float, reverse: bool, use_triton: bool, kl: Tensor, merged: bool = True):
+def row_kl(zs: Tensor, zt: Tensor, inv_t: float, reverse: bool, use_triton: bool, kl: Tensor):
     """Whole-vocabulary rows of both logits (m, V) -> (lse_s, lse_t), each (m,) float32, and KL into kl (m,):
-    LOSS_LAUNCH["SPLIT"] programs per row, then a merge per row (the torch twin: one running state).
-    merged=False (Triton only): -> the partial states (5, m, SPLIT) unmerged, kl not yet written: the gradient
-    pass merges them (grad_kl), one launch less per chunk."""
+    LOSS_LAUNCH["SPLIT"] programs per row, then a merge per row (the torch twin: one running state)."""
     m = zs.shape[0]
     zp, zq = (zs, zt) if reverse else (zt, zs)
     if not use_triton:
@@ -245,8 +231,6 @@ def row_kl(zs: Tensor, zt: Tensor, inv_t: float, reverse: bool, use_triton: bool
     per, split, kw = _launch(zs.shape[1], LOSS_LAUNCH["SPLIT"], LOSS_LAUNCH["BLOCK"], LOSS_LAUNCH["num_warps"])
     part = torch.empty(5, m, split, dtype=torch.float32, device=zs.device)   # mp, sp, a, mq, sq per (row, split)
     _part_kernel[(m, split)](zp, zq, zs.stride(0), part, m, split, zs.shape[1], inv_t, per, **kw)
-    if not merged:
-        return part
     lse = torch.empty(2, m, dtype=torch.float32, device=zs.device)
     _merge_kernel[(m,)](part, lse[0], lse[1], kl, m, split, REVERSE=reverse,
                         BLOCK_S=triton.next_power_of_2(split))
@@ -254,14 +238,13 @@ def row_kl(zs: Tensor, zt: Tensor, inv_t: float, reverse: bool, use_triton: bool
 
 
 def logits_kl(hs: Tensor, ws: Tensor, ht: Tensor, wt: Tensor, zs: Tensor, zt: Tensor, inv_t: float, reverse: bool,
-              use_triton: bool, kl: Tensor, merged: bool = True):
+              use_triton: bool, kl: Tensor):
     """One fused_kl_loss chunk's logits and statistics: zs (m, V) := hs @ ws.T, zt := ht @ wt.T (cuBLAS), then
-    row_kl: kl (m,) written, -> (lse_s, lse_t); or, merged=False, what grad_kl takes (see row_kl). A function of
-    its own so that tools/w9_floor.py can time the loss with another route for this step (the statistics in the
-    products' epilogue, docs/kernels.md "W9")."""
+    row_kl: kl (m,) written, -> (lse_s, lse_t). A function of its own so that tools/w9_floor.py can time the loss
+    with another route for this step (the statistics in the products' epilogue, docs/kernels.md "W9")."""
     torch.mm(hs, ws.T, out=zs)
     torch.mm(ht, wt.T, out=zt)
-    return row_kl(zs, zt, inv_t, reverse, use_triton, kl, merged)
+    return row_kl(zs, zt, inv_t, reverse, use_triton, kl)
 
 
 def tile_grad(zs: Tensor, zt: Tensor, lse_s, lse_t, kl, g, inv_t: float, reverse: bool, use_triton: bool,
@@ -271,20 +254,8 @@ def tile_grad(zs: Tensor, zt: Tensor, lse_s, lse_t, kl, g, inv_t: float, reverse
         return grad_twin(zs, zt, lse_s, lse_t, kl, g, inv_t, reverse)
     launch = launch or dict(SPLIT=1, BLOCK=4096, num_warps=8)
     per, split, kw = _launch(zs.shape[1], launch["SPLIT"], launch["BLOCK"], launch["num_warps"])
-    _grad_kernel[(zs.shape[0], split)](zs, zt, zs.stride(0), lse_s, lse_t, kl, g, kl, 0, 0, zs.shape[1], inv_t, per,
-                                       REVERSE=reverse, PARTS=False, BLOCK_S=1, **kw)
-
-
-def grad_kl(zs: Tensor, zt: Tensor, stats, kl: Tensor, g: Tensor, inv_t: float, reverse: bool, use_triton: bool):
-    """fused_kl_loss's gradient pass over a chunk (LOSS_LAUNCH): zs (m, V) := d loss / d student logits. stats:
-    (lse_s, lse_t) with kl written, or row_kl's unmerged partial states (5, m, S), merged per row here (kl
-    written too)."""
-    if isinstance(stats, tuple):
-        return tile_grad(zs, zt, *stats, kl, g, inv_t, reverse, use_triton, LOSS_LAUNCH)
-    per, split, kw = _launch(zs.shape[1], LOSS_LAUNCH["SPLIT"], LOSS_LAUNCH["BLOCK"], LOSS_LAUNCH["num_warps"])
-    m, S = zs.shape[0], stats.shape[2]
-    _grad_kernel[(m, split)](zs, zt, zs.stride(0), kl, kl, kl, g, stats, m, S, zs.shape[1], inv_t, per,
-                             REVERSE=reverse, PARTS=True, BLOCK_S=triton.next_power_of_2(S), **kw)
+    _grad_kernel[(zs.shape[0], split)](zs, zt, zs.stride(0), lse_s, lse_t, kl, g, zs.shape[1], inv_t, per,
+                                       REVERSE=reverse, **kw)
 
 
 def _plan(N: int, V: int, itemsize: int, chunk_bytes: int, rows_per_block: int):
@@ -385,14 +356,11 @@ def fused_kl(hidden_s: Tensor, weight_s: Tensor, hidden_t: Tensor, weight_t: Ten
                           int(chunk_bytes), int(rows_per_block))
 
 
-ROW_ALIGN = 128   # fused_kl_loss's chunks in whole multiples of this many rows: the products' tile height
-
-
 def loss_rows(N: int, V: int, itemsize: int, chunk_bytes: int) -> int:
-    """Tokens per fused_kl_loss chunk: two (rows, V) logits buffers in chunk_bytes, whole multiples of ROW_ALIGN
-    rows once there are more than that."""
+    """Tokens per fused_kl_loss chunk: two (rows, V) logits buffers in chunk_bytes, whole multiples of 128 rows
+    (the products' tile height) once there are more than 128."""
     n = max(1, min(N, chunk_bytes // (2 * itemsize * V)))
-    return n // ROW_ALIGN * ROW_ALIGN if ROW_ALIGN < n < N else n
+    return n // 128 * 128 if 128 < n < N else n
 
 
 class _FusedKLLoss(torch.autograd.Function):
@@ -410,31 +378,22 @@ class _FusedKLLoss(torch.autograd.Function):
         grad_h = torch.empty_like(hs) if need_h else None
         # several row chunks add into each weight row: in float32 when that fits the budget, else in the weight's dtype
         w_dtype = torch.float32 if V * H * 4 <= chunk_bytes and n < N else ws.dtype
-        grad_w = torch.empty(V, H, dtype=w_dtype, device=ws.device) if need_w else None
+        grad_w = torch.zeros(V, H, dtype=w_dtype, device=ws.device) if need_w else None
         g_all = weights.float().contiguous()
         for r0 in range(0, N, n):
             r1 = min(r0 + n, N)
             zs, zt, kl = _tile(buf_s, r1 - r0, V), _tile(buf_t, r1 - r0, V), kl_out[r0:r1]   # (m, V), (m, V), (m,)
-            grad = need_h or need_w
-            stats = logits_kl(hs[r0:r1], ws, ht[r0:r1], wt, zs, zt, inv_t, reverse, use_triton, kl,
-                              merged=not (grad and use_triton))
-            if not grad:
+            lse_s, lse_t = logits_kl(hs[r0:r1], ws, ht[r0:r1], wt, zs, zt, inv_t, reverse, use_triton, kl)
+            if not (need_h or need_w):
                 continue
-            grad_kl(zs, zt, stats, kl, g_all[r0:r1], inv_t, reverse, use_triton)   # zs := G, kl written
+            tile_grad(zs, zt, lse_s, lse_t, kl, g_all[r0:r1], inv_t, reverse, use_triton, LOSS_LAUNCH)  # zs := G
             if need_h:
                 torch.mm(zs, ws, out=grad_h[r0:r1])                              # (m, H)
-            if need_w and r0 == 0:                                               # the first overwrites: no zero fill
-                if w_dtype == zs.dtype:
-                    torch.mm(zs.T, hs[r0:r1], out=grad_w)                        # (V, H)
-                else:
-                    grad_w.copy_(torch.mm(zs.T, hs[r0:r1]))
-            elif need_w and w_dtype == zs.dtype:
+            if need_w and w_dtype == zs.dtype:
                 grad_w.addmm_(zs.T, hs[r0:r1])                                   # (V, H)
             elif need_w:
                 _addmm_f32(grad_w, zs.T, hs[r0:r1])
         del buf_s, buf_t
-        if need_w and N == 0:                                                    # no chunk wrote it
-            grad_w.zero_()
         if need_w and grad_w.dtype != ws.dtype:
             grad_w = grad_w.to(ws.dtype)
         # kept on ctx rather than saved for backward: the backward hands these very buffers to autograd, so no

@@ -13,8 +13,8 @@ RLOO, REINFORCE++ and KL-in-the-loss all are. loss_fn's only differentiable inpu
 a gradient into any other tensor it touches is dropped. A loss that mixes rows through the policy's own
 log-probs (a batch mean of logp, say) is not a sum over rows: take linear_logprob_entropy and autograd.
 
-How: rows are grouped into chunks whose (tokens x V) logits fit `chunk_bytes`; padded tokens (target < 0)
-are left out of the matmuls and count for nothing. Per chunk:
+How: rows are grouped into chunks whose (tokens x V) logits fit `chunk_bytes`, of at most MAX_CHUNK_TOKENS
+tokens; padded tokens (target < 0) are left out of the matmuls and count for nothing. Per chunk:
   1. logits = h @ W.T                       cuBLAS, into one reused (n, V) buffer in the input dtype
   2. lse, E[z], logp, entropy per token     Triton pass over the buffer (kernels/logprob.py row_stats)
   3. loss_fn on (b, C) leaf tensors; torch.autograd.grad gives d loss / d logp and d loss / d entropy
@@ -46,7 +46,7 @@ from kernels.logprob import (HAS_TRITON, check_inputs, check_linear_inputs, chun
 
 CHUNK_BYTES = 480 * 2**20  # one (tokens x V) logits buffer: W2 (docs/benchmarks.md) stays < 0.5 GiB extra
 # Tokens per chunk at most, whatever the budget: fewer chunks mean fewer read-modify-writes of the (V, H) d W,
-# which pays at H=896 up to 1,536 tokens; at H=4096 the budget would give 1,792 tokens, measured no faster
+# which pays at H=896 up to 1,536 tokens; at H=4096 the budget would give 1,792 tokens, measured slower
 # (docs/kernels.md, "W2 and W9 at H=896 in interleaved rounds").
 MAX_CHUNK_TOKENS = 1536
 

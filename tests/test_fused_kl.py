@@ -105,9 +105,6 @@ for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
             assert torch.allclose(kl, ref.detach(), rtol=tol, atol=tol), (dtype, reverse, split, (kl - ref).abs().max())
             for a, b in zip(torch.autograd.grad(loss, [hs, ws]), want):
                 assert torch.allclose(a.float(), b, rtol=tol, atol=tol), (dtype, reverse, split, (a.float() - b).abs().max())
-            with torch.no_grad():   # no gradient pass: the statistics merged by their own launch
-                kl_only = fused_kl_loss(hs, ws, ht, wt, g, 0.8, reverse, chunk_bytes=2 * 4 * V * rows)[1]
-            assert torch.allclose(kl_only, kl, rtol=1e-6, atol=1e-6), (dtype, reverse, split)
 print("ok")
 """)
 

@@ -12,8 +12,7 @@ its basis), so that a drift of the card's clock hits them all alike.
 Per shape (N = 32,768 bf16 tokens; W2's loss sum(logp * a + entropy * b) over rows of 256 tokens, as
 tools/kernel_bench.py's fused_loss; W9's reverse KL, sum(kl * a), as tools/bench_w9.py):
  1. (first shape only) the passes alone on one loss chunk of real logits, x the chunks: W2's row_stats and gradient
-    pass (kernels/logprob.py), W9's row_kl and gradient pass (kernels/fused_kl.py: the pass that merges row_kl's
-    partial states itself);
+    pass (kernels/logprob.py), W9's row_kl and gradient pass (kernels/fused_kl.py);
  2. (first shape only) the floor's parts: the products in 8192-token blocks (a) and at each loss's chunk, d W
     accumulated as the loss does it (a') (tools/w2_floor.py `matmuls`, tools/w9_floor.py `products`), and the
     passes' least traffic (b) (their `traffic` probes: torch's reduction and in-place op on a chunk);
@@ -46,8 +45,7 @@ logprob = importlib.import_module("kernels.logprob")
 GiB, GB, SEQ = 2**30, 1e9, 256
 DEV = "cuda"
 # name -> (module attribute overrides, shapes it runs at): settings the defaults were chosen against
-VARIANTS = {"W2, no token cap": (dict(lpl=dict(MAX_CHUNK_TOKENS=1 << 30)), (4096,)),
-            "W9, 488 MiB in 64-row multiples": (dict(fkl=dict(LOSS_CHUNK_BYTES=488 << 20, ROW_ALIGN=64)), (896,))}
+VARIANTS = {"W2, no token cap": (dict(lpl=dict(MAX_CHUNK_TOKENS=1 << 30)), (4096,))}
 
 
 def load_baseline(folder):
@@ -85,9 +83,10 @@ def passes(h, w, hs, ws, ht, wt, m2, m9):
     out["W2 gradient pass"] = bench(lambda: logprob.chunk_grad(x, x, tgt, lse, ez, g1, g2, 0, 1.0, True), 100) * k2
     zs, zt = hs[:m9] @ ws.T, ht[:m9] @ wt.T                                   # (m9, V) each
     kl, g = torch.empty(m9, device=h.device), torch.rand(m9, device=h.device)
-    out["W9 row_kl (partial states)"] = bench(lambda: fkl.row_kl(zs, zt, 1.0, True, True, kl, merged=False), 100) * k9
-    part = fkl.row_kl(zs, zt, 1.0, True, True, kl, merged=False)
-    out["W9 gradient pass (merging)"] = bench(lambda: fkl.grad_kl(zs, zt, part, kl, g, 1.0, True, True), 100) * k9
+    out["W9 row_kl"] = bench(lambda: fkl.row_kl(zs, zt, 1.0, True, True, kl), 100) * k9
+    lse_s, lse_t = fkl.row_kl(zs, zt, 1.0, True, True, kl)
+    out["W9 gradient pass"] = bench(lambda: fkl.tile_grad(zs, zt, lse_s, lse_t, kl, g, 1.0, True, True,
+                                                          fkl.LOSS_LAUNCH), 100) * k9
     return out
 
 

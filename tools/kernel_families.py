@@ -3,8 +3,8 @@ and the helpers every family shares (tools/kernel_families_exact.py has the exac
 its first families fill tools/kernel_sweep.py).
 
   fused_kl    kernels/fused_kl.py: fused_kl's forward and backward kernels on ragged tiles (`_stats_kernel`,
-              `_grad_kernel`) and fused_kl_loss's split rows (`_part_kernel`, `_grad_kernel` merging), both
-              directions -> fused_kl_reference and autograd through it
+              `_grad_kernel`) and fused_kl_loss's split rows (`_part_kernel`, `_merge_kernel`), both directions ->
+              fused_kl_reference and autograd through it
   fp8_gemm    kernels/fp8_gemm.py: the FP8 x FP8 split-K GEMM (its default tiles and a K split whose last range is
               shorter) -> kernels/fp8.py dequantised_mm on the same quantised values
   fp8_quant   kernels/fp8_quant.py: merge_quantise with and without LoRA factors, partial row blocks and K steps, a
@@ -54,8 +54,8 @@ def check_fused_kl(device, op, N, Hs, Ht, V, dtype, reverse, temperature, rows_p
                    chunk_bytes=1) -> float:
     """op "kl": fused_kl (Triton forward `_stats_kernel`, backward `_grad_kernel`) in `rows_per_block`-row token
     blocks and tiles of chunk_bytes (1: 128-column blocks, the last ragged); op "loss": fused_kl_loss
-    (`_part_kernel` with `split` programs per row, then `_grad_kernel` merging its partial states, in the forward) in
-    chunks of rows_per_block rows.
+    (`_part_kernel` with `split` programs per row, `_merge_kernel`, then `_grad_kernel` in the forward) in chunks of
+    rows_per_block rows.
     Against fused_kl_reference on float32 copies of the inputs, gradients through autograd: tests/test_fused_kl.py's
     allclose band (float32 1e-4, bfloat16 5e-2; 1e-1 for the loss: below). Returns the worst error as a fraction of the band."""
     fk = importlib.import_module("kernels.fused_kl")   # kernels/__init__.py's fused_kl (a function) hides it

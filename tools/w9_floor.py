@@ -112,11 +112,10 @@ def _logits_kl_kernel(hs_ptr, ws_ptr, ht_ptr, wt_ptr, zs_ptr, zt_ptr, part_ptr, 
 FUSED_CONFIGS = [(128, 128, 64, 8, 4, 8), (128, 128, 64, 8, 3, 8), (64, 128, 64, 4, 4, 8), (128, 128, 128, 8, 2, 8)]
 
 
-def triton_logits_kl(hs, ws, ht, wt, zs, zt, inv_t, reverse, kl, cfg=FUSED_CONFIGS[0], load_t=False, merged=True):
+def triton_logits_kl(hs, ws, ht, wt, zs, zt, inv_t, reverse, kl, cfg=FUSED_CONFIGS[0], load_t=False):
     """kernels/fused_kl.py `logits_kl` with the statistics in the products' epilogue: hs (m, Hs), ws (V, Hs), ht (m,
     Ht), wt (V, Ht) -> zs, zt (m, V) written, kl (m,) written, -> (lse_s, lse_t) (m,) each float32. One launch of
-    _logits_kl_kernel (load_t: zt by cuBLAS first, only zs in the kernel), then the per-row merge (merged=False:
-    -> the partial states (5, m, S), for the gradient pass to merge, as kernels/fused_kl.py `row_kl`)."""
+    _logits_kl_kernel (load_t: zt by cuBLAS first, only zs in the kernel), then the per-row merge."""
     BM, BN, BK, warps, stages, group = cfg
     (m, ks), V, kt = hs.shape, ws.shape[0], ht.shape[1]
     S = triton.cdiv(V, BN)
@@ -126,8 +125,6 @@ def triton_logits_kl(hs, ws, ht, wt, zs, zt, inv_t, reverse, kl, cfg=FUSED_CONFI
     _logits_kl_kernel[(triton.cdiv(m, BM) * S,)](hs, ws, ht, wt, zs, zt, part, m, V, ks, kt, zs.stride(0), inv_t,
                                                  REVERSE=reverse, BM=BM, BN=BN, BK=BK, GROUP=group, STAGES=stages,
                                                  LOAD_T=load_t, num_warps=warps, num_stages=stages)
-    if not merged:
-        return part
     lse = torch.empty(2, m, dtype=torch.float32, device=hs.device)
     _merge_kernel[(m,)](part, lse[0], lse[1], kl, m, S, REVERSE=reverse, BLOCK_S=triton.next_power_of_2(S))
     return lse[0], lse[1]
@@ -137,8 +134,8 @@ def triton_logits_kl(hs, ws, ht, wt, zs, zt, inv_t, reverse, kl, cfg=FUSED_CONFI
 def fused_logits_in_loss(cfg, load_t=False):
     """fused_kl_loss with triton_logits_kl as its per-chunk logits step (bf16 / fp16 inputs), restored on exit."""
     old = fused_kl_module.logits_kl
-    fused_kl_module.logits_kl = lambda hs, ws, ht, wt, zs, zt, inv_t, reverse, use_triton, kl, merged=True: (
-        triton_logits_kl(hs, ws, ht, wt, zs, zt, inv_t, reverse, kl, cfg, load_t, merged))
+    fused_kl_module.logits_kl = lambda hs, ws, ht, wt, zs, zt, inv_t, reverse, use_triton, kl: triton_logits_kl(
+        hs, ws, ht, wt, zs, zt, inv_t, reverse, kl, cfg, load_t)
     try:
         yield
     finally:
