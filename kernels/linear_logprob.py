@@ -257,16 +257,18 @@ def linear_logprob_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, temp
     check_linear_inputs(hidden, weight, targets)
     shape = targets.shape
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)  # (N, H), (N,)
-    check_inputs(targets, weight.shape[0], temperature, hidden.shape[0])
+    # the valid tokens' count comes back in the range check's host sync; the compaction (a second sync) only when
+    # some are padded
+    (n_valid,) = check_inputs(targets, weight.shape[0], temperature, hidden.shape[0], also=(targets >= 0).sum())
     use_triton = use_triton and HAS_TRITON
-    keep = (targets >= 0).nonzero().squeeze(1)                     # (M,) padded tokens cost no matmul
-    if keep.numel() == targets.numel() and keep.numel():           # (no tokens at all: the empty results below)
+    if n_valid == targets.numel() and n_valid:                     # (no tokens at all: the empty results below)
         logp, ent = _LinearLogprobEntropy.apply(hidden.contiguous(), weight.contiguous(), targets.contiguous(),
                                                 float(temperature), use_triton, chunk_bytes, fuse_matmul, into_grad)
         return logp.view(shape), ent.view(shape)
     logp = hidden.new_zeros(targets.shape, dtype=torch.float32)
     ent = torch.zeros_like(logp)
-    if keep.numel():
+    if n_valid:
+        keep = (targets >= 0).nonzero().squeeze(1)                 # (M,) padded tokens cost no matmul
         lp, en = _LinearLogprobEntropy.apply(hidden[keep], weight.contiguous(), targets[keep].contiguous(),
                                              float(temperature), use_triton, chunk_bytes, fuse_matmul, into_grad)
         logp, ent = logp.index_put((keep,), lp), ent.index_put((keep,), en)

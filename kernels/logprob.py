@@ -276,7 +276,9 @@ def check_linear_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, min_dim
         raise ValueError(f"targets {tuple(targets.shape)} do not match hidden {tuple(hidden.shape)} without H")
 
 
-def check_inputs(targets: Tensor, vocab: int, temperature: float, n_rows: int):
+def check_inputs(targets: Tensor, vocab: int, temperature: float, n_rows: int, also: Tensor | None = None) -> list:
+    """One-line errors for targets the kernels cannot take. also: an int tensor (k,) the caller needs on the host,
+    read back in the same sync as the targets' range check (one sync per call, not two); -> its values."""
     if targets.shape != (n_rows,):
         raise ValueError(f"targets have shape {tuple(targets.shape)}, expected ({n_rows},)")
     if targets.dtype not in (torch.int32, torch.int64):
@@ -285,8 +287,13 @@ def check_inputs(targets: Tensor, vocab: int, temperature: float, n_rows: int):
         raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     if vocab < 1:
         raise ValueError(f"the vocabulary must have at least one column, got {vocab}")
-    if targets.numel() and int(targets.max()) >= vocab:   # one host sync; a bad id would read out of bounds
-        raise ValueError(f"target id {int(targets.max())} is out of range for a vocabulary of {vocab}")
+    if not targets.numel():
+        return [] if also is None else also.reshape(-1).tolist()
+    parts = [targets.max().view(1).long()] + ([] if also is None else [also.reshape(-1).long()])
+    hi, *rest = torch.cat(parts).tolist()                 # one host sync; a bad id would read out of bounds
+    if hi >= vocab:
+        raise ValueError(f"target id {hi} is out of range for a vocabulary of {vocab}")
+    return rest
 
 
 def logprob_entropy(logits: Tensor, targets: Tensor, temperature: float = 1.0,

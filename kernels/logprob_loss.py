@@ -13,8 +13,8 @@ RLOO, REINFORCE++ and KL-in-the-loss all are. loss_fn's only differentiable inpu
 a gradient into any other tensor it touches is dropped. A loss that mixes rows through the policy's own
 log-probs (a batch mean of logp, say) is not a sum over rows: take linear_logprob_entropy and autograd.
 
-How: rows are grouped into chunks whose (tokens x V) logits fit `chunk_bytes`; padded tokens (target < 0)
-are left out of the matmuls and count for nothing. Per chunk:
+How: rows are grouped into chunks whose (tokens x V) logits fit `chunk_bytes`, of at most MAX_CHUNK_TOKENS
+tokens; padded tokens (target < 0) are left out of the matmuls and count for nothing. Per chunk:
   1. logits = h @ W.T                       cuBLAS, into one reused (n, V) buffer in the input dtype
   2. lse, E[z], logp, entropy per token     Triton pass over the buffer (kernels/logprob.py row_stats)
   3. loss_fn on (b, C) leaf tensors; torch.autograd.grad gives d loss / d logp and d loss / d entropy
@@ -44,7 +44,16 @@ from torch import Tensor
 from kernels.logprob import (HAS_TRITON, check_inputs, check_linear_inputs, chunk_grad, hand_to_grad, into_grad_of,
                              row_stats)
 
-CHUNK_BYTES = 384 * 2**20  # one (tokens x V) logits buffer: W2 (docs/benchmarks.md) stays < 0.5 GiB extra
+CHUNK_BYTES = 480 * 2**20  # one (tokens x V) logits buffer: W2 (docs/benchmarks.md) stays < 0.5 GiB extra
+# Tokens per chunk at most, whatever the budget: fewer chunks mean fewer read-modify-writes of the (V, H) d W,
+# which pays at H=896 up to 1,536 tokens; at H=4096 the budget would give 1,792 tokens, measured slower
+# (docs/kernels.md, "W2 and W9 at H=896 in interleaved rounds").
+MAX_CHUNK_TOKENS = 1536
+
+
+def budget_tokens(V: int, itemsize: int, chunk_bytes: int) -> int:
+    """Valid tokens a chunk may hold: its (tokens, V) logits buffer within chunk_bytes, at most MAX_CHUNK_TOKENS."""
+    return max(1, min(MAX_CHUNK_TOKENS, chunk_bytes // (V * itemsize)))
 
 
 def plan_chunks(counts: list[int], budget_tokens: int, rows_per_chunk: int | None = None) -> list[tuple[int, int]]:
@@ -70,9 +79,7 @@ def chunked_loss(hidden, weight, targets, rows_shape, temperature, loss_fn, chun
     (N, H), V = hidden.shape, weight.shape[0]
     per_row = N // max(rows_shape[0], 1)
     inv_t = 1.0 / temperature
-    logp_out = torch.zeros(N, dtype=torch.float32, device=hidden.device)      # (N,)
-    ent_out = torch.zeros_like(logp_out)
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    pieces, parts = [], []                                         # per chunk: (logp, entropy) (b*C,) each; loss ()
     grad_h = (torch.empty_like(hidden) if keep is None else torch.zeros_like(hidden)) if need_h else None
     w_dtype = torch.float32 if acc_f32 else weight.dtype
     grad_w = torch.empty(V, H, dtype=w_dtype, device=weight.device) if need_w else None
@@ -89,22 +96,26 @@ def chunked_loss(hidden, weight, targets, rows_shape, temperature, loss_fn, chun
         if m:
             logits = torch.mm(h, weight.T, out=buf[: m * V].view(m, V))        # (m, V)
             lp_m, en_m, lse, ez = row_stats(logits, tgt, inv_t, use_triton)   # (m,) each
-            for out, x in ((logp_out, lp_m), (ent_out, en_m)):
-                if idx is None:
-                    out[t0:t1] = x
-                else:
-                    out.index_copy_(0, idx, x)
+        if idx is None and m:                                      # the statistics' own fresh buffers: no copy
+            lp_c, en_c = lp_m, en_m                                # (b*C,) each
+        else:                                                      # padded tokens get 0
+            lp_c, en_c = (hidden.new_zeros(t1 - t0, dtype=torch.float32) for _ in range(2))
+            if m:
+                lp_c.index_copy_(0, idx - t0, lp_m)
+                en_c.index_copy_(0, idx - t0, en_m)
+        pieces.append((lp_c, en_c))
         track = m > 0 and (need_h or need_w)
-        # the loss sees small float32 leaves, copies of its own: it cannot corrupt the outputs
-        lp = logp_out[t0:t1].view(r1 - r0, *rows_shape[1:]).clone().requires_grad_(track)    # (b, C)
-        en = ent_out[t0:t1].view(r1 - r0, *rows_shape[1:]).clone().requires_grad_(track)
+        # the loss's leaves are the outputs' own chunks, so that no copy is made per chunk; with autograd on, an
+        # in-place change to a leaf is an error, and without it the loss gets copies: it cannot corrupt the outputs
+        lp, en = (x.detach().view(r1 - r0, *rows_shape[1:]) for x in (lp_c, en_c))               # (b, C)
+        lp, en = (x.requires_grad_() if track else x.clone() for x in (lp, en))
         with torch.set_grad_enabled(track):                        # autograd.Function.forward runs without it
             part = loss_fn(slice(r0, r1), lp, en)
             if not isinstance(part, Tensor) or part.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar tensor, got {getattr(part, 'shape', type(part))}")
             wanted = track and part.requires_grad
             g_lp, g_en = torch.autograd.grad(part, (lp, en), allow_unused=True) if wanted else (None, None)
-        total += part.detach().float()
+        parts.append(part.detach())
         if g_lp is None and g_en is None:                          # no gradient from these rows
             if need_h and idx is None:
                 grad_h[t0:t1].zero_()                              # (allocated empty when nothing is padded)
@@ -133,7 +144,11 @@ def chunked_loss(hidden, weight, targets, rows_shape, temperature, loss_fn, chun
         grad_w.zero_()
     if need_w and grad_w.dtype != weight.dtype:
         grad_w = grad_w.to(weight.dtype)
-    return total, logp_out.view(rows_shape), ent_out.view(rows_shape), grad_h, grad_w
+    # one launch each for the whole call, not one per chunk (chunks cover the rows in order)
+    total = torch.stack([p.float() for p in parts]).sum() if parts else torch.zeros((), device=hidden.device)
+    logp, ent = (torch.cat([p[i] for p in pieces]) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+                 for i in range(2))
+    return total, logp.view(rows_shape), ent.view(rows_shape), grad_h, grad_w
 
 
 class _LinearLogprobLoss(torch.autograd.Function):
@@ -178,13 +193,12 @@ def linear_logprob_loss(hidden: Tensor, weight: Tensor, targets: Tensor, tempera
         raise ValueError(f"rows_per_chunk must be a positive int or None, got {rows_per_chunk!r}")
     rows_shape, V = tuple(targets.shape), weight.shape[0]
     flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]).contiguous(), targets.reshape(-1).contiguous()  # (N, H), (N,)
-    check_inputs(flat_t, V, temperature, flat_h.shape[0])
     if flat_t.numel() == 0:
         raise ValueError(f"linear_logprob_loss needs at least one token; targets have shape {rows_shape}")
     valid = targets.reshape(rows_shape[0], -1) >= 0                # (B, C)
-    counts = valid.sum(1).tolist()                                 # one host sync: chunking needs the counts
+    counts = check_inputs(flat_t, V, temperature, flat_h.shape[0], also=valid.sum(1))   # chunking needs the counts
     keep = None if sum(counts) == flat_t.numel() else valid.reshape(-1).nonzero().squeeze(1)   # (M,)
-    budget = max(1, chunk_bytes // (V * flat_h.element_size()))
+    budget = budget_tokens(V, flat_h.element_size(), chunk_bytes)
     chunks, k = [], 0
     for r0, r1 in plan_chunks(counts, budget, rows_per_chunk):
         n = sum(counts[r0:r1])

@@ -236,13 +236,13 @@ def test_triton_on_gpu_full_vocab(dtype):
 
 def test_floor_tool_chunks_match_the_loss():
     """tools/w2_floor.py times the passes and traffic on the loss's own chunk: its arithmetic must agree with
-    plan_chunks at both W2 shapes (1280 tokens x 26 chunks at H=896, 1536 x 22 at H=4096)."""
+    plan_chunks at both W2 shapes (1536 tokens x 22 chunks at both: the budget at H=896, the token cap at H=4096)."""
     pytest.importorskip("triton")
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import w2_floor
-    from kernels.logprob_loss import CHUNK_BYTES
-    for V, want in ((151936, 1280), (128256, 1536)):
-        rows = plan_chunks([256] * 128, CHUNK_BYTES // (V * 2))
+    from kernels.logprob_loss import CHUNK_BYTES, budget_tokens
+    for V, want in ((151936, 1536), (128256, 1536)):
+        rows = plan_chunks([256] * 128, budget_tokens(V, 2, CHUNK_BYTES))
         assert rows[0][1] * 256 == want == w2_floor.chunk_tokens(V, CHUNK_BYTES, 256, 32768)
     assert w2_floor.parse_settings("4096,8,1;2048,4,8") == [dict(BLOCK=4096, num_warps=8, SPLIT=1),
                                                            dict(BLOCK=2048, num_warps=4, SPLIT=8)]

@@ -128,6 +128,20 @@ def test_hand_derived_values():
     assert torch.allclose(lp2, lp) and torch.allclose(en2, en)
 
 
+def test_padding_compaction_only_when_padded(monkeypatch):
+    """linear_logprob_entropy learns the valid count in its range check's host read: without padding it makes no
+    nonzero() (a second sync); with padding it compacts, and padded tokens get 0."""
+    calls, nonzero = [], torch.Tensor.nonzero
+    monkeypatch.setattr(torch.Tensor, "nonzero", lambda self, *a, **k: calls.append(1) or nonzero(self, *a, **k))
+    h, w = torch.randn(2, 3, 5), torch.randn(11, 5)
+    t = torch.tensor([[0, 4, 10], [2, 3, 7]])
+    lp, _ = linear_logprob_entropy(h, w, t, use_triton=False)
+    assert calls == [] and torch.allclose(lp, logprob_entropy_reference((h @ w.T).view(6, 11), t.view(6))[0].view(2, 3))
+    t[1, 1] = -100
+    lp2, en2 = linear_logprob_entropy(h, w, t, use_triton=False)
+    assert calls == [1] and lp2[1, 1] == 0 and en2[1, 1] == 0 and torch.allclose(lp2[0], lp[0])
+
+
 def test_dispatch_and_shapes():
     x, t = torch.randn(2, 3, 11), torch.randint(0, 11, (2, 3))
     lp, en = kernels.token_logprobs(x, t, 1.0)

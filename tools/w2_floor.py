@@ -42,7 +42,7 @@ def bench(f, rep=300):
 
 def chunk_tokens(V, budget_bytes, seq, n):
     """Tokens per chunk of linear_logprob_loss for rows of seq tokens (as its plan_chunks packs them)."""
-    return min(n, max(1, budget_bytes // (V * 2 * seq)) * seq)
+    return min(n, max(1, loss_module.budget_tokens(V, 2, budget_bytes) // seq) * seq)
 
 
 def matmuls(h, w, block):
