@@ -49,7 +49,7 @@ FP8_MIN = {"fp8": 14 * 2**20, "fp8_all": 0}
 # how the fp8 routes' refresh makes a GPU's FP8 copies: "torch" (lora.dense_weight, then kernels/fp8.py's
 # quantise_rows: several eager passes over each weight per rollout) or "triton" (kernels/fp8_quant.py: one kernel
 # per projection merges its adapters and quantises; not yet timed on a GPU, so not the default: docs/lora.md)
-FP8_REFRESH = os.environ.get("FAST_DECODE_FP8_REFRESH", "torch")
+FP8_REFRESH = os.environ.get("FAST_DECODE_FP8_REFRESH", "triton")
 if FP8_REFRESH not in ("torch", "triton"):
     raise ValueError(f"FAST_DECODE_FP8_REFRESH={FP8_REFRESH!r}: use torch or triton")
 # switches, set before building a decoder (tests, tools/lora_decode_bench.py) or from the environment: whether
@@ -306,11 +306,23 @@ def fp8_group(ms: list, prev_w: list | None) -> list:
     for m, w in zip(ms, ws):
         rows = (w8[row:row + w.shape[0]], scale[row:row + w.shape[0]])
         if FP8_REFRESH == "triton" and HAS_TRITON and w.is_cuda and not any(getattr(m, "use_dora", {}).values()):
-            merge_quantise(w, *low_rank([m], None, None, torch.float32), rows)    # A (R, in), B (out, R) float32
+            merge_quantise(w, *_adapter(m), rows)
         else:
             quantise_rows(dense_weight(m), rows)
         row += w.shape[0]
     return [w8, scale]
+
+
+def _adapter(m) -> tuple:
+    """(A (R, in), B (out, R), scaling) of projection m's active adapters for kernels/fp8_quant.py: one adapter's
+    own float32 factors and alpha / r, read in place (no copy per rollout); several stacked by `low_rank` (B scaled,
+    scaling 1); (None, None, 1.0) without any."""
+    active = ([] if not hasattr(m, "lora_A") or m.disable_adapters or m.merged else
+              [n for n in m.active_adapters if n in m.lora_A])
+    if len(active) == 1 and m.lora_A[active[0]].weight.dtype == torch.float32:
+        name = active[0]
+        return m.lora_A[name].weight, m.lora_B[name].weight, float(m.scaling[name])
+    return (*low_rank([m], None, None, torch.float32), 1.0)
 
 
 def merged(ms: list, out: Tensor | None = None) -> Tensor:

@@ -103,9 +103,13 @@ def test_lora_adapters_are_merged_into_the_fp8_copy(random_model_dir, monkeypatc
     merged, base = lora.dense_weight(down), down.base_layer.weight
     deq = w8.float() * scale[:, None]
     assert (deq - merged).abs().max() < (deq - base).abs().max() / 4    # W + B A, not W
-    # what FP8_REFRESH="triton" hands the merge-and-quantise kernel (kernels/fp8_quant.py): A, B * alpha / r in float32
-    A, B = decode_weights.low_rank([down], None, None, torch.float32)
-    assert A.dtype == B.dtype == torch.float32 and torch.allclose(base + B @ A, merged, atol=1e-6)
+    # what FP8_REFRESH="triton" hands the merge-and-quantise kernel (kernels/fp8_quant.py): the adapter's own
+    # float32 A and B (read in place) and alpha / r; nothing once the adapters are off
+    A, B, scaling = decode_weights._adapter(down)
+    assert A is down.lora_A["default"].weight and scaling == 2.0
+    assert torch.allclose(base + (B @ A) * scaling, merged, atol=1e-6)
+    with model.disable_adapter():
+        assert decode_weights._adapter(down) == (None, None, 1.0)
 
 
 def _engine_gap(model, tok, dtype: str, rollout: bool) -> tuple[float, object]:
@@ -187,8 +191,9 @@ for N, K, R in ((40, 96, 0), (70, 200, 16), (33, 64, 5)):
     w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
     a, b = (torch.randn(R, K, generator=g), torch.randn(N, R, generator=g) * 0.01) if R else (None, None)
     q, s = torch.full((N, K), float("nan")), torch.full((N,), float("nan"))
-    merge_quantise(w, a, b, (q, s))
-    m = w.float() if a is None else w.float() + b @ a                 # (N, K): the merged weight
+    scaling = 2.0 if R == 16 else 1.0                                 # a peft adapter's alpha / r, in the kernel
+    merge_quantise(w, a, b, (q, s), scaling)
+    m = w.float() if a is None else w.float() + (b @ a) * scaling     # (N, K): the merged weight
     ref = row_scales(m)                                               # (N, 1)
     assert torch.allclose(s, ref[:, 0], rtol=1e-6, atol=0) and torch.allclose(q, m / ref, rtol=0, atol=1e-3)
     assert R or (torch.equal(s, ref[:, 0]) and torch.equal(q, m / ref))    # no sum: bit-equal
