@@ -306,7 +306,8 @@ def fp8_group(ms: list, prev_w: list | None) -> list:
     for m, w in zip(ms, ws):
         rows = (w8[row:row + w.shape[0]], scale[row:row + w.shape[0]])
         if FP8_REFRESH == "triton" and HAS_TRITON and w.is_cuda and not any(getattr(m, "use_dora", {}).values()):
-            merge_quantise(w, *_adapter(m), rows)
+            A, B, scaling = _adapter(m)                                      # (R, in), (out, R) float32
+            merge_quantise(w, A, B, rows, scaling)
         else:
             quantise_rows(dense_weight(m), rows)
         row += w.shape[0]

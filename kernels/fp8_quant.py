@@ -7,9 +7,11 @@ output channel (engines/decode_weights.py: fp8_group with FP8_REFRESH = "triton"
 
 Why: the torch route (lora.dense_weight, then kernels/fp8.py's quantise_rows) runs several eager passes over each
 weight at every rollout, float32 temporaries included (docs/lora.md). Here the merged weight w + (b a) * scaling is
-never stored: `_row_amax`, program (i, s), computes it on the fly over BR rows and the K range s (a (BR, R) x
-(R, BK) product per step, exact float32) and writes the rows' partial absolute max; `_quantise`, program (i, j),
-reduces those partials to the rows' scales and writes the (BR, BQ) tile of the sum over its scale, rounded to e4m3.
+never stored: `_row_amax`, program (i, s), computes it on the fly over BR rows and the K range s and writes the
+rows' partial absolute max; `_quantise`, program (i, j), reduces those partials to the rows' scales and writes the
+(BR, BQ) tile of the sum over its scale, rounded to e4m3. The (BR, R) x (R, cols) product runs on the tensor cores
+as three TF32 products ("tf32x3": float32's accuracy): on the FMA units ("ieee") it cost more than the weight's
+reads (docs/lora.md).
 W is read twice, the FP8 copy written once: ~5 bytes per element against the torch route's ~49. Both grids cover
 the card whatever the weight's shape (the K split of `_row_amax` for the narrow ones: a 7B's k_proj has 16 row
 blocks). The sum is not rounded to bf16 first (the torch route's dense_weight does), so the two can differ by
@@ -48,7 +50,7 @@ if HAS_TRITON:
         if LORA:
             a = tl.load(a_ptr + rr[:, None] * stride_a + ks[None, :], mask=(rr[:, None] < R) & (ks[None, :] < K),
                         other=0.0)                                                          # (RP, cols)
-            w += tl.dot(bt, a, input_precision="ieee") * scaling
+            w += tl.dot(bt, a, input_precision="tf32x3") * scaling
         return w
 
     @triton.jit
