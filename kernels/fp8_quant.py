@@ -26,6 +26,7 @@ from kernels.fp8 import FP8_MAX, quantise_rows
 from kernels.logprob import HAS_TRITON
 
 BR, BK, BQ = 32, 128, 256           # rows per program; K per step of _row_amax; columns per program of _quantise
+PRECISION = "tf32x3"                # the adapters' product: float32's accuracy on the tensor cores (module docstring)
 SMS = 132                           # multiprocessors (kernels/fp8_gemm.py's): _row_amax splits K until it has
 WAVES = 8                           # WAVES x SMS programs, so a narrow weight still keeps every one reading
 
@@ -43,14 +44,15 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _merged(w_ptr, a_ptr, bt, rows, ks, rr, N, K, R, stride_w, stride_a, scaling, LORA: tl.constexpr):
+    def _merged(w_ptr, a_ptr, bt, rows, ks, rr, N, K, R, stride_w, stride_a, scaling, LORA: tl.constexpr,
+                PREC: tl.constexpr):
         """(BR, cols) float32: w + (b a) * scaling over rows and columns ks (bt: b's (BR, RP) rows, loaded once)."""
         m = (rows[:, None] < N) & (ks[None, :] < K)
         w = tl.load(w_ptr + rows[:, None] * stride_w + ks[None, :], mask=m, other=0.0).to(tl.float32)
         if LORA:
             a = tl.load(a_ptr + rr[:, None] * stride_a + ks[None, :], mask=(rr[:, None] < R) & (ks[None, :] < K),
                         other=0.0)                                                          # (RP, cols)
-            w += tl.dot(bt, a, input_precision="tf32x3") * scaling
+            w += tl.dot(bt, a, input_precision=PREC) * scaling
         return w
 
     @triton.jit
@@ -63,7 +65,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _row_amax(w_ptr, a_ptr, b_ptr, part_ptr, N, K, R, PER, stride_w, stride_a, stride_b, scaling,
-                  BR: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, LORA: tl.constexpr):
+                  BR: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, LORA: tl.constexpr, PREC: tl.constexpr):
         """Program (i, s): part[s, rows] = max |w + (b a) * scaling| over rows i BR.. and K range [s PER, ...)."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         s = tl.program_id(1)
@@ -72,14 +74,14 @@ if HAS_TRITON:
         amax = tl.zeros((BR,), dtype=tl.float32)
         for k0 in range(s * PER, tl.minimum(s * PER + PER, K), BK):
             w = _merged(w_ptr, a_ptr, bt, rows, k0 + tl.arange(0, BK), rr, N, K, R, stride_w, stride_a, scaling,
-                        LORA)
+                        LORA, PREC)
             amax = tl.maximum(amax, tl.max(tl.abs(w), axis=1))
         tl.store(part_ptr + s * N + rows, amax, mask=rows < N)
 
     @triton.jit
     def _quantise(w_ptr, a_ptr, b_ptr, part_ptr, w8_ptr, s_ptr, N, K, R, S, stride_w, stride_a, stride_b, stride_w8,
                   scaling, QMAX: tl.constexpr, BR: tl.constexpr, BQ: tl.constexpr, RP: tl.constexpr,
-                  SP: tl.constexpr, LORA: tl.constexpr):
+                  SP: tl.constexpr, LORA: tl.constexpr, PREC: tl.constexpr):
         """Program (i, j): the rows' scales from the S partial maxima, then the (BR, BQ) tile at columns j BQ..
         over them, rounded to e4m3; the programs of column block 0 store the scales."""
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -95,7 +97,7 @@ if HAS_TRITON:
         rr = tl.arange(0, RP)
         bt = _b_rows(b_ptr, rows, rr, N, R, stride_b, LORA, BR, RP)
         ks = j * BQ + tl.arange(0, BQ)
-        w = _merged(w_ptr, a_ptr, bt, rows, ks, rr, N, K, R, stride_w, stride_a, scaling, LORA)
+        w = _merged(w_ptr, a_ptr, bt, rows, ks, rr, N, K, R, stride_w, stride_a, scaling, LORA, PREC)
         q = tl.math.div_rn(w, tl.broadcast_to(s[:, None], (BR, BQ)))
         tl.store(w8_ptr + rows[:, None] * stride_w8 + ks[None, :], q.to(w8_ptr.dtype.element_ty),
                  mask=(rows[:, None] < N) & (ks[None, :] < K))
@@ -120,10 +122,11 @@ def merge_quantise(w: Tensor, a: Tensor | None, b: Tensor | None, out: tuple[Ten
     part = torch.empty(S, N, dtype=torch.float32, device=w.device)  # (S, N): the K ranges' row maxima
     nb = triton.cdiv(N, BR)
     _row_amax[(nb, S)](w, a, b, part, N, K, R, per, w.stride(0), a.stride(0), b.stride(0), float(scaling),
-                       BR=BR, BK=BK, RP=RP, LORA=R > 0, num_warps=4)
+                       BR=BR, BK=BK, RP=RP, LORA=R > 0, PREC=PRECISION, num_warps=4)
     _quantise[(nb, triton.cdiv(K, BQ))](w, a, b, part, w8, scale, N, K, R, S, w.stride(0), a.stride(0), b.stride(0),
                                         w8.stride(0), float(scaling), QMAX=FP8_MAX, BR=BR, BQ=BQ, RP=RP,
-                                        SP=max(2, triton.next_power_of_2(S)), LORA=R > 0, num_warps=4)
+                                        SP=max(2, triton.next_power_of_2(S)), LORA=R > 0, PREC=PRECISION,
+                                        num_warps=4)
 
 
 def merged_twin(w: Tensor, a: Tensor | None, b: Tensor | None, scaling: float = 1.0) -> tuple[Tensor, Tensor]:
