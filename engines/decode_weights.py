@@ -19,8 +19,8 @@ buffers (captured graphs hold their addresses), along one of two routes (`WEIGHT
 
 FP8 (engine_dtype=fp8: the engine's training rollouts; engines/builtin.py): a third route, "fp8", the fused one
 with every group whose weights hold at least FP8_MIN elements (and the head, `refresh`'s head) replaced by a
-float8_e4m3 copy of its merged weights with one float32 scale per output channel (kernels/fp8.py: quantise_rows),
-made at refresh; the step applies it as one scaled FP8 GEMM with the activations quantised per token
+float8_e4m3 copy of its merged weights with one float32 scale per output channel, made at refresh
+(kernels/fp8_quant.py: merge_quantise; on the CPU kernels/fp8.py: quantise_rows); the step applies it as one scaled FP8 GEMM with the activations quantised per token
 (kernels/fp8.py: fp8_linear). The master weights are never touched. Only large weights (FP8_MIN): a decode GEMM
 of a small weight is latency-bound, so its halved bytes save little, and its activation quantisation may be a
 kernel of its own. "fp8_all" quantises every group and the head (small models: the mismatch lab,
@@ -46,9 +46,10 @@ WEIGHTS = ("fused", "in_place", "fp8", "fp8_all")  # FastDecoder(weights=): how 
 # about what the FP8 GEMM saves (docs/lora.md); on a GPU a weight whose dimensions are not multiples of 16 stays
 # bf16 too (torch._scaled_mm's rule)
 FP8_MIN = {"fp8": 14 * 2**20, "fp8_all": 0}
-# how the fp8 routes' refresh makes a GPU's FP8 copies: "torch" (lora.dense_weight, then kernels/fp8.py's
-# quantise_rows: several eager passes over each weight per rollout) or "triton" (kernels/fp8_quant.py: one kernel
-# per projection merges its adapters and quantises; not yet timed on a GPU, so not the default: docs/lora.md)
+# how the fp8 routes' refresh makes a GPU's FP8 copies: "triton" (the default: kernels/fp8_quant.py merges each
+# projection's adapters and quantises it in two kernels, ~5 bytes moved per weight element) or "torch"
+# (lora.dense_weight, then kernels/fp8.py's quantise_rows: several eager passes over each weight per rollout). The
+# two copies can differ by one e4m3 step on near-ties (docs/lora.md); the CPU always takes "torch"
 FP8_REFRESH = os.environ.get("FAST_DECODE_FP8_REFRESH", "triton")
 if FP8_REFRESH not in ("torch", "triton"):
     raise ValueError(f"FAST_DECODE_FP8_REFRESH={FP8_REFRESH!r}: use torch or triton")
@@ -296,7 +297,8 @@ def fp8_group(ms: list, prev_w: list | None) -> list:
     """[w8 (out, in) e4m3, scale (out,) float32] of the group's merged weights (LoRA adapters merged, lora.dense_weight;
     outputs side by side), refilled into prev_w's buffers when given (captured graphs stay valid). Each projection
     is quantised straight into its rows: no concatenated bf16 copy of the group is made; on a GPU with
-    FP8_REFRESH = "triton" by one kernel that also merges its adapters (not DoRA: those take the torch route)."""
+    FP8_REFRESH = "triton" (the default) by kernels/fp8_quant.py, which also merges its adapters (not DoRA: those
+    take the torch route)."""
     ws = [base_weight(m) for m in ms]
     n, k = sum(w.shape[0] for w in ws), ws[0].shape[1]
     w8, scale = (prev_w if prev_w is not None and prev_w[0].dtype == FP8 else
