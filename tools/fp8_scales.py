@@ -6,13 +6,14 @@ activations' quantisation, the head (#38; docs/mismatch.md, "FP8 engine"). CPU, 
     python tools/fp8_scales.py --out /tmp/s --shape small   # smoke run
 
 A random Qwen2 (tools/lora_decode_bench.py's build: the W6 bench's model, bf16 weights, no adapters) at a workload's
-widths, in float32: the reference. One forward over --rows x --len random tokens; at each position one token is
-drawn from the reference's next-token distribution (what a rollout would sample there). Each variant runs the same
-forward with every Linear (the layers' and the head) computing from rounded copies, the twin of the GPU's GEMMs
+widths, in float32: the reference (the trainer). One forward over --rows x --len random tokens. Each variant (an
+engine) runs the same forward with every Linear (the layers' and the head) computing from rounded copies, the twin of the GPU's GEMMs
 (kernels/fp8.py): weights e4m3 with one scale per output channel (the engine's) or per 128-column group; inputs
 e4m3 per token (the engine's), per 128-column group, or unrounded; and the whole model in bf16, the scale of the
-bf16 engine's gap. Per variant: the mean and largest |variant - reference| log-prob of the drawn tokens and the
-mean KL(reference || variant). Writes OUT/fp8_scales.json and OUT/fp8_scales.md.
+bf16 engine's gap. At each position one token is drawn from the variant's next-token distribution (what its
+rollout would sample there); per variant: the mean and largest |variant - reference| log-prob of the drawn tokens,
+the mean KL(reference || variant), and what algo.tis makes of the gap at the default cap 2 (token's mean weight,
+the share it truncates, the share mask drops: tools/lora_decode_bench.py tis_row). Writes OUT/fp8_scales.json and OUT/fp8_scales.md.
 """
 import argparse
 import json
@@ -49,11 +50,17 @@ def rounded(t, how: str | None):
     return ((v / s).to(FP8).float() * s).reshape(shape)
 
 
-def gaps(ref_logp, logp, drawn) -> dict:
-    """ref_logp, logp (B, T, V) log-softmax; drawn (B, T) token ids."""
-    d = (logp.gather(-1, drawn[..., None]) - ref_logp.gather(-1, drawn[..., None])).abs()
+def gaps(ref_logp, logp) -> dict:
+    """ref_logp (the trainer's), logp (the engine's) (B, T, V) log-softmax; one token per position drawn from logp."""
+    from lora_decode_bench import tis_row
+    V = logp.shape[-1]
+    drawn = torch.multinomial(logp.exp().view(-1, V), 1, generator=torch.Generator().manual_seed(1))
+    drawn = drawn.view(*logp.shape[:-1], 1)                                                  # (B, T, 1)
+    train, sample = ref_logp.gather(-1, drawn)[..., 0], logp.gather(-1, drawn)[..., 0]        # (B, T)
+    d = (train - sample).abs()
     kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
-    return {"gap_mean": float(d.mean()), "gap_max": float(d.max()), "kl_mean": float(kl.mean())}
+    return {"gap_mean": float(d.mean()), "gap_max": float(d.max()), "kl_mean": float(kl.mean()),
+            **tis_row(train, sample, torch.ones_like(train))}
 
 
 def main():
@@ -76,11 +83,10 @@ def main():
     ids = torch.randint(1, V, (a.rows, a.len), generator=torch.Generator().manual_seed(0))      # (B, T)
     with torch.no_grad():
         ref = F.log_softmax(model(ids).logits.float(), -1)                                    # (B, T, V)
-    drawn = torch.multinomial(ref.exp().view(-1, V), 1, generator=torch.Generator().manual_seed(1)).view(a.rows, -1)
     res = {"shape": a.shape, "layers": a.layers, "tokens": a.rows * a.len, "variants": {}}
     t0 = time.perf_counter()
     with torch.no_grad():
-        res["variants"]["bf16 model"] = gaps(ref, F.log_softmax(model.bfloat16()(ids).logits.float(), -1), drawn)
+        res["variants"]["bf16 model"] = gaps(ref, F.log_softmax(model.bfloat16()(ids).logits.float(), -1))
         model.float()
         print(json.dumps(res["variants"]), flush=True)
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -96,7 +102,7 @@ def main():
                 if on and x_how:
                     hooks.append(m.register_forward_pre_hook(lambda _m, args, how=x_how: (rounded(args[0], how),)))
             try:
-                res["variants"][name] = gaps(ref, F.log_softmax(model(ids).logits.float(), -1), drawn)
+                res["variants"][name] = gaps(ref, F.log_softmax(model(ids).logits.float(), -1))
             finally:
                 for h in hooks:
                     h.remove()
@@ -107,8 +113,10 @@ def main():
     with open(os.path.join(a.out, "fp8_scales.json"), "w") as f:
         json.dump(res, f, indent=1)
     lines = [f"FP8 rounding variants against the float32 reference: {a.shape} widths, {a.layers} layers, "
-             f"{res['tokens']} drawn tokens", "", "| variant | log-prob gap mean | max | KL mean |", "|---|---|---|---|"]
-    lines += [f"| {n} | {v['gap_mean']:.4f} | {v['gap_max']:.3f} | {v['kl_mean']:.5f} |"
+             f"{res['tokens']} drawn tokens", "", "| variant | log-prob gap mean | max | KL mean | tis=token mean weight, "
+             "truncated | tis=mask dropped |", "|---|---|---|---|---|---|"]
+    lines += [f"| {n} | {v['gap_mean']:.4f} | {v['gap_max']:.3f} | {v['kl_mean']:.5f} | "
+              f"{v['tis_token_weight_mean']:.3f}, {v['tis_truncated_frac']:.1%} | {v['tis_mask_dropped_frac']:.1%} |"
               for n, v in res["variants"].items()]
     with open(os.path.join(a.out, "fp8_scales.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
