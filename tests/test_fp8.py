@@ -279,3 +279,33 @@ def test_fp8_decoder_on_a_gpu_samples_close_to_teacher_forcing(random_model_dir,
     dec.refresh()
     assert _fp8_groups(dec) == ([[True] * 4] * len(model.model.layers), False)
     assert decode_weights.FP8_MIN["fp8"] > 0
+
+
+@CUDA
+def test_the_triton_refresh_merges_lora_as_the_torch_route(random_model_dir, monkeypatch):
+    """FP8_REFRESH="triton" (kernels/fp8_quant.py, fed by decode_weights._adapter) against "torch" (lora.dense_weight,
+    quantise_rows) on a peft model: the same scales up to the torch route's rounding of the sum to bf16, and the
+    same e4m3 values but for the near-ties that rounding moves."""
+    _refresh_routes_agree(random_model_dir, monkeypatch, "cuda")
+
+
+def _refresh_routes_agree(random_model_dir, monkeypatch, device: str):
+    import lora
+    from config import LoRAConfig
+    from models import load_model
+    model, _ = load_model(random_model_dir, torch.device(device), torch.bfloat16)
+    model = lora.wrap(model, LoRAConfig(r=4, alpha=8), "random")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    copies = {}
+    for how in ("torch", "triton"):
+        monkeypatch.setattr(decode_weights, "FP8_REFRESH", how)
+        dec = FastDecoder(model, weights="fp8_all", use_graph=False, compile=False)
+        dec.refresh()
+        copies[how] = [group[0] for layer in dec.fused[:len(model.get_base_model().model.layers)] for group in layer]
+    assert len(copies["torch"]) == 4 * len(model.get_base_model().model.layers)
+    for (w8, s), (q8, t) in zip(copies["torch"], copies["triton"]):
+        assert w8.dtype == q8.dtype == FP8 and torch.allclose(s, t, rtol=1e-2, atol=0)
+        assert (w8.float() == q8.float()).float().mean() > 0.95
