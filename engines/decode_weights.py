@@ -19,8 +19,8 @@ buffers (captured graphs hold their addresses), along one of two routes (`WEIGHT
 
 FP8 (engine_dtype=fp8: the engine's training rollouts; engines/builtin.py): a third route, "fp8", the fused one
 with every group whose weights hold at least FP8_MIN elements (and the head, `refresh`'s head) replaced by a
-float8_e4m3 copy of its merged weights with one float32 scale per output channel (kernels/fp8.py: quantise_rows),
-made at refresh; the step applies it as one scaled FP8 GEMM with the activations quantised per token
+float8_e4m3 copy of its merged weights with one float32 scale per output channel, made at refresh
+(kernels/fp8_quant.py: merge_quantise; on the CPU kernels/fp8.py: quantise_rows); the step applies it as one scaled FP8 GEMM with the activations quantised per token
 (kernels/fp8.py: fp8_linear). The master weights are never touched. Only large weights (FP8_MIN): a decode GEMM
 of a small weight is latency-bound, so its halved bytes save little, and its activation quantisation may be a
 kernel of its own. "fp8_all" quantises every group and the head (small models: the mismatch lab,
@@ -46,10 +46,11 @@ WEIGHTS = ("fused", "in_place", "fp8", "fp8_all")  # FastDecoder(weights=): how 
 # about what the FP8 GEMM saves (docs/lora.md); on a GPU a weight whose dimensions are not multiples of 16 stays
 # bf16 too (torch._scaled_mm's rule)
 FP8_MIN = {"fp8": 14 * 2**20, "fp8_all": 0}
-# how the fp8 routes' refresh makes a GPU's FP8 copies: "torch" (lora.dense_weight, then kernels/fp8.py's
-# quantise_rows: several eager passes over each weight per rollout) or "triton" (kernels/fp8_quant.py: one kernel
-# per projection merges its adapters and quantises; not yet timed on a GPU, so not the default: docs/lora.md)
-FP8_REFRESH = os.environ.get("FAST_DECODE_FP8_REFRESH", "torch")
+# how the fp8 routes' refresh makes a GPU's FP8 copies: "triton" (the default: kernels/fp8_quant.py merges each
+# projection's adapters and quantises it in two kernels, ~5 bytes moved per weight element) or "torch"
+# (lora.dense_weight, then kernels/fp8.py's quantise_rows: several eager passes over each weight per rollout). The
+# two copies can differ by one e4m3 step on near-ties (docs/lora.md); the CPU always takes "torch"
+FP8_REFRESH = os.environ.get("FAST_DECODE_FP8_REFRESH", "triton")
 if FP8_REFRESH not in ("torch", "triton"):
     raise ValueError(f"FAST_DECODE_FP8_REFRESH={FP8_REFRESH!r}: use torch or triton")
 # switches, set before building a decoder (tests, tools/lora_decode_bench.py) or from the environment: whether
@@ -296,7 +297,8 @@ def fp8_group(ms: list, prev_w: list | None) -> list:
     """[w8 (out, in) e4m3, scale (out,) float32] of the group's merged weights (LoRA adapters merged, lora.dense_weight;
     outputs side by side), refilled into prev_w's buffers when given (captured graphs stay valid). Each projection
     is quantised straight into its rows: no concatenated bf16 copy of the group is made; on a GPU with
-    FP8_REFRESH = "triton" by one kernel that also merges its adapters (not DoRA: those take the torch route)."""
+    FP8_REFRESH = "triton" (the default) by kernels/fp8_quant.py, which also merges its adapters (not DoRA: those
+    take the torch route)."""
     ws = [base_weight(m) for m in ms]
     n, k = sum(w.shape[0] for w in ws), ws[0].shape[1]
     w8, scale = (prev_w if prev_w is not None and prev_w[0].dtype == FP8 else
@@ -306,11 +308,24 @@ def fp8_group(ms: list, prev_w: list | None) -> list:
     for m, w in zip(ms, ws):
         rows = (w8[row:row + w.shape[0]], scale[row:row + w.shape[0]])
         if FP8_REFRESH == "triton" and HAS_TRITON and w.is_cuda and not any(getattr(m, "use_dora", {}).values()):
-            merge_quantise(w, *low_rank([m], None, None, torch.float32), rows)    # A (R, in), B (out, R) float32
+            A, B, scaling = _adapter(m)                                      # (R, in), (out, R) float32
+            merge_quantise(w, A, B, rows, scaling)
         else:
             quantise_rows(dense_weight(m), rows)
         row += w.shape[0]
     return [w8, scale]
+
+
+def _adapter(m) -> tuple:
+    """(A (R, in), B (out, R), scaling) of projection m's active adapters for kernels/fp8_quant.py: one adapter's
+    own float32 factors and alpha / r, read in place (no copy per rollout); several stacked by `low_rank` (B scaled,
+    scaling 1); (None, None, 1.0) without any."""
+    active = ([] if not hasattr(m, "lora_A") or m.disable_adapters or m.merged else
+              [n for n in m.active_adapters if n in m.lora_A])
+    if len(active) == 1 and m.lora_A[active[0]].weight.dtype == torch.float32:
+        name = active[0]
+        return m.lora_A[name].weight, m.lora_B[name].weight, float(m.scaling[name])
+    return (*low_rank([m], None, None, torch.float32), 1.0)
 
 
 def merged(ms: list, out: Tensor | None = None) -> Tensor:

@@ -103,9 +103,13 @@ def test_lora_adapters_are_merged_into_the_fp8_copy(random_model_dir, monkeypatc
     merged, base = lora.dense_weight(down), down.base_layer.weight
     deq = w8.float() * scale[:, None]
     assert (deq - merged).abs().max() < (deq - base).abs().max() / 4    # W + B A, not W
-    # what FP8_REFRESH="triton" hands the merge-and-quantise kernel (kernels/fp8_quant.py): A, B * alpha / r in float32
-    A, B = decode_weights.low_rank([down], None, None, torch.float32)
-    assert A.dtype == B.dtype == torch.float32 and torch.allclose(base + B @ A, merged, atol=1e-6)
+    # what FP8_REFRESH="triton" hands the merge-and-quantise kernel (kernels/fp8_quant.py): the adapter's own
+    # float32 A and B (read in place) and alpha / r; nothing once the adapters are off
+    A, B, scaling = decode_weights._adapter(down)
+    assert A is down.lora_A["default"].weight and scaling == 2.0
+    assert torch.allclose(base + (B @ A) * scaling, merged, atol=1e-6)
+    with model.disable_adapter():
+        assert decode_weights._adapter(down) == (None, None, 1.0)
 
 
 def _engine_gap(model, tok, dtype: str, rollout: bool) -> tuple[float, object]:
@@ -187,8 +191,9 @@ for N, K, R in ((40, 96, 0), (70, 200, 16), (33, 64, 5)):
     w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
     a, b = (torch.randn(R, K, generator=g), torch.randn(N, R, generator=g) * 0.01) if R else (None, None)
     q, s = torch.full((N, K), float("nan")), torch.full((N,), float("nan"))
-    merge_quantise(w, a, b, (q, s))
-    m = w.float() if a is None else w.float() + b @ a                 # (N, K): the merged weight
+    scaling = 2.0 if R == 16 else 1.0                                 # a peft adapter's alpha / r, in the kernel
+    merge_quantise(w, a, b, (q, s), scaling)
+    m = w.float() if a is None else w.float() + (b @ a) * scaling     # (N, K): the merged weight
     ref = row_scales(m)                                               # (N, 1)
     assert torch.allclose(s, ref[:, 0], rtol=1e-6, atol=0) and torch.allclose(q, m / ref, rtol=0, atol=1e-3)
     assert R or (torch.equal(s, ref[:, 0]) and torch.equal(q, m / ref))    # no sum: bit-equal
@@ -274,3 +279,33 @@ def test_fp8_decoder_on_a_gpu_samples_close_to_teacher_forcing(random_model_dir,
     dec.refresh()
     assert _fp8_groups(dec) == ([[True] * 4] * len(model.model.layers), False)
     assert decode_weights.FP8_MIN["fp8"] > 0
+
+
+@CUDA
+def test_the_triton_refresh_merges_lora_as_the_torch_route(random_model_dir, monkeypatch):
+    """FP8_REFRESH="triton" (kernels/fp8_quant.py, fed by decode_weights._adapter) against "torch" (lora.dense_weight,
+    quantise_rows) on a peft model: the same scales up to the torch route's rounding of the sum to bf16, and the
+    same e4m3 values but for the near-ties that rounding moves."""
+    _refresh_routes_agree(random_model_dir, monkeypatch, "cuda")
+
+
+def _refresh_routes_agree(random_model_dir, monkeypatch, device: str):
+    import lora
+    from config import LoRAConfig
+    from models import load_model
+    model, _ = load_model(random_model_dir, torch.device(device), torch.bfloat16)
+    model = lora.wrap(model, LoRAConfig(r=4, alpha=8), "random")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    copies = {}
+    for how in ("torch", "triton"):
+        monkeypatch.setattr(decode_weights, "FP8_REFRESH", how)
+        dec = FastDecoder(model, weights="fp8_all", use_graph=False, compile=False)
+        dec.refresh()
+        copies[how] = [group[0] for layer in dec.fused[:len(model.get_base_model().model.layers)] for group in layer]
+    assert len(copies["torch"]) == 4 * len(model.get_base_model().model.layers)
+    for (w8, s), (q8, t) in zip(copies["torch"], copies["triton"]):
+        assert w8.dtype == q8.dtype == FP8 and torch.allclose(s, t, rtol=1e-2, atol=0)
+        assert (w8.float() == q8.float()).float().mean() > 0.95

@@ -3,6 +3,8 @@ the head), one GPU, one command (#38):
 
     python tools/fp8_gemm_bench.py --out $OUT/gemm                  # M = 64 and 128 rows, every tile config
     python tools/fp8_gemm_bench.py --out $OUT/gemm --rows 64,128 --quick-rows 128
+    python tools/fp8_gemm_bench.py --out $OUT/gemm --rows 64 --shapes gate_up,down --configs 64,256,4,3 --waves 2,3
+    python tools/fp8_gemm_bench.py --out $OUT/gemm --rows 0 --refresh      # the per-rollout refresh alone
 
 Each candidate is timed as replays of a CUDA graph holding many calls (as the decode step runs: a standalone
 launch's host cost would hide a 10 us kernel), over enough weight copies that the weights do not stay in L2:
@@ -10,7 +12,11 @@ bf16 cuBLAS (F.linear), torch._scaled_mm (FP8, rowwise scales), kernels/fp8_gemm
 grid of tiles and K splits (its partial sums' addition not included: in the step it fuses into the next kernel;
 "+ sum" times it as a kernel of its own), and the activation quantisation alone (eager, several kernels: an upper
 bound of what it adds when fused). Also the card's copy bandwidth (a 1 GiB device-to-device copy, bytes read plus
-written), the ceiling for the GB/s column (weight bytes over time). Writes OUT/fp8_gemm.json and prints a table.
+written), the ceiling for the GB/s column (weight bytes over time). --refresh: what each rollout's refresh of the
+FP8 copies costs at W6 (engines/decode_weights.refresh on a 2-layer model of W6's widths with LoRA r=16 on every
+projection, tools/lora_decode_bench.py's build; the layers' time x 14 plus the head's: a 28-layer rollout's), eager
+as in a rollout, for each decode_weights.FP8_REFRESH, against its floor (bf16 W read twice and the e4m3 copy
+written, at the copy bandwidth). Writes OUT/fp8_gemm.json and prints a table.
 """
 import argparse
 import json
@@ -19,6 +25,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))                    # tools/: bench, lora_decode_bench
 import torch
 import torch.nn.functional as F
 
@@ -48,7 +55,42 @@ def copy_gbs() -> float:
     return 2 * a.numel() / us / 1e3
 
 
-def shape_rows(name: str, N: int, K: int, M: int, quick: bool) -> dict:
+def refresh_rows(gbs: float, shape: str = "w6", device: str = "cuda") -> dict:
+    """Seconds per W6 rollout of decode_weights.refresh on the fp8 route, per FP8_REFRESH (median of 5 after one;
+    shape "small" on the CPU: a smoke run of this code, the torch route both times)."""
+    import time
+    from bench import SHAPES as WORKLOADS
+    from engines import decode_weights
+    from lora_decode_bench import build
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    model = build({**WORKLOADS[shape], "num_hidden_layers": 2}, 16, torch.device(device), torch.bfloat16)
+    inner = model.get_base_model()
+    layers, head = inner.model.layers, inner.lm_head
+    elements = sum(p.numel() for n, p in inner.named_parameters() if "layers.0." in n and "lora" not in n
+                   and p.dim() == 2 and "o_proj" not in n)
+    res = {"fp8_elements_per_layer": elements, "head_elements": head.weight.numel()}
+    for how in ("torch", "triton"):
+        decode_weights.FP8_REFRESH = how
+        for part, args in (("layers", (layers, None)), ("head", ([], head))):
+            prev, times = [], []
+            for _ in range(6):
+                sync()
+                t0 = time.perf_counter()
+                prev = decode_weights.refresh(args[0], prev, None, "fp8", args[1])
+                sync()
+                times.append(time.perf_counter() - t0)
+            res[f"{how}_{part}_s"] = sorted(times[1:])[2]
+        res[f"{how}_rollout_s"] = res[f"{how}_layers_s"] * 14 + res[f"{how}_head_s"]
+        print(f"refresh {how}: {json.dumps({k: v for k, v in res.items() if k.startswith(how)})}", flush=True)
+    total = 28 * elements + head.weight.numel()
+    res["floor_rollout_s"] = 5 * total / (gbs * 1e9)                  # 2 bytes read twice, 1 written
+    del model, layers, head, inner, prev
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def shape_rows(name: str, N: int, K: int, M: int, quick: bool, configs=None, waves=WAVES) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
     x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -65,8 +107,8 @@ def shape_rows(name: str, N: int, K: int, M: int, quick: bool) -> dict:
     row["quant"] = graph_us(lambda: quantise_activations(x), 5)
     ref = dequantised_mm(x8, sx, q[0][0], q[0][1])                    # (M, N) float32
     cands = {}
-    for BN, BK, warps, stages in QUICK if quick else CONFIGS:
-        for waves in WAVES:
+    for BN, BK, warps, stages in configs or (QUICK if quick else CONFIGS):
+        for waves in waves:
             t = tiles(M, N, K, BN=BN, BK=BK, warps=warps, stages=stages, waves=waves)
             key = f"BN{t.BN} BK{t.BK} w{t.warps} s{t.stages} S{t.S}"
             if key in cands:
@@ -95,15 +137,35 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--rows", default="64,128")
     p.add_argument("--quick-rows", default="", help="row counts that try three tile configs instead of all")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"some of {','.join(SHAPES)}")
+    p.add_argument("--configs", default="", help="tile configs BN,BK,warps,stages separated by ';' (default: the "
+                   "built-in grid)")
+    p.add_argument("--waves", default=",".join(map(str, WAVES)), help="K splits to try, as waves of programs")
+    p.add_argument("--refresh", action="store_true", help="also time the fp8 route's refresh at W6 (first)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU with FP8 (compute capability 8.9+)")
+    names = a.shapes.split(",")
+    if set(names) - set(SHAPES):
+        p.error(f"--shapes: some of {','.join(SHAPES)}, got {a.shapes}")
+    try:
+        configs = [tuple(map(int, c.split(","))) for c in a.configs.split(";") if c]
+        waves = tuple(float(w) for w in a.waves.split(","))
+        assert all(len(c) == 4 for c in configs)
+    except (ValueError, AssertionError):
+        p.error(f"--configs: BN,BK,warps,stages;... and --waves: numbers, got {a.configs!r}, {a.waves!r}")
     os.makedirs(a.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBs": copy_gbs(), "rows": []}
     print(f"{res['device']}: copy {res['copy_GBs']:.0f} GB/s", flush=True)
-    for M in map(int, a.rows.split(",")):
-        for name, (N, K) in SHAPES.items():
-            r = shape_rows(name, N, K, M, str(M) in a.quick_rows.split(","))
+    if a.refresh:
+        res["refresh"] = refresh_rows(res["copy_GBs"])
+        print(f"refresh: {json.dumps(res['refresh'])}", flush=True)
+        with open(os.path.join(a.out, "fp8_gemm.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    for M in [int(m) for m in a.rows.split(",") if int(m) > 0]:
+        for name in names:
+            N, K = SHAPES[name]
+            r = shape_rows(name, N, K, M, str(M) in a.quick_rows.split(","), configs, waves)
             r["name"] = name
             res["rows"].append(r)
             print(json.dumps(r), flush=True)

@@ -208,7 +208,7 @@ def fp8_quant_cases(size):
     # (N, K, R): row blocks of 32 and K steps of 128 left partial; ranks 0, 1, 5 (padded to 16) and 16, 64
     shapes = [(1, 64, 0), (33, 200, 5), (100, 128, 0), (70, 300, 16), (64, 3584, 1), (257, 896, 64)]
     if size == "gpu":
-        shapes += [(4608, 3584, 16)]
+        shapes += [(4608, 3584, 16), (512, 3584, 16)]               # K split 7 ways; 512 (a 7B's k_proj): 28
     if size == "cpu":
         shapes = [(1, 64, 0), (33, 200, 5)]
     for N, K, R in shapes:

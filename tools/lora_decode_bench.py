@@ -2,7 +2,7 @@
 GPU, one command (#22, #38):
 
     python tools/lora_decode_bench.py --out $OUT/lora_decode          # W6: Qwen2.5-7B shape, r=16 on all linear layers
-    python tools/lora_decode_bench.py --out $OUT/fp8 --variants addmm,fp8,refresh --repeats 2   # FP8 vs W6's route
+    python tools/lora_decode_bench.py --out $OUT/fp8 --variants addmm,fp8 --repeats 2   # FP8 vs W6's route
     python tools/lora_decode_bench.py --small --out /tmp/ld          # CPU smoke run (toy shape, eager, no graph)
 
 A random Qwen2 at W6's shape (tools/bench.py SHAPES, bf16, built in memory), peft LoRA r=16 alpha 32 on every
@@ -13,9 +13,10 @@ unpacked (engines.decode_weights.PACK off: 15 GEMMs per layer per token); in_pla
 (decode_weights.LOW_RANK="mm"); fp8: the route engine_dtype=fp8 takes (FP8 copies of the merged weights of
 every group of at least decode_weights.FP8_MIN elements and of the head, the rest fused in bf16), its decode GEMMs
 kernels/fp8_gemm.py's (the default) or, "fp8 scaled_mm" (--variants scaled_mm), torch._scaled_mm's, the
-activations quantised per token for both; "fp8 refresh" (--variants refresh): fp8 with the FP8 copies made by
-kernels/fp8_quant.py's merge-and-quantise kernel (decode_weights.FP8_REFRESH); fp8_all: every group and the head
-in FP8. Per variant: median rollout seconds over --repeats calls after a warm-up call (compile, capture), the
+activations quantised per token for both, the FP8 copies made by kernels/fp8_quant.py's merge-and-quantise
+kernels (decode_weights.FP8_REFRESH's default); "fp8 torch-refresh" (--variants torch-refresh): fp8 with the copies
+made by lora.dense_weight and kernels/fp8.py's quantise_rows, eager (FP8_REFRESH="torch"); fp8_all: every group and
+the head in FP8. Per variant: median rollout seconds over --repeats calls after a warm-up call (compile, capture), the
 peak memory allocated during a rollout, the largest and the mean |engine - teacher-forced| log-prob over 8 rows
 (the peft model in bf16: the trainer's side), and on a GPU a torch.profiler summary of one rollout (kernel names
 and counts: the GEMMs launched; microseconds per call and per token step) in OUT/profile-<variant>.txt. Also what
@@ -38,13 +39,13 @@ from bench import SHAPES   # tools/bench.py: the workloads' shapes
 GIB = 2**30
 VARIANTS = [   # name (its last word is its --variants name), decode weights, decode_weights.PACK, .LOW_RANK,
     # fp8.GEMM, decode_weights.FP8_REFRESH
-    ("fused", "fused", True, "addmm", "triton", "torch"), ("fp8", "fp8", True, "addmm", "triton", "torch"),
-    ("fp8 scaled_mm", "fp8", True, "addmm", "scaled_mm", "torch"),
-    ("fp8 refresh", "fp8", True, "addmm", "triton", "triton"),
-    ("in_place unpacked", "in_place", False, "addmm", "triton", "torch"),
-    ("in_place packed addmm", "in_place", True, "addmm", "triton", "torch"),
-    ("in_place packed mm", "in_place", True, "mm", "triton", "torch"),
-    ("fp8_all", "fp8_all", True, "addmm", "triton", "torch")]
+    ("fused", "fused", True, "addmm", "triton", "triton"), ("fp8", "fp8", True, "addmm", "triton", "triton"),
+    ("fp8 scaled_mm", "fp8", True, "addmm", "scaled_mm", "triton"),
+    ("fp8 torch-refresh", "fp8", True, "addmm", "triton", "torch"),
+    ("in_place unpacked", "in_place", False, "addmm", "triton", "triton"),
+    ("in_place packed addmm", "in_place", True, "addmm", "triton", "triton"),
+    ("in_place packed mm", "in_place", True, "mm", "triton", "triton"),
+    ("fp8_all", "fp8_all", True, "addmm", "triton", "triton")]
 
 
 def build(shape: dict, r: int, device, dtype):
@@ -99,7 +100,20 @@ def rollout_row(model, dec, ids, mask, sampling, eos: int, repeats: int, device)
     gap = (logp.float() - logprobs[:8].float()).abs() * alive[:8]                                  # (8, C)
     return {"first_s": times[0], "times_s": times[1:], "median_s": statistics.median(times[1:]),
             "peak_alloc_gib": peak, "logprob_gap_max": float(gap.max()),
-            "logprob_gap_mean": float(gap.sum() / alive[:8].sum()), "new_tokens": int(alive.sum())}
+            "logprob_gap_mean": float(gap.sum() / alive[:8].sum()), "new_tokens": int(alive.sum()),
+            **tis_row(logp.float(), logprobs[:8].float(), alive[:8].float())}
+
+
+def tis_row(train_logp, sample_logp, mask, cap: float = 2.0) -> dict:
+    """What algo.tis does with the gap (algos/common.py tis_weights at the default tis_cap): token's mean
+    weight, the share of tokens it truncates (pi_train / pi_sample > cap), and the share mask would drop
+    (outside [1/cap, cap])."""
+    from algos.common import tis_weights
+    n = mask.sum()
+    rho = ((train_logp - sample_logp) * mask).exp()                                                # (8, C)
+    return {"tis_token_weight_mean": float(tis_weights(train_logp, sample_logp, mask, "token", cap).sum() / n),
+            "tis_truncated_frac": float(((rho > cap).float() * mask).sum() / n),
+            "tis_mask_dropped_frac": float(((rho > cap) | (rho < 1 / cap)).float().mul(mask).sum() / n)}
 
 
 def profile_one(dec, ids, mask, sampling, eos: int, device, path: str):
@@ -129,7 +143,7 @@ def main():
     p.add_argument("--small", action="store_true", help="toy shape on CPU (eager, no graph, no compile)")
     p.add_argument("--r", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="fused,unpacked,addmm,mm", help="some of fused,fp8,scaled_mm,refresh,"
+    p.add_argument("--variants", default="fused,unpacked,addmm,mm", help="some of fused,fp8,scaled_mm,torch-refresh,"
                    "unpacked,addmm,mm,fp8_all, run in the order given (unpacked before addmm and mm: packing is for "
                    "good)")
     p.add_argument("--budget-s", type=float, default=0, help="start no variant after this many seconds (0: no limit)")
@@ -193,16 +207,17 @@ def write(res: dict, out: str):
         json.dump(res, f, indent=1)
     lines = [f"LoRA rollout, {res['shape']} shape, r={res['r']}, {res['device']}; model {res['model_gib']:.2f} GiB", "",
              "| variant | rollout median s | first s | peak alloc GiB | build s | build peak over model GiB "
-             "(reserved) | logprob gap max / mean |",
-             "|---|---|---|---|---|---|---|"]
+             "(reserved) | logprob gap max / mean | tis=token mean weight, truncated | tis=mask dropped |",
+             "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {n} | {v['median_s']:.3f} | {v['first_s']:.2f} | {v['peak_alloc_gib']:.2f} | {v['build_s']:.2f} "
               f"| {v['build_peak_over_model_gib']:.3f} ({v['build_reserved_peak_over_before_gib']:.3f}) "
-              f"| {v['logprob_gap_max']:.3f} / {v['logprob_gap_mean']:.4f} |"
+              f"| {v['logprob_gap_max']:.3f} / {v['logprob_gap_mean']:.4f} | {v['tis_token_weight_mean']:.3f}, "
+              f"{v['tis_truncated_frac']:.1%} | {v['tis_mask_dropped_frac']:.1%} |"
               for n, v in res["variants"].items()]
     v = res["variants"]
     base = next((b for b in ("in_place packed addmm", "fused") if b in v), None)   # W6's route, else the default
     lines += [f"\n{n} / {base}: {v[n]['median_s'] / v[base]['median_s']:.3f}x the rollout"
-              for n in ("fp8", "fp8 scaled_mm", "fp8 refresh", "fp8_all") if n in v and base]
+              for n in ("fp8", "fp8 scaled_mm", "fp8 torch-refresh", "fp8_all") if n in v and base]
     lines += [f"\n{n}: failed: {e}" for n, e in res["errors"].items()]
     with open(os.path.join(out, "lora_decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
