@@ -119,8 +119,10 @@ def build_models(cfg: Config, device, dtype, fsdp: bool):
             raise UserError("compile=true needs a model with <base>.layers (decoder layers)")
         keep = cfg.activation_budget if cfg.grad_checkpointing and in_compile else 1.0
         torch._functorch.config.activation_memory_budget = keep
+        # compile_graphs: each layer's forward and backward recorded once per shape (cudagraph trees), then replayed
+        mode = "reduce-overhead" if cfg.compile_graphs else None
         for layer in layers:
-            layer.compile()
+            layer.compile(mode=mode)
     if cfg.lora.r:   # peft adapters inside the layers set up above; the engine samples with the adapted policy
         policy = engine_model = lora.wrap(policy, cfg.lora, cfg.model)
         print0(lora.describe(policy))

@@ -1,0 +1,73 @@
+"""compile_graphs (issue 38): the compiled layers' forward and backward replayed from CUDA graphs take the same
+update steps as the layers run without graphs, gradient accumulation over micro-batches included (update.
+zero_filled_grads); settings that would record a graph on every call are refused in one line."""
+import pytest
+import torch
+
+import config
+import config_checks
+import registry
+import update
+from buffer import OnPolicyBuffer
+from models import load_model
+from test_update_step import B, batch
+
+
+def run_updates(model, graphs: bool, device: torch.device, steps: int = 3) -> list[torch.Tensor]:
+    """update() `steps` times over 3 micro-batches of unequal widths; -> the parameters after."""
+    cfg = config.Config()
+    cfg.micro_batch_size, cfg.samples_per_prompt, cfg.lr, cfg.compile_graphs = 3, 4, 1e-3, graphs
+    config.fill_defaults(cfg)
+    algo = registry.get("algo", "grpo")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    learner = update.Learner(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), algo,
+                             cfg, device)
+    for i in range(steps):   # on a GPU: a warm-up, a recording, then replays of each layer's graphs
+        buffer = OnPolicyBuffer()
+        b = batch(model.config.vocab_size, seed=i)
+        b.advantages = algo.advantages(b, cfg.algo)
+        buffer.add(b)
+        update.update(learner, buffer, torch.Generator().manual_seed(i), step=i + 1, n_samples=B)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_zero_filled_grads_take_the_same_steps(random_model_dir):
+    """On a CPU no graph is recorded: what compile_graphs changes there is that gradients add into zeros."""
+    cpu = torch.device("cpu")
+    want = run_updates(load_model(random_model_dir, cpu, torch.float32)[0], False, cpu)
+    got = run_updates(load_model(random_model_dir, cpu, torch.float32)[0], True, cpu)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_replays_take_the_same_steps(random_model_dir):
+    """Each layer compiled with the cudagraphs backend (the cudagraph trees reduce-overhead uses, without inductor's
+    code generation, so it compiles in seconds) against the eager layers: the same parameters after three updates
+    of three micro-batches each, and no layer left out of the graphs."""
+    from torch._dynamo.utils import counters
+    cuda = torch.device("cuda")
+    want = run_updates(load_model(random_model_dir, cuda, torch.float32)[0], False, cuda)
+    torch._dynamo.reset()
+    counters.clear()
+    model = load_model(random_model_dir, cuda, torch.float32)[0]
+    for layer in model.model.layers:
+        layer.compile(backend="cudagraphs")
+    try:
+        got = run_updates(model, True, cuda)
+    finally:
+        torch._dynamo.reset()
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["compile_graphs=true"], "it needs compile=true"),
+    (["compile_graphs=true", "compile=true", "pack=true"], "set pack=false"),
+    (["compile_graphs=true", "compile=true", "offload=true"], "use parallel=replicate"),
+])
+def test_bad_graph_settings_refused_in_one_line(flags, message):
+    with pytest.raises(config.UserError, match=message) as e:
+        config_checks.validate(config.fill_defaults(config.parse(flags)))
+    assert "\n" not in str(e.value)
