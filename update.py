@@ -359,6 +359,8 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
             packed = to_device(pack(micro), learner.device) if packs else None   # index math on the host: no sync
             # exact_logprobs: before any optimizer step the loss may read the engine's bits (exact pass: a sample)
             sampled = reuses_sampled(learner, micro, measure_mismatch)
+            if cfg.compile_graphs:   # a few lengths, so a few recordings of each layer's graphs serve every step
+                micro = pad_to_bucket(micro)
             micro = to_device(micro, learner.device)
             if sampled and i == 0:   # first: the check's transients are gone before the autograd graph exists
                 add_mismatch(m, *check_exact(learner, micro), learner.version)
@@ -372,6 +374,32 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
                 m[k] = m.get(k, 0.0) + weight * scale * v
     moe.set_routes(learner.policy, None)   # the engine shares the policy's modules: it routes freely
     return m
+
+
+GRAPH_LENGTHS_PER_OCTAVE = 4   # compile_graphs: padded lengths per doubling (at most 1/4 of a row is padding)
+
+
+def bucket_length(T: int) -> int:
+    """T rounded up to one of GRAPH_LENGTHS_PER_OCTAVE lengths per power of two (multiples of 16 at least)."""
+    step = max(16, (1 << (T.bit_length() - 1)) // GRAPH_LENGTHS_PER_OCTAVE)
+    return -(-T // step) * step
+
+
+def pad_to_bucket(micro):
+    """compile_graphs: micro (on the host) with padding columns in front of its prompts up to bucket_length, so that
+    every micro-batch length maps onto a few shapes, each recorded once. Left padding as the prompts already have
+    (attention_mask 0): the completion's columns, positions and losses stay as they are. Rows with pictures or
+    routed-expert records keep their length (one recording per length)."""
+    P, T = micro.prompt_len, micro.input_ids.shape[1]
+    pad = bucket_length(T) - T
+    if not pad or micro.pixel_values is not None or micro.routes is not None:
+        return micro
+
+    def left(t):   # (B, T) -> (B, pad + T), zeros in front
+        return torch.cat([t.new_zeros(t.shape[0], pad), t], 1) if torch.is_tensor(t) and t.dim() == 2 and \
+            t.shape[1] == P + micro.completion_mask.shape[1] else t
+    return replace(micro, input_ids=left(micro.input_ids), attention_mask=left(micro.attention_mask),
+                   image_mask=left(micro.image_mask))
 
 
 def zero_filled_grads(model: torch.nn.Module):
