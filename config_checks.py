@@ -148,7 +148,9 @@ def check_compile_graphs(cfg: Config, world: int):
     why = ("it needs compile=true" if not cfg.compile
            else "FSDP gathers each layer's weights anew every call: use parallel=replicate"
            if world > 1 and cfg.parallel == "fsdp" or cfg.offload
-           else "every packed micro-batch has a length of its own: set pack=false" if cfg.pack else None)
+           else "every packed micro-batch has a length of its own: set pack=false" if cfg.pack
+           else "transformers' checkpoint wrapper reruns the forward inside the backward: set compiled_recompute=true"
+           if cfg.grad_checkpointing and not cfg.compiled_recompute else None)
     if cfg.compile_graphs and why:
         raise UserError(f"compile_graphs=true replays CUDA graphs of the compiled layers: {why}")
 

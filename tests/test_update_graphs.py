@@ -7,6 +7,7 @@ import torch
 import config
 import config_checks
 import registry
+import run_setup
 import update
 from buffer import OnPolicyBuffer
 from models import load_model
@@ -56,18 +57,23 @@ def test_graph_replays_take_the_same_steps(random_model_dir):
     code generation, so it compiles in seconds) against the eager layers: the same parameters after three updates
     of three micro-batches each, and no layer left out of the graphs."""
     from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
     cuda = torch.device("cuda")
     want = run_updates(load_model(random_model_dir, cuda, torch.float32)[0], False, cuda)
     torch._dynamo.reset()
     counters.clear()
     model = load_model(random_model_dir, cuda, torch.float32)[0]
-    for layer in model.model.layers:
-        layer.compile(backend="cudagraphs")
+    for layer in model.model.layers:   # as run_setup.build_models sets them up, with the lighter backend
+        layer.compile(backend="eager")
+        run_setup.graphed(layer, backend="cudagraphs")
     try:
         got = run_updates(model, True, cuda)
+        manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        recorded = next(manager.graph_counter) if manager is not None else 0   # graphs recorded so far
     finally:
         torch._dynamo.reset()
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert recorded >= 2 * len(model.model.layers), recorded   # each layer's forward and backward at least
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
@@ -76,6 +82,8 @@ def test_graph_replays_take_the_same_steps(random_model_dir):
     (["compile_graphs=true"], "it needs compile=true"),
     (["compile_graphs=true", "compile=true", "pack=true"], "set pack=false"),
     (["compile_graphs=true", "compile=true", "offload=true"], "use parallel=replicate"),
+    (["compile_graphs=true", "compile=true", "grad_checkpointing=true", "compiled_recompute=false"],
+     "set compiled_recompute=true"),
 ])
 def test_bad_graph_settings_refused_in_one_line(flags, message):
     with pytest.raises(config.UserError, match=message) as e:
