@@ -243,8 +243,8 @@ class Config:
                                         "recompute all it can, 1 = as compile without checkpointing (docs/speed.md)")
     compile_graphs: bool = opt(False, "with compile: replay each compiled layer's forward and backward from CUDA "
                                       "graphs (torch.compile's reduce-overhead mode), so the host launches one graph "
-                                      "where it launched each kernel; one recording per micro-batch length "
-                                      "(docs/speed.md)")
+                                      "where it launched each kernel; micro-batches are padded to a few lengths, each "
+                                      "recorded once (docs/speed.md)")
     # evaluation, logging, saving
     eval_every: int = opt(10, "held-out evaluation every N steps (and at start and end)")
     eval_size: int = opt(200, "held-out prompts per evaluation (0 = all)")

@@ -376,7 +376,7 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
     return m
 
 
-GRAPH_LENGTHS_PER_OCTAVE = 4   # compile_graphs: padded lengths per doubling (at most 1/4 of a row is padding)
+GRAPH_LENGTHS_PER_OCTAVE = 4   # compile_graphs: padded lengths per doubling (padding under 1/4 of a row from 64 up)
 
 
 def bucket_length(T: int) -> int:
