@@ -350,6 +350,8 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
     packs = cfg.pack and mb.pixel_values is None   # pictures take the padded path: packing does not place them yet
     split = packed_micro_batches if packs else micro_batches
     pieces = split(mb, cfg.micro_batch_size, learner.loss_agg, cfg.algo.norm_len)   # size 0 = one pass
+    if cfg.compile_graphs and 0 < cfg.micro_batch_size < len(mb):   # several backwards add into one .grad
+        zero_filled_grads(learner.policy)
     # the packed forward's attention for forward and backward alike: a recompute must see what the forward saw
     with packed_attention(learner.policy) if packs else contextlib.nullcontext():
         for i, (micro, weight) in enumerate(distributed.accumulate(learner.trained, pieces, cfg.offload)):
@@ -357,6 +359,8 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
             packed = to_device(pack(micro), learner.device) if packs else None   # index math on the host: no sync
             # exact_logprobs: before any optimizer step the loss may read the engine's bits (exact pass: a sample)
             sampled = reuses_sampled(learner, micro, measure_mismatch)
+            if cfg.compile_graphs:   # a few lengths, so a few recordings of each layer's graphs serve every step
+                micro = pad_to_bucket(micro)
             micro = to_device(micro, learner.device)
             if sampled and i == 0:   # first: the check's transients are gone before the autograd graph exists
                 add_mismatch(m, *check_exact(learner, micro), learner.version)
@@ -370,6 +374,41 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
                 m[k] = m.get(k, 0.0) + weight * scale * v
     moe.set_routes(learner.policy, None)   # the engine shares the policy's modules: it routes freely
     return m
+
+
+GRAPH_LENGTHS_PER_OCTAVE = 4   # compile_graphs: padded lengths per doubling (padding under 1/4 of a row from 64 up)
+
+
+def bucket_length(T: int) -> int:
+    """T rounded up to one of GRAPH_LENGTHS_PER_OCTAVE lengths per power of two (multiples of 16 at least)."""
+    step = max(16, (1 << (T.bit_length() - 1)) // GRAPH_LENGTHS_PER_OCTAVE)
+    return -(-T // step) * step
+
+
+def pad_to_bucket(micro):
+    """compile_graphs: micro (on the host) with padding columns in front of its prompts up to bucket_length, so that
+    every micro-batch length maps onto a few shapes, each recorded once. Left padding as the prompts already have
+    (attention_mask 0): the completion's columns, positions and losses stay as they are. Rows with pictures or
+    routed-expert records keep their length (one recording per length)."""
+    P, T = micro.prompt_len, micro.input_ids.shape[1]
+    pad = bucket_length(T) - T
+    if not pad or micro.pixel_values is not None or micro.routes is not None:
+        return micro
+
+    def left(t):   # (B, T) -> (B, pad + T), zeros in front
+        return torch.cat([t.new_zeros(t.shape[0], pad), t], 1) if torch.is_tensor(t) and t.dim() == 2 and \
+            t.shape[1] == P + micro.completion_mask.shape[1] else t
+    return replace(micro, input_ids=left(micro.input_ids), attention_mask=left(micro.attention_mask),
+                   image_mask=left(micro.image_mask))
+
+
+def zero_filled_grads(model: torch.nn.Module):
+    """compile_graphs: a layer's backward graph returns its weights' gradients in the graph's own memory, which the
+    next micro-batch's replay writes over. Autograd keeps such a tensor as .grad when .grad is None, and adds it
+    into .grad when one exists: so with several micro-batches every .grad starts as zeros, outside that memory."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
 
 
 def clip_gradients(learner: Learner) -> torch.Tensor:
