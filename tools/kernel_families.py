@@ -11,6 +11,7 @@ its first families fill tools/kernel_sweep.py).
               zero row -> merged_twin
   moe         kernels/moe_experts.py: the decode step's expert kernels (gate/up with SiLU, down) over routings with
               empty experts and one past a row block -> expert_gate_up_reference, expert_down_reference
+  moe_route   kernels/decode_route.py: a decode step's routing (softmax, top-k, weights, expert order) -> route_reference
 The FP8 families need FP8 tensor cores on a GPU (compute capability 8.9+): elsewhere the sweep skips them with one
 line (`NEEDS`), counting neither a pass nor a failure. Under the interpreter they run on CPU tensors, with float32
 where the GPU would round to e4m3 in the kernel (triton 3.9's interpreter rounds e4m3 unfaithfully).
@@ -266,6 +267,31 @@ def moe_cases(size):
                     yield dict(N=N, H=H, I=I, E=E, k=k, skew=skew, dtype=dtype, cfg=cfg)
 
 
+def check_moe_route(device, N, E, k, norm, dtype) -> float:
+    """kernels/decode_route.py's route against route_reference on the same logits: the experts, the pairs' order
+    and offsets equal, the weights within an ulp of their dtype (the kernel's exp is not torch's)."""
+    from kernels.decode_route import route, route_reference
+    z = torch.randn(N, E, generator=gen("moe_route", N, E, k, norm)).to(dtype)
+    got = [t.cpu() for t in route(z.to(device), k, norm, dtype)]
+    want = route_reference(z, k, norm, dtype)
+    for name, a, b in zip(("idx", "token", "at", "offs"), got[1:], want[1:]):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{name} differs"
+    err = rel(got[0], want[0])
+    assert err <= (1e-2 if dtype == BF16 else 1e-5), f"weights' error {err}"
+    return err
+
+
+def moe_route_cases(size):
+    # (N, E, k, norm): one token; sizes no power of two; W10's qwen3_moe decode batch (128 x 32, top-4); the most
+    # tokens the kernel takes, more experts than a block of 32
+    shapes = [(1, 8, 2, True), (7, 12, 3, False), (128, 32, 4, True)]
+    if size != "cpu":
+        shapes += [(512, 64, 8, True), (100, 60, 1, False)]
+    for N, E, k, norm in shapes:
+        yield dict(N=N, E=E, k=k, norm=norm, dtype=BF16 if size == "gpu" else F32)
+
+
 FAMILIES = {"fused_kl": (fused_kl_cases, check_fused_kl), "fp8_gemm": (fp8_gemm_cases, check_fp8_gemm),
-            "fp8_quant": (fp8_quant_cases, check_fp8_quant), "moe": (moe_cases, check_moe)}
+            "fp8_quant": (fp8_quant_cases, check_fp8_quant), "moe": (moe_cases, check_moe),
+            "moe_route": (moe_route_cases, check_moe_route)}
 NEEDS = {"fp8_gemm": fp8_needs, "fp8_quant": fp8_needs}   # family -> fn(device) -> why it cannot run here, or None
