@@ -146,6 +146,39 @@ def moe_rows(reps: int, variants: list[tuple], layers: int = 8, found: dict | No
             found["variants"].append({"gate_up": cu, "down": cd, "us": us, "gate_up_us": ug, "rel_err": err})
         rows.append(f"| moe experts | | triton gate_up {cu} + down {cd} | {us:.2f} | {gb / us * 1e3:.2f} TB/s "
                     f"(gate_up alone {ug:.2f} us); rel. err vs grouped {err:.1e} |")
+    return rows + block_rows(reps, x, gus, dns, layers, found)
+
+
+def block_rows(reps: int, x, gus, dns, layers: int, found: dict | None) -> list[str]:
+    """The whole routed-experts block of a decode step (router GEMM, routing, the experts' kernels, the weighted
+    sum), compiled as the step compiles it, with torch's routing (softmax, topk, the counting pass) against
+    kernels/decode_route.py's one kernel, in one CUDA graph over `layers` layers; and each routing alone."""
+    from engines.moe import routed_experts
+    from kernels.decode_route import route, route_reference
+    N, H = x.shape
+    E = gus[0].shape[0]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    routers = [torch.randn(E, H, device="cuda", generator=g).mul(H ** -0.5).to(x.dtype) for _ in range(layers)]
+    silu = torch.nn.functional.silu
+    rows, want = [], None
+    for name, fn in (("torch routing", route_reference), ("decode_route kernel", route)):
+        alone = torch.compile(lambda i, fn=fn: fn(torch.nn.functional.linear(x, routers[i]), 4, True, x.dtype),
+                              fullgraph=True, dynamic=False)
+        us = graph_us(lambda: [alone(i) for i in range(layers)], 1, reps) / layers
+        rows.append(f"| moe routing | {N} x {E}, top-4, with the router GEMM | {name}, compiled | {us:.2f} | |")
+        if found is not None:
+            found[f"routing {name}"] = us
+    for decode in (False, True):
+        step = torch.compile(lambda i, d=decode: routed_experts(x, routers[i], 4, True, gus[i], dns[i], silu,
+                                                                "triton", decode=d), fullgraph=True, dynamic=False)
+        got = step(0).float()
+        want = got if want is None else want
+        us = graph_us(lambda: [step(i) for i in range(layers)], 1, reps) / layers
+        name = "decode_route kernel" if decode else "torch routing"
+        rows.append(f"| moe block | router + routing + experts + sum | {name}, compiled | {us:.2f} | rel. diff "
+                    f"{((got - want).norm() / want.norm()).item():.1e} |")
+        if found is not None:
+            found[f"block {name}"] = us
     return rows
 
 
