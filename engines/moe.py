@@ -23,10 +23,13 @@ from torch import Tensor
 
 from config import UserError, opt, section
 from kernels import use_triton
-from kernels.decode_route import MAX_TOKENS, route
+from kernels.decode_route import MAX_TOKENS, route, route_linear
 from kernels.moe_experts import expert_down, expert_gate_up
 
 _PROBED: dict = {}   # (device type, dtype) -> whether torch._grouped_mm runs there
+# a decode step's router GEMM inside the routing kernel (kernels/decode_route.py: route_linear; "kernel"), or its
+# own launch before it ("gemm"); chosen by timing at W10's qwen3_moe shape (docs/architectures.md)
+ROUTER = os.environ.get("FAST_DECODE_ROUTER", "kernel")
 
 
 @section("moe", "mixture-of-experts models")
@@ -98,7 +101,8 @@ def routed_experts(x: Tensor, router: Tensor, top_k: int, norm_topk: bool, gate_
         # softmax, topk, the weights and the expert order in one launch. Exact ties (equal probabilities) go to
         # the lower expert index there: only a prefill's padding (a zero hidden state) makes them, and a prefill
         # keeps torch's topk, as the trainer's router
-        weight, idx, token, at, offs = route(F.linear(x, router), top_k, norm_topk, x.dtype)
+        weight, idx, token, at, offs = (route_linear(x, router, top_k, norm_topk) if ROUTER == "kernel" else
+                                        route(F.linear(x, router), top_k, norm_topk, x.dtype))
         if chosen is not None:
             chosen.append(idx)
         h = expert_down(expert_gate_up(x, token, offs, gate_up), offs, down)   # (N k, H) in expert order

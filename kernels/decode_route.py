@@ -16,8 +16,9 @@ sits at (pairs of experts below e) + (tokens before n that chose e), an exclusiv
 columns (a token takes an expert once, so its own other pairs never precede it). The torch twin
 (`route_reference`) is the same contract, for tests and the CPU.
 """
+from typing import Optional
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.logprob import HAS_TRITON
@@ -30,12 +31,24 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _route(z_ptr, sz, w_ptr, idx_ptr, tok_ptr, at_ptr, offs_ptr, N, E,
-               K: tl.constexpr, NORM: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr):
+    def _route(z_ptr, sz, g_ptr, sg, H, w_ptr, idx_ptr, tok_ptr, at_ptr, offs_ptr, N, E,
+               K: tl.constexpr, NORM: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr, GEMM: tl.constexpr,
+               BK: tl.constexpr):
         r = tl.arange(0, NB)
         c = tl.arange(0, EB)
         rm, cm = r < N, c < E
-        z = tl.load(z_ptr + r[:, None] * sz + c[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        if GEMM:   # z_ptr: the tokens' hidden states (N, H), g_ptr: the router (E, H); logits rounded as F.linear's
+            acc = tl.zeros((NB, EB), tl.float32)
+            for k0 in range(0, H, BK):
+                kk = k0 + tl.arange(0, BK)
+                km = kk < H
+                xt = tl.load(z_ptr + r[:, None] * sz + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+                gt = tl.load(g_ptr + c[None, :] * sg + kk[:, None], mask=cm[None, :] & km[:, None], other=0.0)
+                acc = tl.dot(xt, gt, acc)                                     # (NB, EB)
+            z = acc.to(z_ptr.dtype.element_ty).to(tl.float32)
+        else:      # z_ptr: the logits (N, E)
+            z = tl.load(z_ptr + r[:, None] * sz + c[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+            z = z.to(tl.float32)
         z = tl.where(cm[None, :], z, float("-inf"))                           # (NB, EB) logits
         p = tl.exp(z - tl.max(z, 1)[:, None])
         p = p / tl.sum(p, 1)[:, None]                                         # softmax, float32 as the router's
@@ -67,9 +80,10 @@ if HAS_TRITON:
 
     # an opaque custom op (as kernels/moe_experts.py's): the compiled decode step calls it as it is
     @torch.library.custom_op("rlhack::decode_route", mutates_args=())
-    def _route_op(logits: Tensor, top_k: int, norm: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor,
-                                                                                        Tensor, Tensor]:
-        N, E = logits.shape
+    def _route_op(logits: Tensor, router: Optional[Tensor], top_k: int, norm: bool,
+                  dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        # router given: logits holds the hidden states (N, H) and the kernel computes their logits
+        N, E = logits.shape[0], logits.shape[1] if router is None else router.shape[0]
         dev = logits.device
         w = torch.empty(N, top_k, device=dev, dtype=dtype)
         idx = torch.empty(N, top_k, device=dev, dtype=torch.int64)
@@ -78,28 +92,43 @@ if HAS_TRITON:
         offs = torch.empty(E, device=dev, dtype=torch.int32)
         if N:
             NB = max(16, triton.next_power_of_2(N))
-            _route[(1,)](logits, logits.stride(0), w, idx, token, at, offs, N, E, K=top_k, NORM=norm, NB=NB,
-                         EB=max(16, triton.next_power_of_2(E)), num_warps=4 if NB <= 128 else 8)
+            g = logits if router is None else router
+            _route[(1,)](logits, logits.stride(0), g, g.stride(0), logits.shape[1], w, idx, token, at, offs, N, E,
+                         K=top_k, NORM=norm, NB=NB, EB=max(16, triton.next_power_of_2(E)), GEMM=router is not None,
+                         BK=64 if NB <= 128 else 32, num_warps=4 if NB <= 128 else 8)
         return w, idx, token, at, offs
 
     @_route_op.register_fake
-    def _(logits, top_k, norm, dtype):
-        N, E = logits.shape
+    def _(logits, router, top_k, norm, dtype):
+        N, E = logits.shape[0], logits.shape[1] if router is None else router.shape[0]
         i = logits.new_empty(N * top_k, dtype=torch.int64)
         return (logits.new_empty(N, top_k, dtype=dtype), logits.new_empty(N, top_k, dtype=torch.int64), i,
                 torch.empty_like(i), logits.new_empty(E, dtype=torch.int32))
 
 
-def _check(logits: Tensor, top_k: int):
-    if logits.dim() != 2 or not 1 <= top_k <= logits.shape[1] or logits.shape[0] > MAX_TOKENS:
+def _check(logits: Tensor, top_k: int, E: int | None = None):
+    E = logits.shape[-1] if E is None else E
+    if logits.dim() != 2 or not 1 <= top_k <= E or logits.shape[0] > MAX_TOKENS:
         raise ValueError(f"route takes logits (N <= {MAX_TOKENS}, E) and 1 <= top_k <= E; got "
                          f"{tuple(logits.shape)}, top_k {top_k}")
 
 
 def route(logits: Tensor, top_k: int, norm: bool, dtype: torch.dtype) -> tuple[Tensor, ...]:
-    """The kernel (see the module's docstring); logits' last dimension contiguous."""
+    """The kernel (see the module's docstring) on the router's logits (N, E)."""
     _check(logits, top_k)
-    return _route_op(logits if logits.stride(-1) == 1 else logits.contiguous(), top_k, norm, dtype)
+    return _route_op(logits if logits.stride(-1) == 1 else logits.contiguous(), None, top_k, norm, dtype)
+
+
+def route_linear(x: Tensor, router: Tensor, top_k: int, norm: bool) -> tuple[Tensor, ...]:
+    """route(F.linear(x, router), top_k, norm, x.dtype) with the router's GEMM in the same kernel: x (N, H),
+    router (E, H) of x's dtype, contiguous. The logits are rounded to x's dtype as F.linear's output is; their
+    float32 sums may differ from cuBLAS's in the order of the additions."""
+    _check(x, top_k, router.shape[0])
+    if router.dim() != 2 or router.shape[1] != x.shape[1] or router.dtype != x.dtype or x.stride(-1) != 1 \
+            or router.stride(-1) != 1:
+        raise ValueError(f"route_linear takes x (N, H) and router (E, H) of one dtype, contiguous; got "
+                         f"{tuple(x.shape)} {x.dtype}, {tuple(router.shape)} {router.dtype}")
+    return _route_op(x, router, top_k, norm, x.dtype)
 
 
 def route_reference(logits: Tensor, top_k: int, norm: bool, dtype: torch.dtype) -> tuple[Tensor, ...]:

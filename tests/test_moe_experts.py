@@ -71,12 +71,14 @@ torch.manual_seed(0)
 x, router = torch.randn(6, 32), torch.randn(4, 32)
 gu, dn = torch.randn(4, 2 * 16, 32) / 6, torch.randn(4, 32, 16) / 4
 args = (x, router, 2, True, gu, dn, torch.nn.functional.silu)
-for decode in (False, True):                          # True: the routing kernel too
+import engines.moe as moe
+for decode, router in ((False, "kernel"), (True, "kernel"), (True, "gemm")):   # decode: the routing kernel too
+    moe.ROUTER = router                                # the router's GEMM in the routing kernel, or before it
     torch.testing.assert_close(routed_experts(*args, grouped="triton", decode=decode),
                                routed_experts(*args, grouped=False), rtol=1e-5, atol=1e-5)
 from tools.kernel_families import check_moe_route
 check_moe_route("cpu", 7, 12, 3, False, torch.float32)
-check_moe_route("cpu", 40, 32, 4, True, torch.float32)
+check_moe_route("cpu", 40, 32, 4, True, torch.float32, H=48)
 print("ok")
 """)
 
@@ -95,9 +97,15 @@ def test_kernels_cuda():
         args = (r(128, 1024), r(32, 1024), 4, True, r(32, 1536, 1024, sc=1 / 32), r(32, 1024, 768, sc=1 / 28),
                 torch.nn.functional.silu)
         b = routed_experts(*args, grouped=True).float()
-        for decode in (False, True):
-            a = routed_experts(*args, grouped="triton", decode=decode).float()
-            assert ((a - b).norm() / b.norm()).item() <= 1e-2
+        import engines.moe as moe
+        before = moe.ROUTER
+        try:
+            for decode, moe.ROUTER in ((False, before), (True, "kernel"), (True, "gemm")):
+                a = routed_experts(*args, grouped="triton", decode=decode).float()
+                assert ((a - b).norm() / b.norm()).item() <= 1e-2
+        finally:
+            moe.ROUTER = before
     from tools.kernel_families import check_moe_route
     check_moe_route("cuda", 128, 32, 4, True, torch.bfloat16)          # W10's decode routing
+    check_moe_route("cuda", 128, 32, 4, True, torch.bfloat16, H=1024)  # with its router's GEMM
     check_moe_route("cuda", 512, 64, 8, False, torch.float32)          # the most tokens the kernel takes
