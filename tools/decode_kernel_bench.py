@@ -194,30 +194,21 @@ def block_rows(reps: int, x, gus, dns, layers: int, found: dict | None) -> list[
     """The whole routed-experts block of a decode step (router GEMM, routing, the experts' kernels, the weighted
     sum), compiled as the step compiles it, with torch's routing (softmax, topk, the counting pass) against
     kernels/decode_route.py's kernel (after the router's own GEMM, or with the GEMM inside), in one CUDA graph
-    over `layers` layers; and each routing alone."""
+    over `layers` layers: the rows differ by their routing alone."""
     import engines.moe as moe
-    from kernels.decode_route import route, route_linear, route_reference
     N, H = x.shape
     E = gus[0].shape[0]
     g = torch.Generator(device="cuda").manual_seed(1)
     routers = [torch.randn(E, H, device="cuda", generator=g).mul(H ** -0.5).to(x.dtype) for _ in range(layers)]
-    linear = torch.nn.functional.linear
     rows, want = [], None
-    for name, fn in (("torch routing", lambda i: route_reference(linear(x, routers[i]), 4, True, x.dtype)),
-                     ("router GEMM, then decode_route", lambda i: route(linear(x, routers[i]), 4, True, x.dtype)),
-                     ("decode_route with the GEMM inside", lambda i: route_linear(x, routers[i], 4, True))):
-        alone = torch.compile(fn, fullgraph=True, dynamic=False)
-        us = graph_us(lambda: [alone(i) for i in range(layers)], 1, reps) / layers
-        rows.append(f"| moe routing | {N} x {E}, top-4, with the router GEMM | {name}, compiled | {us:.2f} | |")
-        if found is not None:
-            found[f"routing: {name}"] = us
     before = moe.ROUTER
     for name, decode, router in (("torch routing", False, "gemm"), ("router GEMM, then decode_route", True, "gemm"),
                                  ("decode_route with the GEMM inside", True, "kernel")):
         moe.ROUTER = router                                            # read when the block is traced
-        step = torch.compile(lambda i, d=decode: moe.routed_experts(x, routers[i], 4, True, gus[i], dns[i],
-                                                                    torch.nn.functional.silu, "triton", decode=d),
-                             fullgraph=True, dynamic=False)
+        block = torch.compile(lambda r, gu, dn, d=decode: moe.routed_experts(x, r, 4, True, gu, dn,
+                                                                             torch.nn.functional.silu, "triton",
+                                                                             decode=d), fullgraph=True, dynamic=False)
+        step = lambda i: block(routers[i], gus[i], dns[i])            # tensors as arguments: one compile
         got = step(0).float()
         want = got if want is None else want
         us = graph_us(lambda: [step(i) for i in range(layers)], 1, reps) / layers
