@@ -47,15 +47,6 @@ def _tickets(n: int, device) -> Tensor:
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    try:   # programmatic dependent launch's wait (Triton >= 3.5; Hopper and later)
-        from triton.language.extra.cuda import gdc_wait
-        HAS_PDL = True
-    except (ImportError, AttributeError):
-        HAS_PDL = False
-
-        @triton.jit
-        def gdc_wait():
-            pass
 
     @triton.jit
     def _decode_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, ok_ptr, last_ptr, o_ptr, scale,
@@ -63,8 +54,7 @@ if HAS_TRITON:
                           qn_ptr, kn_ptr, eps,
                           NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr,
                           RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                          PRECISION: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          PRECISION: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr):
         # program (sequence b, KV heads [h0, h0 + HEADS), split). Its rows are the HEADS * G query heads of those
         # KV heads (consecutive in qkv), padded to RP; its K/V tiles hold BLOCK slots of each of the HEADS heads
         # side by side, and a row's scores outside its own head are masked, so one tl.dot serves all heads
@@ -83,9 +73,6 @@ if HAS_TRITON:
         p = tl.load(pos_ptr + b)
         cos = tl.load(cos_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32)       # (DP,)
         sin = tl.load(sin_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32) * sign
-        last = tl.load(last_ptr)
-        if PDL:   # launched before the kernel that writes qkv (the q/k/v GEMM) ends: wait for it only here, so
-            gdc_wait()   # the launch and the loads above overlap its tail
         row = qkv_ptr + b * s_qkv
         qh = (h0 * G + r)[:, None] * D                                 # (RP, 1) offsets of the rows' query heads
         q = tl.load(row + qh + d[None, :], mask=qm, other=0.0).to(tl.float32)          # (RP, DP)
@@ -100,6 +87,7 @@ if HAS_TRITON:
         q = (q * cos[None, :] + q2 * sin[None, :]).to(k_ptr.dtype.element_ty)
         k_new = (k_new * cos[None, :] + k2 * sin[None, :]).to(k_ptr.dtype.element_ty)     # (RP, DP)
         v_new = tl.load(kr + NKV * D + kh + d[None, :], mask=qm, other=0.0).to(k_ptr.dtype.element_ty)
+        last = tl.load(last_ptr)
         # split `part` reads slots [lo, hi) of [0, last): chunks of whole blocks, so the grid stays fixed while
         # the filled length grows between graph replays; splits past the filled length read nothing
         chunk = tl.maximum(tl.cdiv(tl.cdiv(last, SPLITS), BLOCK), 1) * BLOCK
@@ -191,7 +179,7 @@ if HAS_TRITON:
     def _decode_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
                              key_ok: Tensor, last: Tensor, scale: float, block: int, warps: int, stages: int,
                              splits: int, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float,
-                             heads: int = 1, pdl: bool = False) -> Tensor:
+                             heads: int = 1) -> Tensor:
         B, nkv, _, D = k.shape
         nh = qkv.shape[1] // D - 2 * nkv
         out = torch.empty(B, nh * D, dtype=qkv.dtype, device=qkv.device)
@@ -209,15 +197,13 @@ if HAS_TRITON:
                 cos if q_norm is None else q_norm, cos if k_norm is None else k_norm, eps,
                 NH=nh, NKV=nkv, G=G, HEADS=heads, RP=RP, D=D, DP=DP, BLOCK=block,
                 PRECISION="ieee" if k.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
-                SPLITS=splits, QK_NORM=q_norm is not None, num_warps=warps, num_stages=stages,
-                **(dict(PDL=True, launch_pdl=True) if pdl else {}))
+                SPLITS=splits, QK_NORM=q_norm is not None, num_warps=warps, num_stages=stages)
         except triton.runtime.errors.OutOfResources as e:
             raise too_big(D, (block, warps, stages, heads), e) from None
         return out
 
     @_decode_attention_op.register_fake
-    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages, splits, q_norm, k_norm, eps, heads=1,
-          pdl=False):
+    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages, splits, q_norm, k_norm, eps, heads=1):
         return qkv.new_empty(qkv.shape[0], qkv.shape[1] - 2 * k.shape[1] * k.shape[3])
 
 
@@ -294,17 +280,14 @@ def settings(D: int) -> tuple[int, int, int, int]:
 def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor,
                      last: Tensor, scale: float, block: int | None = None, warps: int | None = None,
                      stages: int | None = None, splits: int = 1, qk_norm: tuple | None = None,
-                     heads: int | None = None, pdl: bool = False) -> Tensor:
+                     heads: int | None = None) -> Tensor:
     """See the module's docstring. The Triton kernel (CUDA, or TRITON_INTERPRET=1); block, warps, stages: the
     kernel's settings, by default SETTINGS' for this head_dim (`settings`). splits > 1: flash-decoding, each
     (sequence, KV head)'s filled slots cut into `splits` chunks of whole blocks, one program each (the grid is
     fixed; the chunk follows `last`), merged in the kernel by the last split to finish; block 32 by default
     (chunks of whole blocks: small blocks let short caches use several splits). qk_norm (q weight (D,), k weight
     (D,), eps): RMSNorm each head of q and k before the rotation, as transformers' Qwen3RMSNorm does. heads: KV
-    heads per program (a power of two; cut to the largest that divides the model's KV heads). pdl: launch it as a
-    programmatic dependent launch (Hopper and later, the caller checks: `pdl_ok`), which starts while the kernel
-    before it finishes and waits for it before reading qkv; pos, cos, sin, key_ok and last must then come from
-    earlier kernels."""
+    heads per program (a power of two; cut to the largest that divides the model's KV heads)."""
     b, w, st, hd = settings(k.shape[-1]) if k.dim() == 4 else (128, 4, 2, 1)
     block, warps, stages = block or (b if splits == 1 else 32), warps or w, stages or st
     heads = heads or (hd if splits == 1 else 1)
@@ -317,14 +300,7 @@ def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tens
     _check(qkv, cos, sin, pos, k, v, key_ok, last, qk_norm)
     qw, kw, eps = qk_norm or (None, None, 0.0)
     return _decode_attention_op(qkv, cos, sin, pos, k, v, key_ok, last, float(scale), block, warps, stages, splits,
-                                qw, kw, float(eps), math.gcd(heads, k.shape[1]), pdl)
-
-
-def pdl_ok(device) -> bool:
-    """Can decode_attention launch with pdl=True on this device? Triton's wait intrinsic, CUDA, Hopper or later,
-    not the interpreter. Call it outside a compiled region."""
-    return (HAS_TRITON and HAS_PDL and torch.device(device).type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+                                qw, kw, float(eps), math.gcd(heads, k.shape[1]))
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

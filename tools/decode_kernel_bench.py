@@ -104,48 +104,6 @@ def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: d
     return rows
 
 
-def pdl_rows(reps: int, shape: str, hidden: int, found: dict | None = None) -> list[str]:
-    """Attention after its q/k/v GEMM, as in the step: [GEMM (B, hidden) x (hidden, qkv), attention] per layer
-    over the layers' weights and caches in one CUDA graph, the attention launched plainly and as a programmatic
-    dependent launch (pdl: it starts during the GEMM's tail and waits for it before reading qkv); and the GEMMs
-    alone. Per layer, at each fill."""
-    from kernels.decode_attention import pdl_ok
-    B, nh, nkv, S, D, L = SHAPES[shape]
-    dev, dt = "cuda", torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(2)
-    W = (nh + 2 * nkv) * D
-    h = torch.randn(B, hidden, device=dev, dtype=dt, generator=g)
-    ws = [torch.randn(W, hidden, device=dev, dtype=dt, generator=g) * hidden ** -0.5 for _ in range(L)]
-    qkv = [torch.empty(B, W, device=dev, dtype=dt) for _ in range(L)]
-    ks = [torch.randn(B, nkv, S, D, device=dev, dtype=dt, generator=g) for _ in range(L)]
-    vs = [torch.randn(B, nkv, S, D, device=dev, dtype=dt, generator=g) for _ in range(L)]
-    cos, sin = torch.randn(S, D, device=dev, dtype=dt), torch.randn(S, D, device=dev, dtype=dt)
-    pos = torch.arange(B, device=dev) % S
-    ok = torch.rand(B, S, device=dev, generator=g) > 0.1
-    rows = []
-    if not pdl_ok(dev):
-        return [f"| attention {shape} after its GEMM | | pdl | not available on this card or Triton | |"]
-    gemm = graph_us(lambda: [torch.matmul(h, ws[i].T, out=qkv[i]) for i in range(L)], 1, reps) / L
-    rows.append(f"| q/k/v GEMM {shape} | {B} x {hidden} x {W} | cuBLAS, alone | {gemm:.2f} | |")
-    for filled in (64, 192, 318):
-        last = torch.tensor([filled], device=dev)
-        outs = {}
-        for pdl in (False, True):
-            def run(pdl=pdl):
-                o = []
-                for i in range(L):
-                    torch.matmul(h, ws[i].T, out=qkv[i])
-                    o.append(decode_attention(qkv[i], cos, sin, pos, ks[i], vs[i], ok, last, 0.125, pdl=pdl))
-                return o
-            outs[pdl] = run()[0].float()
-            us = graph_us(run, 1, reps) / L
-            if found is not None:
-                found.setdefault(f"{shape} gemm+attention pdl={pdl}", []).append(us)
-            rows.append(f"| attention {shape} after its GEMM | {filled} slots | pdl {pdl} | {us:.2f} | attention "
-                        f"{us - gemm:.2f} us over the GEMM; max diff {(outs[pdl] - outs[False]).abs().max().item():.1e} |")
-    return rows
-
-
 def moe_rows(reps: int, variants: list[tuple], layers: int = 8, found: dict | None = None) -> list[str]:
     """W10's qwen3_moe experts at decode (128 tokens, top-4 of 32, hidden 1024, expert MLP 768): torch's grouped
     GEMM route (gather, grouped GEMM, SiLU x up, grouped GEMM) against kernels/moe_experts.py's two kernels at each
@@ -262,8 +220,6 @@ def main():
     ap.add_argument("--attention-only", action="store_true", help="skip the sampler rows")
     ap.add_argument("--moe", default="", help="also time qwen3_moe's experts: kernels/moe_experts.py's settings "
                     "BM:BN:BK:warps:stages[:CN][/the same for down], comma-separated ('default': SETTINGS)")
-    ap.add_argument("--pdl", action="store_true", help="also time each shape's attention after its q/k/v GEMM, "
-                    "plainly and as a programmatic dependent launch")
     ap.add_argument("--copy", action="store_true", help="also time a 2 GiB device copy (the card's rate)")
     ap.add_argument("--json", default="", help="also write each attention variant's times and the fastest unsplit "
                     "one (mean over the fills) here")
@@ -284,10 +240,6 @@ def main():
     rows = [copy_row(args.reps)] if args.copy else []
     for sh in shapes:
         rows += attention_rows(args.reps, parse(per_shape.get(sh, args.splits)), sh, found.setdefault(sh, {}))
-        print("\n".join(rows), flush=True)
-    if args.pdl:
-        for sh in shapes:
-            rows += pdl_rows(args.reps, sh, {"w1": 896, "qwen3": 1024}[sh], found.setdefault("pdl", {}))
         print("\n".join(rows), flush=True)
     if args.moe:
         from kernels.moe_experts import SETTINGS as MOE
