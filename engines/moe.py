@@ -11,7 +11,8 @@ gives the same result by multiplying every pair by all experts' weights and keep
 E / top_k times the arithmetic, the weights still read once (decode is bound by reading them). A decode step's
 few pairs on a GPU go to kernels/moe_experts.py instead (`triton_experts`: SiLU experts in bf16 or fp16), whose
 two kernels read each expert's weights at a higher rate than the grouped GEMM at that size and fold the gather
-of x and SiLU(gate) * up into the first (docs/architectures.md, "Decode attention and experts, timed").
+of x and SiLU(gate) * up into the first (docs/architectures.md, "Decode attention and experts, timed"); there
+the routing too (softmax, topk, the weights and the expert order) is one kernel, kernels/decode_route.py.
 """
 import inspect
 import os
@@ -27,9 +28,10 @@ from kernels.decode_route import MAX_TOKENS, route, route_linear
 from kernels.moe_experts import expert_down, expert_gate_up
 
 _PROBED: dict = {}   # (device type, dtype) -> whether torch._grouped_mm runs there
-# a decode step's router GEMM inside the routing kernel (kernels/decode_route.py: route_linear; "kernel"), or its
-# own launch before it ("gemm"); chosen by timing at W10's qwen3_moe shape (docs/architectures.md)
-ROUTER = os.environ.get("FAST_DECODE_ROUTER", "kernel")
+# a decode step's router GEMM as its own launch before the routing kernel ("gemm"), or inside that kernel
+# (kernels/decode_route.py: route_linear; "kernel"), which one program computes more slowly than cuBLAS's
+# launch costs; chosen by timing at W10's qwen3_moe shape (docs/architectures.md)
+ROUTER = os.environ.get("FAST_DECODE_ROUTER", "gemm")
 
 
 @section("moe", "mixture-of-experts models")

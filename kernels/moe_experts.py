@@ -92,7 +92,9 @@ if HAS_TRITON:
 # of 32). Settings are for 2-byte dtypes; float32 inputs take half the BK, so the stages still fit in shared
 # memory. FAST_DECODE_MOE_SETTINGS="32x128x64x8x3,32x128x64x8x3" (gate_up's, down's; a sixth field: CN,
 # expert_gate_up's docstring) overrides them for a run
-SETTINGS = {"gate_up": (32, 128, 64, 8, 3), "down": (32, 128, 64, 8, 3)}
+# gate_up's CN 96: 8 programs of 96 columns per expert (256 over 132 SMs: two to nearly every SM) where 128-column
+# tiles made 6 (192: two on 60 SMs, one on the rest)
+SETTINGS = {"gate_up": (32, 128, 64, 8, 3, 96), "down": (32, 128, 64, 8, 3)}
 if os.environ.get("FAST_DECODE_MOE_SETTINGS"):
     SETTINGS.update(zip(("gate_up", "down"), (tuple(int(v) for v in c.split("x"))
                                               for c in os.environ["FAST_DECODE_MOE_SETTINGS"].split(","))))
