@@ -101,8 +101,9 @@ def routed_experts(x: Tensor, router: Tensor, top_k: int, norm_topk: bool, gate_
     E = gate_up.shape[0]
     if grouped == "triton" and decode and N <= MAX_TOKENS:
         # softmax, topk, the weights and the expert order in one launch. Exact ties (equal probabilities) go to
-        # the lower expert index there: only a prefill's padding (a zero hidden state) makes them, and a prefill
-        # keeps torch's topk, as the trainer's router
+        # the lower expert index there: at a decode token as rare as the near ties that the engine's and the
+        # trainer's roundings already break differently; a prefill, whose padding ties every expert (a zero
+        # hidden state), keeps torch's topk, as the trainer's router
         weight, idx, token, at, offs = (route_linear(x, router, top_k, norm_topk) if ROUTER == "kernel" else
                                         route(F.linear(x, router), top_k, norm_topk, x.dtype))
         if chosen is not None:
