@@ -32,6 +32,8 @@ _PROBED: dict = {}   # (device type, dtype) -> whether torch._grouped_mm runs th
 # (kernels/decode_route.py: route_linear; "kernel"), which one program computes more slowly than cuBLAS's
 # launch costs; chosen by timing at W10's qwen3_moe shape (docs/architectures.md)
 ROUTER = os.environ.get("FAST_DECODE_ROUTER", "gemm")
+if ROUTER not in ("gemm", "kernel"):
+    raise UserError(f"FAST_DECODE_ROUTER must be gemm or kernel, got {ROUTER!r}")
 
 
 @section("moe", "mixture-of-experts models")
