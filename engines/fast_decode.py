@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import engines.decode_weights as decode_weights   # its PACK switch: read when a decoder is built (tests, tools set it)
+from config_tree import UserError
 from engines.base import sample_tokens
 from engines.decode_step import Step, attend  # noqa: F401  (attend: the "matmul" attention, imported from here before)
 from engines.decode_weights import WEIGHTS, groups, pack_layers
@@ -259,6 +260,8 @@ class FastDecoder(Step, Turns):
         named = lambda e: f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
         try:
             self._record(st)
+        except UserError:   # bad settings (FAST_DECODE_ATTN): the uncompiled step would fail the same way
+            raise
         except Exception as e:
             if self._step == self._forward:   # already uncompiled (bound methods are equal, never identical)
                 raise

@@ -11,7 +11,8 @@ gives the same result by multiplying every pair by all experts' weights and keep
 E / top_k times the arithmetic, the weights still read once (decode is bound by reading them). A decode step's
 few pairs on a GPU go to kernels/moe_experts.py instead (`triton_experts`: SiLU experts in bf16 or fp16), whose
 two kernels read each expert's weights at a higher rate than the grouped GEMM at that size and fold the gather
-of x and SiLU(gate) * up into the first (docs/architectures.md, "Decode attention and experts, timed").
+of x and SiLU(gate) * up into the first (docs/architectures.md, "Decode attention and experts, timed"); there
+the routing too (softmax, topk, the weights and the expert order) is one kernel, kernels/decode_route.py.
 """
 import inspect
 import os
@@ -23,9 +24,16 @@ from torch import Tensor
 
 from config import UserError, opt, section
 from kernels import use_triton
+from kernels.decode_route import MAX_TOKENS, route, route_linear
 from kernels.moe_experts import expert_down, expert_gate_up
 
 _PROBED: dict = {}   # (device type, dtype) -> whether torch._grouped_mm runs there
+# a decode step's router GEMM as its own launch before the routing kernel ("gemm"), or inside that kernel
+# (kernels/decode_route.py: route_linear; "kernel"), which one program computes more slowly than cuBLAS's
+# launch costs; chosen by timing at W10's qwen3_moe shape (docs/architectures.md)
+ROUTER = os.environ.get("FAST_DECODE_ROUTER", "gemm")
+if ROUTER not in ("gemm", "kernel"):
+    raise UserError(f"FAST_DECODE_ROUTER must be gemm or kernel, got {ROUTER!r}")
 
 
 @section("moe", "mixture-of-experts models")
@@ -84,17 +92,29 @@ def _expert_mm(x: Tensor, w: Tensor, expert: Tensor, offs: Tensor, grouped: bool
 
 
 def routed_experts(x: Tensor, router: Tensor, top_k: int, norm_topk: bool, gate_up: Tensor, down: Tensor,
-                   act, grouped: bool | None = None, chosen: list | None = None) -> Tensor:
+                   act, grouped: bool | None = None, chosen: list | None = None, decode: bool = False) -> Tensor:
     """x (N, H) -> (N, H): the weighted sum of each token's top_k experts' MLPs (see the module's docstring).
     grouped: force the grouped GEMM (True) or the dense form (False); None: grouped where it runs; "triton":
     kernels/moe_experts.py's two kernels (SiLU experts; the caller checks with `triton_experts`).
-    chosen: a list that gets the experts each token took, (N, top_k) (routing replay's record)."""
+    chosen: a list that gets the experts each token took, (N, top_k) (routing replay's record).
+    decode: x is a decode step's one token per sequence; with grouped "triton", the routing too runs as one
+    kernel (kernels/decode_route.py)."""
     N, H = x.shape
     E = gate_up.shape[0]
+    if grouped == "triton" and decode and N <= MAX_TOKENS:
+        # softmax, topk, the weights and the expert order in one launch. Exact ties (equal probabilities) go to
+        # the lower expert index there: at a decode token as rare as the near ties that the engine's and the
+        # trainer's roundings already break differently; a prefill, whose padding ties every expert (a zero
+        # hidden state), keeps torch's topk, as the trainer's router
+        weight, idx, token, at, offs = (route_linear(x, router, top_k, norm_topk) if ROUTER == "kernel" else
+                                        route(F.linear(x, router), top_k, norm_topk, x.dtype))
+        if chosen is not None:
+            chosen.append(idx)
+        h = expert_down(expert_gate_up(x, token, offs, gate_up), offs, down)   # (N k, H) in expert order
+        return (h[at].view(N, top_k, H) * weight[..., None]).sum(1)          # (N, H)
     probs = F.linear(x, router).float().softmax(-1)                          # (N, E)
-    # topk, not a rank computed in one fused pass (which would save one of topk's two kernels): exact ties (a
-    # padding token's zero hidden state gives equal probabilities) must break as the trainer's router breaks
-    # them, which is topk's own order
+    # topk, not a rank computed in one fused pass: exact ties (a padding token's zero hidden state gives equal
+    # probabilities) must break as the trainer's router breaks them, which is topk's own order
     weight, idx = probs.topk(top_k, dim=-1)                                  # (N, k) each
     if norm_topk:
         weight = weight / weight.sum(-1, keepdim=True)
@@ -151,7 +171,7 @@ def moe_block(mlp, x: Tensor, grouped: bool | None = None, sink: Tensor | None =
     norm = getattr(c, "norm_topk_prob", getattr(mlp, "norm_topk_prob", True))
     chosen = [] if sink is not None else None
     y = routed_experts(x.reshape(-1, x.shape[-1]), c.weight, top_k, norm, e.gate_up_proj, e.down_proj, e.act_fn,
-                       grouped, chosen)
+                       grouped, chosen, decode=x.shape[1] == 1)
     if sink is not None:
         B, T = x.shape[:2]
         idx = chosen[0].view(B, T, top_k).to(sink.dtype)                    # (B, T, k)

@@ -17,8 +17,9 @@ kernels/exact_attention.py: exact_attention, exact_rope_cache; kernels/exact_sam
 log-softmax, sampling and entropy per row shared by the engine and the trainer's head) are not chosen here: the
 engine and the trainer must take the same path on a device, so engines/exact.py picks one per device (`on_gpu`),
 with the torch path as its portable twin. Nor are the decode step's expert GEMMs (kernels/moe_experts.py:
-expert_gate_up, expert_down): engines/moe.py takes them where `triton_experts` allows and keeps torch's grouped
-GEMM elsewhere. Nor are engine_dtype=fp8's (engines/decode_weights.py calls them): kernels/fp8.py (quantise_rows,
+expert_gate_up, expert_down) and its routing (kernels/decode_route.py: route, route_linear, with the twin
+route_reference): engines/moe.py takes them where `triton_experts` allows and keeps torch's grouped GEMM and
+topk elsewhere. Nor are engine_dtype=fp8's (engines/decode_weights.py calls them): kernels/fp8.py (quantise_rows,
 fp8_linear, with its torch twin), kernels/fp8_gemm.py (fp8_gemm, the Triton FP8 GEMM for a decode step's few rows)
 and kernels/fp8_quant.py (merge_quantise: a projection's LoRA merge and FP8 quantisation in one kernel).
 

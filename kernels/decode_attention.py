@@ -189,14 +189,17 @@ if HAS_TRITON:
         n = groups * splits if splits > 1 else 1                       # partials: only a split run needs them
         pm, ps = (torch.empty(n * RP, dtype=torch.float32, device=qkv.device) for _ in range(2))
         pa = torch.empty(n * RP * DP, dtype=torch.float32, device=qkv.device)
-        _decode_attention[(B, nkv // heads, splits)](
-            qkv, cos, sin, pos, k, v, key_ok, last, out, scale, qkv.stride(0), cos.stride(0),
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0),
-            key_ok.stride(0), pm, ps, pa, _tickets(groups if splits > 1 else 1, qkv.device),
-            cos if q_norm is None else q_norm, cos if k_norm is None else k_norm, eps,
-            NH=nh, NKV=nkv, G=G, HEADS=heads, RP=RP, D=D, DP=DP, BLOCK=block,
-            PRECISION="ieee" if k.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
-            SPLITS=splits, QK_NORM=q_norm is not None, num_warps=warps, num_stages=stages)
+        try:
+            _decode_attention[(B, nkv // heads, splits)](
+                qkv, cos, sin, pos, k, v, key_ok, last, out, scale, qkv.stride(0), cos.stride(0),
+                k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0),
+                key_ok.stride(0), pm, ps, pa, _tickets(groups if splits > 1 else 1, qkv.device),
+                cos if q_norm is None else q_norm, cos if k_norm is None else k_norm, eps,
+                NH=nh, NKV=nkv, G=G, HEADS=heads, RP=RP, D=D, DP=DP, BLOCK=block,
+                PRECISION="ieee" if k.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
+                SPLITS=splits, QK_NORM=q_norm is not None, num_warps=warps, num_stages=stages)
+        except triton.runtime.errors.OutOfResources as e:
+            raise too_big(D, (block, warps, stages, heads), e) from None
         return out
 
     @_decode_attention_op.register_fake
@@ -244,9 +247,27 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
 # experts, timed". FAST_DECODE_ATTN="128=16x4x3x2,..." overrides entries for a run
 # (tools/decode_kernel_bench.py --shape qwen3,w1 times the candidates)
 SETTINGS = {64: (64, 4, 3, 1), 128: (16, 4, 3, 2), 256: (32, 4, 2, 1)}
+DEFAULTS = dict(SETTINGS)
+OVERRIDDEN = set()   # head_dims whose entry FAST_DECODE_ATTN set (too_big names it)
 for _item in filter(None, os.environ.get("FAST_DECODE_ATTN", "").split(",")):
     _d, _s = _item.split("=")
     SETTINGS[int(_d)] = (*(int(x) for x in _s.split("x")), 1)[:4]
+    OVERRIDDEN.add(int(_d))
+
+
+def too_big(D: int, setting: tuple, e: Exception) -> Exception:
+    """The one-line error for a launch setting whose tiles do not fit the card (Triton's OutOfResources, e):
+    a UserError naming FAST_DECODE_ATTN where the setting came from it, else a ValueError naming the arguments."""
+    from config_tree import UserError
+    at = max(16, 1 << (D - 1).bit_length())
+    what = "x".join(map(str, setting))
+    if at in OVERRIDDEN and tuple(SETTINGS[at][:3]) == tuple(setting[:3]):
+        default = "x".join(map(str, DEFAULTS.get(at, (32, 4, 2, 1))))
+        return UserError(f"FAST_DECODE_ATTN={at}={what} (block x warps x stages x KV heads a program) needs more "
+                         f"shared memory than this GPU has ({str(e).splitlines()[0][:120]}): use a smaller block or "
+                         f"fewer stages, or unset it (the default at head_dim {at}: {default})")
+    return ValueError(f"decode_attention: block x warps x stages x heads {what} at head_dim {D} does not fit this "
+                      f"GPU ({str(e).splitlines()[0][:120]})")
 
 
 def settings(D: int) -> tuple[int, int, int, int]:

@@ -29,14 +29,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _expert_gemm(x_ptr, tok_ptr, w_ptr, offs_ptr, o_ptr, sx, sw_e, sw_n, so, N, K,
-                     GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        # program (expert e, output columns [n BN, n BN + BN)): o[m, cols] = x[tok[m]] @ w[e, cols]^T over e's
-        # pairs m; GATED: w holds gate rows [0, N) and up rows [N, 2N), and o = SiLU(gate) * up
+                     GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CN: tl.constexpr):
+        # program (expert e, output columns [n CN, n CN + CN)), CN <= BN the columns it owns of its BN-wide
+        # tile: o[m, cols] = x[tok[m]] @ w[e, cols]^T over e's pairs m; GATED: w holds gate rows [0, N) and up
+        # rows [N, 2N), and o = SiLU(gate) * up
         e, n = tl.program_id(0), tl.program_id(1)
         start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
         end = tl.load(offs_ptr + e)
-        cols = n * BN + tl.arange(0, BN)
-        cm = cols < N
+        cols = n * CN + tl.arange(0, BN)
+        cm = (cols < N) & (tl.arange(0, BN) < CN)
         wg = w_ptr + e.to(tl.int64) * sw_e + cols[None, :] * sw_n     # (1, BN) gate (or only) rows' starts
         for m0 in range(start, end, BM):
             rows = m0 + tl.arange(0, BM)
@@ -69,18 +70,19 @@ if HAS_TRITON:
     # opaque custom ops (as kernels/decode_attention.py's): the compiled decode step calls them as they are
     @torch.library.custom_op("rlhack::moe_expert_gemm", mutates_args=())
     def _expert_gemm_op(x: Tensor, tok: Tensor, offs: Tensor, w: Tensor, gated: bool, bm: int, bn: int, bk: int,
-                        warps: int, stages: int) -> Tensor:
+                        warps: int, stages: int, cn: int) -> Tensor:
         M, n_out = (tok.shape[0], w.shape[1] // 2) if gated else (x.shape[0], w.shape[1])   # rows: the pairs
         out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
         if M:
             bk = bk if x.element_size() <= 2 else max(16, bk // 2)   # float32: the same bytes per stage as bf16's
-            _expert_gemm[(w.shape[0], triton.cdiv(n_out, bn))](
+            cn = min(cn or bn, bn)
+            _expert_gemm[(w.shape[0], triton.cdiv(n_out, cn))](
                 x, tok, w, offs, out, x.stride(0), w.stride(0), w.stride(1), out.stride(0), n_out, w.shape[2],
-                GATED=gated, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+                GATED=gated, BM=bm, BN=bn, BK=bk, CN=cn, num_warps=warps, num_stages=stages)
         return out
 
     @_expert_gemm_op.register_fake
-    def _(x, tok, offs, w, gated, bm, bn, bk, warps, stages):
+    def _(x, tok, offs, w, gated, bm, bn, bk, warps, stages, cn):
         return x.new_empty(tok.shape[0], w.shape[1] // 2) if gated else x.new_empty(x.shape[0], w.shape[1])
 
 
@@ -88,8 +90,11 @@ if HAS_TRITON:
 # (docs/architectures.md, "Decode attention and experts, timed"); tools/decode_kernel_bench.py --moe times
 # candidates. BM 32: one row block holds an expert's pairs at a decode batch (about 16 each at 128 tokens x top-4
 # of 32). Settings are for 2-byte dtypes; float32 inputs take half the BK, so the stages still fit in shared
-# memory. FAST_DECODE_MOE_SETTINGS="32x128x64x8x3,32x128x64x8x3" (gate_up's, down's) overrides them for a run
-SETTINGS = {"gate_up": (32, 128, 64, 8, 3), "down": (32, 128, 64, 8, 3)}
+# memory. FAST_DECODE_MOE_SETTINGS="32x128x64x8x3,32x128x64x8x3" (gate_up's, down's; a sixth field: CN,
+# expert_gate_up's docstring) overrides them for a run
+# gate_up's CN 96: 8 programs of 96 columns per expert (256 over 132 SMs: two to nearly every SM) where 128-column
+# tiles made 6 (192: two on 60 SMs, one on the rest)
+SETTINGS = {"gate_up": (32, 128, 64, 8, 3, 96), "down": (32, 128, 64, 8, 3)}
 if os.environ.get("FAST_DECODE_MOE_SETTINGS"):
     SETTINGS.update(zip(("gate_up", "down"), (tuple(int(v) for v in c.split("x"))
                                               for c in os.environ["FAST_DECODE_MOE_SETTINGS"].split(","))))
@@ -110,15 +115,21 @@ def _check(x: Tensor, offs: Tensor, w: Tensor, M: int, in_dim: int):
 
 def expert_gate_up(x: Tensor, token: Tensor, offs: Tensor, gate_up: Tensor, cfg: tuple | None = None) -> Tensor:
     """x (N, H), token (M,) int64 (x's row of each sorted pair), offs (E,) int32, gate_up (E, 2I, H) -> (M, I).
-    cfg: (BM, BN, BK, warps, stages), by default SETTINGS'."""
+    cfg: (BM, BN, BK, warps, stages[, CN]), by default SETTINGS'. CN < BN: each program owns CN of its tile's BN
+    columns (the rest masked), so the grid's size can be chosen apart from the tile's power-of-two width."""
     _check(x, offs, gate_up, token.shape[0], x.shape[1])
-    return _expert_gemm_op(x, token, offs, gate_up, True, *(cfg or SETTINGS["gate_up"]))
+    return _expert_gemm_op(x, token, offs, gate_up, True, *_full(cfg or SETTINGS["gate_up"]))
 
 
 def expert_down(a: Tensor, offs: Tensor, down: Tensor, cfg: tuple | None = None) -> Tensor:
     """a (M, I) sorted pairs, offs (E,) int32, down (E, H, I) -> (M, H)."""
     _check(a, offs, down, a.shape[0], a.shape[1])
-    return _expert_gemm_op(a, offs, offs, down, False, *(cfg or SETTINGS["down"]))   # tok unused: rows are pairs
+    return _expert_gemm_op(a, offs, offs, down, False, *_full(cfg or SETTINGS["down"]))   # tok unused: rows: pairs
+
+
+def _full(cfg: tuple) -> tuple:
+    """(BM, BN, BK, warps, stages[, CN]) -> with CN (columns a program owns; 0: BN)."""
+    return (*cfg, 0) if len(cfg) == 5 else tuple(cfg)
 
 
 def _experts(offs: Tensor, M: int) -> Tensor:

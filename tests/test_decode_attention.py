@@ -4,6 +4,7 @@ Tiers as in test_kernels.py: the torch twin here, the Triton kernel interpreted 
 the kernel on CUDA at W1's decode shape (skipped without a GPU).
 """
 import functools
+import importlib
 import os
 import sys
 
@@ -107,6 +108,7 @@ def test_bad_shapes_are_named():
 def test_kernel_interpreted():
     run_interpreted("""
 import functools
+import importlib
 import torch
 from tests.test_decode_attention import check_attention
 from kernels.decode_attention import decode_attention
@@ -150,3 +152,29 @@ def test_kernel_cuda():
     for splits, last in ((4, 0), (4, 130), (8, 319), (16, 200)):
         check_attention(functools.partial(decode_attention, splits=splits, block=32), "cuda", B=128, nh=14, nkv=2,
                         S=320, D=64, last=last, dtype=torch.bfloat16, tol=3e-2)
+
+
+def test_oversized_override_names_the_setting(monkeypatch):
+    """A FAST_DECODE_ATTN entry whose tiles do not fit the card: a one-line UserError naming it; a setting passed
+    as arguments: a ValueError naming them (kernels/decode_attention.py: too_big)."""
+    da = importlib.import_module("kernels.decode_attention")   # the package exports a function of that name
+    from config_tree import UserError
+    monkeypatch.setitem(da.SETTINGS, 128, (256, 4, 4, 8))
+    monkeypatch.setattr(da, "OVERRIDDEN", {128})
+    oom = RuntimeError("out of resource: shared memory, Required: 600000, Hardware limit: 232448\nmore")
+    err = da.too_big(128, (256, 4, 4, 8), oom)
+    assert isinstance(err, UserError) and "FAST_DECODE_ATTN=128=256x4x4x8" in str(err) and "\n" not in str(err)
+    assert "16x4x3x2" in str(err)                                      # the default it would fall back to
+    assert isinstance(da.too_big(64, (512, 4, 4, 1), oom), ValueError)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_oversized_override_cuda(monkeypatch):
+    """On the card: an override past its shared memory fails at launch with the UserError, not Triton's error."""
+    da = importlib.import_module("kernels.decode_attention")   # the package exports a function of that name
+    from config_tree import UserError
+    monkeypatch.setitem(da.SETTINGS, 128, (128, 4, 3, 8))
+    monkeypatch.setattr(da, "OVERRIDDEN", {128})
+    with pytest.raises(UserError, match="FAST_DECODE_ATTN=128=128x4x3x8"):
+        check_attention(decode_attention, "cuda", B=2, nh=16, nkv=8, S=64, D=128, last=10, dtype=torch.bfloat16,
+                        tol=3e-2)

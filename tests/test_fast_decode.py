@@ -122,3 +122,22 @@ def test_fast_path_skips_module_hooks_repeats_and_releases(random_model_dir):
     engine.decoder.keep_cache = True
     run()
     assert len(engine.decoder.states) == 1
+
+
+def test_capture_does_not_retry_bad_settings(random_model_dir, monkeypatch, capsys):
+    """A UserError from the capture (a FAST_DECODE_ATTN tile past the card's shared memory:
+    kernels/decode_attention.py's too_big) is raised as it is: the uncompiled step would fail the same way."""
+    from config_tree import UserError
+    from models import load_model
+    model, _ = load_model(random_model_dir, torch.device("cpu"), torch.float32)
+    dec = FastDecoder(model, use_graph=False, compile=True)              # torch.compile wraps lazily: no compile
+    tries = []
+
+    def record(st):
+        tries.append(dec._step)
+        raise UserError("FAST_DECODE_ATTN=64=512x4x4x1 (...) needs more shared memory than this GPU has")
+
+    monkeypatch.setattr(dec, "_record", record)
+    with pytest.raises(UserError, match="FAST_DECODE_ATTN=64"):
+        dec._capture({})
+    assert len(tries) == 1 and "torch.compile failed" not in capsys.readouterr().err

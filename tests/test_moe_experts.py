@@ -1,5 +1,6 @@
 """kernels/moe_experts.py: the decode step's expert GEMMs (x's rows gathered, SiLU(gate) * up in the epilogue,
-each expert's weights streamed once) against their torch twins and against engines/moe.py's other routes.
+each expert's weights streamed once) and kernels/decode_route.py's routing kernel, against their torch twins and
+against engines/moe.py's other routes.
 
 Tiers as in test_decode_attention.py: the twins here, the Triton kernels interpreted on CPU in a subprocess
 (float32: the interpreter's bf16 dot is wrong), the kernels on CUDA in bf16 at W10's qwen3_moe shape (skipped
@@ -70,8 +71,14 @@ torch.manual_seed(0)
 x, router = torch.randn(6, 32), torch.randn(4, 32)
 gu, dn = torch.randn(4, 2 * 16, 32) / 6, torch.randn(4, 32, 16) / 4
 args = (x, router, 2, True, gu, dn, torch.nn.functional.silu)
-torch.testing.assert_close(routed_experts(*args, grouped="triton"), routed_experts(*args, grouped=False),
-                           rtol=1e-5, atol=1e-5)
+import engines.moe as moe
+for decode, router in ((False, "kernel"), (True, "kernel"), (True, "gemm")):   # decode: the routing kernel too
+    moe.ROUTER = router                                # the router's GEMM in the routing kernel, or before it
+    torch.testing.assert_close(routed_experts(*args, grouped="triton", decode=decode),
+                               routed_experts(*args, grouped=False), rtol=1e-5, atol=1e-5)
+from tools.kernel_families import check_moe_route
+check_moe_route("cpu", 7, 12, 3, False, torch.float32)
+check_moe_route("cpu", 40, 32, 4, True, torch.float32, H=48)
 print("ok")
 """)
 
@@ -89,5 +96,16 @@ def test_kernels_cuda():
         r = lambda *s, sc=1.0: torch.randn(*s, device="cuda", generator=g).mul(sc).to(torch.bfloat16)
         args = (r(128, 1024), r(32, 1024), 4, True, r(32, 1536, 1024, sc=1 / 32), r(32, 1024, 768, sc=1 / 28),
                 torch.nn.functional.silu)
-        a, b = routed_experts(*args, grouped="triton").float(), routed_experts(*args, grouped=True).float()
-        assert ((a - b).norm() / b.norm()).item() <= 1e-2
+        b = routed_experts(*args, grouped=True).float()
+        import engines.moe as moe
+        before = moe.ROUTER
+        try:
+            for decode, moe.ROUTER in ((False, before), (True, "kernel"), (True, "gemm")):
+                a = routed_experts(*args, grouped="triton", decode=decode).float()
+                assert ((a - b).norm() / b.norm()).item() <= 1e-2
+        finally:
+            moe.ROUTER = before
+    from tools.kernel_families import check_moe_route
+    check_moe_route("cuda", 128, 32, 4, True, torch.bfloat16)          # W10's decode routing
+    check_moe_route("cuda", 128, 32, 4, True, torch.bfloat16, H=1024)  # with its router's GEMM
+    check_moe_route("cuda", 512, 64, 8, False, torch.float32)          # the most tokens the kernel takes

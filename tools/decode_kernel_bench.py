@@ -131,8 +131,7 @@ def moe_rows(reps: int, variants: list[tuple], layers: int = 8, found: dict | No
     rows = [f"| moe experts | {E} x ({2 * I}x{H} + {H}x{I}), {N * k} pairs | torch._grouped_mm + SiLU | {us:.2f} | "
             f"{gb / us * 1e3:.2f} TB/s; counts {torch.bincount(flat, minlength=E).min().item()}-"
             f"{torch.bincount(flat, minlength=E).max().item()} |"]
-    for var in variants:
-        cu, cd = var[:5], var[5:] or var[:5]
+    for cu, cd in variants:
         try:
             got = expert_down(expert_gate_up(x, token, offs, gus[0], cu), offs, dns[0], cd).float()
             err = ((got - want).norm() / want.norm()).item()
@@ -146,6 +145,36 @@ def moe_rows(reps: int, variants: list[tuple], layers: int = 8, found: dict | No
             found["variants"].append({"gate_up": cu, "down": cd, "us": us, "gate_up_us": ug, "rel_err": err})
         rows.append(f"| moe experts | | triton gate_up {cu} + down {cd} | {us:.2f} | {gb / us * 1e3:.2f} TB/s "
                     f"(gate_up alone {ug:.2f} us); rel. err vs grouped {err:.1e} |")
+    return rows + block_rows(reps, x, gus, dns, layers, found)
+
+
+def block_rows(reps: int, x, gus, dns, layers: int, found: dict | None) -> list[str]:
+    """The whole routed-experts block of a decode step (router GEMM, routing, the experts' kernels, the weighted
+    sum), compiled as the step compiles it, with torch's routing (softmax, topk, the counting pass) against
+    kernels/decode_route.py's kernel (after the router's own GEMM, or with the GEMM inside), in one CUDA graph
+    over `layers` layers: the rows differ by their routing alone."""
+    import engines.moe as moe
+    N, H = x.shape
+    E = gus[0].shape[0]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    routers = [torch.randn(E, H, device="cuda", generator=g).mul(H ** -0.5).to(x.dtype) for _ in range(layers)]
+    rows, want = [], None
+    before = moe.ROUTER
+    for name, decode, router in (("torch routing", False, "gemm"), ("router GEMM, then decode_route", True, "gemm"),
+                                 ("decode_route with the GEMM inside", True, "kernel")):
+        moe.ROUTER = router                                            # read when the block is traced
+        block = torch.compile(lambda r, gu, dn, d=decode: moe.routed_experts(x, r, 4, True, gu, dn,
+                                                                             torch.nn.functional.silu, "triton",
+                                                                             decode=d), fullgraph=True, dynamic=False)
+        step = lambda i: block(routers[i], gus[i], dns[i])            # tensors as arguments: one compile
+        got = step(0).float()
+        want = got if want is None else want
+        us = graph_us(lambda: [step(i) for i in range(layers)], 1, reps) / layers
+        rows.append(f"| moe block | router + routing + experts + sum | {name}, compiled | {us:.2f} | rel. diff "
+                    f"{((got - want).norm() / want.norm()).item():.1e} |")
+        if found is not None:
+            found[f"block: {name}"] = us
+    moe.ROUTER = before
     return rows
 
 
@@ -190,7 +219,7 @@ def main():
     ap.add_argument("--shape", default="w1", help="the attention's decode shapes (SHAPES: w1, qwen3), comma-separated")
     ap.add_argument("--attention-only", action="store_true", help="skip the sampler rows")
     ap.add_argument("--moe", default="", help="also time qwen3_moe's experts: kernels/moe_experts.py's settings "
-                    "BM:BN:BK:warps:stages[:BM:BN:BK:warps:stages for down], comma-separated ('default': SETTINGS)")
+                    "BM:BN:BK:warps:stages[:CN][/the same for down], comma-separated ('default': SETTINGS)")
     ap.add_argument("--copy", action="store_true", help="also time a 2 GiB device copy (the card's rate)")
     ap.add_argument("--json", default="", help="also write each attention variant's times and the fastest unsplit "
                     "one (mean over the fills) here")
@@ -214,9 +243,15 @@ def main():
         print("\n".join(rows), flush=True)
     if args.moe:
         from kernels.moe_experts import SETTINGS as MOE
-        rows += moe_rows(args.reps, [MOE["gate_up"] + MOE["down"] if v == "default" else
-                                     tuple(int(x) for x in v.split(":")) for v in args.moe.split(",")],
-                         found=found.setdefault("moe", {}))
+        ints = lambda text: tuple(int(x) for x in text.split(":"))
+        def pair(v):   # gate_up's and down's settings: "a/b", ten fields (five each), or one for both
+            if v == "default":
+                return MOE["gate_up"], MOE["down"]
+            if "/" in v:
+                return tuple(ints(t) for t in v.split("/"))
+            t = ints(v)
+            return (t[:5], t[5:]) if len(t) == 10 else (t, t)
+        rows += moe_rows(args.reps, [pair(v) for v in args.moe.split(",")], found=found.setdefault("moe", {}))
     if not args.attention_only:
         rows += sampler_rows(args.reps, args.calls, samplers)
     if args.json:

@@ -11,6 +11,7 @@ its first families fill tools/kernel_sweep.py).
               zero row -> merged_twin
   moe         kernels/moe_experts.py: the decode step's expert kernels (gate/up with SiLU, down) over routings with
               empty experts and one past a row block -> expert_gate_up_reference, expert_down_reference
+  moe_route   kernels/decode_route.py: a decode step's routing (softmax, top-k, weights, expert order) -> route_reference
 The FP8 families need FP8 tensor cores on a GPU (compute capability 8.9+): elsewhere the sweep skips them with one
 line (`NEEDS`), counting neither a pass nor a failure. Under the interpreter they run on CPU tensors, with float32
 where the GPU would round to e4m3 in the kernel (triton 3.9's interpreter rounds e4m3 unfaithfully).
@@ -224,7 +225,7 @@ def check_moe(device, N, H, I, E, k, skew, dtype, cfg) -> float:
     expert_down over N tokens routed top-k of E experts (engines/moe.py's sort by expert), against their twins
     (expert_*_reference): tests/test_moe_experts.py's relative Frobenius bounds (bf16 1e-2; float32 5e-3 on a GPU,
     whose float32 dots take TF32, 1e-5 interpreted). skew: most pairs on expert 1 (more than a row block), none on
-    expert E-1. cfg: (BM, BN, BK, warps, stages), None for the kernels' SETTINGS."""
+    expert E-1. cfg: (BM, BN, BK, warps, stages[, CN]), None for the kernels' SETTINGS."""
     from engines.moe import _by_expert
     from kernels.moe_experts import expert_down, expert_down_reference, expert_gate_up, expert_gate_up_reference
     g = gen("moe", N, H, I, E, k, skew, dtype, cfg)
@@ -256,16 +257,61 @@ def moe_cases(size):
     if size == "gpu":
         shapes.append((128, 1024, 768, 32, 4, False))
     if size == "cpu":   # float32 only: the interpreter's bf16 tl.dot is wrong (FACTS.md)
-        for N, H, I, E, k, skew, cfg in ((9, 40, 24, 5, 2, False, None), (40, 64, 48, 3, 1, True, (16, 16, 16, 4, 2))):
+        for N, H, I, E, k, skew, cfg in ((9, 40, 24, 5, 2, False, None), (40, 64, 48, 3, 1, True, (16, 16, 16, 4, 2)),
+                                         (9, 64, 48, 3, 2, False, (16, 16, 16, 4, 2, 12))):   # CN: 12 of 16 columns
             yield dict(N=N, H=H, I=I, E=E, k=k, skew=skew, dtype=F32, cfg=cfg)
         return
     for N, H, I, E, k, skew in shapes:
         for dtype in (F32, BF16):
-            for cfg in (None, (16, 16, 16, 4, 2)):     # the tuned tiles; small ones: several row and column tiles
-                if cfg is None or size == "gpu" or dtype == BF16:
+            for cfg in (None, (16, 16, 16, 4, 2), (16, 32, 16, 4, 2, 24)):   # the tuned tiles; small ones: several
+                if cfg is None or size == "gpu" or dtype == BF16:              # row and column tiles; CN < BN
                     yield dict(N=N, H=H, I=I, E=E, k=k, skew=skew, dtype=dtype, cfg=cfg)
 
 
+def check_moe_route(device, N, E, k, norm, dtype, H=0) -> float:
+    """kernels/decode_route.py's route (H = 0: on logits (N, E)) or route_linear (H > 0: on hidden states (N, H)
+    and a router (E, H), the GEMM in the kernel) against route_reference on the same logits. Ties aside, the same
+    experts: the kernel's experts hold the k largest probabilities, in order (within the dtype's rounding of the
+    logits: route_linear's sums are not cuBLAS's); the pairs' order, places and offsets are exactly those of its
+    own experts (engines/moe.py's counting pass); the weights within the dtype's precision."""
+    import torch.nn.functional as F
+    from engines.moe import _by_expert
+    from kernels.decode_route import route, route_linear, route_reference
+    g = gen("moe_route", N, E, k, norm, H)
+    if H:
+        x, w = torch.randn(N, H, generator=g).to(dtype), (torch.randn(E, H, generator=g) / H ** 0.5).to(dtype)
+        z = F.linear(x, w)
+        got = [t.cpu() for t in route_linear(x.to(device), w.to(device), k, norm)]
+    else:
+        z = torch.randn(N, E, generator=g).to(dtype)
+        got = [t.cpu() for t in route(z.to(device), k, norm, dtype)]
+    want = route_reference(z, k, norm, dtype)
+    probs = z.float().softmax(-1)
+    tol = 1e-2 if dtype == BF16 else 1e-5
+    top = probs.topk(k, -1).values
+    assert (probs.gather(1, got[1]) - top).abs().max().item() <= tol * top.max().item(), "not the top-k experts"
+    order, at, offs = _by_expert(got[1].reshape(-1), E)
+    for name, a, b in zip(("token", "at", "offs"), got[2:], (order // k, at, offs)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{name} differs"
+    assert got[0].dtype == dtype and got[1].dtype == torch.int64
+    err = rel(got[0], want[0])
+    assert err <= tol, f"weights' error {err}"
+    return err
+
+
+def moe_route_cases(size):
+    # (N, E, k, norm, H): one token; sizes no power of two; W10's qwen3_moe decode batch (128 x 32, top-4), its
+    # router's GEMM in the kernel (H 1024 on a GPU); the most tokens the kernel takes, more experts than 32
+    shapes = [(1, 8, 2, True, 0), (7, 12, 3, False, 0), (128, 32, 4, True, 0), (9, 12, 3, True, 40)]
+    if size != "cpu":       # the sanitizer: W10's with the GEMM; the GPU sweep: every edge (each compiles anew)
+        shapes += [(128, 32, 4, True, 1024)]
+    if size == "gpu":
+        shapes += [(512, 64, 8, True, 0), (100, 60, 1, False, 0), (512, 64, 8, True, 200)]
+    for N, E, k, norm, H in shapes:
+        yield dict(N=N, E=E, k=k, norm=norm, dtype=BF16 if size == "gpu" else F32, H=H)
+
+
 FAMILIES = {"fused_kl": (fused_kl_cases, check_fused_kl), "fp8_gemm": (fp8_gemm_cases, check_fp8_gemm),
-            "fp8_quant": (fp8_quant_cases, check_fp8_quant), "moe": (moe_cases, check_moe)}
+            "fp8_quant": (fp8_quant_cases, check_fp8_quant), "moe": (moe_cases, check_moe),
+            "moe_route": (moe_route_cases, check_moe_route)}
 NEEDS = {"fp8_gemm": fp8_needs, "fp8_quant": fp8_needs}   # family -> fn(device) -> why it cannot run here, or None
