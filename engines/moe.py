@@ -24,7 +24,7 @@ from torch import Tensor
 
 from config import UserError, opt, section
 from kernels import use_triton
-from kernels.decode_route import MAX_TOKENS, route, route_linear
+from kernels.decode_route import COUNT_PAIRS, MAX_TOKENS, by_expert, route, route_linear
 from kernels.moe_experts import expert_down, expert_gate_up
 
 _PROBED: dict = {}   # (device type, dtype) -> whether torch._grouped_mm runs there
@@ -122,7 +122,7 @@ def routed_experts(x: Tensor, router: Tensor, top_k: int, norm_topk: bool, gate_
     if chosen is not None:
         chosen.append(idx)
     flat = idx.reshape(-1)                                                   # (N k,) expert of each pair
-    order, at, offs = _by_expert(flat, E)                                    # pairs grouped by expert
+    order, at, offs = by_expert(flat, E)                                    # pairs grouped by expert
     token = order // top_k                                                   # (N k,) the token of each pair
     if grouped is None or (grouped == "triton" and flat.shape[0] > COUNT_PAIRS):   # a prefill: no kernel for it
         grouped = use_grouped(x, gate_up, down)
@@ -136,28 +136,6 @@ def routed_experts(x: Tensor, router: Tensor, top_k: int, norm_topk: bool, gate_
     # back to token order by a gather (at: each pair's row in the sorted layout), then each token's k rows weighted
     # and summed: one fused pass, no zeroed buffer and no atomic scatter-add
     return (h[at].view(N, top_k, H) * weight[..., None]).sum(1)              # (N, H)
-
-
-# below this many (token, expert) pairs (a decode step's), the expert-sorted order is counted in one fused pass
-# over pairs x pairs instead of a sort, which is one slow kernel at these sizes; a prefill's pairs take the sort
-COUNT_PAIRS = 2048
-
-
-def _by_expert(flat: Tensor, E: int) -> tuple[Tensor, Tensor, Tensor]:
-    """flat (M,) expert of each pair -> order (M,): the pairs stably sorted by expert; place (M,): each pair's
-    position in that order (order's inverse); offs (E,) int32: the end of each expert's block in it."""
-    M = flat.shape[0]
-    i = torch.arange(M, device=flat.device)
-    if M > COUNT_PAIRS:
-        order = flat.argsort(stable=True)
-        # searchsorted, not bincount: its output size would need the host
-        offs = torch.searchsorted(flat[order], torch.arange(E, device=flat.device), right=True).to(torch.int32)
-        return order, torch.empty_like(order).scatter_(0, order, i), offs
-    # a pair's place in the stable order: the pairs of smaller experts, plus the earlier pairs of its own expert
-    before = (flat[None, :] < flat[:, None]) | ((flat[None, :] == flat[:, None]) & (i[None, :] < i[:, None]))
-    place = before.sum(1)                                                     # (M,)
-    offs = (flat[None, :] <= torch.arange(E, device=flat.device)[:, None]).sum(1).to(torch.int32)   # (E,)
-    return torch.empty_like(flat).scatter_(0, place, i), place, offs
 
 
 def moe_block(mlp, x: Tensor, grouped: bool | None = None, sink: Tensor | None = None,

@@ -131,12 +131,33 @@ def route_linear(x: Tensor, router: Tensor, top_k: int, norm: bool) -> tuple[Ten
     return _route_op(x, router, top_k, norm, x.dtype)
 
 
+# below this many (token, expert) pairs (a decode step's), the expert-sorted order is counted in one fused pass
+# over pairs x pairs instead of a sort, which is one slow kernel at these sizes; a prefill's pairs take the sort
+COUNT_PAIRS = 2048
+
+
+def by_expert(flat: Tensor, E: int) -> tuple[Tensor, Tensor, Tensor]:
+    """flat (M,) expert of each pair -> order (M,): the pairs stably sorted by expert; place (M,): each pair's
+    position in that order (order's inverse); offs (E,) int32: the end of each expert's block in it."""
+    M = flat.shape[0]
+    i = torch.arange(M, device=flat.device)
+    if M > COUNT_PAIRS:
+        order = flat.argsort(stable=True)
+        # searchsorted, not bincount: its output size would need the host
+        offs = torch.searchsorted(flat[order], torch.arange(E, device=flat.device), right=True).to(torch.int32)
+        return order, torch.empty_like(order).scatter_(0, order, i), offs
+    # a pair's place in the stable order: the pairs of smaller experts, plus the earlier pairs of its own expert
+    before = (flat[None, :] < flat[:, None]) | ((flat[None, :] == flat[:, None]) & (i[None, :] < i[:, None]))
+    place = before.sum(1)                                                     # (M,)
+    offs = (flat[None, :] <= torch.arange(E, device=flat.device)[:, None]).sum(1).to(torch.int32)   # (E,)
+    return torch.empty_like(flat).scatter_(0, place, i), place, offs
+
+
 def route_reference(logits: Tensor, top_k: int, norm: bool, dtype: torch.dtype) -> tuple[Tensor, ...]:
-    """The torch twin of `route`: softmax in float32, topk, the expert order by engines/moe.py's counting pass."""
-    from engines.moe import _by_expert
+    """The torch twin of `route`: softmax in float32, topk, the expert order by `by_expert`'s counting pass."""
     _check(logits, top_k)
     weight, idx = logits.float().softmax(-1).topk(top_k, dim=-1)            # (N, k) each
     if norm:
         weight = weight / weight.sum(-1, keepdim=True)
-    order, at, offs = _by_expert(idx.reshape(-1), logits.shape[1])
+    order, at, offs = by_expert(idx.reshape(-1), logits.shape[1])
     return weight.to(dtype), idx, order // top_k, at, offs

@@ -3,7 +3,7 @@
     a = expert_gate_up(x (N, H), token (M,), offs (E,) int32, gate_up (E, 2I, H))   # -> (M, I): SiLU(g) * u
     y = expert_down(a (M, I), offs (E,) int32, down (E, H, I))                      # -> (M, H)
 
-The M (token, expert) pairs come sorted by expert (engines/moe.py: `_by_expert`): pair m of expert e lies in
+The M (token, expert) pairs come sorted by expert (kernels/decode_route.py: `by_expert`): pair m of expert e lies in
 [offs[e-1], offs[e]) and reads token[m]'s row of x. One program per (expert, tile of output columns) loops over
 its expert's pairs in blocks of BM rows (one block at a decode batch: ~16 pairs per expert) and over the input
 dimension, so each weight tile is read from memory once per step (twice only for an expert with more than BM

@@ -496,16 +496,16 @@ def test_gpu_routing_replay_recorded_inside_the_graph():
 
 
 def test_pairs_counted_into_expert_order_as_the_stable_sort(monkeypatch):
-    """engines.moe._by_expert: the counted order (a decode step's few pairs) is the stable argsort's, and the block
+    """kernels.decode_route.by_expert: the counted order (a decode step's few pairs) is the stable argsort's, and the block
     ends are each expert's cumulative count, empty experts included."""
-    import engines.moe as moe
+    import kernels.decode_route as route
     g = torch.Generator().manual_seed(0)
     flat = torch.randint(0, 7, (300,), generator=g)
     flat[flat == 3] = 4                                            # an expert no pair picked
     want = flat.argsort(stable=True)
     ends = torch.bincount(flat, minlength=8).cumsum(0).to(torch.int32)
     for limit in (10_000, 10):                                     # counted, then sorted
-        monkeypatch.setattr(moe, "COUNT_PAIRS", limit)
-        order, place, offs = moe._by_expert(flat, 8)
+        monkeypatch.setattr(route, "COUNT_PAIRS", limit)
+        order, place, offs = route.by_expert(flat, 8)
         assert torch.equal(order, want) and torch.equal(offs, ends)
         assert torch.equal(place[order], torch.arange(300))          # its inverse

@@ -22,12 +22,12 @@ from tests.interpret import run_interpreted  # noqa: E402
 def pairs(N: int, E: int, k: int, device="cpu", skew: bool = False):
     """Random top-k routing of N tokens -> (token (M,), offs (E,) int32) in expert order, as engines/moe.py sorts.
     skew: most pairs on expert 1 (more than a kernel's row block), expert E-1 with none."""
-    from engines.moe import _by_expert
+    from kernels.decode_route import by_expert
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     flat = torch.rand(N, E, generator=g).topk(k, -1).indices.reshape(-1)
     if skew:
         flat = torch.where(torch.rand(flat.shape, generator=g) < 0.8, 1, flat % (E - 1))
-    order, _, offs = _by_expert(flat.to(device), E)
+    order, _, offs = by_expert(flat.to(device), E)
     return order // k, offs
 
 

@@ -108,7 +108,7 @@ def moe_rows(reps: int, variants: list[tuple], layers: int = 8, found: dict | No
     """W10's qwen3_moe experts at decode (128 tokens, top-4 of 32, hidden 1024, expert MLP 768): torch's grouped
     GEMM route (gather, grouped GEMM, SiLU x up, grouped GEMM) against kernels/moe_experts.py's two kernels at each
     variant (gate_up's (BM, BN, BK, warps, stages) + down's), in one CUDA graph over `layers` layers' weights."""
-    from engines.moe import _by_expert
+    from kernels.decode_route import by_expert
     from kernels.moe_experts import expert_down, expert_gate_up
     N, H, I, E, k = 128, 1024, 768, 32, 4
     dev, dt = "cuda", torch.bfloat16
@@ -117,7 +117,7 @@ def moe_rows(reps: int, variants: list[tuple], layers: int = 8, found: dict | No
     dns = [torch.randn(E, H, I, device=dev, dtype=dt, generator=g) * I ** -0.5 for _ in range(layers)]
     x = torch.randn(N, H, device=dev, dtype=dt, generator=g)
     flat = torch.rand(N, E, device=dev, generator=g).topk(k, -1).indices.reshape(-1)
-    order, _, offs = _by_expert(flat, E)
+    order, _, offs = by_expert(flat, E)
     token, expert = order // k, flat[order]
     gb = (gus[0].numel() + dns[0].numel()) * 2 / 1e9
     def grouped(i):

@@ -226,13 +226,13 @@ def check_moe(device, N, H, I, E, k, skew, dtype, cfg) -> float:
     (expert_*_reference): tests/test_moe_experts.py's relative Frobenius bounds (bf16 1e-2; float32 5e-3 on a GPU,
     whose float32 dots take TF32, 1e-5 interpreted). skew: most pairs on expert 1 (more than a row block), none on
     expert E-1. cfg: (BM, BN, BK, warps, stages[, CN]), None for the kernels' SETTINGS."""
-    from engines.moe import _by_expert
+    from kernels.decode_route import by_expert
     from kernels.moe_experts import expert_down, expert_down_reference, expert_gate_up, expert_gate_up_reference
     g = gen("moe", N, H, I, E, k, skew, dtype, cfg)
     flat = torch.rand(N, E, generator=g).topk(k, -1).indices.reshape(-1)               # (N k,) each pair's expert
     if skew:
         flat = torch.where(torch.rand(flat.shape, generator=g) < 0.8, 1, flat % (E - 1))
-    order, _, offs = _by_expert(flat, E)
+    order, _, offs = by_expert(flat, E)
     token = order // k                                                                 # (M,) sorted by expert
     x = torch.randn(N, H, generator=g).to(dtype)
     gu = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype)
@@ -275,7 +275,7 @@ def check_moe_route(device, N, E, k, norm, dtype, H=0) -> float:
     logits: route_linear's sums are not cuBLAS's); the pairs' order, places and offsets are exactly those of its
     own experts (engines/moe.py's counting pass); the weights within the dtype's precision."""
     import torch.nn.functional as F
-    from engines.moe import _by_expert
+    from kernels.decode_route import by_expert
     from kernels.decode_route import route, route_linear, route_reference
     g = gen("moe_route", N, E, k, norm, H)
     if H:
@@ -290,7 +290,7 @@ def check_moe_route(device, N, E, k, norm, dtype, H=0) -> float:
     tol = 1e-2 if dtype == BF16 else 1e-5
     top = probs.topk(k, -1).values
     assert (probs.gather(1, got[1]) - top).abs().max().item() <= tol * top.max().item(), "not the top-k experts"
-    order, at, offs = _by_expert(got[1].reshape(-1), E)
+    order, at, offs = by_expert(got[1].reshape(-1), E)
     for name, a, b in zip(("token", "at", "offs"), got[2:], (order // k, at, offs)):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{name} differs"
     assert got[0].dtype == dtype and got[1].dtype == torch.int64
