@@ -44,7 +44,7 @@ if HAS_TRITON:
                 km = kk < H
                 xt = tl.load(z_ptr + r[:, None] * sz + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
                 gt = tl.load(g_ptr + c[None, :] * sg + kk[:, None], mask=cm[None, :] & km[:, None], other=0.0)
-                acc = tl.dot(xt, gt, acc)                                     # (NB, EB)
+                acc = tl.dot(xt, gt, acc, input_precision="ieee")           # (NB, EB); float32: no TF32 rounding
             z = acc.to(z_ptr.dtype.element_ty).to(tl.float32)
         else:      # z_ptr: the logits (N, E)
             z = tl.load(z_ptr + r[:, None] * sz + c[None, :], mask=rm[:, None] & cm[None, :], other=0.0)

@@ -72,8 +72,9 @@ def test_graph_replays_take_the_same_steps(random_model_dir):
         got = run_updates(model, True, cuda)
         manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
         recorded = next(manager.graph_counter) if manager is not None else 0   # graphs recorded so far
-    finally:
+    finally:   # the trees' pools and recordings are process-wide: later tests capture graphs of their own
         torch._dynamo.reset()
+        cudagraph_trees.reset_cudagraph_trees()
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     assert recorded >= 2 * len(model.model.layers), recorded   # each layer's forward and backward at least
     for g, w in zip(got, want):

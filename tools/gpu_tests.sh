@@ -11,6 +11,9 @@
 #   tests      GPU tests of tests/test_lora.py then tests/test_multiturn.py, in one process, in that order: lora.tf32's
 #              precision once leaked into the multi-turn graph test  (T_TESTS=300)
 #   kernels    every other test with a CUDA/GPU skip marker (tools/gpu_only.py finds them)  (T_TESTS)
+#   graphs     tests/test_capture_fallback.py then tests/test_update_graphs.py, on GPU 0: the compile-heavy capture
+#              test beside the one that records torch.compile's cudagraph trees, whose state is process-wide (the
+#              gate of 2026-11-28 ran `kernels` out of 400 s, its last test after them unfinished)  (T_TESTS)
 #   arch-*     tests/test_architectures.py's GPU tests (every family graphed and compiled; the generic path's step
 #              compiles too), in two processes  (T_ARCH=420)
 #   dist       with 2+ GPUs: tests/test_distributed.py, in 6 groups side by side  (T_DIST=300)
@@ -21,7 +24,7 @@
 #              (tools/kernel_families*.py)  (T_SWEEP=400: the first gate with them ran `sweep` out of 270)
 #   sanitizer  the sweep's smaller size under `compute-sanitizer --tool memcheck`, 9 processes  (T_SAN=330);
 #              the FP8 families print one `skip` line on a card without FP8 (before sm_89) and count nothing
-# A stage that runs out of time counts as one failure. GPU 0 takes the tests, `sweep`, `sweep-exact` and half of
+# A stage that runs out of time counts as one failure. GPU 0 takes the tests, `graphs`, `sweep`, `sweep-exact` and half of
 # the sanitizer runs; GPU 1 (when there is one) the kernel tests, `sweep-more` and the other half; the family tests
 # go to GPUs 2 and 3 where there are 4, else share GPUs 0 and 1. Every family of tools/kernel_sweep.py belongs in
 # one `sanitize` line below and one `sweep` line (tests/test_kernel_edges.py checks).
@@ -53,7 +56,7 @@ tmp=$(mktemp -d)
 
 pytest_stage() {   # name gpu budget args...: one pytest process, junit XML and log under OUT
     local name=$1 gpu=$2 budget=$3; shift 3
-    CUDA_VISIBLE_DEVICES=$gpu timeout -k 15 "$budget" python3 -m pytest -q -p no:cacheprovider -p tools.gpu_only \
+    CUDA_VISIBLE_DEVICES=$gpu timeout -k 15 "$budget" python3 -m pytest -v -p no:cacheprovider -p tools.gpu_only \
         --basetemp="$tmp/$name" --junitxml="$out/junit-$name.xml" "$@" >"$out/$name.log" 2>&1
     echo $? >"$out/$name.rc"
 }
@@ -83,7 +86,9 @@ dist_stage() {   # name -k expression [file]: part of tests/test_distributed.py 
 
 pytest_stage tests 0 "$T_TESTS" tests/test_lora.py tests/test_multiturn.py &
 pytest_stage kernels "$g1" "$T_TESTS" tests --ignore=tests/test_lora.py --ignore=tests/test_multiturn.py \
-    --ignore=tests/test_distributed.py --ignore=tests/test_architectures.py &
+    --ignore=tests/test_distributed.py --ignore=tests/test_architectures.py \
+    --ignore=tests/test_capture_fallback.py --ignore=tests/test_update_graphs.py &
+pytest_stage graphs 0 "$T_TESTS" tests/test_capture_fallback.py tests/test_update_graphs.py &
 # every model family graphed and compiled: mostly compile time, so in two processes of their own
 pytest_stage arch-decode "$g2" "$T_ARCH" tests/test_architectures.py -k "not compiled_layers and not fsdp2" &
 pytest_stage arch-train "$g3" "$T_ARCH" tests/test_architectures.py -k "compiled_layers" &
@@ -142,7 +147,7 @@ for path in sorted(glob.glob(os.path.join(out, "junit-*.xml"))):
         rows.append((stage, "(time budget)", 0, 1, 0, "timed out: see " + stage + ".log"))
     elif code not in (0, 5) and not any(r[3] for r in rows if r[0] == stage):
         rows.append((stage, "(pytest)", 0, 1, 0, f"exit {code}: see {stage}.log"))
-pytest_stages = ["tests", "kernels", "arch-decode", "arch-train"] + [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(out, "dist-*.rc"))]
+pytest_stages = ["tests", "kernels", "graphs", "arch-decode", "arch-train"] + [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(out, "dist-*.rc"))]
 for stage in [s for s in pytest_stages if not os.path.exists(os.path.join(out, f"junit-{s}.xml"))]:
     rows.append((stage, "(pytest)", 0, 1, 0, f"no junit XML (exit {rc(stage)}): see {stage}.log"))
 
