@@ -22,7 +22,6 @@ tools/kernel_bench.py's fused_loss; W9's reverse KL, sum(kl * a), as tools/bench
     variants of VARIANTS; extra GiB (tools/bench_w9.py's count) once per method.
 """
 import argparse
-import gc
 import importlib
 import importlib.util
 import json
@@ -37,6 +36,7 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(TOOLS))
 sys.path.insert(0, TOOLS)
 import w2_floor  # noqa: E402  (products, traffic probe, commit reader)
+from bench_w9 import extra_gib  # noqa: E402
 import w9_floor  # noqa: E402
 fkl = importlib.import_module("kernels.fused_kl")   # the modules: kernels/ exports functions of these names
 lpl = importlib.import_module("kernels.logprob_loss")
@@ -104,23 +104,6 @@ def floor_parts(h, w, hs, ws, ht, wt, m2, m9):
     return {"W2": (w2_floor.matmuls(h, w, block), c2, t2["read ms"] + t2["read+write ms"]),
             "W9": (w9_floor.products(hs, ws, ht, wt, block, False), w9_floor.products(hs, ws, ht, wt, m9, True),
                    t9["ms"])}
-
-
-def extra_gib(step, leaves):
-    """Peak allocated above what is allocated before, minus the leaves' gradients (tools/bench_w9.py's count)."""
-    for x in leaves:
-        x.grad = None
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    grads = sum(x.grad.numel() * x.grad.element_size() for x in leaves if x.grad is not None)
-    for x in leaves:
-        x.grad = None
-    return (torch.cuda.max_memory_allocated() - base - grads) / GiB
 
 
 def apply(overrides):

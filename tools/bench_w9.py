@@ -90,6 +90,24 @@ def timed(f, rep, cuda):
     return statistics.median(runs)
 
 
+def extra_gib(step, leaves) -> float:
+    """Peak allocated by step() above what was allocated before, minus the leaves' gradients (every method returns
+    those), GiB; the leaves' gradients cleared before and after."""
+    for x in leaves:
+        x.grad = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    grads = sum(x.grad.numel() * x.grad.element_size() for x in leaves if x.grad is not None)
+    for x in leaves:
+        x.grad = None
+    return (torch.cuda.max_memory_allocated() - base - grads) / GiB
+
+
 def measure(fn, hs, ws, ht, wt, a, backward, rep):
     """-> (ms, extra GiB) of fn forward (no_grad) or forward + backward of sum(kl * a)."""
     cuda = hs.is_cuda
@@ -105,17 +123,7 @@ def measure(fn, hs, ws, ht, wt, a, backward, rep):
         with torch.set_grad_enabled(backward):
             step()                                                      # warm-up (compiles) outside the peak
             hs.grad = ws.grad = None
-            extra = None                                                # not measured off CUDA
-            if cuda:
-                torch.cuda.empty_cache()
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                step()
-                torch.cuda.synchronize()
-                grads = sum(x.grad.numel() * x.grad.element_size() for x in (hs, ws) if x.grad is not None)
-                extra = (torch.cuda.max_memory_allocated() - base - grads) / GiB
-            hs.grad = ws.grad = None
+            extra = extra_gib(step, (hs, ws)) if cuda else None       # not measured off CUDA
             ms = timed(lambda: (step(), setattr(hs, "grad", None), setattr(ws, "grad", None)), rep, cuda)
     except torch.OutOfMemoryError:
         ms, extra = float("nan"), float("nan")
