@@ -38,7 +38,7 @@ import engines.moe as moe
 import full_kl
 from config import trainer_temperature
 from kernels import linear_logprob_loss_kernel, linear_logprobs, token_logprobs
-from microbatch import Packed, micro_batches, pack, packed_micro_batches, split_weight
+from microbatch import Packed, micro_batches, pack, packed_micro_batches, pad_to_bucket, split_weight
 from models import completion_logprobs, completion_loss, plain_head
 
 
@@ -374,32 +374,6 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
                 m[k] = m.get(k, 0.0) + weight * scale * v
     moe.set_routes(learner.policy, None)   # the engine shares the policy's modules: it routes freely
     return m
-
-
-GRAPH_LENGTHS_PER_OCTAVE = 4   # compile_graphs: padded lengths per doubling (padding under 1/4 of a row from 64 up)
-
-
-def bucket_length(T: int) -> int:
-    """T rounded up to one of GRAPH_LENGTHS_PER_OCTAVE lengths per power of two (multiples of 16 at least)."""
-    step = max(16, (1 << (T.bit_length() - 1)) // GRAPH_LENGTHS_PER_OCTAVE)
-    return -(-T // step) * step
-
-
-def pad_to_bucket(micro):
-    """compile_graphs: micro (on the host) with padding columns in front of its prompts up to bucket_length, so that
-    every micro-batch length maps onto a few shapes, each recorded once. Left padding as the prompts already have
-    (attention_mask 0): the completion's columns, positions and losses stay as they are. Rows with pictures or
-    routed-expert records keep their length (one recording per length)."""
-    P, T = micro.prompt_len, micro.input_ids.shape[1]
-    pad = bucket_length(T) - T
-    if not pad or micro.pixel_values is not None or micro.routes is not None:
-        return micro
-
-    def left(t):   # (B, T) -> (B, pad + T), zeros in front
-        return torch.cat([t.new_zeros(t.shape[0], pad), t], 1) if torch.is_tensor(t) and t.dim() == 2 and \
-            t.shape[1] == P + micro.completion_mask.shape[1] else t
-    return replace(micro, input_ids=left(micro.input_ids), attention_mask=left(micro.attention_mask),
-                   image_mask=left(micro.image_mask))
 
 
 def zero_filled_grads(model: torch.nn.Module):

@@ -6,6 +6,7 @@ import torch
 
 import config
 import config_checks
+import microbatch
 import registry
 import run_setup
 import update
@@ -35,10 +36,10 @@ def run_updates(model, graphs: bool, device: torch.device, steps: int = 3) -> li
 
 def test_bucket_lengths():
     """At most GRAPH_LENGTHS_PER_OCTAVE lengths per doubling, never shorter, padding under a quarter of the row."""
-    got = [update.bucket_length(T) for T in range(1, 1025)]
+    got = [microbatch.bucket_length(T) for T in range(1, 1025)]
     assert all(b >= T and (b - T) * 4 < max(b, 64) for T, b in enumerate(got, 1))
-    assert len({b for b in got if 512 < b <= 1024}) == update.GRAPH_LENGTHS_PER_OCTAVE
-    assert update.bucket_length(320) == 320 and update.bucket_length(321) == 384 and update.bucket_length(10) == 16
+    assert len({b for b in got if 512 < b <= 1024}) == microbatch.GRAPH_LENGTHS_PER_OCTAVE
+    assert (microbatch.bucket_length(320), microbatch.bucket_length(321), microbatch.bucket_length(10)) == (320, 384, 16)
 
 
 def test_padded_micro_batches_and_zero_filled_grads_take_the_same_steps(random_model_dir):
