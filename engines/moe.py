@@ -101,35 +101,33 @@ def routed_experts(x: Tensor, router: Tensor, top_k: int, norm_topk: bool, gate_
     kernel (kernels/decode_route.py)."""
     N, H = x.shape
     E = gate_up.shape[0]
-    if grouped == "triton" and decode and N <= MAX_TOKENS:
+    fused = grouped == "triton" and decode and N <= MAX_TOKENS
+    if fused:
         # softmax, topk, the weights and the expert order in one launch. Exact ties (equal probabilities) go to
         # the lower expert index there: at a decode token as rare as the near ties that the engine's and the
         # trainer's roundings already break differently; a prefill, whose padding ties every expert (a zero
         # hidden state), keeps torch's topk, as the trainer's router
         weight, idx, token, at, offs = (route_linear(x, router, top_k, norm_topk) if ROUTER == "kernel" else
                                         route(F.linear(x, router), top_k, norm_topk, x.dtype))
-        if chosen is not None:
-            chosen.append(idx)
-        h = expert_down(expert_gate_up(x, token, offs, gate_up), offs, down)   # (N k, H) in expert order
-        return (h[at].view(N, top_k, H) * weight[..., None]).sum(1)          # (N, H)
-    probs = F.linear(x, router).float().softmax(-1)                          # (N, E)
-    # topk, not a rank computed in one fused pass: exact ties (a padding token's zero hidden state gives equal
-    # probabilities) must break as the trainer's router breaks them, which is topk's own order
-    weight, idx = probs.topk(top_k, dim=-1)                                  # (N, k) each
-    if norm_topk:
-        weight = weight / weight.sum(-1, keepdim=True)
-    weight = weight.to(x.dtype)
+    else:
+        probs = F.linear(x, router).float().softmax(-1)                      # (N, E)
+        # topk, not a rank computed in one fused pass: exact ties (a padding token's zero hidden state gives
+        # equal probabilities) must break as the trainer's router breaks them, which is topk's own order
+        weight, idx = probs.topk(top_k, dim=-1)                              # (N, k) each
+        if norm_topk:
+            weight = weight / weight.sum(-1, keepdim=True)
+        weight = weight.to(x.dtype)
+        order, at, offs = by_expert(idx.reshape(-1), E)                     # pairs grouped by expert
+        token = order // top_k                                               # (N k,) the token of each pair
     if chosen is not None:
         chosen.append(idx)
-    flat = idx.reshape(-1)                                                   # (N k,) expert of each pair
-    order, at, offs = by_expert(flat, E)                                    # pairs grouped by expert
-    token = order // top_k                                                   # (N k,) the token of each pair
-    if grouped is None or (grouped == "triton" and flat.shape[0] > COUNT_PAIRS):   # a prefill: no kernel for it
+    # a prefill's many pairs: no kernel for them
+    if not fused and (grouped is None or (grouped == "triton" and N * top_k > COUNT_PAIRS)):
         grouped = use_grouped(x, gate_up, down)
     if grouped == "triton":   # x's rows gathered, SiLU(gate) * up and each expert's weights read once, in-kernel
         h = expert_down(expert_gate_up(x, token, offs, gate_up), offs, down)   # (N k, H)
     else:
-        expert = flat[order]                                                 # (N k,) sorted
+        expert = idx.reshape(-1)[order]                                      # (N k,) sorted
         h = _expert_mm(x[token], gate_up, expert, offs, grouped)            # (N k, 2I)
         g, u = h.chunk(2, dim=-1)
         h = _expert_mm((act(g) * u).contiguous(), down, expert, offs, grouped)   # (N k, H)
