@@ -23,12 +23,13 @@ import torch
 from torch import Tensor
 
 from kernels.fp8 import FP8_MAX, quantise_rows
+from kernels.fp8_gemm import SMS
 from kernels.logprob import HAS_TRITON
 
 BR, BK, BQ = 32, 128, 256           # rows per program; K per step of _row_amax; columns per program of _quantise
 PRECISION = "tf32x3"                # the adapters' product: float32's accuracy on the tensor cores (module docstring)
-SMS = 132                           # multiprocessors (kernels/fp8_gemm.py's): _row_amax splits K until it has
-WAVES = 8                           # WAVES x SMS programs, so a narrow weight still keeps every one reading
+WAVES = 8                           # _row_amax splits K until it has WAVES x SMS programs (kernels/fp8_gemm.py's
+                                    # multiprocessors), so a narrow weight still keeps every one reading
 
 
 def amax_split(N: int, K: int) -> tuple[int, int]:

@@ -222,7 +222,7 @@ def fp8_quant_cases(size):
 
 def check_moe(device, N, H, I, E, k, skew, dtype, cfg) -> float:
     """kernels/moe_experts.py's expert_gate_up (x gathered by token, SiLU(gate) * up in the epilogue) and
-    expert_down over N tokens routed top-k of E experts (engines/moe.py's sort by expert), against their twins
+    expert_down over N tokens routed top-k of E experts (kernels/decode_route.py's by_expert), against their twins
     (expert_*_reference): tests/test_moe_experts.py's relative Frobenius bounds (bf16 1e-2; float32 5e-3 on a GPU,
     whose float32 dots take TF32, 1e-5 interpreted). skew: most pairs on expert 1 (more than a row block), none on
     expert E-1. cfg: (BM, BN, BK, warps, stages[, CN]), None for the kernels' SETTINGS."""
@@ -273,10 +273,9 @@ def check_moe_route(device, N, E, k, norm, dtype, H=0) -> float:
     and a router (E, H), the GEMM in the kernel) against route_reference on the same logits. Ties aside, the same
     experts: the kernel's experts hold the k largest probabilities, in order (within the dtype's rounding of the
     logits: route_linear's sums are not cuBLAS's); the pairs' order, places and offsets are exactly those of its
-    own experts (engines/moe.py's counting pass); the weights within the dtype's precision."""
+    own experts (`by_expert`'s counting pass); the weights within the dtype's precision."""
     import torch.nn.functional as F
-    from kernels.decode_route import by_expert
-    from kernels.decode_route import route, route_linear, route_reference
+    from kernels.decode_route import by_expert, route, route_linear, route_reference
     g = gen("moe_route", N, E, k, norm, H)
     if H:
         x, w = torch.randn(N, H, generator=g).to(dtype), (torch.randn(E, H, generator=g) / H ** 0.5).to(dtype)
