@@ -241,10 +241,6 @@ class Config:
                                         "activations its compiled backward keeps rather than recomputes (torch's "
                                         "activation_memory_budget: it keeps those dearest to recompute per byte); 0 = "
                                         "recompute all it can, 1 = as compile without checkpointing (docs/speed.md)")
-    compile_graphs: bool = opt(False, "with compile: replay each compiled layer's forward and backward from CUDA "
-                                      "graphs (torch.compile's reduce-overhead mode), so the host launches one graph "
-                                      "where it launched each kernel; micro-batches are padded to a few lengths, each "
-                                      "recorded once (docs/speed.md)")
     # evaluation, logging, saving
     eval_every: int = opt(10, "held-out evaluation every N steps (and at start and end)")
     eval_size: int = opt(200, "held-out prompts per evaluation (0 = all)")

@@ -54,7 +54,6 @@ def validate(cfg: Config, world: int = 1):
         raise UserError(f"algo.minibatch_size={cfg.algo.minibatch_size} must be divisible by the world size {world}")
     check_batch_split(cfg, world)
     check_activation_budget(cfg)
-    check_compile_graphs(cfg, world)
     if cfg.offload and cfg.parallel == "replicate":
         raise UserError("offload=true keeps FSDP shards in CPU memory: it needs parallel=fsdp")
     if cfg.offload and "RANK" not in os.environ:
@@ -141,18 +140,6 @@ def check_activation_budget(cfg: Config):
     if cfg.activation_budget and cfg.memory_budget_gib:   # memory.py predicts the full recompute's peak only
         raise UserError("activation_budget with memory_budget_gib: the budget's peak prediction assumes "
                         "activation_budget=0; set one of them")
-
-
-def check_compile_graphs(cfg: Config, world: int):
-    """compile_graphs replays a recording wherever the layer's inputs keep their shape and its weights their address."""
-    why = ("it needs compile=true" if not cfg.compile
-           else "FSDP gathers each layer's weights anew every call: use parallel=replicate"
-           if world > 1 and cfg.parallel == "fsdp" or cfg.offload
-           else "every packed micro-batch has a length of its own: set pack=false" if cfg.pack
-           else "transformers' checkpoint wrapper reruns the forward inside the backward: set compiled_recompute=true"
-           if cfg.grad_checkpointing and not cfg.compiled_recompute else None)
-    if cfg.compile_graphs and why:
-        raise UserError(f"compile_graphs=true replays CUDA graphs of the compiled layers: {why}")
 
 
 def check_choices(section, prefix: str = ""):

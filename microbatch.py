@@ -25,11 +25,8 @@ pack=true (docs/packing.md) splits differently and lays each piece out without p
     pack                   a piece's real tokens as one (1, N) sequence whose positions restart at 0 per sample,
                            with the samples' bounds (cu_seqlens) for a varlen attention; update.packed_completion
                            runs the policy over it
-
-compile_graphs=true (docs/speed.md) pads each piece in front to one of a few lengths (`pad_to_bucket`), so that the
-layers' CUDA graphs are recorded for a few shapes, not for every step's.
 """
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -144,28 +141,3 @@ def pack(batch: Experience) -> Packed:
     cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)      # (B + 1,)
     return Packed(batch.input_ids[real][None], pos[real][None], keep, src, cu, int(lengths.max()))
 
-
-GRAPH_LENGTHS_PER_OCTAVE = 4   # compile_graphs: padded lengths per doubling (padding under 1/4 of a row from 64 up)
-
-
-def bucket_length(T: int) -> int:
-    """T rounded up to one of GRAPH_LENGTHS_PER_OCTAVE lengths per power of two (multiples of 16 at least)."""
-    step = max(16, (1 << (T.bit_length() - 1)) // GRAPH_LENGTHS_PER_OCTAVE)
-    return -(-T // step) * step
-
-
-def pad_to_bucket(micro):
-    """compile_graphs: micro (on the host) with padding columns in front of its prompts up to bucket_length, so that
-    every micro-batch length maps onto a few shapes, each recorded once. Left padding as the prompts already have
-    (attention_mask 0): the completion's columns, positions and losses stay as they are. Rows with pictures or
-    routed-expert records keep their length (one recording per length)."""
-    P, T = micro.prompt_len, micro.input_ids.shape[1]
-    pad = bucket_length(T) - T
-    if not pad or micro.pixel_values is not None or micro.routes is not None:
-        return micro
-
-    def left(t):   # (B, T) -> (B, pad + T), zeros in front
-        return torch.cat([t.new_zeros(t.shape[0], pad), t], 1) if torch.is_tensor(t) and t.dim() == 2 and \
-            t.shape[1] == P + micro.completion_mask.shape[1] else t
-    return replace(micro, input_ids=left(micro.input_ids), attention_mask=left(micro.attention_mask),
-                   image_mask=left(micro.image_mask))

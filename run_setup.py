@@ -121,8 +121,6 @@ def build_models(cfg: Config, device, dtype, fsdp: bool):
         torch._functorch.config.activation_memory_budget = keep
         for layer in layers:
             layer.compile()
-            if cfg.compile_graphs:
-                graphed(layer)
     if cfg.lora.r:   # peft adapters inside the layers set up above; the engine samples with the adapted policy
         policy = engine_model = lora.wrap(policy, cfg.lora, cfg.model)
         print0(lora.describe(policy))
@@ -131,18 +129,6 @@ def build_models(cfg: Config, device, dtype, fsdp: bool):
     else:
         lora.wrap(policy, cfg.lora, cfg.model)   # refuses a model that already carries an adapter
     return policy, tok, engine_model
-
-
-def graphed(layer: torch.nn.Module, **compile_kw):
-    """compile_graphs: the compiled layer's calls with autograd on (the update's forward, whose backward follows) go
-    to a copy compiled in reduce-overhead mode, whose cudagraph trees record its forward and backward once per shape
-    and replay them after. Calls without autograd (the engine's, the old log-probs') keep the plain compiled layer:
-    there each layer would start a new graph generation and free the output the next layer reads (pytorch issue
-    160281), and an engine that captures a CUDA graph of its own cannot replay one inside it. compile_kw: in
-    place of mode="reduce-overhead" (tests: backend="cudagraphs")."""
-    plain = layer._compiled_call_impl   # what layer.compile() set: Module.__call__ runs it in forward's place
-    graphs = torch.compile(layer._call_impl, **(compile_kw or {"mode": "reduce-overhead"}))
-    layer._compiled_call_impl = lambda *a, **k: (graphs if torch.is_grad_enabled() else plain)(*a, **k)
 
 
 def memory_plan(cfg: Config, dtype, algo) -> str:

@@ -38,7 +38,7 @@ import engines.moe as moe
 import full_kl
 from config import trainer_temperature
 from kernels import linear_logprob_loss_kernel, linear_logprobs, token_logprobs
-from microbatch import Packed, micro_batches, pack, packed_micro_batches, pad_to_bucket, split_weight
+from microbatch import Packed, micro_batches, pack, packed_micro_batches, split_weight
 from models import completion_logprobs, completion_loss, plain_head
 
 
@@ -350,8 +350,6 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
     packs = cfg.pack and mb.pixel_values is None   # pictures take the padded path: packing does not place them yet
     split = packed_micro_batches if packs else micro_batches
     pieces = split(mb, cfg.micro_batch_size, learner.loss_agg, cfg.algo.norm_len)   # size 0 = one pass
-    if cfg.compile_graphs and 0 < cfg.micro_batch_size < len(mb):   # several backwards add into one .grad
-        zero_filled_grads(learner.policy)
     # the packed forward's attention for forward and backward alike: a recompute must see what the forward saw
     with packed_attention(learner.policy) if packs else contextlib.nullcontext():
         for i, (micro, weight) in enumerate(distributed.accumulate(learner.trained, pieces, cfg.offload)):
@@ -359,8 +357,6 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
             packed = to_device(pack(micro), learner.device) if packs else None   # index math on the host: no sync
             # exact_logprobs: before any optimizer step the loss may read the engine's bits (exact pass: a sample)
             sampled = reuses_sampled(learner, micro, measure_mismatch)
-            if cfg.compile_graphs:   # a few lengths, so a few recordings of each layer's graphs serve every step
-                micro = pad_to_bucket(micro)
             micro = to_device(micro, learner.device)
             if sampled and i == 0:   # first: the check's transients are gone before the autograd graph exists
                 add_mismatch(m, *check_exact(learner, micro), learner.version)
@@ -374,15 +370,6 @@ def accumulate_gradients(learner: Learner, mb, measure_mismatch: bool) -> dict:
                 m[k] = m.get(k, 0.0) + weight * scale * v
     moe.set_routes(learner.policy, None)   # the engine shares the policy's modules: it routes freely
     return m
-
-
-def zero_filled_grads(model: torch.nn.Module):
-    """compile_graphs: a layer's backward graph returns its weights' gradients in the graph's own memory, which the
-    next micro-batch's replay writes over. Autograd keeps such a tensor as .grad when .grad is None, and adds it
-    into .grad when one exists: so with several micro-batches every .grad starts as zeros, outside that memory."""
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
 
 
 def clip_gradients(learner: Learner) -> torch.Tensor:

@@ -1,19 +1,18 @@
 """W1's update phase alone, per setting: wall time, peak memory and its kernels grouped by kind, in one process.
 
     python tools/update_bench.py --out DIR                       # the default variants on one GPU
-    python tools/update_bench.py --variants ckpt,ckpt:keep0.7:graphs,ckpt:fused --updates 5 --out DIR
+    python tools/update_bench.py --variants ckpt,ckpt:keep0.7,ckpt:fused --updates 5 --out DIR
     python tools/update_bench.py --small --out /tmp/u            # CPU smoke run at toy shapes
 
-tools/bench.py times whole train.py steps, so each of its variants compiles the decode step and samples too (a cold
-compile of both is ~60 s of a device call); this builds W1's update alone: the bench's random Qwen2.5-0.5B-shape
+tools/bench.py times whole train.py steps, so each of its variants compiles the decode step and samples too; this
+builds W1's update alone: the bench's random Qwen2.5-0.5B-shape
 model (tools/bench_workload.py), one on-policy GRPO batch of 128 rows x (64 prompt + 256 completion) tokens (every
 W1 completion runs to full length), the layers compiled and the optimizer built as train.py builds them
 (run_setup.build_models, fused AdamW), then update.update() as train.py calls it. Per variant: `--warmup` updates
-(compile; with graphs the recording), then `--updates` timed ones (host clock around a synchronised call), then
+(compile), then `--updates` timed ones (host clock around a synchronised call), then
 one under torch.profiler, whose kernels are grouped by `kind`. Variants are flags joined by ':':
   ckpt      grad_checkpointing=true (the recompute inside the compiled layers)
   keepF     activation_budget=F (with ckpt)
-  graphs    compile_graphs=true
   fused     fused_loss=true
   autotune  inductor's max_autotune_gemm for the layers (Triton GEMM templates, epilogues fused into them)
   cdt       inductor's coordinate_descent_tuning (the layers' pointwise and reduction kernels tuned)
@@ -61,9 +60,9 @@ def parse(variant: str) -> dict:
     for f in flags:
         if f.startswith("keep"):
             budget = float(f[4:])
-        elif f not in ("ckpt", "graphs", "fused", "autotune", "cdt", "base"):
-            raise SystemExit(f"unknown flag '{f}' in variant '{variant}': use ckpt, keepF, graphs, fused, autotune, cdt")
-    return dict(ckpt="ckpt" in flags, budget=budget, graphs="graphs" in flags, fused="fused" in flags,
+        elif f not in ("ckpt", "fused", "autotune", "cdt", "base"):
+            raise SystemExit(f"unknown flag '{f}' in variant '{variant}': use ckpt, keepF, fused, autotune, cdt")
+    return dict(ckpt="ckpt" in flags, budget=budget, fused="fused" in flags,
                 autotune="autotune" in flags, cdt="cdt" in flags)
 
 
@@ -86,7 +85,7 @@ def learner_for(model_dir: str, v: dict, device):
     import update
     cfg = config.parse([f"model={model_dir}", f"micro_batch_size={W['prompts'] * W['samples']}", "compile=true",
                         f"grad_checkpointing={v['ckpt']}", f"activation_budget={v['budget']}",
-                        f"compile_graphs={v['graphs']}", f"fused_loss={v['fused']}", "lr=1e-6",
+                        f"fused_loss={v['fused']}", "lr=1e-6",
                         f"samples_per_prompt={W['samples']}"])
     config.fill_defaults(cfg)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -118,7 +117,10 @@ def profile_update(learner, step: int) -> dict:
         one_update(learner, step)
         bench_workload.sync()
     wall = time.perf_counter() - t0
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # kernels, memsets and copies on the GPU's timeline; not the annotations laid over them ("Optimizer.step#...",
+    # which span their kernels and the gaps between them)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+              and not getattr(e, "is_user_annotation", False) and "#" not in e.name]
     by_name: dict[str, list[float]] = {}
     spans = []
     for e in events:
@@ -155,7 +157,7 @@ def run_variant(model_dir: str, variant: str, a, device) -> dict:
         t0 = time.perf_counter()
         learner = learner_for(model_dir, v, device)
         warm = []
-        for i in range(a.warmup):   # compile (and with graphs: the warm-up run, then the recording)
+        for i in range(a.warmup):   # compile
             bench_workload.sync()
             t = time.perf_counter()
             one_update(learner, i)
@@ -206,8 +208,8 @@ def table(rows: list[dict]) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--variants", default="ckpt,ckpt:fused,ckpt:keep0.7,ckpt:keep0.7:graphs")
-    p.add_argument("--warmup", type=int, default=3, help="untimed updates first (graphs record on the second)")
+    p.add_argument("--variants", default="ckpt,ckpt:fused,ckpt:keep0.7")
+    p.add_argument("--warmup", type=int, default=2, help="untimed updates first (compile)")
     p.add_argument("--updates", type=int, default=5)
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--small", action="store_true", help="toy shapes (CPU smoke run)")
