@@ -11,8 +11,7 @@
 #   tests      GPU tests of tests/test_lora.py then tests/test_multiturn.py, in one process, in that order: lora.tf32's
 #              precision once leaked into the multi-turn graph test  (T_TESTS=300)
 #   kernels    every other test with a CUDA/GPU skip marker (tools/gpu_only.py finds them)  (T_TESTS)
-#   graphs     tests/test_capture_fallback.py then tests/test_update_graphs.py, on GPU 0: the compile-heavy capture
-#              test beside the one that records torch.compile's cudagraph trees, whose state is process-wide (the
+#   graphs     tests/test_capture_fallback.py, on GPU 0: the compile-heavy capture test in a process of its own (the
 #              gate of 2026-11-28 ran `kernels` out of 400 s, its last test after them unfinished)  (T_TESTS)
 #   arch-*     tests/test_architectures.py's GPU tests (every family graphed and compiled; the generic path's step
 #              compiles too), in two processes  (T_ARCH=420)
@@ -87,8 +86,8 @@ dist_stage() {   # name -k expression [file]: part of tests/test_distributed.py 
 pytest_stage tests 0 "$T_TESTS" tests/test_lora.py tests/test_multiturn.py &
 pytest_stage kernels "$g1" "$T_TESTS" tests --ignore=tests/test_lora.py --ignore=tests/test_multiturn.py \
     --ignore=tests/test_distributed.py --ignore=tests/test_architectures.py \
-    --ignore=tests/test_capture_fallback.py --ignore=tests/test_update_graphs.py &
-pytest_stage graphs 0 "$T_TESTS" tests/test_capture_fallback.py tests/test_update_graphs.py &
+    --ignore=tests/test_capture_fallback.py &
+pytest_stage graphs 0 "$T_TESTS" tests/test_capture_fallback.py &
 # every model family graphed and compiled: mostly compile time, so in two processes of their own
 pytest_stage arch-decode "$g2" "$T_ARCH" tests/test_architectures.py -k "not compiled_layers and not fsdp2" &
 pytest_stage arch-train "$g3" "$T_ARCH" tests/test_architectures.py -k "compiled_layers" &
