@@ -150,6 +150,7 @@ def advance(tok: Tensor, logp: Tensor, done: Tensor, completion: Tensor, alive: 
 
 
 class FastDecoder(Step, Turns):
+    _advance = staticmethod(advance)   # the bookkeeping after sampling; __init__ compiles it with the step
     def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
                  attention: str = "kernel", keep_cache: bool = False, weights: str = "fused",
                  record_routes: bool = False):
@@ -180,8 +181,8 @@ class FastDecoder(Step, Turns):
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self._step = torch.compile(self._forward, dynamic=False, fullgraph=True) if self.compile else self._forward
-        self._advance = torch.compile(advance, dynamic=False, fullgraph=True) \
-            if self.compile and COMPILE_ADVANCE else advance
+        if self.compile and COMPILE_ADVANCE:
+            self._advance = torch.compile(advance, dynamic=False, fullgraph=True)
         self.compact_always = False   # tests: take feed's compaction route every time
         # routing replay (engines/moe.py): each token's experts per MoE layer, kept by sample() as last_routes
         self.record_routes, self.last_routes = record_routes and any(s.moe for s in self.arch.layers), None

@@ -60,7 +60,7 @@ if HAS_TRITON:
     @triton.jit
     def _norm_linear(x_ptr, r_ptr, xo_ptr, g_ptr, w_ptr, b_ptr, y_ptr, M, N, K, eps,
                      HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)                             # (BM,) rows
@@ -85,10 +85,10 @@ if HAS_TRITON:
             a = (xf * gk[None, :]).to(w_ptr.dtype.element_ty)         # (BM, BK)
             wm = nm[None, :] & km[:, None]
             w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=wm, other=0.0)          # (BK, BN)
-            acc = tl.dot(a, w, acc)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
             if GLU:
                 w2 = tl.load(w_ptr + (rn + N)[None, :] * K + rk[:, None], mask=wm, other=0.0)
-                acc2 = tl.dot(a, w2, acc2)
+                acc2 = tl.dot(a, w2, acc2, input_precision=PRECISION)
         rstd = 1.0 / tl.sqrt(ss / K + eps)                             # (BM,)
         acc = acc * rstd[:, None]
         if HAS_BIAS:
@@ -109,6 +109,7 @@ if HAS_TRITON:
         grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
         _norm_linear[grid](x, x if res is None else res, xo, g, w, w if b is None else b, y, M, N, K, eps,
                            HAS_RES=res is not None, HAS_BIAS=b is not None, GLU=glu, BM=bm, BN=bn, BK=bk,
+                           PRECISION="ieee" if w.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
                            num_warps=warps, num_stages=stages)
         return y, xo
 

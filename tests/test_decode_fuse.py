@@ -63,4 +63,4 @@ def test_kernel_cuda():
     check(norm_linear, "cuda", M=128, K=896, N=1152, dtype=torch.bfloat16, tol=2e-2)   # W1's q/k/v (default settings)
     check(norm_linear, "cuda", M=128, K=896, N=4864, dtype=torch.bfloat16, tol=2e-2)   # and its gate/up
     check(norm_linear, "cuda", M=3, K=100, N=50, dtype=torch.bfloat16, tol=2e-2)       # partial blocks everywhere
-    check(norm_linear, "cuda", M=128, K=896, N=1152, dtype=torch.float32, tol=5e-3)     # TF32 dots
+    check(norm_linear, "cuda", M=128, K=896, N=1152, dtype=torch.float32, tol=1e-4)     # float32 dots (no TF32)
