@@ -9,7 +9,7 @@ warm-up, so a drift of the card's clock hits all alike. A variant sets the step'
 first capture: base = engines.decode_step.FUSE off and fast_decode.COMPILE_ADVANCE off (the step before issue 38
 item 2); fuse = the norm + GEMM kernels (kernels/decode_fuse.py); advance = the compiled bookkeeping. --profile:
 torch.profiler over 20 replays of each variant's decode graph, kernels by name with calls per token step and time per call
-(OUT/profile_<variant>.txt). Also each variant's sampling log-probs against teacher forcing (mean / max |diff|).
+(OUT/profile_<variant>.txt, + as -). Also each variant's sampling log-probs against teacher forcing (mean / max |diff|).
 Writes OUT/decode_step.md and prints it.
 """
 import argparse
@@ -70,6 +70,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="timed rollouts per variant per round")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--fuse-json", default="", help="tools/decode_kernel_bench.py --fuse's --json: the fused "
+                    "variants take its fastest norm_linear settings (else kernels/decode_fuse.py's SETTINGS)")
     a = ap.parse_args()
     names = a.variants.split(",")
     if any(n not in VARIANTS for n in names):
@@ -79,6 +81,13 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     from engines.base import SamplingParams
     from models import completion_logprobs
+    if a.fuse_json:
+        import json
+        from kernels.decode_fuse import SETTINGS
+        found = json.load(open(a.fuse_json))["variants"]["fuse"]
+        for kind, name in (("linear", "q/k/v"), ("glu", "gate/up")):
+            SETTINGS[kind] = tuple(min(found[name], key=lambda v: v["us"])["settings"])
+        print(f"norm_linear settings: {SETTINGS}", flush=True)
     model, ids, W = build()
     mask = torch.ones_like(ids)
     sampling = SamplingParams(1.0, 1.0, W["new"])
@@ -109,7 +118,7 @@ def main():
             print(f"round {r} {n}: {[round(t, 4) for t in times[n][-a.repeats:]]}", flush=True)
     lines = [f"W1 rollout (128 x 256 new tokens after 64-token prompts, random Qwen2.5-0.5B shape, bf16) on "
              f"{torch.cuda.get_device_name()} (torch {torch.__version__}); `python tools/decode_step_profile.py "
-             f"{' '.join(sys.argv[1:])}`", "", "| variant | median s | all s | log-prob vs teacher forcing mean / max |",
+             f"{' '.join(sys.argv[1:])}`", f"norm_linear settings: {__import__('kernels.decode_fuse').decode_fuse.SETTINGS}", "", "| variant | median s | all s | log-prob vs teacher forcing mean / max |",
              "|---|---|---|---|"]
     for n in names:
         lines.append(f"| {n} | {statistics.median(times[n]):.4f} | {' '.join(f'{t:.4f}' for t in times[n])} | "
@@ -129,7 +138,7 @@ def main():
                     st["graph"].replay()
                 torch.cuda.synchronize()
             table = kernel_table(p, steps)
-            with open(os.path.join(a.out, f"profile_{n}.txt"), "w") as f:
+            with open(os.path.join(a.out, f"profile_{n.replace('+', '-')}.txt"), "w") as f:
                 f.write("\n".join(table) + "\n")
             print(f"== {n}\n" + "\n".join(table[:40]), flush=True)
 
