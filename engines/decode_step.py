@@ -5,27 +5,15 @@ engines/decode_weights.py's fused or packed groups, activations, rotary tables) 
 engines/fast_decode.py allocates. Per layer, the spec (families.LayerSpec) says which norms sit where, whether
 q and k are normed, which rotary table applies (the identity for layers without rotary), the sliding window,
 and whether the MLP is routed experts (engines/moe.py).
-
-On CUDA a decode step's layers whose norms and activation kernels/decode_fuse.py covers (`fusable`) take two
-fused kernels for what sits between their GEMMs: the residual add and pre-attention norm in the q/k/v GEMM, the
-residual add, pre-MLP norm and SiLU x up in the gate/up GEMM (the residual of the down projection is added by the
-next layer's q/k/v kernel). Other layers, the prefill and the CPU keep the modules' route.
 """
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from engines.decode_weights import project
 from engines.moe import moe_block
-from kernels import decode_attention_kernel, use_triton
+from kernels import decode_attention_kernel
 from kernels.decode_attention import rotate
-from kernels.decode_fuse import NORMS, norm_linear
-
-# the fused norm + GEMM kernels of the decode step (kernels/decode_fuse.py); "0" keeps the modules' route
-# (comparisons: tools/decode_kernel_bench.py); read at trace time, so set it before a decoder's first capture
-FUSE = os.environ.get("FAST_DECODE_FUSE", "1") == "1"
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -60,23 +48,6 @@ def _fusable_norm(a, spec, dtype) -> tuple | None:
     return qw, kw, a.q_norm.variance_epsilon
 
 
-def _plain(p: tuple) -> bool:
-    """A projection group applied as one GEMM of a single weight (+ bias): no adapters, packing or FP8."""
-    ws, _, A, _, R = p
-    return len(ws) == 1 and ws[0].dtype in (torch.bfloat16, torch.float16, torch.float32) and A is None and not R
-
-
-def fusable(layer, spec, p_qkv: tuple, p_gu: tuple, x: Tensor) -> bool:
-    """Can this layer's decode step take kernels/decode_fuse.py's kernels: pre-norms only (NORMS' formula, in
-    x's dtype), a dense SiLU MLP, plain q/k/v and gate/up groups, and Triton for x (CUDA, or the interpreter)?"""
-    if not FUSE or spec.moe or spec.norms[1] is not None or spec.norms[3] is not None or not use_triton(x):
-        return False
-    pre_a, pre_m = spec.norms[0], spec.norms[2]
-    act = getattr(layer.mlp, "act_fn", None) or getattr(layer.mlp, "activation_fn", None)
-    return (all(type(n).__name__ in NORMS and n.weight.dtype == x.dtype for n in (pre_a, pre_m))
-            and type(act).__name__ in ("SiLU", "SiLUActivation") and _plain(p_qkv) and _plain(p_gu))
-
-
 class Step:
     """Mixed into FastDecoder: needs self.model, self.arch, self.fused, self.attention, self.n_heads, self.n_kv,
     self.head_dim, self.splits and self.moe_grouped (engines/moe.py: grouped GEMMs or the dense form)."""
@@ -106,16 +77,11 @@ class Step:
                 kpos.scatter_(1, slots, pos)
             for w in {s.window for s in arch.layers if s.window}:
                 windowed[w] = key_ok & (kpos[:, None, None, :] > pos[:, None, :, None] - w)
-        n_moe, down = 0, None   # down: a fused layer's MLP output (B, T, H), added to x by the next layer
+        n_moe = 0
         for i, (layer, spec) in enumerate(zip(m.layers, arch.layers)):
             ok = windowed.get(spec.window, key_ok)
             pre_a, post_a, pre_m, post_m = spec.norms
             p_qkv, p_gu, p_o, p_down = self.fused[i]
-            if x.shape[1] == 1 and fusable(layer, spec, p_qkv, p_gu, x):   # a decode step: kernels/decode_fuse.py
-                x, down = self._fused_layer(i, layer, spec, x, down, pos, slots, ok, ks, vs, cos, sin)
-                continue
-            if down is not None:
-                x, down = x + down, None
             qkv = project(_norm(pre_a, x), p_qkv)                            # (B, T, (nh + 2 nkv) D)
             x = x + _norm(post_a, project(self._attention(qkv, pos, slots, ok, ks[i], vs[i], cos[spec.rope],
                                                           sin[spec.rope], layer.self_attn, spec), p_o))
@@ -128,29 +94,11 @@ class Step:
                 act = getattr(layer.mlp, "act_fn", None) or layer.mlp.activation_fn
                 y = project(act(gate) * up, p_down)
             x = x + _norm(post_m, y)
-        if down is not None:
-            x = x + down
         h = m.norm(x[:, -1])                                  # (B, H); the fp8 routes' head follows the layers'
         logits = project(h, self.fused[-1]) if len(self.fused) > len(m.layers) else self.model.lm_head(h)  # (B, V)
         if arch.final_softcap:
             logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
         return logits
-
-    def _fused_layer(self, i: int, layer, spec, x: Tensor, down: Tensor | None, pos: Tensor, slots: Tensor,
-                     ok: Tensor, ks: list, vs: list, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """One decode layer in five kernels (kernels/decode_fuse.py: norm_linear): x (B, 1, H) the residual stream
-        without down (B, 1, H), the last fused layer's MLP output (or None) -> (x + down + attention, this layer's
-        MLP output). The modules' route computes the same up to rounding."""
-        B, T, H = x.shape
-        pre_a, _, pre_m, _ = spec.norms
-        (w_qkv,), b_qkv, _, _, _ = self.fused[i][0]
-        (w_gu,), _, _, _, _ = self.fused[i][1]
-        qkv, x = norm_linear(x.view(B, H), None if down is None else down.view(B, H), pre_a.weight,
-                             pre_a.variance_epsilon, w_qkv, b_qkv)           # (B, (nh + 2 nkv) D), (B, H)
-        o = project(self._attention(qkv.view(B, T, -1), pos, slots, ok, ks[i], vs[i], cos[spec.rope],
-                                    sin[spec.rope], layer.self_attn, spec), self.fused[i][2])   # (B, 1, H)
-        act, x = norm_linear(x, o.view(B, H), pre_m.weight, pre_m.variance_epsilon, w_gu, None, glu=True)  # (B, I)
-        return x.view(B, T, H), project(act.view(B, T, -1), self.fused[i][3])
 
     def _qk_norm(self, a, spec, qkv: Tensor) -> Tensor:
         """The family's norm of q and k before rotary (families.LayerSpec.qk_norm); qkv unchanged without one."""

@@ -151,6 +151,7 @@ def advance(tok: Tensor, logp: Tensor, done: Tensor, completion: Tensor, alive: 
 
 class FastDecoder(Step, Turns):
     _advance = staticmethod(advance)   # the bookkeeping after sampling; __init__ compiles it with the step
+
     def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
                  attention: str = "kernel", keep_cache: bool = False, weights: str = "fused",
                  record_routes: bool = False):

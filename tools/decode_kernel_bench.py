@@ -10,9 +10,6 @@
 - Experts (kernels/moe_experts.py, --moe) at W10's qwen3_moe decode shape (128 tokens x top-4 of 32, hidden 1024,
   expert MLP 768) against torch's grouped GEMM route, in one graph over 8 layers' weights; --copy: a 2 GiB
   device copy, the card's rate in the same command.
-- Norm + GEMM fusion (kernels/decode_fuse.py, --fuse) at W1's decode shape (128 rows, hidden 896, q/k/v 1152, MLP
-  4864), in one graph over 24 layers' weights: the residual add and RMSNorm compiled as the step compiles them plus
-  the cuBLAS GEMM (and the compiled SiLU x up) against norm_linear at each setting; o_proj and down alone.
 - Sampler (kernels/sample.py) at 128 x 151,936 bf16 logits: the Gumbel kernel, the inverse-CDF one at a few
   settings; the cuBLAS lm_head (128 x 896 by 896 x 151,936) alone as the floor, and head + sampler in one graph.
 Time: median over --reps replays of a graph holding --calls calls, divided by the calls. Writes a markdown table
@@ -181,61 +178,6 @@ def block_rows(reps: int, x, gus, dns, layers: int, found: dict | None) -> list[
     return rows
 
 
-def fuse_rows(reps: int, lin: list[tuple], glu: list[tuple], found: dict | None = None) -> list[str]:
-    """kernels/decode_fuse.py's norm_linear at W1's decode shape against what the step ran before it: the compiled
-    residual add + RMSNorm (+ SiLU x up after the GEMM) around cuBLAS, per layer in one graph over 24 layers."""
-    import torch.nn.functional as F
-    from kernels.decode_fuse import norm_linear
-    M, H, Q, I, L = 128, 896, 1152, 4864, 24
-    dev, dt = "cuda", torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-    rnd = lambda *s, scale=1.0: (torch.randn(*s, device=dev, generator=g) * scale).to(dt)
-    x, d, nw = rnd(M, H), rnd(M, H), rnd(H, scale=0.1) + 1
-    wq, bq = [rnd(Q, H, scale=H ** -0.5) for _ in range(L)], [rnd(Q, scale=0.1) for _ in range(L)]
-    wgu = [rnd(2 * I, H, scale=H ** -0.5) for _ in range(L)]
-    wo, wd, a = [rnd(H, H, scale=H ** -0.5) for _ in range(L)], [rnd(H, I, scale=I ** -0.5) for _ in range(L)], rnd(M, I)
-
-    def norm(x, d):
-        s = x + d
-        f = s.float()
-        return nw * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dt), s
-
-    def glu_ref(x, d, w):
-        h, s = norm(x, d)
-        gate, up = F.linear(h, w).chunk(2, -1)
-        return F.silu(gate) * up, s
-    qkv_c = torch.compile(lambda x, d, w, b: (F.linear(norm(x, d)[0], w, b), norm(x, d)[1]), dynamic=False)
-    glu_c = torch.compile(glu_ref, dynamic=False)
-    per = lambda fn: graph_us(lambda: [fn(i) for i in range(L)], 1, reps) / L
-    rows, found = [], found if found is not None else {}
-    for kind, base, fused, variants, gb in (
-            ("q/k/v", lambda i: qkv_c(x, d, wq[i], bq[i]), lambda i, c: norm_linear(x, d, nw, 1e-6, wq[i], bq[i],
-                                                                                   settings=c), lin, Q * H * 2e-9),
-            ("gate/up", lambda i: glu_c(x, d, wgu[i]), lambda i, c: norm_linear(x, d, nw, 1e-6, wgu[i], None, True,
-                                                                               settings=c), glu, 2 * I * H * 2e-9)):
-        want = base(0)[0].float()
-        us = per(base)
-        found[f"{kind} modules"] = us
-        rows.append(f"| norm + {kind} | {M} x {H} -> {want.shape[1]} | add + RMSNorm compiled, cuBLAS"
-                    f"{' + SiLU x up' if kind == 'gate/up' else ''} | {us:.2f} | {gb / us * 1e3:.2f} TB/s weight |")
-        for c in variants:
-            try:
-                got = fused(0, c)[0].float()
-                us = per(lambda i, c=c: fused(i, c))
-            except Exception as e:
-                rows.append(f"| norm + {kind} | | norm_linear {c} | failed | {type(e).__name__} |")
-                continue
-            err = ((got - want).norm() / want.norm()).item()
-            found.setdefault(kind, []).append({"settings": c, "us": us, "rel_err": err})
-            rows.append(f"| norm + {kind} | | norm_linear {c} | {us:.2f} | {gb / us * 1e3:.2f} TB/s; rel. err {err:.1e} |")
-        print("\n".join(rows[-len(variants) - 1:]), flush=True)
-    for name, fn in (("o_proj", lambda i: F.linear(x, wo[i])), ("down", lambda i: F.linear(a, wd[i]))):
-        us = per(fn)
-        found[name] = us
-        rows.append(f"| {name} | cuBLAS | alone | {us:.2f} | |")
-    return rows
-
-
 def copy_row(reps: int) -> str:
     """The card's copy rate: a 2 GiB device-to-device copy, bytes read plus written."""
     a = torch.empty(2 ** 30, dtype=torch.bfloat16, device="cuda")
@@ -278,9 +220,6 @@ def main():
     ap.add_argument("--attention-only", action="store_true", help="skip the sampler rows")
     ap.add_argument("--moe", default="", help="also time qwen3_moe's experts: kernels/moe_experts.py's settings "
                     "BM:BN:BK:warps:stages[:CN][/the same for down], comma-separated ('default': SETTINGS)")
-    ap.add_argument("--fuse", default="", help="also time kernels/decode_fuse.py: q/k/v settings and gate/up settings "
-                    "BM:BN:BK:warps:stages, comma-separated, the two lists split by '/' ('default': SETTINGS)")
-    ap.add_argument("--fuse-only", action="store_true", help="only the --fuse rows")
     ap.add_argument("--copy", action="store_true", help="also time a 2 GiB device copy (the card's rate)")
     ap.add_argument("--json", default="", help="also write each attention variant's times and the fastest unsplit "
                     "one (mean over the fills) here")
@@ -299,12 +238,7 @@ def main():
                  for sp, blk, wp in ((64, 4096, 8), (64, 4096, 4), (64, 2048, 4), (128, 2048, 8), (32, 8192, 8))]
     found = {}
     rows = [copy_row(args.reps)] if args.copy else []
-    if args.fuse:
-        from kernels.decode_fuse import SETTINGS as FUSE
-        lin, glu = (args.fuse + "/" + args.fuse).split("/")[:2] if args.fuse != "default" else ("", "")
-        rows += fuse_rows(args.reps, parse(lin) if lin else [FUSE["linear"]], parse(glu) if glu else [FUSE["glu"]],
-                          found.setdefault("fuse", {}))
-    for sh in ([] if args.fuse_only else shapes):
+    for sh in shapes:
         rows += attention_rows(args.reps, parse(per_shape.get(sh, args.splits)), sh, found.setdefault(sh, {}))
         print("\n".join(rows), flush=True)
     if args.moe:
@@ -318,11 +252,11 @@ def main():
             t = ints(v)
             return (t[:5], t[5:]) if len(t) == 10 else (t, t)
         rows += moe_rows(args.reps, [pair(v) for v in args.moe.split(",")], found=found.setdefault("moe", {}))
-    if not args.attention_only and not args.fuse_only:
+    if not args.attention_only:
         rows += sampler_rows(args.reps, args.calls, samplers)
     if args.json:
         mean = lambda v: sum(v["us"]) / len(v["us"])
-        best = {sh: min((v for v in found.get(sh, {}).values() if v["splits"] == 1 and v["warps"] and len(v["us"]) == 3),
+        best = {sh: min((v for v in found[sh].values() if v["splits"] == 1 and v["warps"] and len(v["us"]) == 3),
                         key=mean, default=None) for sh in shapes}
         with open(args.json, "w") as f:
             json.dump({"shapes": {sh: SHAPES[sh] for sh in shapes}, "variants": found, "best_unsplit": best}, f,

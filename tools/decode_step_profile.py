@@ -1,13 +1,13 @@
 """W1's rollout on the fast decoder, variants of its decode step against each other in one process, one GPU:
 
-    python tools/decode_step_profile.py --out OUT [--variants base,fuse,fuse+advance] [--rounds 2] [--profile]
+    python tools/decode_step_profile.py --out OUT [--variants base,advance] [--rounds 2] [--profile]
 
 The model is a random Qwen2 at W1's shape (tools/bench_workload.py's SHAPES["w1"]: Qwen2.5-0.5B, 128 sequences of
 64 prompt tokens, 256 new tokens, bf16). Each variant is a FastDecoder with the cache kept between calls (graph +
 compile, as the engine's default); variants take turns, `--rounds` times `--repeats` timed rollouts each after a
 warm-up, so a drift of the card's clock hits all alike. A variant sets the step's switches before its decoder's
-first capture: base = engines.decode_step.FUSE off and fast_decode.COMPILE_ADVANCE off (the step before issue 38
-item 2); fuse = the norm + GEMM kernels (kernels/decode_fuse.py); advance = the compiled bookkeeping. --profile:
+first capture: base = fast_decode.COMPILE_ADVANCE off (the step before issue 38 item 2: the bookkeeping after the
+sampler eager), advance = on (the default: compiled with the step). --profile:
 torch.profiler over 20 replays of each variant's decode graph, kernels by name with calls per token step and time per call
 (OUT/profile_<variant>.txt, + as -). Also each variant's sampling log-probs against teacher forcing (mean / max |diff|).
 Writes OUT/decode_step.md and prints it.
@@ -21,7 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
-VARIANTS = {"base": (False, False), "fuse": (True, False), "advance": (False, True), "fuse+advance": (True, True)}
+VARIANTS = {"base": False, "advance": True}   # fast_decode.COMPILE_ADVANCE
 
 
 def build():
@@ -45,9 +45,8 @@ def build():
 
 
 def decoder(model, variant: str):
-    import engines.decode_step as ds
     import engines.fast_decode as fd
-    ds.FUSE, fd.COMPILE_ADVANCE = VARIANTS[variant]
+    fd.COMPILE_ADVANCE = VARIANTS[variant]                            # read when the decoder is built
     return fd.FastDecoder(model, keep_cache=True)
 
 
@@ -66,12 +65,10 @@ def kernel_table(prof, steps: int) -> list[str]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variants", default="base,fuse+advance", help=f"comma list of: {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="base,advance", help=f"comma list of: {', '.join(VARIANTS)}")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="timed rollouts per variant per round")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--fuse-json", default="", help="tools/decode_kernel_bench.py --fuse's --json: the fused "
-                    "variants take its fastest norm_linear settings (else kernels/decode_fuse.py's SETTINGS)")
     a = ap.parse_args()
     names = a.variants.split(",")
     if any(n not in VARIANTS for n in names):
@@ -81,13 +78,6 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     from engines.base import SamplingParams
     from models import completion_logprobs
-    if a.fuse_json:
-        import json
-        from kernels.decode_fuse import SETTINGS
-        found = json.load(open(a.fuse_json))["variants"]["fuse"]
-        for kind, name in (("linear", "q/k/v"), ("glu", "gate/up")):
-            SETTINGS[kind] = tuple(min(found[name], key=lambda v: v["us"])["settings"])
-        print(f"norm_linear settings: {SETTINGS}", flush=True)
     model, ids, W = build()
     mask = torch.ones_like(ids)
     sampling = SamplingParams(1.0, 1.0, W["new"])
@@ -105,9 +95,6 @@ def main():
         print(f"{n}: built; log-prob |diff| vs teacher forcing mean {mism[n][0]:.4f} max {mism[n][1]:.4f}", flush=True)
     for r in range(a.rounds):
         for n in names:
-            import engines.decode_step as ds
-            import engines.fast_decode as fd
-            ds.FUSE, fd.COMPILE_ADVANCE = VARIANTS[n]                 # no re-trace: the graph is captured
             for _ in range(a.repeats):
                 gen = torch.Generator(device="cuda").manual_seed(r)
                 torch.cuda.synchronize()
@@ -118,7 +105,7 @@ def main():
             print(f"round {r} {n}: {[round(t, 4) for t in times[n][-a.repeats:]]}", flush=True)
     lines = [f"W1 rollout (128 x 256 new tokens after 64-token prompts, random Qwen2.5-0.5B shape, bf16) on "
              f"{torch.cuda.get_device_name()} (torch {torch.__version__}); `python tools/decode_step_profile.py "
-             f"{' '.join(sys.argv[1:])}`", f"norm_linear settings: {__import__('kernels.decode_fuse').decode_fuse.SETTINGS}", "", "| variant | median s | all s | log-prob vs teacher forcing mean / max |",
+             f"{' '.join(sys.argv[1:])}`", "", "| variant | median s | all s | log-prob vs teacher forcing mean / max |",
              "|---|---|---|---|"]
     for n in names:
         lines.append(f"| {n} | {statistics.median(times[n]):.4f} | {' '.join(f'{t:.4f}' for t in times[n])} | "

@@ -100,12 +100,12 @@ if [ "$ngpu" -ge 2 ]; then   # as tools/gpu_dist.sh: they mostly wait on imports
 fi
 sweep sweep 0 sample,decode,logprob,linear,loss,decoder &
 sweep sweep-exact 0 exact_gemm,exact_cat,exact_silu,exact_attn,exact_rope,exact_rows &
-sweep sweep-more "$g1" decode_opts,fused_kl,fp8_gemm,fp8_quant,moe,moe_route,fuse &
+sweep sweep-more "$g1" decode_opts,fused_kl,fp8_gemm,fp8_quant,moe,moe_route &
 sanitize sanitizer-sample 0 1 sample &
 sanitize sanitizer-logprob 0 1 logprob,linear,loss &
 sanitize sanitizer-exact-attn 0 1 exact_attn,exact_rope,exact_rows &
 sanitize sanitizer-fp8-moe 0 1 fp8_gemm,fp8_quant,moe,moe_route &
-sanitize sanitizer-opts 0 1 decode_opts,fuse &
+sanitize sanitizer-opts 0 1 decode_opts &
 sanitize sanitizer-decode "$g1" 1 decode &
 sanitize sanitizer-decoder "$g1" 0 decoder &
 sanitize sanitizer-exact-gemm "$g1" 1 exact_gemm,exact_cat,exact_silu &

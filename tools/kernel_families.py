@@ -12,8 +12,6 @@ its first families fill tools/kernel_sweep.py).
   moe         kernels/moe_experts.py: the decode step's expert kernels (gate/up with SiLU, down) over routings with
               empty experts and one past a row block -> expert_gate_up_reference, expert_down_reference
   moe_route   kernels/decode_route.py: a decode step's routing (softmax, top-k, weights, expert order) -> route_reference
-  fuse        kernels/decode_fuse.py: norm_linear (residual add, RMSNorm, GEMM, bias or SiLU x up) over partial
-              row, column and K blocks -> norm_linear_reference
 The FP8 families need FP8 tensor cores on a GPU (compute capability 8.9+): elsewhere the sweep skips them with one
 line (`NEEDS`), counting neither a pass nor a failure. Under the interpreter they run on CPU tensors, with float32
 where the GPU would round to e4m3 in the kernel (triton 3.9's interpreter rounds e4m3 unfaithfully).
@@ -312,39 +310,7 @@ def moe_route_cases(size):
         yield dict(N=N, E=E, k=k, norm=norm, dtype=BF16 if size == "gpu" else F32, H=H)
 
 
-def check_fuse(device, M, K, N, res, glu, dtype, cfg) -> float:
-    """kernels/decode_fuse.py's norm_linear (x + res, RMSNorm by g, GEMM, bias or glu's SiLU x up) against
-    norm_linear_reference on float32 copies; the returned stream equal to x + res in dtype. Bounds: bf16 2e-2
-    relative (the fused norm rounds x * g, not x * rstd), float32 1e-5 (float32 dots)."""
-    from kernels.decode_fuse import norm_linear, norm_linear_reference
-    g = gen("fuse", M, K, N, res, glu, dtype, cfg)
-    x, r = torch.randn(M, K, generator=g).to(dtype), torch.randn(M, K, generator=g).to(dtype)
-    nw = (torch.randn(K, generator=g) * 0.3 + 1).to(dtype)
-    w = (torch.randn(2 * N if glu else N, K, generator=g) / K ** 0.5).to(dtype)
-    b = None if glu else torch.randn(N, generator=g).to(dtype)
-    f32 = lambda t: None if t is None else t.float()
-    want, stream = norm_linear_reference(f32(x), f32(r) if res else None, f32(nw), 1e-6, f32(w), f32(b), glu)
-    put = lambda t: None if t is None else t.to(device)
-    y, xo = norm_linear(put(x), put(r) if res else None, put(nw), 1e-6, put(w), put(b), glu, settings=cfg)
-    assert y.shape == (M, N) and y.dtype == dtype, (y.shape, y.dtype)
-    assert torch.equal(xo.cpu(), (x + r) if res else x), "the residual stream differs"
-    err = rel(y, want)
-    tol = 2e-2 if dtype == BF16 else 1e-5
-    assert err <= tol, f"error {err} > {tol}"
-    return err
-
-
-def fuse_cases(size):
-    # (M, K, N): one row; sizes no tile divides; W1's decode q/k/v and gate/up (gpu)
-    shapes = [(1, 64, 32), (9, 40, 24), (20, 100, 70)] + ([(128, 896, 1152), (128, 896, 4864)] if size == "gpu" else [])
-    for M, K, N in shapes[1:] if size == "cpu" else shapes:
-        for res, glu in ((False, False), (True, False), (True, True)):
-            for dtype in ((F32,) if size == "cpu" else (F32, BF16)):     # the interpreter's bf16 dot is wrong
-                for cfg in ((16, 16, 32, 4, 2),) if size == "cpu" else (None, (16, 16, 32, 4, 2)):   # the tuned
-                    yield dict(M=M, K=K, N=N, res=res, glu=glu, dtype=dtype, cfg=cfg)   # tiles; small: several
-
-
 FAMILIES = {"fused_kl": (fused_kl_cases, check_fused_kl), "fp8_gemm": (fp8_gemm_cases, check_fp8_gemm),
             "fp8_quant": (fp8_quant_cases, check_fp8_quant), "moe": (moe_cases, check_moe),
-            "moe_route": (moe_route_cases, check_moe_route), "fuse": (fuse_cases, check_fuse)}
+            "moe_route": (moe_route_cases, check_moe_route)}
 NEEDS = {"fp8_gemm": fp8_needs, "fp8_quant": fp8_needs}   # family -> fn(device) -> why it cannot run here, or None
