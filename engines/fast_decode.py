@@ -34,7 +34,8 @@ What makes it fast, and why this route:
   capture. The graph holds the parameters' addresses, and the optimizer updates them in place, so weight sync
   stays free and the graph stays valid across training steps.
 - Sampling runs on the GPU with no host sync per token; whether every sequence has stopped is checked only
-  every `check_every` tokens.
+  every `check_every` tokens. The bookkeeping after the sampler (`advance`) is compiled too: a few fused
+  kernels in the graph instead of ~14 one-element ones (docs/kernels.md, "What a W1 decode step spends").
 """
 import os
 import sys
@@ -127,9 +128,31 @@ OFF = Split(torch.device("cpu"))
 # (their timings: docs/kernels.md); the others stay selectable for comparison
 ATTENTION_SPLITS = int(os.environ.get("FAST_DECODE_SPLITS", "1"))
 SAMPLER = os.environ.get("FAST_DECODE_SAMPLER", "cdf")
+# compile the step's bookkeeping after the sampler (`advance`: the sampled column's writes, the stop flags, the
+# next position and slot) with the step: a dozen one-element kernels become a few; "0" leaves them eager
+COMPILE_ADVANCE = os.environ.get("FAST_DECODE_COMPILE_ADVANCE", "1") == "1"
+
+
+def advance(tok: Tensor, logp: Tensor, done: Tensor, completion: Tensor, alive: Tensor, logprobs: Tensor,
+            t: Tensor, feed: Tensor, pos: Tensor | None, slot: Tensor | None, pad_id: int, eos_id: int):
+    """After sampling tok, logp (B,): write column t of completion / alive / logprobs (B, N) (rows already done
+    get padding), mark rows that sampled EOS done, feed the token to the next step (B, 1), advance t and (unless
+    None) pos (B, 1) and slot (1,). All in place on the device."""
+    tok = torch.where(done, pad_id, tok)                                 # (B,)
+    completion.index_copy_(1, t, tok[:, None])
+    alive.index_copy_(1, t, ~done[:, None])
+    logprobs.index_copy_(1, t, torch.where(done, 0.0, logp)[:, None])
+    done |= tok == eos_id
+    feed.copy_(tok[:, None])
+    t += 1
+    if pos is not None:
+        pos += 1
+        slot += 1
 
 
 class FastDecoder(Step, Turns):
+    _advance = staticmethod(advance)   # the bookkeeping after sampling; __init__ compiles it with the step
+
     def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
                  attention: str = "kernel", keep_cache: bool = False, weights: str = "fused",
                  record_routes: bool = False):
@@ -160,6 +183,8 @@ class FastDecoder(Step, Turns):
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self._step = torch.compile(self._forward, dynamic=False, fullgraph=True) if self.compile else self._forward
+        if self.compile and COMPILE_ADVANCE:
+            self._advance = torch.compile(advance, dynamic=False, fullgraph=True)
         self.compact_always = False   # tests: take feed's compaction route every time
         # routing replay (engines/moe.py): each token's experts per MoE layer, kept by sample() as last_routes
         self.record_routes, self.last_routes = record_routes and any(s.moe for s in self.arch.layers), None
@@ -226,10 +251,13 @@ class FastDecoder(Step, Turns):
         st["key_ok"].index_fill_(3, st["slot"], True)                       # the new token's slot is visible
         logits = self._step(st["tok"], st["pos"], st["slot"], st["key_ok"], st["k"], st["v"], st["cos"], st["sin"],
                             st["kpos"], st["routes"])
-        st["pos"] += 1
-        st["slot"] += 1
         if st["graph_sampling"]:
-            self._take(st, *self._sample(logits, st))
+            tok, logp = self._sample(logits, st)
+            self._advance(tok, logp, st["done"], st["completion"], st["alive"], st["logprobs"], st["t"], st["tok"],
+                          st["pos"], st["slot"], self.pad_id, self.eos_id)
+        else:
+            st["pos"] += 1
+            st["slot"] += 1
         return logits
 
     def _sample(self, logits: Tensor, st: dict) -> tuple[Tensor, Tensor]:
@@ -238,14 +266,8 @@ class FastDecoder(Step, Turns):
 
     def _take(self, st: dict, tok: Tensor, logp: Tensor):
         """Write the sampled column t (rows already done get padding), then advance t. All on the device."""
-        done = st["done"]
-        tok = torch.where(done, self.pad_id, tok)                            # (B,)
-        st["completion"].index_copy_(1, st["t"], tok[:, None])
-        st["alive"].index_copy_(1, st["t"], ~done[:, None])
-        st["logprobs"].index_copy_(1, st["t"], torch.where(done, 0.0, logp)[:, None])
-        done |= tok == self.eos_id
-        st["tok"].copy_(tok[:, None])
-        st["t"] += 1
+        advance(tok, logp, st["done"], st["completion"], st["alive"], st["logprobs"], st["t"], st["tok"], None, None,
+                self.pad_id, self.eos_id)
 
     @staticmethod
     def _rewind(st: dict):
@@ -263,10 +285,10 @@ class FastDecoder(Step, Turns):
         except UserError:   # bad settings (FAST_DECODE_ATTN): the uncompiled step would fail the same way
             raise
         except Exception as e:
-            if self._step == self._forward:   # already uncompiled (bound methods are equal, never identical)
-                raise
+            if self._step == self._forward and self._advance is advance:   # already uncompiled (bound methods
+                raise                                                       # are equal, never identical)
             print(f"fast_decode: torch.compile failed ({named(e)}); capturing the uncompiled step", file=sys.stderr)
-            self._step = self._forward
+            self._step, self._advance = self._forward, advance
             try:
                 self._record(st)
             except Exception as again:
