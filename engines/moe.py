@@ -25,7 +25,7 @@ from torch import Tensor
 from config import UserError, opt, section
 from kernels import use_triton
 from kernels.decode_route import COUNT_PAIRS, MAX_TOKENS, by_expert, route, route_linear
-from kernels.moe_experts import expert_down, expert_gate_up, expert_mlp
+from kernels.moe_experts import expert_down, expert_gate_up
 
 _PROBED: dict = {}   # (device type, dtype) -> whether torch._grouped_mm runs there
 # a decode step's router GEMM as its own launch before the routing kernel ("gemm"), or inside that kernel
@@ -34,12 +34,6 @@ _PROBED: dict = {}   # (device type, dtype) -> whether torch._grouped_mm runs th
 ROUTER = os.environ.get("FAST_DECODE_ROUTER", "gemm")
 if ROUTER not in ("gemm", "kernel"):
     raise UserError(f"FAST_DECODE_ROUTER must be gemm or kernel, got {ROUTER!r}")
-# a decode step's experts on a GPU: kernels/moe_experts.py's two kernels ("triton"), the same tiles in one launch
-# ("mlp": expert_mlp, the down tiles of an expert start once its gate/up tiles are done), or torch's grouped GEMM
-# ("grouped"); chosen by timing at W10's qwen3_moe shape (docs/architectures.md)
-EXPERTS = os.environ.get("FAST_DECODE_MOE", "triton")
-if EXPERTS not in ("triton", "mlp", "grouped"):
-    raise UserError(f"FAST_DECODE_MOE must be triton, mlp or grouped, got {EXPERTS!r}")
 
 
 @section("moe", "mixture-of-experts models")
@@ -76,9 +70,9 @@ def use_grouped(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
 
 def triton_experts(x: Tensor, mlp) -> bool:
     """Can kernels/moe_experts.py run this MoE block's experts on x? CUDA (or the interpreter), bf16 or fp16
-    activations and weights, SiLU experts (the kernel's epilogue), and FAST_DECODE_MOE (EXPERTS) not "grouped"."""
+    activations and weights, SiLU experts (the kernel's epilogue), and FAST_DECODE_MOE not "grouped"."""
     e = mlp.experts
-    return (EXPERTS != "grouped" and use_triton(x, e.gate_up_proj)
+    return (os.environ.get("FAST_DECODE_MOE", "triton") == "triton" and use_triton(x, e.gate_up_proj)
             and x.dtype in (torch.bfloat16, torch.float16) and e.gate_up_proj.dtype == e.down_proj.dtype == x.dtype
             and type(e.act_fn).__name__ in ("SiLU", "SiLUActivation"))
 
@@ -131,8 +125,7 @@ def routed_experts(x: Tensor, router: Tensor, top_k: int, norm_topk: bool, gate_
     if not fused and (grouped is None or (grouped == "triton" and N * top_k > COUNT_PAIRS)):
         grouped = use_grouped(x, gate_up, down)
     if grouped == "triton":   # x's rows gathered, SiLU(gate) * up and each expert's weights read once, in-kernel
-        h = expert_mlp(x, token, offs, gate_up, down) if EXPERTS == "mlp" else \
-            expert_down(expert_gate_up(x, token, offs, gate_up), offs, down)    # (N k, H)
+        h = expert_down(expert_gate_up(x, token, offs, gate_up), offs, down)   # (N k, H)
     else:
         expert = idx.reshape(-1)[order]                                      # (N k,) sorted
         h = _expert_mm(x[token], gate_up, expert, offs, grouped)            # (N k, 2I)

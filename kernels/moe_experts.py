@@ -28,12 +28,12 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _tile(x_ptr, tok_ptr, w_ptr, offs_ptr, o_ptr, sx, sw_e, sw_n, so, N, K, e, n,
-              GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CN: tl.constexpr,
-              L2: tl.constexpr):
-        # one tile: expert e, output columns [n CN, n CN + CN), CN <= BN the columns it owns of its BN-wide
+    def _expert_gemm(x_ptr, tok_ptr, w_ptr, offs_ptr, o_ptr, sx, sw_e, sw_n, so, N, K,
+                     GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CN: tl.constexpr):
+        # program (expert e, output columns [n CN, n CN + CN)), CN <= BN the columns it owns of its BN-wide
         # tile: o[m, cols] = x[tok[m]] @ w[e, cols]^T over e's pairs m; GATED: w holds gate rows [0, N) and up
-        # rows [N, 2N), and o = SiLU(gate) * up. L2: x's rows read past L1 (this launch wrote them)
+        # rows [N, 2N), and o = SiLU(gate) * up
+        e, n = tl.program_id(0), tl.program_id(1)
         start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
         end = tl.load(offs_ptr + e)
         cols = n * CN + tl.arange(0, BN)
@@ -52,10 +52,7 @@ if HAS_TRITON:
             for k0 in range(0, K, BK):
                 kk = k0 + tl.arange(0, BK)
                 km = kk < K
-                if L2:
-                    xt = tl.load(xr + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0, cache_modifier=".cg")
-                else:
-                    xt = tl.load(xr + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)   # (BM, BK)
+                xt = tl.load(xr + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)     # (BM, BK)
                 wm = km[:, None] & cm[None, :]
                 g = tl.dot(xt, tl.load(wg + kk[:, None], mask=wm, other=0.0), g)          # (BK, BN) tile of w^T
                 if GATED:
@@ -69,41 +66,6 @@ if HAS_TRITON:
                 out = g
             tl.store(o_ptr + rows[:, None] * so + cols[None, :], out.to(dt), mask=rm[:, None] & cm[None, :])
 
-    @triton.jit
-    def _expert_gemm(x_ptr, tok_ptr, w_ptr, offs_ptr, o_ptr, sx, sw_e, sw_n, so, N, K,
-                     GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CN: tl.constexpr):
-        # program (expert, tile of output columns)
-        _tile(x_ptr, tok_ptr, w_ptr, offs_ptr, o_ptr, sx, sw_e, sw_n, so, N, K, tl.program_id(0), tl.program_id(1),
-              GATED, BM, BN, BK, CN, False)
-
-    @triton.jit
-    def _expert_mlp(x_ptr, tok_ptr, gu_ptr, dn_ptr, offs_ptr, a_ptr, o_ptr, sync_ptr, sx, sgu_e, sgu_n, sdn_e, sdn_n,
-                    sa, so, I, H, E, TG, TD, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    CNG: tl.constexpr, CND: tl.constexpr, EB: tl.constexpr):
-        # both projections in one launch: E TG gate/up tiles (CNG columns of a each), then E TD down tiles (CND
-        # columns of o), taken in that order by tickets (sync[0]), not program ids: a program holding a down
-        # tile of expert e waits (sync[2 + e]) for e's TG gate/up tiles, each held by a program that took its
-        # ticket earlier and so is already running, whatever order the hardware starts programs in. The last
-        # program out (sync[1]) zeroes the counters for the next launch
-        wid = tl.atomic_add(sync_ptr, 1)
-        total = E * (TG + TD)
-        if wid < E * TG:
-            e = wid // TG
-            _tile(x_ptr, tok_ptr, gu_ptr, offs_ptr, a_ptr, sx, sgu_e, sgu_n, sa, I, H, e, wid % TG,
-                  True, BM, BN, BK, CNG, False)
-            tl.debug_barrier()                                   # every thread's stores of a, then publish them
-            tl.atomic_add(sync_ptr + 2 + e, 1, sem="release")
-        else:
-            j = wid - E * TG
-            e = j // TD
-            while tl.atomic_add(sync_ptr + 2 + e, 0, sem="acquire") < TG:
-                pass
-            _tile(a_ptr, tok_ptr, dn_ptr, offs_ptr, o_ptr, sa, sdn_e, sdn_n, so, H, I, e, j % TD,
-                  False, BM, BN, BK, CND, True)
-        tl.debug_barrier()
-        if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == total - 1:
-            c = tl.arange(0, EB)
-            tl.store(sync_ptr + c, tl.zeros((EB,), tl.int32), mask=c < E + 2)
 
     # opaque custom ops (as kernels/decode_attention.py's): the compiled decode step calls them as they are
     @torch.library.custom_op("rlhack::moe_expert_gemm", mutates_args=())
@@ -124,47 +86,17 @@ if HAS_TRITON:
         return x.new_empty(tok.shape[0], w.shape[1] // 2) if gated else x.new_empty(x.shape[0], w.shape[1])
 
 
-    _SYNC: dict = {}   # device -> int32 counters of _expert_mlp (zero between launches: its last program resets them)
-
-    def _sync(device: torch.device, E: int) -> Tensor:
-        t = _SYNC.get(device)
-        if t is None or t.numel() < E + 2:
-            t = _SYNC[device] = torch.zeros(max(64, E + 2), dtype=torch.int32, device=device)
-        return t
-
-    @torch.library.custom_op("rlhack::moe_expert_mlp", mutates_args=())
-    def _expert_mlp_op(x: Tensor, tok: Tensor, offs: Tensor, gate_up: Tensor, down: Tensor, bm: int, bn: int,
-                       bk: int, warps: int, stages: int, cng: int, cnd: int) -> Tensor:
-        M, (E, I2, H) = tok.shape[0], gate_up.shape
-        a = torch.empty(M, I2 // 2, dtype=x.dtype, device=x.device)   # SiLU(gate) * up, read back by the down tiles
-        out = torch.empty(M, H, dtype=x.dtype, device=x.device)
-        if M:
-            bk = bk if x.element_size() <= 2 else max(16, bk // 2)
-            cng, cnd = min(cng or bn, bn), min(cnd or bn, bn)
-            TG, TD = triton.cdiv(I2 // 2, cng), triton.cdiv(H, cnd)
-            _expert_mlp[(E * (TG + TD),)](
-                x, tok, gate_up, down, offs, a, out, _sync(x.device, E), x.stride(0), gate_up.stride(0),
-                gate_up.stride(1), down.stride(0), down.stride(1), a.stride(0), out.stride(0), I2 // 2, H, E, TG, TD,
-                BM=bm, BN=bn, BK=bk, CNG=cng, CND=cnd, EB=triton.next_power_of_2(E + 2), num_warps=warps,
-                num_stages=stages)
-        return out
-
-    @_expert_mlp_op.register_fake
-    def _(x, tok, offs, gate_up, down, bm, bn, bk, warps, stages, cng, cnd):
-        return x.new_empty(tok.shape[0], gate_up.shape[2])
-
-
 # (BM, BN, BK, warps, stages) per kernel, chosen by timing in a CUDA graph at W10's qwen3_moe decode shape
 # (docs/architectures.md, "Decode attention and experts, timed"); tools/decode_kernel_bench.py --moe times
 # candidates. BM 32: one row block holds an expert's pairs at a decode batch (about 16 each at 128 tokens x top-4
 # of 32). Settings are for 2-byte dtypes; float32 inputs take half the BK, so the stages still fit in shared
 # memory. FAST_DECODE_MOE_SETTINGS="32x128x64x8x3,32x128x64x8x3" (gate_up's, down's; a sixth field: CN,
-# expert_gate_up's docstring; a third entry: expert_mlp's seven fields) overrides them for a run
+# expert_gate_up's docstring) overrides them for a run
 # gate_up's CN 96: 8 programs of 96 columns per expert (256 over 132 SMs: two to nearly every SM) where 128-column
 # tiles made 6 (192: two on 60 SMs, one on the rest)
-SETTINGS = {"gate_up": (32, 128, 64, 8, 3, 96), "down": (32, 128, 64, 8, 3), "mlp": (32, 128, 64, 8, 3, 96, 128)}
+SETTINGS = {"gate_up": (32, 128, 64, 8, 3, 96), "down": (32, 128, 64, 8, 3)}
 if os.environ.get("FAST_DECODE_MOE_SETTINGS"):
-    SETTINGS.update(zip(("gate_up", "down", "mlp"), (tuple(int(v) for v in c.split("x"))
+    SETTINGS.update(zip(("gate_up", "down"), (tuple(int(v) for v in c.split("x"))
                                               for c in os.environ["FAST_DECODE_MOE_SETTINGS"].split(","))))
 
 
@@ -193,17 +125,6 @@ def expert_down(a: Tensor, offs: Tensor, down: Tensor, cfg: tuple | None = None)
     """a (M, I) sorted pairs, offs (E,) int32, down (E, H, I) -> (M, H)."""
     _check(a, offs, down, a.shape[0], a.shape[1])
     return _expert_gemm_op(a, offs, offs, down, False, *_full(cfg or SETTINGS["down"]))   # tok unused: rows: pairs
-
-
-def expert_mlp(x: Tensor, token: Tensor, offs: Tensor, gate_up: Tensor, down: Tensor,
-               cfg: tuple | None = None) -> Tensor:
-    """expert_down(expert_gate_up(x, token, offs, gate_up), offs, down) in one launch (the down tiles of an expert
-    start as soon as its gate/up tiles are done): -> (M, H). cfg: (BM, BN, BK, warps, stages[, CN of gate/up[, CN
-    of down]]) (a CN left out or 0: BN), by default SETTINGS["mlp"]."""
-    _check(x, offs, gate_up, token.shape[0], x.shape[1])
-    _check(x.new_empty(0, gate_up.shape[1] // 2), offs, down, token.shape[0], gate_up.shape[1] // 2)
-    cfg = tuple(cfg or SETTINGS["mlp"])
-    return _expert_mlp_op(x, token, offs, gate_up, down, *(cfg + (0,) * (7 - len(cfg))))
 
 
 def _full(cfg: tuple) -> tuple:

@@ -32,17 +32,14 @@ def pairs(N: int, E: int, k: int, device="cpu", skew: bool = False):
 
 
 def check(device="cpu", N=9, H=32, I=48, E=4, k=2, dtype=torch.float32, skew=False, cfg=None, tol=1e-5):
-    """Both kernels, and both in one launch (expert_mlp, twice: its counters must be left at zero), against the
-    twins (relative Frobenius error), every output row written."""
-    from kernels.moe_experts import expert_down, expert_gate_up, expert_mlp
+    """Both kernels against the twins (relative Frobenius error), every output row written."""
+    from kernels.moe_experts import expert_down, expert_gate_up
     token, offs = pairs(N, E, k, device, skew)
     cast = lambda t: t.to(device=device, dtype=dtype)
     x, gu, dn = cast(torch.randn(N, H)), cast(torch.randn(E, 2 * I, H) / H ** 0.5), cast(torch.randn(E, H, I) / I ** 0.5)
     a, a_ref = expert_gate_up(x, token, offs, gu, cfg), expert_gate_up_reference(x, token, offs, gu)
     y, y_ref = expert_down(a_ref, offs, dn, cfg), expert_down_reference(a_ref, offs, dn)
-    y1, y2 = (expert_mlp(x, token, offs, gu, dn, cfg) for _ in range(2))
-    assert torch.equal(y1, y2)
-    for got, want in ((a, a_ref), (y, y_ref), (y2, y_ref)):
+    for got, want in ((a, a_ref), (y, y_ref)):
         assert got.shape == want.shape and got.dtype == dtype and torch.isfinite(got).all()
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= tol
 
@@ -75,9 +72,8 @@ x, router = torch.randn(6, 32), torch.randn(4, 32)
 gu, dn = torch.randn(4, 2 * 16, 32) / 6, torch.randn(4, 32, 16) / 4
 args = (x, router, 2, True, gu, dn, torch.nn.functional.silu)
 import engines.moe as moe
-for decode, router, experts in ((False, "kernel", "triton"), (True, "kernel", "triton"), (True, "gemm", "triton"),
-                                (True, "gemm", "mlp")):   # decode: the routing kernel too; mlp: one launch
-    moe.ROUTER, moe.EXPERTS = router, experts          # the router's GEMM in the routing kernel, or before it
+for decode, router in ((False, "kernel"), (True, "kernel"), (True, "gemm")):   # decode: the routing kernel too
+    moe.ROUTER = router                                # the router's GEMM in the routing kernel, or before it
     torch.testing.assert_close(routed_experts(*args, grouped="triton", decode=decode),
                                routed_experts(*args, grouped=False), rtol=1e-5, atol=1e-5)
 from tools.kernel_families import check_moe_route
@@ -102,14 +98,13 @@ def test_kernels_cuda():
                 torch.nn.functional.silu)
         b = routed_experts(*args, grouped=True).float()
         import engines.moe as moe
-        before = moe.ROUTER, moe.EXPERTS
+        before = moe.ROUTER
         try:
-            for decode, moe.ROUTER, moe.EXPERTS in ((False, before[0], "triton"), (True, "kernel", "triton"),
-                                                    (True, "gemm", "triton"), (True, "gemm", "mlp")):
+            for decode, moe.ROUTER in ((False, before), (True, "kernel"), (True, "gemm")):
                 a = routed_experts(*args, grouped="triton", decode=decode).float()
                 assert ((a - b).norm() / b.norm()).item() <= 1e-2
         finally:
-            moe.ROUTER, moe.EXPERTS = before
+            moe.ROUTER = before
     from tools.kernel_families import check_moe_route
     check_moe_route("cuda", 128, 32, 4, True, torch.bfloat16)          # W10's decode routing
     check_moe_route("cuda", 128, 32, 4, True, torch.bfloat16, H=1024)  # with its router's GEMM

@@ -1,95 +1,74 @@
-"""qwen3_moe's decode experts at W10's shape, timed in CUDA graphs, and one profiled W10 qwen3_moe rollout (GPU).
+"""qwen3_moe's decode experts at W10's shape, timed in CUDA graphs, and a profiled W10 qwen3_moe rollout (GPU).
 
-    python tools/moe_kernel_bench.py --out OUT                      # everything below
-    python tools/moe_kernel_bench.py --out OUT --parts kernels      # kernels, block | profile | rollouts
+    python tools/moe_kernel_bench.py --out OUT                      # both parts
+    python tools/moe_kernel_bench.py --out OUT --parts kernels      # kernels | profile
 
-- kernels: kernels/moe_experts.py's two launches (expert_gate_up, expert_down) against expert_mlp (the same tiles
-  in one launch) at each setting of --mlp, 128 tokens x top-4 of 32 experts, hidden 1024, expert MLP 768, one
-  graph over 8 layers' weights (151 MB each, so every layer's weights come from memory); the card's copy rate.
-- block: the whole routed block as the decode step compiles it (router GEMM, routing kernel, experts, weighted
-  sum), with each experts' route (engines/moe.py: EXPERTS).
-- profile: W10's qwen3_moe (tools/bench_w10.py's MODELS), one rollout under torch.profiler: its CUDA kernels by
-  total time (OUT/profile.txt), plus the rollout's split (FAST_DECODE_TIMES).
-- rollouts: the same model, one engine per experts' route, their rollouts interleaved for --rounds rounds.
+- kernels: kernels/moe_experts.py's two kernels at 128 tokens x top-4 of 32 experts (hidden 1024, expert MLP
+  768), routed as `routing` says (uniform, uneven, grouped), one CUDA graph over 8 layers' weights (151 MB each,
+  so every layer's weights come from memory); the card's copy rate.
+- profile: W10's qwen3_moe (tools/bench_w10.py's MODELS): one rollout timed after the warm-up, its split
+  (FAST_DECODE_TIMES, to stderr), and one under torch.profiler: its CUDA kernels by total time (OUT/profile.txt).
 Writes OUT/moe_bench.json and prints a table. The graph timing is tools/decode_kernel_bench.py's `graph_us`.
 """
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))                    # tools/
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import torch
+from torch import Tensor
 
+import bench_workload   # tools/: W1's timing helpers
 from decode_kernel_bench import copy_row, graph_us
 
 
-def kernel_rows(reps: int, mlp_cfgs: list[tuple], layers: int = 8) -> tuple[list[str], dict]:
+def routing(kind: str, N: int, E: int, k: int, g) -> Tensor:
+    """(N k,) each pair's expert: "uniform" (each token its own random top-k: 8 to 24 pairs per expert at W10's
+    shape); "uneven" (some experts preferred by every token, as W10's random qwen3_moe routes: its busiest expert
+    took 26 to 56 pairs of 512 per MoE layer and decode step in a CPU run of its shape, docs/architectures.md); or
+    "grouped" (GRPO's groups of 8 samples of one prompt take the same k experts)."""
+    if kind == "grouped":
+        per_group = torch.rand(N // 8, E, device="cuda", generator=g).topk(k, -1).indices    # (N / 8, k)
+        return per_group.repeat_interleave(8, 0).reshape(-1)
+    z = torch.randn(N, E, device="cuda", generator=g)
+    if kind == "uneven":
+        z = z + 0.35 * torch.randn(E, device="cuda", generator=g)       # a bias per expert: busiest ~31-59
+    return z.topk(k, -1).indices.reshape(-1)
+
+
+def kernel_rows(reps: int, layers: int = 8) -> tuple[list[str], dict]:
+    """Both expert kernels, one graph over `layers` layers' weights, at each routing."""
     from kernels.decode_route import by_expert
-    from kernels.moe_experts import SETTINGS, expert_down, expert_gate_up, expert_mlp
+    from kernels.moe_experts import expert_down, expert_gate_up
     N, H, I, E, k = 128, 1024, 768, 32, 4
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     gus = [torch.randn(E, 2 * I, H, device=dev, dtype=dt, generator=g) * H ** -0.5 for _ in range(layers)]
     dns = [torch.randn(E, H, I, device=dev, dtype=dt, generator=g) * I ** -0.5 for _ in range(layers)]
     x = torch.randn(N, H, device=dev, dtype=dt, generator=g)
-    flat = torch.rand(N, E, device=dev, generator=g).topk(k, -1).indices.reshape(-1)
-    order, _, offs = by_expert(flat, E)
-    token = order // k
     gb = (gus[0].numel() + dns[0].numel()) * 2 / 1e9
-    two = lambda i: expert_down(expert_gate_up(x, token, offs, gus[i]), offs, dns[i])
-    want = two(0)
-    us = graph_us(lambda: [two(i) for i in range(layers)], 1, reps) / layers
-    found = {"two_launches_us": us, "mlp": []}
-    rows = [f"| experts | two launches {SETTINGS['gate_up']} + {SETTINGS['down']} | {us:.2f} | "
-            f"{gb / us * 1e3:.2f} TB/s |"]
-    for cfg in mlp_cfgs:
-        try:
-            got = expert_mlp(x, token, offs, gus[0], dns[0], cfg)
-            same = torch.equal(got, want)
-            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-            us = graph_us(lambda: [expert_mlp(x, token, offs, gus[i], dns[i], cfg) for i in range(layers)], 1,
-                          reps) / layers
-            again = torch.equal(expert_mlp(x, token, offs, gus[0], dns[0], cfg), want)   # after the replays
-        except Exception as e:
-            rows.append(f"| experts | expert_mlp {cfg} | failed | {type(e).__name__}: {str(e)[:120]} |")
-            continue
-        found["mlp"].append({"cfg": cfg, "us": us, "equal": same and again, "rel_err": err})
-        rows.append(f"| experts | expert_mlp {cfg} | {us:.2f} | {gb / us * 1e3:.2f} TB/s; equal to two launches: "
-                    f"{same and again} (rel. err {err:.1e}) |")
+    rows, found = [], {}
+    for kind in ("uniform", "uneven", "grouped"):
+        flat = routing(kind, N, E, k, g)
+        order, _, offs = by_expert(flat, E)
+        token = order // k
+        counts = torch.bincount(flat, minlength=E)
+        two = lambda i: expert_down(expert_gate_up(x, token, offs, gus[i]), offs, dns[i])
+        us = graph_us(lambda: [two(i) for i in range(layers)], 1, reps) / layers
+        found[kind] = us
+        rows.append(f"| experts, {kind} routing (pairs per expert {counts.min().item()}-{counts.max().item()}, "
+                    f"{(counts > 0).sum().item()} experts used) | two kernels | {us:.2f} | "
+                    f"{gb / us * 1e3:.2f} TB/s of all experts' bytes |")
     return rows, found
 
 
-def block_rows(reps: int, layers: int = 8) -> tuple[list[str], dict]:
-    import engines.moe as moe
-    N, H, I, E, k = 128, 1024, 768, 32, 4
-    g = torch.Generator(device="cuda").manual_seed(1)
-    r = lambda *s, sc=1.0: torch.randn(*s, device="cuda", generator=g).mul(sc).to(torch.bfloat16)
-    x = r(N, H)
-    ws = [(r(E, H, sc=H ** -0.5), r(E, 2 * I, H, sc=H ** -0.5), r(E, H, I, sc=I ** -0.5)) for _ in range(layers)]
-    rows, found, want, before = [], {}, None, moe.EXPERTS
-    for route in ("triton", "mlp"):
-        moe.EXPERTS = route                                                # read when the block is traced
-        block = torch.compile(lambda w, gu, dn: moe.routed_experts(x, w, k, True, gu, dn, torch.nn.functional.silu,
-                                                                   "triton", decode=True), fullgraph=True,
-                              dynamic=False)
-        got = block(*ws[0])
-        want = got if want is None else want
-        us = graph_us(lambda: [block(*w) for w in ws], 1, reps) / layers
-        found[route] = us
-        rows.append(f"| routed block, compiled | EXPERTS={route} | {us:.2f} | equal to the first: "
-                    f"{torch.equal(got, want)} |")
-    moe.EXPERTS = before
-    return rows, found
-
-
-def rollouts(out: str, rounds: int, do_profile: bool, routes: list[str]) -> tuple[list[str], dict]:
+def profiled(out: str) -> tuple[list[str], dict]:
+    """W10's qwen3_moe: a warm-up rollout (compile, capture), one with FAST_DECODE_TIMES (its split, to stderr),
+    one timed, one under torch.profiler (OUT/profile.txt)."""
     import bench_w10
-    import engines.moe as moe
     from engines.base import SamplingParams
     from engines.builtin import BuiltinEngine
     model_type, fields, _ = bench_w10.MODELS["qwen3_moe"]
@@ -99,52 +78,26 @@ def rollouts(out: str, rounds: int, do_profile: bool, routes: list[str]) -> tupl
                             generator=torch.Generator().manual_seed(0)).tolist()
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=work["new"])
     gen = torch.Generator(device="cuda").manual_seed(0)
-    engines, rows, found, before = {}, [], {}, moe.EXPERTS
-    for route in routes:
-        moe.EXPERTS = route
-        engines[route] = BuiltinEngine(model, eos_id=V, pad_id=0, fast=True)
-        t0 = time.perf_counter()
-        engines[route].generate(prompts, work["samples"], sampling, gen)
-        torch.cuda.synchronize()
-        found[f"{route}_first_s"] = time.perf_counter() - t0
-        if do_profile and route == routes[0]:
-            os.environ["FAST_DECODE_TIMES"] = "1"                            # the split, to stderr
-            engines[route].generate(prompts, work["samples"], sampling, gen)
-            os.environ.pop("FAST_DECODE_TIMES")
-            found["profile"] = bench_w10.profile(lambda: engines[route].generate(prompts, work["samples"], sampling,
-                                                                                 gen), os.path.join(out, "profile.txt"))
-    times = {route: [] for route in routes}
-    for i in range(rounds):
-        for route in routes:
-            moe.EXPERTS = route                                             # the compiled step's guard
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            engines[route].generate(prompts, work["samples"], sampling, gen)
-            torch.cuda.synchronize()
-            times[route].append(time.perf_counter() - t0)
-        print(f"round {i + 1}: " + ", ".join(f"{r} {times[r][-1]:.4f} s" for r in routes), flush=True)
-    moe.EXPERTS = before
-    for route in routes:
-        t = times[route]
-        found[route] = t
-        rows.append(f"| W10 qwen3_moe rollout | EXPERTS={route} | {statistics.median(t):.4f} s ({min(t):.4f}-"
-                    f"{max(t):.4f}) | {rounds} interleaved rounds |")
-    return rows, found
+    engine = BuiltinEngine(model, eos_id=V, pad_id=0, fast=True)
+    fn = lambda: engine.generate(prompts, work["samples"], sampling, gen)
+    first, times, _ = bench_workload.timed(fn, 1)
+    os.environ["FAST_DECODE_TIMES"] = "1"
+    fn()
+    os.environ.pop("FAST_DECODE_TIMES")
+    found = {"first_s": first, "rollout_s": times[0], "profile": bench_w10.profile(fn, os.path.join(out, "profile.txt"))}
+    return [f"| W10 qwen3_moe rollout | one, after the warm-up | {times[0]:.4f} s | kernels: {found['profile']} |"], found
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for moe_bench.json and profile.txt")
-    p.add_argument("--parts", default="kernels,block,profile,rollouts")
+    p.add_argument("--parts", default="kernels,profile")
     p.add_argument("--reps", type=int, default=20, help="graph replays per timing (median)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rollout rounds")
-    p.add_argument("--mlp", default="32x128x64x8x3x96x128", help="expert_mlp settings to time, comma-separated "
-                   "(BM x BN x BK x warps x stages x CN of gate/up x CN of down)")
     a = p.parse_args()
     parts = a.parts.split(",")
-    bad = [x for x in parts if x not in ("kernels", "block", "profile", "rollouts")]
+    bad = [x for x in parts if x not in ("kernels", "profile")]
     if bad or not torch.cuda.is_available():
-        sys.exit(f"moe_kernel_bench: needs a GPU and parts among kernels, block, profile, rollouts; got {bad}")
+        sys.exit(f"moe_kernel_bench: needs a GPU and parts among kernels, profile; got {bad}")
     os.makedirs(a.out, exist_ok=True)
     rows, found = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", "", "| what | variant | us | |",
                    "|---|---|---|---|"], {}
@@ -158,12 +111,9 @@ def main():
 
     if "kernels" in parts:
         save([copy_row(a.reps)], {}, "copy")
-        save(*kernel_rows(a.reps, [tuple(int(v) for v in c.split("x")) for c in a.mlp.split(",")]), "kernels")
-    if "block" in parts:
-        save(*block_rows(a.reps), "block")
-    if "profile" in parts or "rollouts" in parts:
-        save(*rollouts(a.out, a.rounds if "rollouts" in parts else 0, "profile" in parts,
-                       ["triton", "mlp"] if "rollouts" in parts else ["triton"]), "rollouts")
+        save(*kernel_rows(a.reps), "kernels")
+    if "profile" in parts:
+        save(*profiled(a.out), "profile")
     print("\n".join(rows))
 
 
