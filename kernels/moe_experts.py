@@ -4,12 +4,13 @@
     y = expert_down(a (M, I), offs (E,) int32, down (E, H, I))                      # -> (M, H)
 
 The M (token, expert) pairs come sorted by expert (kernels/decode_route.py: `by_expert`): pair m of expert e lies in
-[offs[e-1], offs[e]) and reads token[m]'s row of x. One program per (expert, tile of output columns) loops over
-its expert's pairs in blocks of BM rows (one block at a decode batch: ~16 pairs per expert) and over the input
-dimension, so each weight tile is read from memory once per step (twice only for an expert with more than BM
-pairs). The first kernel gathers x's rows by token itself and applies SiLU(gate) * up in its epilogue, with
-the roundings to the activations' dtype that the layer-by-layer computation has (gate and up rounded, SiLU
-rounded, the product rounded), so no (M, 2I) product, copy of x or activation kernel is left between the two.
+[offs[e-1], offs[e]) and reads token[m]'s row of x. An expert's pairs make blocks of BM rows (one at a decode
+batch's mean of ~16 pairs per expert, more where many tokens chose it); one program per (row block, tile of
+output columns) loops over the input dimension, so each weight tile is read from memory once per step (an
+expert's other blocks, running beside its first, find it in L2). The first kernel gathers x's rows by token
+itself and applies SiLU(gate) * up in its epilogue, with the roundings to the activations' dtype that the
+layer-by-layer computation has (gate and up rounded, SiLU rounded, the product rounded), so no (M, 2I) product,
+copy of x or activation kernel is left between the two.
 
 Why: torch._grouped_mm (a CUTLASS grouped GEMM) read the 32 experts of W10's qwen3_moe at about half the
 card's memory rate at this shape (docs/architectures.md, "qwen3_moe at W10's batch"). The torch twins
@@ -28,20 +29,36 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _expert_gemm(x_ptr, tok_ptr, w_ptr, offs_ptr, o_ptr, sx, sw_e, sw_n, so, N, K,
-                     GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CN: tl.constexpr):
-        # program (expert e, output columns [n CN, n CN + CN)), CN <= BN the columns it owns of its BN-wide
-        # tile: o[m, cols] = x[tok[m]] @ w[e, cols]^T over e's pairs m; GATED: w holds gate rows [0, N) and up
-        # rows [N, 2N), and o = SiLU(gate) * up
-        e, n = tl.program_id(0), tl.program_id(1)
-        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
-        end = tl.load(offs_ptr + e)
+    def _expert_gemm(x_ptr, tok_ptr, w_ptr, offs_ptr, o_ptr, sx, sw_e, sw_n, so, N, K, E,
+                     GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CN: tl.constexpr,
+                     SPLIT: tl.constexpr, EB: tl.constexpr):
+        # program (row block b, output columns [n CN, n CN + CN)), CN <= BN the columns it owns of its BN-wide
+        # tile: o[m, cols] = x[tok[m]] @ w[e, cols]^T over the BM pairs m of block b, all of one expert e; GATED: w
+        # holds gate rows [0, N) and up rows [N, 2N), and o = SiLU(gate) * up. SPLIT: the row blocks of every
+        # expert numbered in expert order, one per program (an expert's blocks run side by side, its weight tile
+        # read from memory once and from L2 by the others); else program (expert e, n), looping over e's blocks
+        b, n = tl.program_id(0), tl.program_id(1)
+        if SPLIT:
+            c = tl.arange(0, EB)
+            ends = tl.load(offs_ptr + c, mask=c < E, other=0)                           # (EB,)
+            starts = tl.load(offs_ptr + c - 1, mask=(c > 0) & (c < E), other=0)
+            blocks = (ends - starts + BM - 1) // BM                                    # each expert's row blocks
+            last = tl.cumsum(blocks, 0)                                                # (EB,) their ends, numbered
+            e = tl.sum((last <= b).to(tl.int32), 0)                                    # the expert holding block b
+            here = c == e
+            end = tl.sum(tl.where(here, ends, 0), 0)
+            start = tl.sum(tl.where(here, starts + (b - last + blocks) * BM, 0), 0)    # block b's first pair
+            stop = tl.minimum(start + BM, end)                                         # (e == E: nothing to do)
+        else:
+            e = b
+            start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+            stop = tl.load(offs_ptr + e)
         cols = n * CN + tl.arange(0, BN)
         cm = (cols < N) & (tl.arange(0, BN) < CN)
         wg = w_ptr + e.to(tl.int64) * sw_e + cols[None, :] * sw_n     # (1, BN) gate (or only) rows' starts
-        for m0 in range(start, end, BM):
+        for m0 in range(start, stop, BM):
             rows = m0 + tl.arange(0, BM)
-            rm = rows < end
+            rm = rows < stop
             if GATED:   # x's row of each pair: its token's
                 t = tl.load(tok_ptr + rows, mask=rm, other=0).to(tl.int64)             # (BM,)
             else:       # the pairs' own rows
@@ -70,19 +87,24 @@ if HAS_TRITON:
     # opaque custom ops (as kernels/decode_attention.py's): the compiled decode step calls them as they are
     @torch.library.custom_op("rlhack::moe_expert_gemm", mutates_args=())
     def _expert_gemm_op(x: Tensor, tok: Tensor, offs: Tensor, w: Tensor, gated: bool, bm: int, bn: int, bk: int,
-                        warps: int, stages: int, cn: int) -> Tensor:
+                        warps: int, stages: int, cn: int, split: bool) -> Tensor:
         M, n_out = (tok.shape[0], w.shape[1] // 2) if gated else (x.shape[0], w.shape[1])   # rows: the pairs
         out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
         if M:
+            E = w.shape[0]
             bk = bk if x.element_size() <= 2 else max(16, bk // 2)   # float32: the same bytes per stage as bf16's
             cn = min(cn or bn, bn)
-            _expert_gemm[(w.shape[0], triton.cdiv(n_out, cn))](
-                x, tok, w, offs, out, x.stride(0), w.stride(0), w.stride(1), out.stride(0), n_out, w.shape[2],
-                GATED=gated, BM=bm, BN=bn, BK=bk, CN=cn, num_warps=warps, num_stages=stages)
+            # split: at most M / BM full blocks plus one partial block per expert; the programs past the routing's
+            # own count (known on the device only) find no rows and end at once
+            rows = triton.cdiv(M, bm) + min(E, M) if split else E
+            _expert_gemm[(rows, triton.cdiv(n_out, cn))](
+                x, tok, w, offs, out, x.stride(0), w.stride(0), w.stride(1), out.stride(0), n_out, w.shape[2], E,
+                GATED=gated, BM=bm, BN=bn, BK=bk, CN=cn, SPLIT=split, EB=max(16, triton.next_power_of_2(E)),
+                num_warps=warps, num_stages=stages)
         return out
 
     @_expert_gemm_op.register_fake
-    def _(x, tok, offs, w, gated, bm, bn, bk, warps, stages, cn):
+    def _(x, tok, offs, w, gated, bm, bn, bk, warps, stages, cn, split):
         return x.new_empty(tok.shape[0], w.shape[1] // 2) if gated else x.new_empty(x.shape[0], w.shape[1])
 
 
@@ -95,6 +117,12 @@ if HAS_TRITON:
 # gate_up's CN 96: 8 programs of 96 columns per expert (256 over 132 SMs: two to nearly every SM) where 128-column
 # tiles made 6 (192: two on 60 SMs, one on the rest)
 SETTINGS = {"gate_up": (32, 128, 64, 8, 3, 96), "down": (32, 128, 64, 8, 3)}
+# an expert's row blocks (BM pairs each) one per program, side by side (True), or looped over by its programs
+# (False, FAST_DECODE_MOE_SPLIT=0: kept for tools/moe_kernel_bench.py's comparison). A decode batch's routing is
+# uneven (experts many tokens prefer; GRPO's samples of one prompt share their context), and an expert with more
+# than BM pairs set the kernels' time when its programs streamed its weights once per block, one block after the
+# other (docs/architectures.md)
+SPLIT = os.environ.get("FAST_DECODE_MOE_SPLIT", "1") == "1"
 if os.environ.get("FAST_DECODE_MOE_SETTINGS"):
     SETTINGS.update(zip(("gate_up", "down"), (tuple(int(v) for v in c.split("x"))
                                               for c in os.environ["FAST_DECODE_MOE_SETTINGS"].split(","))))
@@ -118,13 +146,13 @@ def expert_gate_up(x: Tensor, token: Tensor, offs: Tensor, gate_up: Tensor, cfg:
     cfg: (BM, BN, BK, warps, stages[, CN]), by default SETTINGS'. CN < BN: each program owns CN of its tile's BN
     columns (the rest masked), so the grid's size can be chosen apart from the tile's power-of-two width."""
     _check(x, offs, gate_up, token.shape[0], x.shape[1])
-    return _expert_gemm_op(x, token, offs, gate_up, True, *_full(cfg or SETTINGS["gate_up"]))
+    return _expert_gemm_op(x, token, offs, gate_up, True, *_full(cfg or SETTINGS["gate_up"]), SPLIT)
 
 
 def expert_down(a: Tensor, offs: Tensor, down: Tensor, cfg: tuple | None = None) -> Tensor:
     """a (M, I) sorted pairs, offs (E,) int32, down (E, H, I) -> (M, H)."""
     _check(a, offs, down, a.shape[0], a.shape[1])
-    return _expert_gemm_op(a, offs, offs, down, False, *_full(cfg or SETTINGS["down"]))   # tok unused: rows: pairs
+    return _expert_gemm_op(a, offs, offs, down, False, *_full(cfg or SETTINGS["down"]), SPLIT)   # tok unused
 
 
 def _full(cfg: tuple) -> tuple:

@@ -66,6 +66,10 @@ import torch
 from tests.test_moe_experts import check
 check()                                              # 4 experts, 9 tokens, top-2
 check(N=40, E=3, H=64, I=32, skew=True, cfg=(16, 16, 16, 4, 2))   # an expert past one row block, one with none
+import kernels.moe_experts as me
+me.SPLIT = False                                     # an expert's row blocks looped over by its programs
+check(N=40, E=3, H=64, I=32, skew=True, cfg=(16, 16, 16, 4, 2))
+me.SPLIT = True
 from engines.moe import routed_experts
 torch.manual_seed(0)
 x, router = torch.randn(6, 32), torch.randn(4, 32)
@@ -89,6 +93,16 @@ def test_kernels_cuda():
     routing, and float32 at odd sizes; then the engine's route against torch's grouped GEMM."""
     check("cuda", N=128, H=1024, I=768, E=32, k=4, dtype=torch.bfloat16, tol=1e-2)
     check("cuda", N=128, H=1024, I=768, E=32, k=4, dtype=torch.bfloat16, skew=True, tol=1e-2)
+    import kernels.moe_experts as me
+    try:   # the row blocks looped over (the comparison) and one per program give the same rows, bitwise
+        x, w = torch.randn(128, 256, device="cuda").bfloat16(), torch.randn(8, 2 * 96, 256, device="cuda").bfloat16()
+        token, offs = pairs(128, 8, 4, "cuda", skew=True)
+        me.SPLIT = False
+        loop = me.expert_gate_up(x, token, offs, w)
+        me.SPLIT = True
+        assert torch.equal(loop, me.expert_gate_up(x, token, offs, w))
+    finally:
+        me.SPLIT = True
     check("cuda", N=9, H=40, I=24, E=5, k=2, tol=5e-3)                 # tf32 dots
     from engines.moe import grouped_ok, routed_experts
     if grouped_ok(torch.device("cuda"), torch.bfloat16):

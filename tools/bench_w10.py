@@ -8,14 +8,17 @@
 
 Workload: 16 prompts x 8 samples, 64 random tokens each, 256 new tokens, temperature 1, top_p 1, random bf16
 weights built here from each family's config class (no hub), EOS outside the vocabulary, so every row runs to
-full length. Per model: the engine's rollout (BuiltinEngine.generate: the hand-written step for the families
-in engines/families.py, the generic graphed path otherwise; the first call compiles and captures and is not
-timed), then transformers' generate with cache_implementation="static". Each model runs in a try/except that
-prints its failure; models left when --budget seconds have passed are skipped, and the table says so.
+full length. Every model is built and warmed up first (BuiltinEngine.generate: the hand-written step for the
+families in engines/families.py, the generic graphed path otherwise; the first call compiles and captures and is
+not timed); then --repeats rounds each time one rollout of every model in turn, so a drift of the host or the
+card during the command moves every family alike (qwen2's own time varied by ~10% between commands); each
+model's figure is its median over the rounds, with the range; last, per model, transformers' generate with
+cache_implementation="static". Each model runs in a try/except that prints its failure; models not set up when
+--budget seconds have passed are skipped, and the table says so.
 
-Normalised: seconds per (parameter read per token), relative to qwen2's fast path in the same run. A token reads
-every weight except the embedding rows it does not look up (the head reads the whole vocabulary matrix); an MoE
-token reads its top_k experts of E. Goals (issue 32): every listed family within 1.3x of qwen2; the generic path
+Normalised: seconds per (parameter read per token), relative to qwen2's fast path in the same round (the median
+over rounds, with the range). A token reads every weight except the embedding rows it does not look up (the head
+reads the whole vocabulary matrix); an MoE token reads its top_k experts of E. Goals (issue 32): every listed family within 1.3x of qwen2; the generic path
 within 2x and at most 0.5x of transformers' static-cache generate. "x qwen2 per byte" divides instead by the bytes
 a decode step of the whole batch reads (bytes_per_step: the experts some token of the batch picks, not top_k of
 them, and the K/V cache at its mean length), which is what bounds a memory-bound step.
@@ -141,7 +144,9 @@ def logprob_gap(model, out) -> dict:
     return {"logprob_gap_mean": g.mean().item(), "logprob_gap_max": g.max().item()}
 
 
-def run_model(name: str, a, work: dict, device, dtype, emit=lambda row: None) -> dict:
+def setup(name: str, a, work: dict, device, dtype) -> dict:
+    """Build one model and its engine and make the first (untimed: compile and capture) rollout; returns the state
+    the timed rounds and `finish` use, its row holding the model's sizes and the first call's seconds."""
     from engines.base import SamplingParams
     from engines.builtin import BuiltinEngine
     model_type, fields, path = MODELS[name]
@@ -158,53 +163,85 @@ def run_model(name: str, a, work: dict, device, dtype, emit=lambda row: None) ->
     engine = BuiltinEngine(model, eos_id=V, pad_id=0, fast=True)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=work["new"])
     gen = torch.Generator(device=device).manual_seed(0)
-    first, times, out = bench_workload.timed(lambda: engine.generate(prompts, work["samples"], sampling, gen),
-                                             a.repeats)
-    row["engine_s"], row["engine_first_s"] = statistics.median(times), first
+    fn = lambda: engine.generate(prompts, work["samples"], sampling, gen)
+    first, _, out = bench_workload.timed(fn, 0)
+    row["engine_first_s"], row["engine_times"] = first, []
     row["path"] = type(engine.decoder).__name__ if engine.decoder is not None else "portable loop"
     if getattr(engine.decoder, "use_graph", False) is False and device.type == "cuda":
         row["path"] += " (no graph)"
     if row["path"].startswith("GenericDecoder"):   # its decode attention: kernel, sdpa or the model's own
         row["path"] += f", {engine.decoder.attention} attention"
+    return {"name": name, "model": model, "engine": engine, "fn": fn, "prompts": prompts, "out": out, "row": row,
+            "V": V}
+
+
+def time_once(st: dict):
+    """One timed rollout of a set-up model (a round's turn); its median and range go to the row."""
+    sync()
+    t0 = time.perf_counter()
+    st["out"] = st["fn"]()
+    sync()
+    r = st["row"]
+    r["engine_times"].append(time.perf_counter() - t0)
+    r["engine_s"] = statistics.median(r["engine_times"])
+    r["engine_min_s"], r["engine_max_s"] = min(r["engine_times"]), max(r["engine_times"])
+
+
+def finish(st: dict, a, work: dict, device, emit=lambda row: None) -> dict:
+    """After the rounds: the log-prob gap (--check, on the last rollout), the profile, transformers' generate."""
+    name, model, row = st["name"], st["model"], st["row"]
     if a.check:
-        row.update(logprob_gap(model, out))
+        row.update(logprob_gap(model, st["out"]))
     if name in a.profile.split(",") and device.type == "cuda":
         out = a.profile_out if a.profile == name else a.profile_out.replace(".txt", f".{name}.txt")
-        row["profile"] = profile(lambda: engine.generate(prompts, work["samples"], sampling, gen), out)
+        row["profile"] = profile(st["fn"], out)
     emit(row)   # the engine's figures, before transformers' generate (a run cut short keeps them)
     if not a.no_hf and (not a.hf or name in a.hf.split(",")):
-        ids = torch.tensor(prompts, device=device).repeat_interleave(work["samples"], 0)
+        ids = torch.tensor(st["prompts"], device=device).repeat_interleave(work["samples"], 0)
         fn = lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                     temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=work["new"],
-                                    min_new_tokens=work["new"], pad_token_id=0, eos_token_id=V,
+                                    min_new_tokens=work["new"], pad_token_id=0, eos_token_id=st["V"],
                                     cache_implementation="static")
         row["hf_static_first_s"], row["hf_static_s"] = timed(fn, 1)
-    del engine, model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return row
+
+
+def round_ratios(rows: list[dict]):
+    """Per round, each model's seconds per parameter read over qwen2's in the same round: the ratio's median and
+    range over rounds (qwen2 drifts between commands and hosts; a round's pair ran back to back)."""
+    base = next((r for r in rows if r["model"] == "qwen2" and r.get("engine_times")), None)
+    if base is None:
+        return
+    for r in rows:
+        n = min(len(r.get("engine_times", [])), len(base["engine_times"]))
+        if n and "error" not in r:
+            q = [(r["engine_times"][i] / r["params_read"]) / (base["engine_times"][i] / base["params_read"])
+                 for i in range(n)]
+            r["x_qwen2_rounds"] = q
+            r["x_qwen2"], r["x_qwen2_min"], r["x_qwen2_max"] = statistics.median(q), min(q), max(q)
 
 
 def table(rows: list[dict], device: str) -> str:
     base = next((r for r in rows if r["model"] == "qwen2" and "engine_s" in r), None)
-    per = lambda r, k: r[k] / r["params_read"]
-    lines = [f"W10 on {device}: rollout of {{prompts}} x {{samples}} x {{new}} new tokens; x qwen2 = seconds per "
-             "parameter read, over qwen2's fast path", "",
+    lines = [f"W10 on {device}: rollout of {{prompts}} x {{samples}} x {{new}} new tokens; engine s: the median of the "
+             "interleaved rounds (min-max); x qwen2 = seconds per parameter read over qwen2's fast path in the same "
+             "round, the median over rounds (min-max)", "",
              "| model | path | params read / token | engine s | x qwen2 | GB read / step | x qwen2 per byte | hf static s "
              "| engine / hf | log-prob gap mean, max |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | | | |")
+        if "error" in r or "engine_s" not in r:
+            lines.append(f"| {r['model']} | failed: {r.get('error', 'no timed round')} | | | | | | | | |")
             continue
-        rel = f"{per(r, 'engine_s') / per(base, 'engine_s'):.2f}" if base else ""
+        rel = f"{r['x_qwen2']:.2f} ({r['x_qwen2_min']:.2f}-{r['x_qwen2_max']:.2f})" if "x_qwen2" in r else ""
         hf = r.get("hf_static_s")
         hf_s, ratio = ("", "") if hf is None else (f"{hf:.3f}", f"{r['engine_s'] / hf:.2f}")
         gap = f"{r['logprob_gap_mean']:.2e}, {r['logprob_gap_max']:.2e}" if "logprob_gap_mean" in r else ""
         per_byte = f"{r['engine_s'] / r['bytes_per_step'] / (base['engine_s'] / base['bytes_per_step']):.2f}" \
             if base else ""
-        lines.append(f"| {r['model']} | {r['path']} | {r['params_read'] / 1e6:.1f}M | {r['engine_s']:.3f} | {rel} | "
-                     f"{r['bytes_per_step'] / 1e9:.2f} | {per_byte} | {hf_s} | {ratio} | {gap} |")
+        lines.append(f"| {r['model']} | {r['path']} | {r['params_read'] / 1e6:.1f}M | {r['engine_s']:.3f} "
+                     f"({r['engine_min_s']:.3f}-{r['engine_max_s']:.3f}) | {rel} | {r['bytes_per_step'] / 1e9:.2f} | "
+                     f"{per_byte} | {hf_s} | {ratio} | {gap} |")
     return "\n".join(lines)
 
 
@@ -213,9 +250,10 @@ def main():
     p.add_argument("--tiny", action="store_true", help="2-layer toy shapes, float32, for a CPU smoke run")
     p.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(MODELS)}")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
-    p.add_argument("--repeats", type=int, default=3, help="timed rollouts after the warm-up one (median)")
-    p.add_argument("--budget", type=float, default=300.0, help="seconds; models not started by then are skipped")
-    p.add_argument("--json", default="", help="also write the rows here (after each model)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up rollouts: each round times "
+                   "one rollout of every model in turn (median and range per model)")
+    p.add_argument("--budget", type=float, default=300.0, help="seconds; models not set up by then are skipped")
+    p.add_argument("--json", default="", help="also write the rows here (after each stage)")
     p.add_argument("--hf", default="", help="comma-separated models to run transformers' generate for (default: all)")
     p.add_argument("--profile", default="", help="comma-separated models whose engine rollout is profiled once more "
                    "(GPU); with several, each table goes to --profile-out with the model's name before .txt")
@@ -227,39 +265,63 @@ def main():
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         sys.exit(f"bench_w10: unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    if a.repeats < 1:
+        sys.exit(f"bench_w10: --repeats must be at least 1 (timed rounds), got {a.repeats}")
     if "qwen2" not in names:
         names = ["qwen2"] + names                                   # the yardstick
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" and not a.tiny else torch.float32
     work = WORK_TINY if a.tiny else WORK
     if a.tiny:
-        a.repeats = min(a.repeats, 1)
-    start, rows = time.perf_counter(), []
+        a.repeats = min(a.repeats, 2)
+    start, rows, states = time.perf_counter(), [], []
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+
+    def save(row: dict | None = None):   # after each stage: a run cut short keeps what it measured
+        if row is not None and not any(r is row for r in rows):
+            rows.append(row)
+        round_ratios(rows)
+        if row is not None:
+            print(json.dumps(row), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"device": dev_name, "work": work, "rows": rows, "argv": sys.argv[1:],
+                           "FAST_DECODE_ATTN": os.environ.get("FAST_DECODE_ATTN", "")}, f, indent=1)
+
+    def failed(name: str, e: Exception, row: dict | None, key: str = "error"):
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        save(row if row is not None else {"model": name})
+        next(r for r in rows if r["model"] == name)[key] = why
+        save()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # every model built and warmed up (compile, capture) first, then timed in rounds of one rollout each, in turn:
+    # a drift of the host or the card over the command moves every model alike, not one family's ratio
     for name in names:
         if time.perf_counter() - start > a.budget:
-            rows.append({"model": name, "error": f"skipped: the {a.budget:.0f} s budget was spent"})
+            save({"model": name, "error": f"skipped: the {a.budget:.0f} s budget was spent"})
             continue
-        def save(row: dict):   # after each model and before its generate: a run cut short keeps what it measured
-            if rows and rows[-1] is row:
-                rows.pop()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if a.json:
-                with open(a.json, "w") as f:
-                    json.dump({"device": dev_name, "work": work, "rows": rows, "argv": sys.argv[1:],
-                               "FAST_DECODE_ATTN": os.environ.get("FAST_DECODE_ATTN", "")}, f, indent=1)
         try:
-            save(run_model(name, a, work, device, dtype, emit=save))
+            states.append(setup(name, a, work, device, dtype))
+            save(states[-1]["row"])
         except Exception as e:   # one family's failure is a row of the table, not the end of the run
-            why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-            if rows and rows[-1].get("model") == name:     # the engine ran; transformers' generate failed
-                rows[-1]["hf_error"] = why
-                save(rows[-1])
-            else:
-                save({"model": name, "error": why})
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            failed(name, e, None)
+    for i in range(a.repeats):
+        for st in list(states):
+            try:
+                time_once(st)
+            except Exception as e:
+                failed(st["name"], e, st["row"])
+                states.remove(st)
+        save()
+        print(f"bench_w10: round {i + 1} of {a.repeats}: " + ", ".join(
+            f"{st['name']} {st['row']['engine_times'][-1]:.3f} s" for st in states), flush=True)
+    for st in states:
+        try:
+            save(finish(st, a, work, device))
+        except Exception as e:   # the engine ran; the check, profile or transformers' generate failed
+            failed(st["name"], e, st["row"], "hf_error")
     print(table(rows, dev_name).format(**work))
 
 
