@@ -22,6 +22,7 @@ import os
 import sys
 
 import torch
+from torch import Tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels.decode_attention import decode_attention  # noqa: E402
@@ -104,22 +105,33 @@ def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: d
     return rows
 
 
+# W10's qwen3_moe at decode: tokens, hidden, expert MLP width, experts, experts per token
+MOE_SHAPE = (128, 1024, 768, 32, 4)
+
+
+def moe_weights(layers: int, g: torch.Generator) -> tuple[list[Tensor], list[Tensor], Tensor, float]:
+    """Random bf16 expert weights at MOE_SHAPE for `layers` layers on the GPU: gate/up (E, 2I, H) and down
+    (E, H, I) per layer, a decode batch x (N, H), and one layer's expert bytes in GB."""
+    N, H, I, E, _ = MOE_SHAPE
+    dev, dt = "cuda", torch.bfloat16
+    gus = [torch.randn(E, 2 * I, H, device=dev, dtype=dt, generator=g) * H ** -0.5 for _ in range(layers)]
+    dns = [torch.randn(E, H, I, device=dev, dtype=dt, generator=g) * I ** -0.5 for _ in range(layers)]
+    x = torch.randn(N, H, device=dev, dtype=dt, generator=g)
+    return gus, dns, x, (gus[0].numel() + dns[0].numel()) * 2 / 1e9
+
+
 def moe_rows(reps: int, variants: list[tuple], layers: int = 8, found: dict | None = None) -> list[str]:
     """W10's qwen3_moe experts at decode (128 tokens, top-4 of 32, hidden 1024, expert MLP 768): torch's grouped
     GEMM route (gather, grouped GEMM, SiLU x up, grouped GEMM) against kernels/moe_experts.py's two kernels at each
     variant (gate_up's (BM, BN, BK, warps, stages) + down's), in one CUDA graph over `layers` layers' weights."""
     from kernels.decode_route import by_expert
     from kernels.moe_experts import expert_down, expert_gate_up
-    N, H, I, E, k = 128, 1024, 768, 32, 4
-    dev, dt = "cuda", torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-    gus = [torch.randn(E, 2 * I, H, device=dev, dtype=dt, generator=g) * H ** -0.5 for _ in range(layers)]
-    dns = [torch.randn(E, H, I, device=dev, dtype=dt, generator=g) * I ** -0.5 for _ in range(layers)]
-    x = torch.randn(N, H, device=dev, dtype=dt, generator=g)
-    flat = torch.rand(N, E, device=dev, generator=g).topk(k, -1).indices.reshape(-1)
+    N, H, I, E, k = MOE_SHAPE
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gus, dns, x, gb = moe_weights(layers, g)
+    flat = torch.rand(N, E, device="cuda", generator=g).topk(k, -1).indices.reshape(-1)
     order, _, offs = by_expert(flat, E)
-    token, expert = order // k, flat[order]
-    gb = (gus[0].numel() + dns[0].numel()) * 2 / 1e9
+    token = order // k
     def grouped(i):
         h = torch._grouped_mm(x[token], gus[i].transpose(1, 2), offs=offs)
         a, u = h.chunk(2, -1)

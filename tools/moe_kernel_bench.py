@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 import bench_workload   # tools/: W1's timing helpers
-from decode_kernel_bench import copy_row, graph_us
+from decode_kernel_bench import MOE_SHAPE, copy_row, graph_us, moe_weights
 
 
 def routing(kind: str, N: int, E: int, k: int, g) -> Tensor:
@@ -47,13 +47,9 @@ def kernel_rows(reps: int, layers: int = 8) -> tuple[list[str], dict]:
     looped over by its programs (split False) or one per program (split True: kernels/moe_experts.py's SPLIT)."""
     import kernels.moe_experts as me
     from kernels.decode_route import by_expert
-    N, H, I, E, k = 128, 1024, 768, 32, 4
-    dev, dt = "cuda", torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-    gus = [torch.randn(E, 2 * I, H, device=dev, dtype=dt, generator=g) * H ** -0.5 for _ in range(layers)]
-    dns = [torch.randn(E, H, I, device=dev, dtype=dt, generator=g) * I ** -0.5 for _ in range(layers)]
-    x = torch.randn(N, H, device=dev, dtype=dt, generator=g)
-    gb = (gus[0].numel() + dns[0].numel()) * 2 / 1e9
+    N, H, I, E, k = MOE_SHAPE
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gus, dns, x, gb = moe_weights(layers, g)
     rows, found, before = [], {}, me.SPLIT
     for kind in ("uniform", "uneven", "grouped"):
         flat = routing(kind, N, E, k, g)
