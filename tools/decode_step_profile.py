@@ -2,8 +2,8 @@
 
     python tools/decode_step_profile.py --out OUT [--variants base,advance] [--rounds 2] [--profile]
 
-The model is a random Qwen2 at W1's shape (tools/bench_workload.py's SHAPES["w1"]: Qwen2.5-0.5B, 128 sequences of
-64 prompt tokens, 256 new tokens, bf16). Each variant is a FastDecoder with the cache kept between calls (graph +
+The model is a random Qwen2 at W1's shape (tools/bench_w10.py's qwen2: Qwen2.5-0.5B, 128 sequences of 64 prompt
+tokens, 256 new tokens, bf16). Each variant is a FastDecoder with the cache kept between calls (graph +
 compile, as the engine's default); variants take turns, `--rounds` times `--repeats` timed rollouts each after a
 warm-up, so a drift of the card's clock hits all alike. A variant sets the step's switches before its decoder's
 first capture: base = fast_decode.COMPILE_ADVANCE off (the step before issue 38 item 2: the bookkeeping after the
@@ -25,20 +25,10 @@ VARIANTS = {"base": False, "advance": True}   # fast_decode.COMPILE_ADVANCE
 
 
 def build():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    from bench_workload import SHAPES
-    W = SHAPES["w1"]
-    cfg = Qwen2Config(**{k: W[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                          "num_attention_heads", "num_key_value_heads")},
-                      max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=None, bos_token_id=None)
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = Qwen2ForCausalLM(cfg).eval()
-    finally:
-        torch.set_default_dtype(default)
+    """W10's qwen2 (tools/bench_w10.py: W1's random Qwen2.5-0.5B shape, bf16 on the GPU) and W1's prompts."""
+    import bench_w10
+    model_type, fields, _ = bench_w10.MODELS["qwen2"]
+    model, W = bench_w10.build(model_type, fields, False, "cuda", torch.bfloat16), bench_w10.WORK
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 1000, (W["prompts"] * W["samples"], W["prompt_len"]), generator=g).cuda()
     return model, ids, W
