@@ -140,4 +140,3 @@ def pack(batch: Experience) -> Packed:
     lengths = real.sum(-1)                                                         # (B,)
     cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)      # (B + 1,)
     return Packed(batch.input_ids[real][None], pos[real][None], keep, src, cu, int(lengths.max()))
-
