@@ -305,6 +305,7 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("decode_gemm_bench needs a CUDA GPU (or --tiny under TRITON_INTERPRET=1)")
     t0 = time.time()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     st = setup(W1, "cuda", torch.bfloat16)
     flush = torch.empty(256 << 20, device="cuda", dtype=torch.uint8)   # 256 MB: over the L2 (50 MB on H100/H200)
     results = {}
