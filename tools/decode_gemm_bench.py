@@ -19,7 +19,8 @@ replay, median of --rounds:
   splitk ...     the Triton split-K GEMM at (BM, BN, BK, split, warps, stages) + the compiled sum of partials
 Every variant's outputs (all 24 layers, as replayed) are checked against cublas's (max |diff| over max |ref|).
 TB/s counts the layer's weight bytes only. --budget-s stops capturing new variants when it runs out, so a device
-run with a hard limit still prints what it measured.
+run with a hard limit still prints what it measured. Measured on an H200: docs/speed.md, "Split-K decode GEMMs at 128
+rows, measured" (split-K lost, except at down).
 """
 import argparse
 import os
@@ -51,7 +52,8 @@ def splitk_kernel(x_ptr, w_ptr, p_ptr, M, N, K, SPLIT, BM: tl.constexpr, BN: tl.
         a = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=(rows < M)[:, None], other=0.0)   # (BM, BK)
         b = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=(cols < N)[:, None], other=0.0)   # (BN, BK)
         acc = tl.dot(a, tl.trans(b), acc)
-    tl.store(p_ptr + (pid_s * M + rows[:, None]) * N + cols[None, :], acc, mask=(rows < M)[:, None] & (cols < N)[None, :])
+    tl.store(p_ptr + (pid_s * M + rows[:, None]) * N + cols[None, :], acc,
+             mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
 def splitk_partials(x: Tensor, w: Tensor, cfg: tuple) -> Tensor:
@@ -60,7 +62,8 @@ def splitk_partials(x: Tensor, w: Tensor, cfg: tuple) -> Tensor:
     M, K = x.shape
     N = w.shape[0]
     if K % BK or not 1 <= split <= K // BK:
-        raise ValueError(f"splitk: K = {K} must be a multiple of BK = {BK} with 1 <= split <= K / BK; got split {split}")
+        raise ValueError(f"splitk: K = {K} must be a multiple of BK = {BK} with 1 <= split <= K / BK; "
+                         f"got split {split}")
     p = torch.empty(split, M, N, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(N, BN), split, triton.cdiv(M, BM))
     splitk_kernel[grid](x, w, p, M, N, K, split, BM=BM, BN=BN, BK=BK, STAGES=stages, num_warps=warps)
