@@ -101,7 +101,8 @@ offs = counts.cumsum(0).to(torch.int32)
 M, N, H, I, E = int(counts.sum()), 30, 64, 32, 5
 g = torch.Generator().manual_seed(0)
 token = torch.randint(0, N, (M,), generator=g)
-x, gu, dn = torch.randn(N, H, generator=g), torch.randn(E, 2 * I, H, generator=g) / 8, torch.randn(E, H, I, generator=g) / 6
+x, gu = torch.randn(N, H, generator=g), torch.randn(E, 2 * I, H, generator=g) / 8
+dn = torch.randn(E, H, I, generator=g) / 6
 cfg, out = (16, 16, 16, 4, 2), {}
 try:
     for big in (False, True):

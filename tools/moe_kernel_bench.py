@@ -184,8 +184,8 @@ def rollouts(schemes: list[str], rounds: int, budget: float, tiny: bool = False)
         for st in states:
             with switched(st["switches"]):
                 bench_w10.time_once(st)
-        print(f"round {i + 1}: " + ", ".join(f"{st['row']['model']} {st['row']['engine_times'][-1]:.4f} s"
-                                             for st in states), flush=True)
+        print(f"round {i + 1} (ended {time.strftime('%H:%M:%S')}): " + ", ".join(
+            f"{st['row']['model']} {st['row']['engine_times'][-1]:.4f} s" for st in states), flush=True)
     rows = [st["row"] for st in states]
     bench_w10.round_ratios(rows)
     lines = [f"| W10 rollout, {rounds} interleaved rounds | {r['model']} | {r['engine_s']:.4f} s "
