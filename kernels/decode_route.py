@@ -26,23 +26,24 @@ from kernels.logprob import HAS_TRITON
 
 # the kernel holds N x E probabilities in one program; engines/moe.py sends larger routings (a prefill) to torch
 MAX_TOKENS = 512
-# the program's warps: 0 picks by size (4 up to 128 tokens, else 8); FAST_DECODE_ROUTE_WARPS sets them, so that
-# tools/moe_kernel_bench.py can time whether the one program's reductions and scan run faster spread wider
+# the program's warps; 0 (the default) picks by size: 4 up to 128 tokens, else 8. FAST_DECODE_ROUTE_WARPS=8 ran
+# the routing 1.0-1.4 us faster per layer at W10's decode batch in a CUDA graph, not yet timed in a rollout
+# (docs/architectures.md, "Busy experts in bigger blocks, the routing over several programs")
 WARPS = int(os.environ.get("FAST_DECODE_ROUTE_WARPS", "0"))
-# the routing over several programs of SPLIT_ROWS tokens each, the last to finish ordering the pairs (True,
-# FAST_DECODE_ROUTE_SPLIT=1), or in one program (False): the candidate for the one program's serial softmax and
-# top-k, and for the router's GEMM inside the kernel (route_linear), which one program did more slowly than cuBLAS
-SPLIT = os.environ.get("FAST_DECODE_ROUTE_SPLIT", "0") == "1"
-SPLIT_ROWS = 16
+if WARPS not in (0, 1, 2, 4, 8, 16, 32):
+    raise ValueError(f"FAST_DECODE_ROUTE_WARPS must be 0 (by size) or a power of two up to 32, got {WARPS}")
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _probs(z_ptr, sz, g_ptr, sg, H, r, c, rm, cm, GEMM: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr,
+    def _route(z_ptr, sz, g_ptr, sg, H, w_ptr, idx_ptr, tok_ptr, at_ptr, offs_ptr, N, E,
+               K: tl.constexpr, NORM: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr, GEMM: tl.constexpr,
                BK: tl.constexpr):
-        # rows r's router probabilities (NB, EB), float32, from their logits or (GEMM) their hidden states
+        r = tl.arange(0, NB)
+        c = tl.arange(0, EB)
+        rm, cm = r < N, c < E
         if GEMM:   # z_ptr: the tokens' hidden states (N, H), g_ptr: the router (E, H); logits rounded as F.linear's
             acc = tl.zeros((NB, EB), tl.float32)
             for k0 in range(0, H, BK):
@@ -57,16 +58,7 @@ if HAS_TRITON:
             z = z.to(tl.float32)
         z = tl.where(cm[None, :], z, float("-inf"))                           # (NB, EB) logits
         p = tl.exp(z - tl.max(z, 1)[:, None])
-        return p / tl.sum(p, 1)[:, None]                                      # softmax, float32 as the router's
-
-    @triton.jit
-    def _route(z_ptr, sz, g_ptr, sg, H, w_ptr, idx_ptr, tok_ptr, at_ptr, offs_ptr, N, E,
-               K: tl.constexpr, NORM: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr, GEMM: tl.constexpr,
-               BK: tl.constexpr):
-        r = tl.arange(0, NB)
-        c = tl.arange(0, EB)
-        rm, cm = r < N, c < E
-        p = _probs(z_ptr, sz, g_ptr, sg, H, r, c, rm, cm, GEMM, NB, EB, BK)
+        p = p / tl.sum(p, 1)[:, None]                                         # softmax, float32 as the router's
         cur = tl.where(cm[None, :], p, -1.0)
         total = tl.zeros((NB,), tl.float32)
         for j in tl.static_range(K):                                          # k rounds of a row maximum
@@ -93,57 +85,6 @@ if HAS_TRITON:
             tl.store(at_ptr + r * K + j, at.to(tl.int64), mask=rm)
             tl.store(tok_ptr + at, r.to(tl.int64), mask=rm)
 
-    @triton.jit
-    def _route_split(z_ptr, sz, g_ptr, sg, H, w_ptr, idx_ptr, tok_ptr, at_ptr, offs_ptr, tick_ptr, N, E,
-                     K: tl.constexpr, NORM: tl.constexpr, RB: tl.constexpr, NB: tl.constexpr, EB: tl.constexpr,
-                     GEMM: tl.constexpr, BK: tl.constexpr):
-        # _route over several programs: program i takes rows [i RB, i RB + RB) (their router GEMM, softmax, top-k,
-        # weights and experts, as _route's rounds); the last program to finish (an atomic ticket: its acquire sees
-        # every other program's stores of idx, released by their own ticket) orders all N x k pairs by expert from
-        # the stored experts, as _route does from its choice matrix
-        r = tl.program_id(0) * RB + tl.arange(0, RB)
-        c = tl.arange(0, EB)
-        rm, cm = r < N, c < E
-        p = _probs(z_ptr, sz, g_ptr, sg, H, r, c, rm, cm, GEMM, RB, EB, BK)     # (RB, EB)
-        cur = tl.where(cm[None, :], p, -1.0)
-        total = tl.zeros((RB,), tl.float32)
-        for j in tl.static_range(K):                                          # the top k's sum first (NORM)
-            best = tl.max(cur, 1)
-            ix = tl.min(tl.where(cur == best[:, None], c[None, :], EB), 1)
-            cur = tl.where(c[None, :] == ix[:, None], -1.0, cur)
-            total += best
-        cur = tl.where(cm[None, :], p, -1.0)
-        for j in tl.static_range(K):
-            best = tl.max(cur, 1)
-            ix = tl.min(tl.where(cur == best[:, None], c[None, :], EB), 1)
-            cur = tl.where(c[None, :] == ix[:, None], -1.0, cur)
-            w = best / total if NORM else best
-            tl.store(idx_ptr + r * K + j, ix.to(tl.int64), mask=rm)
-            tl.store(w_ptr + r * K + j, w.to(w_ptr.dtype.element_ty), mask=rm)
-        tl.debug_barrier()   # every thread's stores of idx before the ticket's release (one thread takes it)
-        ticket = tl.atomic_add(tick_ptr, 1, sem="acq_rel")
-        tl.debug_barrier()
-        if ticket == tl.num_programs(0) - 1:
-            tl.atomic_xchg(tick_ptr, 0)                                       # zero again for the next launch
-            n = tl.arange(0, NB)
-            nm = n < N
-            a = tl.zeros((NB, EB), tl.int32)                                  # A: token n took expert e
-            for j in tl.static_range(K):   # .cg: from L2, where the other programs' stores are (not this SM's L1)
-                ex = tl.load(idx_ptr + n * K + j, mask=nm, other=-1, cache_modifier=".cg")   # (NB,)
-                a += (ex[:, None] == c[None, :]).to(tl.int32)
-            before = tl.cumsum(a, 0) - a                                      # tokens before n that took e
-            count = tl.sum(a, 0)                                              # (EB,) pairs per expert
-            ends = tl.cumsum(count, 0)
-            tl.store(offs_ptr + c, ends, mask=cm)
-            place = (ends - count)[None, :] + before                          # (NB, EB) pair (n, e)'s place
-            for j in tl.static_range(K):
-                ex = tl.load(idx_ptr + n * K + j, mask=nm, other=-1, cache_modifier=".cg")
-                at = tl.sum(tl.where(ex[:, None] == c[None, :], place, 0), 1)   # (NB,) pair (n, j)'s place
-                tl.store(at_ptr + n * K + j, at.to(tl.int64), mask=nm)
-                tl.store(tok_ptr + at, n.to(tl.int64), mask=nm)
-
-    _TICKETS: dict = {}   # device -> the split kernel's int32 counter, zero between launches (the last program's)
-
     # an opaque custom op (as kernels/moe_experts.py's): the compiled decode step calls it as it is
     @torch.library.custom_op("rlhack::decode_route", mutates_args=())
     def _route_op(logits: Tensor, router: Optional[Tensor], top_k: int, norm: bool,
@@ -159,18 +100,9 @@ if HAS_TRITON:
         if N:
             NB = max(16, triton.next_power_of_2(N))
             g = logits if router is None else router
-            EB, gemm, H = max(16, triton.next_power_of_2(E)), router is not None, logits.shape[1]
-            if SPLIT:   # RB rows a program (tl.dot's least), then one program orders the pairs
-                if dev not in _TICKETS:
-                    _TICKETS[dev] = torch.zeros(1, device=dev, dtype=torch.int32)
-                _route_split[(triton.cdiv(N, SPLIT_ROWS),)](
-                    logits, logits.stride(0), g, g.stride(0), H, w, idx, token, at, offs, _TICKETS[dev], N, E,
-                    K=top_k, NORM=norm, RB=SPLIT_ROWS, NB=NB, EB=EB, GEMM=gemm, BK=64,
-                    num_warps=WARPS or (4 if NB <= 128 else 8))
-            else:
-                _route[(1,)](logits, logits.stride(0), g, g.stride(0), H, w, idx, token, at, offs, N, E,
-                             K=top_k, NORM=norm, NB=NB, EB=EB, GEMM=gemm, BK=64 if NB <= 128 else 32,
-                             num_warps=WARPS or (4 if NB <= 128 else 8))
+            _route[(1,)](logits, logits.stride(0), g, g.stride(0), logits.shape[1], w, idx, token, at, offs, N, E,
+                         K=top_k, NORM=norm, NB=NB, EB=max(16, triton.next_power_of_2(E)), GEMM=router is not None,
+                         BK=64 if NB <= 128 else 32, num_warps=WARPS or (4 if NB <= 128 else 8))
         return w, idx, token, at, offs
 
     @_route_op.register_fake

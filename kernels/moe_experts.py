@@ -29,9 +29,33 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _rows(x_ptr, tok_ptr, wg, o_ptr, sx, sw_n, so, N, K, start, stop, cols, cm,
-              GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        # pairs [start, stop) of one expert in tiles of BM rows, times its weight tile wg (1, BN) (see _expert_gemm)
+    def _expert_gemm(x_ptr, tok_ptr, w_ptr, offs_ptr, o_ptr, sx, sw_e, sw_n, so, N, K, E,
+                     GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CN: tl.constexpr,
+                     SPLIT: tl.constexpr, EB: tl.constexpr):
+        # program (row block b, output columns [n CN, n CN + CN)), CN <= BN the columns it owns of its BN-wide
+        # tile: o[m, cols] = x[tok[m]] @ w[e, cols]^T over the BM pairs m of block b, all of one expert e; GATED: w
+        # holds gate rows [0, N) and up rows [N, 2N), and o = SiLU(gate) * up. SPLIT: the row blocks of every
+        # expert numbered in expert order, one per program (an expert's blocks run side by side, its weight tile
+        # read from memory once and from L2 by the others); else program (expert e, n), looping over e's blocks
+        b, n = tl.program_id(0), tl.program_id(1)
+        if SPLIT:
+            c = tl.arange(0, EB)
+            ends = tl.load(offs_ptr + c, mask=c < E, other=0)                           # (EB,)
+            starts = tl.load(offs_ptr + c - 1, mask=(c > 0) & (c < E), other=0)
+            blocks = (ends - starts + BM - 1) // BM                                    # each expert's row blocks
+            last = tl.cumsum(blocks, 0)                                                # (EB,) their ends, numbered
+            e = tl.sum((last <= b).to(tl.int32), 0)                                    # the expert holding block b
+            here = c == e
+            end = tl.sum(tl.where(here, ends, 0), 0)
+            start = tl.sum(tl.where(here, starts + (b - last + blocks) * BM, 0), 0)    # block b's first pair
+            stop = tl.minimum(start + BM, end)                                         # (e == E: nothing to do)
+        else:
+            e = b
+            start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+            stop = tl.load(offs_ptr + e)
+        cols = n * CN + tl.arange(0, BN)
+        cm = (cols < N) & (tl.arange(0, BN) < CN)
+        wg = w_ptr + e.to(tl.int64) * sw_e + cols[None, :] * sw_n     # (1, BN) gate (or only) rows' starts
         for m0 in range(start, stop, BM):
             rows = m0 + tl.arange(0, BM)
             rm = rows < stop
@@ -59,62 +83,11 @@ if HAS_TRITON:
                 out = g
             tl.store(o_ptr + rows[:, None] * so + cols[None, :], out.to(dt), mask=rm[:, None] & cm[None, :])
 
-    @triton.jit
-    def _expert_gemm(x_ptr, tok_ptr, w_ptr, offs_ptr, o_ptr, sx, sw_e, sw_n, so, N, K, E,
-                     GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CN: tl.constexpr,
-                     SPLIT: tl.constexpr, EB: tl.constexpr, BIG: tl.constexpr):
-        # program (row block b, output columns [n CN, n CN + CN)), CN <= BN the columns it owns of its BN-wide
-        # tile: o[m, cols] = x[tok[m]] @ w[e, cols]^T over the pairs m of block b, all of one expert e; GATED: w
-        # holds gate rows [0, N) and up rows [N, 2N), and o = SiLU(gate) * up. SPLIT: the row blocks of every
-        # expert numbered in expert order, one per program (an expert's blocks run side by side, its weight tile
-        # read from memory once and from L2 by the others); else program (expert e, n), looping over e's blocks
-        # of BM rows. BIG (with SPLIT): an expert with more than BM pairs takes blocks of 2 BM rows, one tile each,
-        # so its weight tile is read by half as many programs
-        b, n = tl.program_id(0), tl.program_id(1)
-        big = False
-        if SPLIT:
-            c = tl.arange(0, EB)
-            ends = tl.load(offs_ptr + c, mask=c < E, other=0)                           # (EB,)
-            starts = tl.load(offs_ptr + c - 1, mask=(c > 0) & (c < E), other=0)
-            if BIG:
-                size = tl.where(ends - starts > BM, 2 * BM, BM)                        # (EB,) each expert's rows
-                blocks = (ends - starts + size - 1) // size                            # each expert's row blocks
-                last = tl.cumsum(blocks, 0)                                            # (EB,) their ends, numbered
-                e = tl.sum((last <= b).to(tl.int32), 0)                                # the expert holding block b
-                here = c == e
-                rows_e = tl.sum(tl.where(here, size, 0), 0)
-                end = tl.sum(tl.where(here, ends, 0), 0)
-                start = tl.sum(tl.where(here, starts + (b - last + blocks) * size, 0), 0)   # block b's first pair
-                stop = tl.minimum(start + rows_e, end)                                 # (e == E: nothing to do)
-                big = rows_e > BM
-            else:
-                blocks = (ends - starts + BM - 1) // BM                                # each expert's row blocks
-                last = tl.cumsum(blocks, 0)                                            # (EB,) their ends, numbered
-                e = tl.sum((last <= b).to(tl.int32), 0)                                # the expert holding block b
-                here = c == e
-                end = tl.sum(tl.where(here, ends, 0), 0)
-                start = tl.sum(tl.where(here, starts + (b - last + blocks) * BM, 0), 0)    # block b's first pair
-                stop = tl.minimum(start + BM, end)                                     # (e == E: nothing to do)
-        else:
-            e = b
-            start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
-            stop = tl.load(offs_ptr + e)
-        cols = n * CN + tl.arange(0, BN)
-        cm = (cols < N) & (tl.arange(0, BN) < CN)
-        wg = w_ptr + e.to(tl.int64) * sw_e + cols[None, :] * sw_n     # (1, BN) gate (or only) rows' starts
-        if BIG:
-            if big:   # one tile of 2 BM rows
-                _rows(x_ptr, tok_ptr, wg, o_ptr, sx, sw_n, so, N, K, start, stop, cols, cm, GATED, 2 * BM, BN, BK)
-            else:
-                _rows(x_ptr, tok_ptr, wg, o_ptr, sx, sw_n, so, N, K, start, stop, cols, cm, GATED, BM, BN, BK)
-        else:
-            _rows(x_ptr, tok_ptr, wg, o_ptr, sx, sw_n, so, N, K, start, stop, cols, cm, GATED, BM, BN, BK)
-
 
     # opaque custom ops (as kernels/decode_attention.py's): the compiled decode step calls them as they are
     @torch.library.custom_op("rlhack::moe_expert_gemm", mutates_args=())
     def _expert_gemm_op(x: Tensor, tok: Tensor, offs: Tensor, w: Tensor, gated: bool, bm: int, bn: int, bk: int,
-                        warps: int, stages: int, cn: int, split: bool, big: bool) -> Tensor:
+                        warps: int, stages: int, cn: int, split: bool) -> Tensor:
         M, n_out = (tok.shape[0], w.shape[1] // 2) if gated else (x.shape[0], w.shape[1])   # rows: the pairs
         out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
         if M:
@@ -127,11 +100,11 @@ if HAS_TRITON:
             _expert_gemm[(rows, triton.cdiv(n_out, cn))](
                 x, tok, w, offs, out, x.stride(0), w.stride(0), w.stride(1), out.stride(0), n_out, w.shape[2], E,
                 GATED=gated, BM=bm, BN=bn, BK=bk, CN=cn, SPLIT=split, EB=max(16, triton.next_power_of_2(E)),
-                BIG=big and split, num_warps=warps, num_stages=stages)
+                num_warps=warps, num_stages=stages)
         return out
 
     @_expert_gemm_op.register_fake
-    def _(x, tok, offs, w, gated, bm, bn, bk, warps, stages, cn, split, big):
+    def _(x, tok, offs, w, gated, bm, bn, bk, warps, stages, cn, split):
         return x.new_empty(tok.shape[0], w.shape[1] // 2) if gated else x.new_empty(x.shape[0], w.shape[1])
 
 
@@ -150,10 +123,6 @@ SETTINGS = {"gate_up": (32, 128, 64, 8, 3, 96), "down": (32, 128, 64, 8, 3)}
 # than BM pairs set the kernels' time when its programs streamed its weights once per block, one block after the
 # other (docs/architectures.md)
 SPLIT = os.environ.get("FAST_DECODE_MOE_SPLIT", "1") == "1"
-# with SPLIT: an expert holding more than BM pairs in blocks of 2 BM rows, one tile each (True,
-# FAST_DECODE_MOE_BIG=1), or of BM like the rest (False). The candidate for the uneven routing's busy experts, whose
-# BM-row blocks share their weight tile through L2 rather than read it once (docs/architectures.md)
-BIG = os.environ.get("FAST_DECODE_MOE_BIG", "0") == "1"
 if os.environ.get("FAST_DECODE_MOE_SETTINGS"):
     SETTINGS.update(zip(("gate_up", "down"), (tuple(int(v) for v in c.split("x"))
                                               for c in os.environ["FAST_DECODE_MOE_SETTINGS"].split(","))))
@@ -177,13 +146,13 @@ def expert_gate_up(x: Tensor, token: Tensor, offs: Tensor, gate_up: Tensor, cfg:
     cfg: (BM, BN, BK, warps, stages[, CN]), by default SETTINGS'. CN < BN: each program owns CN of its tile's BN
     columns (the rest masked), so the grid's size can be chosen apart from the tile's power-of-two width."""
     _check(x, offs, gate_up, token.shape[0], x.shape[1])
-    return _expert_gemm_op(x, token, offs, gate_up, True, *_full(cfg or SETTINGS["gate_up"]), SPLIT, BIG)
+    return _expert_gemm_op(x, token, offs, gate_up, True, *_full(cfg or SETTINGS["gate_up"]), SPLIT)
 
 
 def expert_down(a: Tensor, offs: Tensor, down: Tensor, cfg: tuple | None = None) -> Tensor:
     """a (M, I) sorted pairs, offs (E,) int32, down (E, H, I) -> (M, H)."""
     _check(a, offs, down, a.shape[0], a.shape[1])
-    return _expert_gemm_op(a, offs, offs, down, False, *_full(cfg or SETTINGS["down"]), SPLIT, BIG)   # tok unused
+    return _expert_gemm_op(a, offs, offs, down, False, *_full(cfg or SETTINGS["down"]), SPLIT)   # tok unused
 
 
 def _full(cfg: tuple) -> tuple:

@@ -87,47 +87,16 @@ print("ok")
 """)
 
 
-def test_candidates_interpreted():
-    """The candidates behind switches give today's outputs: BIG (an expert past BM pairs in 2 BM-row blocks) at a
-    routing with experts of BM, BM + 1, 0, 3 BM + 2 and 1 pairs, bitwise (the same sums of the same tiles, under
-    the interpreter); the routing over row blocks (decode_route.SPLIT), with its router GEMM or without, at an
-    uneven routing and token counts no block divides, every output bitwise, twice (its ticket is zero again)."""
-    run_interpreted("""
-import torch
-import kernels.moe_experts as me
-import kernels.decode_route as dr
-counts = torch.tensor([16, 17, 0, 50, 1])      # BM 16: one block; one block of 17 rows; none; 32 + 18; 1
-offs = counts.cumsum(0).to(torch.int32)
-M, N, H, I, E = int(counts.sum()), 30, 64, 32, 5
-g = torch.Generator().manual_seed(0)
-token = torch.randint(0, N, (M,), generator=g)
-x, gu = torch.randn(N, H, generator=g), torch.randn(E, 2 * I, H, generator=g) / 8
-dn = torch.randn(E, H, I, generator=g) / 6
-cfg, out = (16, 16, 16, 4, 2), {}
-try:
-    for big in (False, True):
-        me.BIG = big
-        a = me.expert_gate_up(x, token, offs, gu, cfg)
-        out[big] = (a, me.expert_down(a, offs, dn, cfg))
-finally:
-    me.BIG = False
-assert all(torch.equal(u, v) for u, v in zip(out[True], out[False]))
-torch.testing.assert_close(out[True][0], me.expert_gate_up_reference(x, token, offs, gu), rtol=1e-5, atol=1e-5)
-torch.testing.assert_close(out[True][1], me.expert_down_reference(out[True][0], offs, dn), rtol=1e-5, atol=1e-5)
-for N, E, k, norm, H in ((1, 8, 2, True, 0), (7, 12, 3, False, 0), (40, 32, 4, True, 0), (40, 32, 4, True, 48)):
-    z = torch.randn(N, H or E, generator=g) + 0.5 * torch.randn(H or E, generator=g)      # some experts preferred
-    r = torch.randn(E, H, generator=g) / 7 if H else None
-    outs = []
-    try:
-        for split in (False, True, True):
-            dr.SPLIT = split
-            outs.append(dr.route_linear(z, r, k, norm) if H else dr.route(z, k, norm, torch.float32))
-    finally:
-        dr.SPLIT = False
-    for o in outs[1:]:
-        assert all(torch.equal(u, v) for u, v in zip(outs[0], o)), (N, E, k, H)
-print("ok")
-""")
+def test_route_warps_switch_refuses_what_triton_cannot_launch():
+    """FAST_DECODE_ROUTE_WARPS (the routing program's warps, kernels/decode_route.py) is refused at import in one
+    line where it is no power of two up to 32, not at the first launch inside a captured step."""
+    import subprocess
+    code = "import kernels.decode_route as d; print(d.WARPS)"
+    for value, ok in (("8", True), ("3", False), ("64", False)):
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, FAST_DECODE_ROUTE_WARPS=value))
+        assert (out.returncode == 0) == ok, out.stderr
+        assert (out.stdout.strip() == value) if ok else "power of two up to 32, got" in out.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -147,17 +116,13 @@ def test_kernels_cuda():
     finally:
         me.SPLIT = True
     import kernels.decode_route as dr
-    try:   # the candidates: BIG's 2 BM-row tiles (other MMA shapes: equal within bf16), the split routing (exact)
-        me.BIG = True
-        big = me.expert_gate_up(x, token, offs, w)
-        assert ((big.float() - loop.float()).norm() / loop.float().norm()).item() <= 1e-2
+    try:   # the routing program's warps (FAST_DECODE_ROUTE_WARPS): the same experts, order and weights, bitwise
         z = torch.randn(128, 32, device="cuda").bfloat16() + torch.randn(32, device="cuda").bfloat16()
-        one = dr.route(z, 4, True, torch.bfloat16)
-        dr.SPLIT = True
-        for _ in range(3):   # the ticket zero again after each launch
-            assert all(torch.equal(u, v) for u, v in zip(one, dr.route(z, 4, True, torch.bfloat16)))
+        want, before = dr.route(z, 4, True, torch.bfloat16), dr.WARPS
+        dr.WARPS = 8
+        assert all(torch.equal(u, v) for u, v in zip(want, dr.route(z, 4, True, torch.bfloat16)))
     finally:
-        me.BIG, dr.SPLIT = False, False
+        dr.WARPS = before
     check("cuda", N=9, H=40, I=24, E=5, k=2, tol=5e-3)                 # tf32 dots
     from engines.moe import grouped_ok, routed_experts
     if grouped_ok(torch.device("cuda"), torch.bfloat16):

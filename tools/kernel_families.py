@@ -12,7 +12,6 @@ its first families fill tools/kernel_sweep.py).
   moe         kernels/moe_experts.py: the decode step's expert kernels (gate/up with SiLU, down) over routings with
               empty experts and one past a row block -> expert_gate_up_reference, expert_down_reference
   moe_route   kernels/decode_route.py: a decode step's routing (softmax, top-k, weights, expert order) -> route_reference
-  moe_big, moe_route_split   the same with the candidates' switches on (kernels/moe_experts.py BIG, decode_route.py SPLIT)
 The FP8 families need FP8 tensor cores on a GPU (compute capability 8.9+): elsewhere the sweep skips them with one
 line (`NEEDS`), counting neither a pass nor a failure. Under the interpreter they run on CPU tensors, with float32
 where the GPU would round to e4m3 in the kernel (triton 3.9's interpreter rounds e4m3 unfaithfully).
@@ -315,37 +314,3 @@ FAMILIES = {"fused_kl": (fused_kl_cases, check_fused_kl), "fp8_gemm": (fp8_gemm_
             "fp8_quant": (fp8_quant_cases, check_fp8_quant), "moe": (moe_cases, check_moe),
             "moe_route": (moe_route_cases, check_moe_route)}
 NEEDS = {"fp8_gemm": fp8_needs, "fp8_quant": fp8_needs}   # family -> fn(device) -> why it cannot run here, or None
-
-
-# --- moe_big, moe_route_split: the candidates behind switches (issue 32) -------------------------------------------
-# kernels/moe_experts.py's BIG (an expert past BM pairs in blocks of 2 BM rows, one tile each) and
-# kernels/decode_route.py's SPLIT (the routing over row blocks, the last program to finish ordering the pairs), each
-# switched on for its cases and restored after, against the same twins as moe and moe_route
-
-def check_moe_big(device, **case) -> float:
-    import kernels.moe_experts as me
-    before, me.BIG = me.BIG, True
-    try:
-        return check_moe(device, **case)
-    finally:
-        me.BIG = before
-
-
-def moe_big_cases(size):
-    # the skewed routings only (an expert past one row block: the 2 BM-row tiles); an expert of BM + 1 pairs among
-    # them at the small tiles' BM 16 (the cpu case)
-    for case in moe_cases(size):
-        if case["skew"]:
-            yield case
-
-
-def check_moe_route_split(device, **case) -> float:
-    import kernels.decode_route as dr
-    before, dr.SPLIT = dr.SPLIT, True
-    try:
-        return check_moe_route(device, **case)
-    finally:
-        dr.SPLIT = before
-
-
-FAMILIES.update({"moe_big": (moe_big_cases, check_moe_big), "moe_route_split": (moe_route_cases, check_moe_route_split)})

@@ -3,14 +3,13 @@ default in the same graphs; W10 rollouts with the candidates on, interleaved wit
 
     python tools/moe_kernel_bench.py --out OUT                                # kernels, then rollouts
     python tools/moe_kernel_bench.py --out OUT --parts kernels                # kernels | rollouts | profile
-    python tools/moe_kernel_bench.py --out OUT --parts rollouts --schemes default,big --budget 60
+    python tools/moe_kernel_bench.py --out OUT --parts rollouts --schemes default,route_warps8 --budget 60
 
 - kernels: at 128 tokens x top-4 of 32 experts (hidden 1024, expert MLP 768), routed as `routing` says (uniform,
   uneven, grouped), in one CUDA graph over 8 layers' weights (151 MB of experts each, so every layer's weights
-  come from memory): kernels/moe_experts.py's two kernels (`EXPERTS`: today's SPLIT, its BIG blocks for busy
-  experts, 64-row tiles everywhere), kernels/decode_route.py's routing (`ROUTES`: one program, its warps, SPLIT
-  over row blocks, with the router's GEMM before it or inside), and the whole routed block (engines/moe.py's
-  routed_experts, eager) per `SCHEMES`; the card's copy rate.
+  come from memory): kernels/moe_experts.py's two kernels (`EXPERTS`: today's settings, 64-row tiles),
+  kernels/decode_route.py's routing (`ROUTES`: its program's warps, the router's GEMM before it or inside), and
+  the whole routed block (engines/moe.py's routed_experts, eager) per `SCHEMES`; the card's copy rate.
 - rollouts: W10's qwen3_moe (tools/bench_w10.py's MODELS and `setup`), one engine per scheme of --schemes (each
   traced and captured with its switches set), then qwen2 (the yardstick) if --budget seconds are not yet spent;
   --rounds rounds each time one rollout of every engine in turn (the switches set again before each call).
@@ -40,21 +39,16 @@ DEV = "cuda"   # the kernels part's device (a CPU check of this file under TRITO
 
 # scheme -> the module switches it sets ((module, name, value)); "default" is today's code
 SCHEMES = {"default": [],
-           "big": [(me, "BIG", True)],                                        # busy experts in 2 BM-row blocks
-           "route_split": [(dr, "SPLIT", True)],                              # the routing over row blocks
-           "route_split_gemm": [(dr, "SPLIT", True), (moe, "ROUTER", "kernel")],   # and the router GEMM inside
-           "all": [(me, "BIG", True), (dr, "SPLIT", True), (moe, "ROUTER", "kernel")]}
+           "route_warps8": [(dr, "WARPS", 8)]}                               # the routing program in 8 warps
 # the experts' variants timed in the graph: (name, switches, gate_up's cfg, down's cfg); None: SETTINGS'
 EXPERTS = [("split (today)", [], None, None),
-           ("split, BIG", [(me, "BIG", True)], None, None),
            ("split, BM 64", [], (64, 128, 64, 8, 3, 96), (64, 128, 64, 8, 3))]   # (the loop, SPLIT False: measured
 # in docs/architectures.md, not a candidate: left out to keep the device call short)
 # the routing's variants: (name, switches, router GEMM inside the kernel)
 ROUTES = [("one program (today), cuBLAS GEMM before", [], False),
           ("one program, 8 warps, GEMM before", [(dr, "WARPS", 8)], False),
-          ("split, GEMM before", [(dr, "SPLIT", True)], False),
-          ("one program, GEMM inside", [], True),
-          ("split, GEMM inside", [(dr, "SPLIT", True)], True)]
+          ("one program, 16 warps, GEMM before", [(dr, "WARPS", 16)], False),
+          ("one program, GEMM inside", [], True)]
 
 
 class switched:
@@ -214,7 +208,7 @@ def main():
     p.add_argument("--out", required=True, help="folder for moe_bench.json and profile.txt")
     p.add_argument("--parts", default="kernels,rollouts")
     p.add_argument("--reps", type=int, default=20, help="graph replays per timing (median)")
-    p.add_argument("--schemes", default="default,all", help=f"rollouts' schemes, the first the baseline; of: "
+    p.add_argument("--schemes", default="default,route_warps8", help=f"rollouts' schemes, the first the baseline; of: "
                    f"{', '.join(SCHEMES)}, or several joined by + (their switches together)")
     p.add_argument("--rounds", type=int, default=3, help="rollouts: interleaved rounds")
     p.add_argument("--budget", type=float, default=120.0, help="rollouts: seconds of set-up after which the next "
