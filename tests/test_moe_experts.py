@@ -87,6 +87,18 @@ print("ok")
 """)
 
 
+def test_route_warps_switch_refuses_what_triton_cannot_launch():
+    """FAST_DECODE_ROUTE_WARPS (the routing program's warps, kernels/decode_route.py) is refused at import in one
+    line where it is no power of two up to 32, not at the first launch inside a captured step."""
+    import subprocess
+    code = "import kernels.decode_route as d; print(d.WARPS)"
+    for value, ok in (("8", True), ("3", False), ("64", False)):
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, FAST_DECODE_ROUTE_WARPS=value))
+        assert (out.returncode == 0) == ok, out.stderr
+        assert (out.stdout.strip() == value) if ok else "power of two up to 32, got" in out.stderr
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernels_cuda():
     """bf16 at W10's qwen3_moe decode shape (128 tokens, top-4 of 32, hidden 1024, expert MLP 768), a skewed
@@ -103,6 +115,14 @@ def test_kernels_cuda():
         assert torch.equal(loop, me.expert_gate_up(x, token, offs, w))
     finally:
         me.SPLIT = True
+    import kernels.decode_route as dr
+    try:   # the routing program's warps (FAST_DECODE_ROUTE_WARPS): the same experts, order and weights, bitwise
+        z = torch.randn(128, 32, device="cuda").bfloat16() + torch.randn(32, device="cuda").bfloat16()
+        want, before = dr.route(z, 4, True, torch.bfloat16), dr.WARPS
+        dr.WARPS = 8
+        assert all(torch.equal(u, v) for u, v in zip(want, dr.route(z, 4, True, torch.bfloat16)))
+    finally:
+        dr.WARPS = before
     check("cuda", N=9, H=40, I=24, E=5, k=2, tol=5e-3)                 # tf32 dots
     from engines.moe import grouped_ok, routed_experts
     if grouped_ok(torch.device("cuda"), torch.bfloat16):
