@@ -34,13 +34,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 # bandwidth; larger steps were no faster (measured: docs/kernels.md, "Log-prob passes"). SPLIT: programs per row
 # (each takes a contiguous column range), so that a chunk of ~1k rows fills the card in whole waves (to be measured
 # at W2's H=896 chunk: docs/kernels.md, "W2 at H=896"). chunk_stats's running state always uses one per row.
-# Candidates for W2's passes (issue 38 item 4; False = the code measured before, docs/kernels.md "W2 at H=896: the
-# passes' loop"): VEC keeps the statistics' two sums per vector lane against the row's running max, so a step reduces
-# once (the max) instead of three times; PREFETCH issues the next step's loads before this step's arithmetic (a
-# register double buffer: twice the bytes in flight per program); FINISH lets row_stats' pass write logp, entropy,
-# lse and E[z] itself when a row has one program (SPLIT=1), one launch per chunk less; GRAD_PREFETCH is PREFETCH
-# for the gradient pass.
-LAUNCH = dict(BLOCK=4096, num_warps=8, SPLIT=1, VEC=False, PREFETCH=False, FINISH=False, GRAD_PREFETCH=False)
+LAUNCH = dict(BLOCK=4096, num_warps=8, SPLIT=1)
 
 
 def _launch(n_cols: int, split: int = 1) -> tuple[int, int, dict]:
@@ -63,14 +57,10 @@ def logprob_entropy_reference(logits: Tensor, targets: Tensor, temperature: floa
 if HAS_TRITON:
     @triton.jit
     def _stats_kernel(x_ptr, stride_x, tgt_ptr, m_ptr, s_ptr, t_ptr, zy_ptr, n_cols, col0, inv_t, per,
-                      FRESH: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr = False,
-                      PREFETCH: tl.constexpr = False, FINISH: tl.constexpr = False):
+                      FRESH: tl.constexpr, BLOCK: tl.constexpr):
         # program (row, j) folds columns [j * per, (j + 1) * per) of its row into state slot row * S + j (S = grid
         # dim 1); state: m = running max of z, s = sum exp(z - m), t = sum exp(z - m) * (z - m), zy = target's z.
-        # FRESH: start from the empty state instead of loading one (the buffers may then be uninitialised).
-        # VEC: s and t kept per lane (BLOCK,) against the row's m, summed once after the loop. PREFETCH: the next
-        # step's tile is loaded before this step's arithmetic. FINISH (FRESH, one program per row): the four
-        # slots get logp, entropy, lse and E[z], as _finish_kernel would write them from this one state.
+        # FRESH: start from the empty state instead of loading one (the buffers may then be uninitialised)
         row = tl.program_id(0).to(tl.int64)
         slot = row * tl.num_programs(1) + tl.program_id(1)
         x_row = x_ptr + row * stride_x
@@ -84,52 +74,27 @@ if HAS_TRITON:
             m = tl.load(m_ptr + slot)
             s = tl.load(s_ptr + slot)
             t = tl.load(t_ptr + slot)
-        lane = tl.arange(0, BLOCK)
-        if VEC:                                                    # the loaded sums start in lane 0
-            sv = tl.where(lane == 0, s, 0.0)                       # (BLOCK,)
-            tv = tl.where(lane == 0, t, 0.0)
-        if PREFETCH:
-            z_next = tl.load(x_row + c0 + lane, mask=c0 + lane < c1, other=-float("inf"))
         for start in range(c0, c1, BLOCK):
-            cols = start + lane
-            if PREFETCH:
-                z = z_next.to(tl.float32) * inv_t
-                z_next = tl.load(x_row + cols + BLOCK, mask=cols + BLOCK < c1, other=-float("inf"))
-            else:
-                z = tl.load(x_row + cols, mask=cols < c1, other=-float("inf")).to(tl.float32) * inv_t
+            cols = start + tl.arange(0, BLOCK)
+            z = tl.load(x_row + cols, mask=cols < c1, other=-float("inf")).to(tl.float32) * inv_t
             m_new = tl.maximum(m, tl.max(z, 0))
             shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # an all -inf prefix must not give nan
             alpha = tl.exp(m - shift)
             e = tl.exp(z - shift)
             dm = tl.where(alpha > 0, m - shift, 0.0)               # finite even when m is still -inf
-            if VEC:
-                tv = alpha * (tv + dm * sv) + e * tl.where(e > 0, z - shift, 0.0)
-                sv = alpha * sv + e
-            else:
-                t = alpha * (t + dm * s) + tl.sum(e * tl.where(e > 0, z - shift, 0.0), 0)
-                s = alpha * s + tl.sum(e, 0)
+            t = alpha * (t + dm * s) + tl.sum(e * tl.where(e > 0, z - shift, 0.0), 0)
+            s = alpha * s + tl.sum(e, 0)
             m = m_new
-        if VEC:
-            s = tl.sum(sv, 0)
-            t = tl.sum(tv, 0)
+        tl.store(m_ptr + slot, m)
+        tl.store(s_ptr + slot, s)
+        tl.store(t_ptr + slot, t)
         tgt = tl.load(tgt_ptr + row)
         here = (tgt >= col0 + c0) & (tgt < col0 + c1)
         zy = tl.load(x_row + tl.where(here, tgt - col0, 0)).to(tl.float32) * inv_t
-        if FINISH:                                                 # as finish_stats
-            valid = tgt >= 0
-            lse = m + tl.log(s)
-            tl.store(m_ptr + slot, tl.where(valid, zy - lse, 0.0))
-            tl.store(s_ptr + slot, tl.where(valid, tl.log(s) - t / s, 0.0))
-            tl.store(t_ptr + slot, lse)
-            tl.store(zy_ptr + slot, m + t / s)
+        if FRESH:
+            tl.store(zy_ptr + slot, tl.where(here, zy, 0.0))
         else:
-            tl.store(m_ptr + slot, m)
-            tl.store(s_ptr + slot, s)
-            tl.store(t_ptr + slot, t)
-            if FRESH:
-                tl.store(zy_ptr + slot, tl.where(here, zy, 0.0))
-            else:
-                tl.store(zy_ptr + slot, tl.where(here, zy, tl.load(zy_ptr + slot)))
+            tl.store(zy_ptr + slot, tl.where(here, zy, tl.load(zy_ptr + slot)))
 
     @triton.jit
     def _finish_kernel(part_ptr, tgt_ptr, out_ptr, n, S, BLOCK_S: tl.constexpr):
@@ -157,8 +122,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _grad_kernel(x_ptr, stride_x, g_ptr, stride_g, tgt_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr,
-                     n_cols, col0, inv_t, per, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr,
-                     PREFETCH: tl.constexpr = False):
+                     n_cols, col0, inv_t, per, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr):
         # d loss / d logits = (g_logp * (onehot - p) - g_ent * p * (z - E[z])) / T; g may alias x.
         # Program (row, j) writes columns [j * per, (j + 1) * per) of its row.
         row = tl.program_id(0).to(tl.int64)
@@ -172,18 +136,10 @@ if HAS_TRITON:
             gent = tl.where(valid, tl.load(gent_ptr + row), 0.0)
             ez = tl.load(ez_ptr + row)
         local_t = tgt - col0
-        x_row = x_ptr + row * stride_x
-        if PREFETCH:                                               # the next step's tile loaded before this step's
-            z_next = tl.load(x_row + c0 + tl.arange(0, BLOCK), mask=c0 + tl.arange(0, BLOCK) < c1,
-                             other=-float("inf"))                  # arithmetic and store (g may alias x: the
-        for start in range(c0, c1, BLOCK):                         # store is to this step's columns only)
+        for start in range(c0, c1, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < c1
-            if PREFETCH:
-                z = z_next.to(tl.float32) * inv_t
-                z_next = tl.load(x_row + cols + BLOCK, mask=cols + BLOCK < c1, other=-float("inf"))
-            else:
-                z = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_t
+            z = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_t
             p = tl.exp(z - lse)
             g = glp * (tl.where(cols == local_t, 1.0, 0.0) - p)
             if HAS_ENT:
@@ -240,12 +196,6 @@ def row_stats(x: Tensor, targets: Tensor, inv_t: float, use_triton: bool) -> tup
         return finish_stats(state, targets)
     n = x.shape[0]
     per, split, kw = _launch(x.shape[1], LAUNCH["SPLIT"])
-    kw.update(VEC=LAUNCH["VEC"], PREFETCH=LAUNCH["PREFETCH"])
-    if split == 1 and LAUNCH["FINISH"]:                                       # the pass writes the outputs itself
-        out = torch.empty(4, n, dtype=torch.float32, device=x.device)         # logp, entropy, lse, E[z]
-        _stats_kernel[(n, 1)](x, x.stride(0), targets, out[0], out[1], out[2], out[3], x.shape[1], 0, inv_t, per,
-                              FRESH=True, FINISH=True, **kw)
-        return out[0], out[1], out[2], out[3]
     part = torch.empty(4, n, split, dtype=torch.float32, device=x.device)     # m, s, t, zy per (row, split)
     _stats_kernel[(n, split)](x, x.stride(0), targets, part[0], part[1], part[2], part[3], x.shape[1], 0, inv_t,
                               per, FRESH=True, **kw)
@@ -262,7 +212,7 @@ def chunk_grad(x: Tensor, out: Tensor, targets: Tensor, lse: Tensor, ez: Tensor,
         per, split, kw = _launch(x.shape[1], LAUNCH["SPLIT"])
         _grad_kernel[(x.shape[0], split)](x, x.stride(0), out, out.stride(0), targets, lse, ez, g_logp,
                                           g_ent if has_ent else g_logp, x.shape[1], col0, inv_t, per,
-                                          HAS_ENT=has_ent, PREFETCH=LAUNCH["GRAD_PREFETCH"], **kw)
+                                          HAS_ENT=has_ent, **kw)
         return
     valid = targets >= 0
     z = x.float() * inv_t                                          # (n, v)

@@ -159,61 +159,6 @@ def _check_all(use_triton):
         logprob.LAUNCH.update(old)
 
 
-# logprob.LAUNCH's candidates for W2's passes (off by default), alone and together, at small steps so that a row
-# takes many of them, with one and several programs per row
-CANDIDATES = [dict(VEC=True), dict(PREFETCH=True), dict(FINISH=True), dict(GRAD_PREFETCH=True),
-              dict(VEC=True, PREFETCH=True, FINISH=True, GRAD_PREFETCH=True)]
-
-
-def loss_outputs(seed, dtype, **kw):
-    """(loss, logp, entropy, d hidden, d weight) of one PPO loss over padded rows in chunks of 2 rows."""
-    g = torch.Generator().manual_seed(seed)
-    B, C, V, H = 5, 9, 301, 24
-    h = (torch.randn(B, C, H, generator=g) * 2).to(dtype).requires_grad_()
-    w = (torch.randn(V, H, generator=g) / math.sqrt(H)).to(dtype).requires_grad_()
-    t = torch.randint(0, V, (B, C), generator=g)
-    t[torch.arange(C)[None, :] >= torch.tensor([9, 3, 0, 7, 1])[:, None]] = -1   # ragged rows, one empty
-    a, b = torch.randn(B, C, generator=g), torch.rand(B, C, generator=g)
-    loss, lp, en = linear_logprob_loss(h, w, t, 0.7, lambda rows, lp, en: (torch.exp(lp) * a[rows] + en ** 2
-                                                                           * b[rows]).sum(), rows_per_chunk=2, **kw)
-    loss.backward()
-    return loss.detach(), lp, en, h.grad, w.grad
-
-
-def check_candidates():
-    """Each candidate's log-probs, entropies, loss and gradients against today's kernels (the defaults) on the same
-    inputs: float32 within rounding (the sums' order differs), bf16 within its own rounding of G and d W; row_stats
-    alone on rows whose first steps are all -inf (masked vocabulary) and whose length is no multiple of a step."""
-    old = dict(logprob.LAUNCH)
-    x = torch.randn(6, 203)
-    x[:, :70] = -float("inf")                                      # more than two 32-column steps masked
-    x[2, 150:] = -float("inf")
-    tgt = torch.tensor([100, 5, 120, -1, 202, 77])
-    try:
-        for base in (dict(BLOCK=32, SPLIT=1), dict(BLOCK=32, SPLIT=3), dict(BLOCK=64, SPLIT=1)):
-            logprob.LAUNCH.update(old)
-            logprob.LAUNCH.update(base)
-            ref = {dt: loss_outputs(1, dt) for dt in (torch.float32, torch.bfloat16)}
-            ref_rows = logprob.row_stats(x, tgt, 1.3, True)
-            for cand in CANDIDATES:
-                logprob.LAUNCH.update(cand)
-                for dt, want in ref.items():
-                    got = loss_outputs(1, dt)
-                    errs = [rel(a, b) for a, b in zip(got, want)]
-                    assert max(errs) < (1e-5 if dt == torch.float32 else 1e-2), (base, cand, dt, errs)
-                rows = logprob.row_stats(x, tgt, 1.3, True)
-                for a, b in zip(rows, ref_rows):
-                    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (base, cand, a, b)
-                logprob.LAUNCH.update({k: False for k in cand})
-    finally:
-        logprob.LAUNCH.clear()
-        logprob.LAUNCH.update(old)
-
-
-def test_candidates_interpreted_match_today():
-    run_interpreted("import tests.test_kernel_loss as t; t.check_candidates(); print('ok')")
-
-
 def test_torch_twins_match_reference():
     check_all(use_triton=False)
 
