@@ -3,6 +3,7 @@
 
     python3 tools/bench_passes.py --out DIR                                   # H=896 (12 rounds), H=4096 (1 round)
     python3 tools/bench_passes.py --out DIR --baseline /tmp/base --rounds 16  # + the losses of another checkout
+    python3 tools/bench_passes.py --out DIR --baseline /tmp/base --rounds 8 --workloads W2 --no-floor   # W2 only
 
 Why rounds: the same loss timed twice within one command moved by more than the bars' margin (docs/kernels.md, "W2
 and W9 at H=896 in interleaved rounds"), so every method and its basis are timed once per round, in an order
@@ -12,14 +13,16 @@ its basis), so that a drift of the card's clock hits them all alike.
 Per shape (N = 32,768 bf16 tokens; W2's loss sum(logp * a + entropy * b) over rows of 256 tokens, as
 tools/kernel_bench.py's fused_loss; W9's reverse KL, sum(kl * a), as tools/bench_w9.py):
  1. (first shape only) the passes alone on one loss chunk of real logits, x the chunks: W2's row_stats and gradient
-    pass (kernels/logprob.py), W9's row_kl and gradient pass (kernels/fused_kl.py);
+    pass (kernels/logprob.py) at each of PASS_SETTINGS, W9's row_kl and gradient pass (kernels/fused_kl.py);
  2. (first shape only) the floor's parts: the products in 8192-token blocks (a) and at each loss's chunk, d W
     accumulated as the loss does it (a') (tools/w2_floor.py `matmuls`, tools/w9_floor.py `products`), and the
     passes' least traffic (b) (their `traffic` probes: torch's reduction and in-place op on a chunk);
  3. rounds: the basis (the (N, H) x (H, V) logits product in 8192-token blocks: W2's basis is 3 of it, W9's 4), W2's
     and W9's losses forward + backward as shipped, the same from --baseline's kernels/logprob_loss.py and
-    kernels/fused_kl.py (loaded beside this checkout's, so the before and after share the command), and the
-    variants of VARIANTS; extra GiB (tools/bench_w9.py's count) once per method.
+    kernels/fused_kl.py (loaded beside this checkout's, so the before and after share the command; with its
+    kernels/logprob.py too when the folder holds one), and the variants of VARIANTS; extra GiB (tools/bench_w9.py's
+    count) once per method.
+--workloads W2 leaves W9 out of all three steps; --no-floor skips step 2.
 """
 import argparse
 import importlib
@@ -46,16 +49,26 @@ GiB, GB, SEQ = 2**30, 1e9, 256
 DEV = "cuda"
 # name -> (module attribute overrides, shapes it runs at): settings the defaults were chosen against
 VARIANTS = {"W2, no token cap": (dict(lpl=dict(MAX_CHUNK_TOKENS=1 << 30)), (4096,))}
+# W2's passes alone (step 1): name -> kernels/logprob.py LAUNCH overrides (BLOCK, num_warps, SPLIT) to time beside
+# the defaults; the kernels tried this way and removed since: docs/kernels.md, "W2's passes: one reduction a step"
+PASS_SETTINGS = {"default": {}}
 
 
 def load_baseline(folder):
     """--baseline's logprob_loss.py and fused_kl.py as modules of their own (they import this checkout's kernels/
-    logprob.py and linear_logprob.py, whose interfaces they share)."""
-    mods = {}
-    for name in ("logprob_loss", "fused_kl"):
-        spec = importlib.util.spec_from_file_location(f"baseline_{name}", os.path.join(folder, f"{name}.py"))
-        mods[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mods[name])
+    linear_logprob.py, whose interface they share, and the folder's logprob.py when it has one, else this
+    checkout's: it stands in for kernels.logprob only while they load, so their names bind to its functions)."""
+    mods, ours = {}, sys.modules["kernels.logprob"]
+    names = (["logprob"] if os.path.isfile(os.path.join(folder, "logprob.py")) else []) + ["logprob_loss", "fused_kl"]
+    try:
+        for name in names:
+            spec = importlib.util.spec_from_file_location(f"baseline_{name}", os.path.join(folder, f"{name}.py"))
+            mods[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mods[name])
+            if name == "logprob":
+                sys.modules["kernels.logprob"] = mods[name]
+    finally:
+        sys.modules["kernels.logprob"] = ours
     return mods
 
 
@@ -71,16 +84,27 @@ def w9_step(mod, hs, ws, ht, wt, aw):
     mod.fused_kl_loss(hs, ws, ht, wt, aw, chunk_bytes=mod.LOSS_CHUNK_BYTES)[0].backward()   # read now: VARIANTS
 
 
-def passes(h, w, hs, ws, ht, wt, m2, m9):
+def passes(h, w, hs, ws, ht, wt, m2, m9, w9=True):
     """Step 1: {name: ms x chunks} of each pass on one chunk of real logits."""
     N, V = h.shape[0], w.shape[0]
     k2, k9 = -(-N // m2), -(-N // m9)
     bench = w2_floor.bench
     x = h[:m2] @ w.T                                                          # (m2, V) real logits
     tgt = torch.randint(0, V, (m2,), device=h.device)
-    out = {"W2 row_stats": bench(lambda: logprob.row_stats(x, tgt, 1.0, True), 100) * k2}
-    lse, ez, g1, g2 = logprob.row_stats(x, tgt, 1.0, True)
-    out["W2 gradient pass"] = bench(lambda: logprob.chunk_grad(x, x, tgt, lse, ez, g1, g2, 0, 1.0, True), 100) * k2
+    out = {}
+    for name, over in PASS_SETTINGS.items():
+        restore = apply(dict(logprob=dict(LAUNCH={**logprob.LAUNCH, **over})))
+        try:
+            out[f"W2 row_stats, {name}"] = bench(lambda: logprob.row_stats(x, tgt, 1.0, True), 100) * k2
+            lse, ez, g1, g2 = logprob.row_stats(x, tgt, 1.0, True)
+            out[f"W2 gradient pass, {name}"] = bench(lambda: logprob.chunk_grad(x, x, tgt, lse, ez, g1, g2, 0, 1.0,
+                                                                                True), 100) * k2
+            x = h[:m2] @ w.T                         # the gradient pass rewrote x in place: real logits again
+        finally:
+            restore()
+        print(f"  {name}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in out.items() if k.endswith(name)), flush=True)
+    if not w9:
+        return out
     zs, zt = hs[:m9] @ ws.T, ht[:m9] @ wt.T                                   # (m9, V) each
     kl, g = torch.empty(m9, device=h.device), torch.rand(m9, device=h.device)
     out["W9 row_kl"] = bench(lambda: fkl.row_kl(zs, zt, 1.0, True, True, kl), 100) * k9
@@ -90,7 +114,7 @@ def passes(h, w, hs, ws, ht, wt, m2, m9):
     return out
 
 
-def floor_parts(h, w, hs, ws, ht, wt, m2, m9):
+def floor_parts(h, w, hs, ws, ht, wt, m2, m9, w9=True):
     """Step 2: {workload: ((a) parts, (a') parts, (b) ms)}."""
     N, V = h.shape[0], w.shape[0]
     k2, k9 = -(-N // m2), -(-N // m9)
@@ -100,15 +124,17 @@ def floor_parts(h, w, hs, ws, ht, wt, m2, m9):
     c2 = {"logits": w2_floor.bench(lambda: torch.mm(h[:m2], w.T, out=z), 100) * k2,
           "d h": w2_floor.bench(lambda: torch.mm(g, w, out=dh), 100) * k2,
           "d W += (bf16 addmm)": w2_floor.bench(lambda: dw.addmm_(g.T, h[:m2]), 100) * k2}
-    t2, t9 = w2_floor.traffic(m2, V, k2, h.device), w9_floor.traffic(m9, V, k9, h.device)
-    return {"W2": (w2_floor.matmuls(h, w, block), c2, t2["read ms"] + t2["read+write ms"]),
-            "W9": (w9_floor.products(hs, ws, ht, wt, block, False), w9_floor.products(hs, ws, ht, wt, m9, True),
-                   t9["ms"])}
+    t2 = w2_floor.traffic(m2, V, k2, h.device)
+    out = {"W2": (w2_floor.matmuls(h, w, block), c2, t2["read ms"] + t2["read+write ms"])}
+    if w9:
+        out["W9"] = (w9_floor.products(hs, ws, ht, wt, block, False), w9_floor.products(hs, ws, ht, wt, m9, True),
+                     w9_floor.traffic(m9, V, k9, h.device)["ms"])
+    return out
 
 
 def apply(overrides):
     """Set module attributes (VARIANTS); -> the function that restores them."""
-    mods, old = {"lpl": lpl, "fkl": fkl}, []
+    mods, old = {"lpl": lpl, "fkl": fkl, "logprob": logprob}, []
     for key, attrs in overrides.items():
         for k, v in attrs.items():
             old.append((mods[key], k, getattr(mods[key], k)))
@@ -116,7 +142,7 @@ def apply(overrides):
     return lambda: [setattr(m, k, v) for m, k, v in old]
 
 
-def methods(H, inputs, base):
+def methods(H, inputs, base, w9_on=True):
     """name -> (overrides, step, leaves, basis multiple)."""
     h, w, t, a, b, hs, ws, ht, wt, aw = inputs
     buf = torch.empty(min(8192, h.shape[0]), w.shape[0], dtype=h.dtype, device=h.device)
@@ -131,8 +157,10 @@ def methods(H, inputs, base):
     if base:
         out["W2, baseline"] = ({}, w2(base["logprob_loss"]), [h, w], 3)
         out["W9, baseline"] = ({}, w9(base["fused_kl"]), [hs, ws], 4)
+    if not w9_on:
+        out = {n: v for n, v in out.items() if not n.startswith("W9")}
     for name, (overrides, shapes) in VARIANTS.items():
-        if H in shapes:
+        if H in shapes and (w9_on or name.startswith("W2")):
             out[name] = (overrides, w2(lpl) if name.startswith("W2") else w9(fkl), [h, w] if name.startswith("W2")
                          else [hs, ws], 3 if name.startswith("W2") else 4)
     return out
@@ -186,11 +214,12 @@ def shape_report(H, V, args, base, first):
     m9 = fkl.loss_rows(N, V, 2, fkl.LOSS_CHUNK_BYTES)
     print(f"\nH={H} V={V}: W2 chunk {m2} tokens, W9 chunk {m9} tokens", flush=True)
     det = [x.detach() for x in (h, w, hs, ws)]
-    sweep = passes(*det[:2], *det[2:], ht, wt, m2, m9) if first else {}
+    w9_on = "W9" in args.workloads
+    sweep = passes(*det[:2], *det[2:], ht, wt, m2, m9, w9_on) if first else {}
     for n, v in sweep.items():
         print(f"  {n}: {v:.2f} ms", flush=True)
-    floor = floor_parts(*det[:2], *det[2:], ht, wt, m2, m9) if first else None
-    meths = methods(H, (h, w, t, a, b, hs, ws, ht, wt, aw), base)
+    floor = floor_parts(*det[:2], *det[2:], ht, wt, m2, m9, w9_on) if first and args.floor else None
+    meths = methods(H, (h, w, t, a, b, hs, ws, ht, wt, aw), base, w9_on)
     extra = {}
     for n, (overrides, step, leaves, _) in meths.items():
         if leaves:
@@ -242,7 +271,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=12, help="rounds at the first shape")
     ap.add_argument("--later-rounds", type=int, default=1, help="rounds at the other shapes")
     ap.add_argument("--calls", type=int, default=1, help="timed calls per method per round (their median)")
-    ap.add_argument("--baseline", default=None, help="a folder with another checkout's logprob_loss.py, fused_kl.py")
+    ap.add_argument("--baseline", default=None, help="a folder with another checkout's logprob_loss.py, fused_kl.py "
+                    "(and logprob.py: its kernels then run under them)")
+    ap.add_argument("--workloads", default="W2,W9", help="W2,W9 or W2 alone")
+    ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip step 2, the floor's parts")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("bench_passes needs a CUDA device")
@@ -250,6 +282,9 @@ def main():
         args.shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     except ValueError:
         ap.error(f"--shapes takes HxV,HxV, got {args.shapes!r}")
+    args.workloads = args.workloads.split(",")
+    if not set(args.workloads) <= {"W2", "W9"} or "W2" not in args.workloads:
+        ap.error(f"--workloads takes W2,W9 or W2, got {','.join(args.workloads)!r}")
     if args.n % SEQ or args.n <= 0:
         ap.error(f"--n must be a positive multiple of {SEQ}, got {args.n}")
     if args.baseline and not all(os.path.isfile(os.path.join(args.baseline, f"{n}.py"))
