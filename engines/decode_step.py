@@ -12,7 +12,7 @@ from torch import Tensor
 
 from engines.decode_weights import project
 from engines.moe import moe_block
-from kernels import decode_attention_kernel, fp8_mlp
+from kernels import decode_attention_kernel
 from kernels.decode_attention import rotate
 
 
@@ -51,9 +51,6 @@ def _fusable_norm(a, spec, dtype) -> tuple | None:
 class Step:
     """Mixed into FastDecoder: needs self.model, self.arch, self.fused, self.attention, self.n_heads, self.n_kv,
     self.head_dim, self.splits and self.moe_grouped (engines/moe.py: grouped GEMMs or the dense form)."""
-    # the fp8 routes' SiLU MLP at decode: "split" (two fp8_linear calls, the compiler's kernels between) or "fused"
-    # (kernels/fp8_mlp.py: two kernels); read when the step is traced, so a tool may set it on one decoder
-    fp8_mlp_route = fp8_mlp.MLP
 
     def _forward(self, ids: Tensor, pos: Tensor, slots: Tensor, key_ok: Tensor, ks: list[Tensor], vs: list[Tensor],
                  cos: Tensor, sin: Tensor, kpos: Tensor | None = None, routes: list | None = None,
@@ -81,7 +78,6 @@ class Step:
             for w in {s.window for s in arch.layers if s.window}:
                 windowed[w] = key_ok & (kpos[:, None, None, :] > pos[:, None, :, None] - w)
         n_moe = 0
-        rowmax = None                                                        # (L, 64): the fused MLP's row maxima
         for i, (layer, spec) in enumerate(zip(m.layers, arch.layers)):
             ok = windowed.get(spec.window, key_ok)
             pre_a, post_a, pre_m, post_m = spec.norms
@@ -94,14 +90,9 @@ class Step:
                 y = moe_block(layer.mlp, h, self.moe_grouped, None if routes is None else routes[n_moe], slots)
                 n_moe += 1
             else:
+                gate, up = project(h, p_gu).chunk(2, dim=-1)                 # (B, T, I) each
                 act = getattr(layer.mlp, "act_fn", None) or layer.mlp.activation_fn
-                flat = h.reshape(-1, h.shape[-1])                            # (B T, H)
-                if self.fp8_mlp_route == "fused" and fp8_mlp.fits(flat, p_gu, p_down, act):
-                    rowmax = fp8_mlp.row_buffer(len(m.layers), x) if rowmax is None else rowmax   # once a step
-                    y = fp8_mlp.fp8_mlp(flat, *p_gu[0], *p_down[0], rowmax, i).view(h.shape)
-                else:
-                    gate, up = project(h, p_gu).chunk(2, dim=-1)             # (B, T, I) each
-                    y = project(act(gate) * up, p_down)
+                y = project(act(gate) * up, p_down)
             x = x + _norm(post_m, y)
         h = m.norm(x[:, -1])                                  # (B, H); the fp8 routes' head follows the layers'
         logits = project(h, self.fused[-1]) if len(self.fused) > len(m.layers) else self.model.lm_head(h)  # (B, V)

@@ -1,8 +1,6 @@
 """engine_dtype=fp8: the FP8 quantiser and GEMM (kernels/fp8.py), the decoder's fp8 routes
 (engines/decode_weights.py: refresh, fp8_group), the engine and the config (tis defaulted, bad values refused).
 CPU tests run the torch twin; the GPU tests run torch._scaled_mm and the compiled, graphed decoder."""
-import os
-
 import pytest
 import torch
 
@@ -203,100 +201,6 @@ print("ok")
 """)
 
 
-def test_the_fused_mlp_matches_the_split_route_interpreted():
-    """kernels/fp8_mlp.py under TRITON_INTERPRET=1 against the split route's twin (mlp_twin: fp8_linear's rounding
-    points). Tight where the interpreter computes as the GPU: SiLU-and-multiply within two bf16 steps (its bf16
-    casts truncate), each row's maximum bit-equal to the stored activations' (so no quotient exceeds 448), rows past
-    M and other layers' slots untouched. Loose where it does not: triton 3.9's interpreter rounds a value just
-    under a power of two to e4m3 at half its size (2.7% of values measured), so the down GEMM's in-kernel
-    quantisation and the whole MLP get a 0.15 band against the twin (the GPU: tests below, tools/fp8_gemm_bench.py
-    --mlp); the plain and the swapped down GEMM give the same sums."""
-    from tests.interpret import run_interpreted
-    run_interpreted("""
-import torch
-from kernels.fp8 import quantise_activations, quantise_rows
-from kernels.fp8_mlp import MAX_ROWS, down_launch, fp8_mlp, gate_up_launch, mlp_twin, row_buffer
-g = torch.Generator().manual_seed(0)
-rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
-for M, H, I in ((3, 64, 96), (20, 96, 160)):                         # partial row and column tiles
-    x = torch.randn(M, H, generator=g).bfloat16()
-    w8gu, sgu = quantise_rows(torch.randn(2 * I, H, generator=g) * 0.2)
-    w8d, sd = quantise_rows(torch.randn(H, I, generator=g) * 0.2)
-    y_twin, h_twin, max_twin = mlp_twin(x, w8gu, sgu, w8d, sd)
-    x8, sx = quantise_activations(x)
-    rowmax = row_buffer(3, x)
-    h = gate_up_launch(x8, sx.view(M), w8gu, sgu, rowmax, 1)          # (M, I) bf16, rowmax[1, :M]
-    assert h.shape == (M, I) and h.dtype == torch.bfloat16
-    assert ((h.float() - h_twin.float()).abs() <= h_twin.float().abs() * 2**-7 + 1e-6).all(), (M, I)
-    assert torch.equal(rowmax[1, :M], h.float().abs().amax(1)), (rowmax[1, :M], h.float().abs().amax(1))
-    assert not rowmax[[0, 2]].any() and not rowmax[1, M:].any() and rowmax.shape == (3, MAX_ROWS)
-    assert torch.allclose(rowmax[1, :M], max_twin, rtol=2**-7)
-    twin_down = mlp_twin(x, w8gu, sgu, w8d, sd)[0]
-    plain, swapped = (down_launch(h, rowmax, 1, w8d, sd, swap).sum(0) for swap in (False, True))
-    assert torch.allclose(plain, swapped, rtol=1e-5, atol=1e-5) and rel(plain, y_twin) < 0.15, rel(plain, y_twin)
-    again = row_buffer(3, x)
-    y = fp8_mlp(x, w8gu, sgu, w8d, sd, again, 2)
-    assert y.dtype == torch.bfloat16 and y.shape == (M, H) and rel(y, y_twin) < 0.15, rel(y, y_twin)
-    assert torch.equal(again[2], rowmax[1]) and not again[:2].any()   # the same maxima, in layer 2's slot
-print("ok")
-""")
-
-
-def test_the_fused_mlp_is_taken_only_where_it_fits():
-    import torch.nn as nn
-    from kernels import fp8_mlp
-    w8gu, sgu = quantise_rows(torch.randn(192, 64))                      # I = 96, H = 64
-    w8d, sd = quantise_rows(torch.randn(64, 96))
-    gu, down = ([w8gu, sgu], None, None, None, 0), ([w8d, sd], None, None, None, 0)
-    x = torch.randn(4, 64)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fp8_mlp, "INTERPRET", True)                       # as if the kernels could run on this CPU
-        assert fp8_mlp.fits(x, gu, down, nn.SiLU()) == fp8_mlp.HAS_TRITON
-        assert not fp8_mlp.fits(x, gu, down, nn.GELU())              # another activation: the split route
-        assert not fp8_mlp.fits(torch.randn(65, 64), gu, down, nn.SiLU())   # a prefill's rows
-        assert not fp8_mlp.fits(x, gu, ([w8d, sd], torch.zeros(64), None, None, 0), nn.SiLU())   # a bias
-        assert not fp8_mlp.fits(x, gu, ([torch.randn(64, 96)], None, None, None, 0), nn.SiLU())  # down in bf16
-    assert not fp8_mlp.fits(x, gu, down, nn.SiLU())                  # the CPU without the interpreter
-    from engines.decode_step import Step
-    assert Step.fp8_mlp_route == fp8_mlp.MLP
-    assert "FAST_DECODE_FP8_MLP" in os.environ or fp8_mlp.MLP == "split"   # the default: today's route
-
-
-def test_the_decoder_takes_the_fused_mlp_and_samples_close_to_teacher_forcing(random_model_dir):
-    """The fast decoder (fp8_all, eager, interpreted kernels) with fp8_mlp_route="fused": each decode step calls the
-    fused MLP once per layer (the prefill's 4 x 6 rows too, under MAX_ROWS), and its log-probs stay as close to
-    the float32 policy's as the split route's do (both bounded by FP8's rounding; the interpreter's e4m3
-    rounding is coarser, hence the margin)."""
-    from tests.interpret import run_interpreted
-    run_interpreted(f"""
-import torch
-from engines.base import SamplingParams
-from engines.fast_decode import FastDecoder
-from kernels import fp8_mlp
-from models import completion_logprobs, load_model
-model, tok = load_model({random_model_dir!r}, torch.device("cpu"), torch.float32)
-calls, inner = [], fp8_mlp.fp8_mlp
-fp8_mlp.fp8_mlp = lambda *a: calls.append(a[-1]) or inner(*a)
-ids = torch.randint(2, 14, (4, 6), generator=torch.Generator().manual_seed(0))
-gaps = {{}}
-for route in ("split", "fused"):
-    calls.clear()
-    dec = FastDecoder(model, weights="fp8_all", use_graph=False, compile=False)
-    dec.fp8_mlp_route = route
-    completion, alive, logprobs, _ = dec.sample(ids, torch.ones_like(ids), SamplingParams(max_new_tokens=8), 1, 0,
-                                                torch.Generator().manual_seed(0))
-    full = torch.cat([ids, completion], 1)
-    with torch.no_grad():
-        logp, _ = completion_logprobs(model, full, torch.ones_like(full), completion.shape[1], 1.0)
-    gaps[route] = float(((logp - logprobs).abs() * alive).max())
-    steps = completion.shape[1]                                        # the prefill and steps - 1 decode steps
-    assert calls == ([0, 1] * steps if route == "fused" else []), (route, calls)
-assert 0 < gaps["fused"] < max(1.0, 3 * gaps["split"]), gaps
-print(gaps)
-print("ok")
-""")
-
-
 def test_tiles_split_k_exactly_and_fill_the_card_at_w6s_shapes():
     from kernels.fp8_gemm import SMS, tiles, wins
     for M in (1, 64, 128):
@@ -332,31 +236,6 @@ def test_fp8_gemms_match_the_twin_on_a_gpu():
 
 
 @CUDA
-def test_the_fused_mlp_matches_the_twin_on_a_gpu(monkeypatch):
-    """kernels/fp8_mlp.py's two kernels (both down GEMMs) against mlp_twin, W6's widths among the shapes; the row
-    maxima bit-equal to the stored activations'."""
-    from kernels import fp8_mlp
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for M, H, I in ((64, 3584, 18944), (5, 256, 512), (33, 512, 1056)):
-        x = torch.randn(M, H, device="cuda", generator=g).bfloat16()
-        w8gu, sgu = quantise_rows(torch.randn(2 * I, H, device="cuda", generator=g) * 0.02)
-        w8d, sd = quantise_rows(torch.randn(H, I, device="cuda", generator=g) * 0.02)
-        y_twin, h_twin, _ = fp8_mlp.mlp_twin(x, w8gu, sgu, w8d, sd)
-        for swap in (False, True):
-            monkeypatch.setattr(fp8_mlp, "SWAP", swap)
-            rowmax = fp8_mlp.row_buffer(2, x)
-            y = fp8_mlp.fp8_mlp(x, w8gu, sgu, w8d, sd, rowmax, 1)
-            err = ((y.float() - y_twin).norm() / y_twin.norm()).item()
-            assert err < 0.02 and not rowmax[0].any(), (M, H, I, swap, err)
-        from kernels.fp8 import quantise_activations
-        x8, sx = quantise_activations(x)
-        rowmax = fp8_mlp.row_buffer(1, x)
-        h = fp8_mlp.gate_up_launch(x8, sx.view(M), w8gu, sgu, rowmax, 0)
-        assert torch.equal(rowmax[0, :M], h.float().abs().amax(1)) and not rowmax[0, M:].any()
-        assert torch.allclose(h.float(), h_twin.float(), rtol=2**-7, atol=1e-3 * h_twin.float().abs().max().item())
-
-
-@CUDA
 def test_merge_quantise_matches_the_twin_on_a_gpu():
     from kernels.fp8_quant import merge_quantise, merged_twin
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -377,12 +256,10 @@ def test_merge_quantise_matches_the_twin_on_a_gpu():
 
 
 @CUDA
-@pytest.mark.parametrize("gemm,refresh,mlp", [("triton", "triton", "split"), ("scaled_mm", "torch", "split"),
-                                              ("triton", "triton", "fused")])
-def test_fp8_decoder_on_a_gpu_samples_close_to_teacher_forcing(random_model_dir, gemm, refresh, mlp, monkeypatch):
+@pytest.mark.parametrize("gemm,refresh", [("triton", "triton"), ("scaled_mm", "torch")])
+def test_fp8_decoder_on_a_gpu_samples_close_to_teacher_forcing(random_model_dir, gemm, refresh, monkeypatch):
     """The compiled, graphed step with FP8 groups (fp8_all: the random model's widths are multiples of 16 but
-    the head's 14 rows are not, so the head stays bf16 here), with either GPU GEMM and either refresh, and the
-    MLP split or fused (kernels/fp8_mlp.py)."""
+    the head's 14 rows are not, so the head stays bf16 here), with either GPU GEMM and either refresh."""
     from engines.base import SamplingParams
     from kernels import fp8
     from models import completion_logprobs, load_model
@@ -390,7 +267,6 @@ def test_fp8_decoder_on_a_gpu_samples_close_to_teacher_forcing(random_model_dir,
     monkeypatch.setattr(decode_weights, "FP8_REFRESH", refresh)
     model, tok = load_model(random_model_dir, torch.device("cuda"), torch.bfloat16)
     dec = FastDecoder(model, weights="fp8_all")
-    dec.fp8_mlp_route = mlp
     ids = torch.randint(2, 14, (8, 6), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     completion, alive, logprobs, _ = dec.sample(ids, torch.ones_like(ids), SamplingParams(max_new_tokens=16), 1, 0,
                                                 torch.Generator(device="cuda").manual_seed(0))

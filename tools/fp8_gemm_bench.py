@@ -5,7 +5,6 @@ the head), one GPU, one command (#38):
     python tools/fp8_gemm_bench.py --out $OUT/gemm --rows 64,128 --quick-rows 128
     python tools/fp8_gemm_bench.py --out $OUT/gemm --rows 64 --shapes gate_up,down --configs 64,256,4,3 --waves 2,3
     python tools/fp8_gemm_bench.py --out $OUT/gemm --rows 0 --refresh      # the per-rollout refresh alone
-    python tools/fp8_gemm_bench.py --out $OUT/gemm --rows 0 --mlp 64       # W6's MLP: split against fused
 
 Each candidate is timed as replays of a CUDA graph holding many calls (as the decode step runs: a standalone
 launch's host cost would hide a 10 us kernel), over enough weight copies that the weights do not stay in L2:
@@ -17,11 +16,7 @@ written), the ceiling for the GB/s column (weight bytes over time). --refresh: w
 FP8 copies costs at W6 (engines/decode_weights.refresh on a 2-layer model of W6's widths with LoRA r=16 on every
 projection, tools/lora_decode_bench.py's build; the layers' time x 14 plus the head's: a 28-layer rollout's), eager
 as in a rollout, for each decode_weights.FP8_REFRESH, against its floor (bf16 W read twice and the e4m3 copy
-written, at the copy bandwidth). --mlp M: W6's SiLU MLP at M rows, the route engine_dtype=fp8 takes today ("split":
-fp8_linear for gate/up, SiLU-and-multiply and the down GEMM's per-row quantisation by the compiler, fp8_linear for
-down) against kernels/fp8_mlp.py's two kernels ("fused", its down GEMM plain and swapped), each compiled as in the
-step and replayed from CUDA graphs in alternation; also each GEMM alone, and every route's error against float32 on
-the same FP8 weights. Writes OUT/fp8_gemm.json and prints a table.
+written, at the copy bandwidth). Writes OUT/fp8_gemm.json and prints a table.
 """
 import argparse
 import json
@@ -95,99 +90,6 @@ def refresh_rows(gbs: float, shape: str = "w6", device: str = "cuda") -> dict:
     return res
 
 
-def interleaved_us(fns: dict, calls: int, reps: int = 9, setup=lambda name: None) -> dict:
-    """Median microseconds per call of each fn, `calls` calls per CUDA graph, the graphs replayed in turn (one rep
-    of each, then the next), so that a drift of the card's clocks reaches every route alike. setup(name) runs
-    before each capture (what a launch reads then stays in its graph)."""
-    graphs = {}
-    for name, fn in fns.items():
-        setup(name)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        graphs[name] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[name]):
-            for _ in range(calls):
-                fn()
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, g in graphs.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            torch.cuda.synchronize()
-            times[name].append(a.elapsed_time(b) * 1000 / calls)
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-
-
-def mlp_rows(M: int, H: int = 3584, I: int = 18944, device: str = "cuda") -> dict:
-    """W6's MLP at M rows, split against fused (module docstring): us per layer and relative errors. On the CPU
-    (under TRITON_INTERPRET=1, tiny H and I) it checks this code's outputs without timing them."""
-    from kernels import fp8_mlp
-    from kernels.fp8 import fp8_linear
-    from kernels.fp8_gemm import fp8_gemm
-    g = torch.Generator(device=device).manual_seed(0)
-    copies = max(1, math.ceil(256e6 / (3 * H * I))) if device == "cuda" else 1     # >= 256 MB of FP8 weights
-    layers = [(*quantise_rows(torch.randn(2 * I, H, device=device, generator=g) * 0.02),
-               *quantise_rows(torch.randn(H, I, device=device, generator=g) * 0.02)) for _ in range(copies)]
-    x = torch.randn(M, H, device=device, generator=g, dtype=torch.bfloat16)
-
-    def split(x, w8gu, sgu, w8d, sd):                                   # decode_step's route: project twice
-        gate, up = fp8_linear(x, w8gu, sgu).chunk(2, dim=-1)            # (M, I) each
-        return fp8_linear(F.silu(gate) * up, w8d, sd)
-
-    def fused(x, w8gu, sgu, w8d, sd):                                   # the step zeroes rowmax once per step
-        return fp8_mlp.fp8_mlp(x, w8gu, sgu, w8d, sd, fp8_mlp.row_buffer(1, x), 0)
-
-    on = device == "cuda"
-    split_c = torch.compile(split, dynamic=False, fullgraph=True) if on else split
-    fused_c = torch.compile(fused, dynamic=False, fullgraph=True) if on else fused
-    w8gu, sgu, w8d, sd = layers[0]
-    deq = lambda w8, s: w8.float() * s[:, None]
-    gate, up = (x.float() @ deq(w8gu, sgu).t()).chunk(2, dim=-1)
-    ref = (F.silu(gate) * up) @ deq(w8d, sd).t()                        # (M, H): float32 on the same FP8 weights
-    err = lambda y: ((y.float() - ref).norm() / ref.norm()).item()
-    row = {"M": M, "H": H, "I": I, "split_rel_err": err(split_c(x, *layers[0])),
-           "twin_rel_err": err(fp8_mlp.mlp_twin(x, *layers[0])[0])}
-    failed = []
-    for swap in (False, True):
-        fp8_mlp.SWAP = swap
-        try:      # a kernel that does not build on this card is reported, the rest still timed
-            row[f"fused{'_swap' * swap}_rel_err"] = err(fused_c(x, *layers[0]))
-        except Exception as e:
-            row[f"fused{'_swap' * swap}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            failed += ["fused swapped", "fused down swapped"] if swap else ["fused", "fused down"]
-    fp8_mlp.SWAP = False
-    if not on:
-        return row
-    # each GEMM alone: the split route's (its inputs quantised per row) and the fused kernels
-    x8, sx = quantise_activations(x)
-    h = fp8_mlp.mlp_twin(x, *layers[0])[1]                              # (M, I) bf16
-    h8, sh = quantise_activations(h)
-    rowmax = fp8_mlp.row_buffer(1, x)
-    rowmax[0, :M] = h.float().abs().amax(1)
-    fns = {"split": lambda: [split_c(x, *w) for w in layers], "fused": lambda: [fused_c(x, *w) for w in layers],
-           "split gate/up": lambda: [fp8_gemm(x8, sx, w[0], w[1]) for w in layers],
-           "split down": lambda: [fp8_gemm(h8, sh, w[2], w[3]) for w in layers],
-           "fused gate/up": lambda: [fp8_mlp.gate_up_launch(x8, sx.view(-1), w[0], w[1], rowmax, 0) for w in layers],
-           "fused down": lambda: [fp8_mlp.down_launch(h, rowmax, 0, w[2], w[3], False) for w in layers],
-           "fused down swapped": lambda: [fp8_mlp.down_launch(h, rowmax, 0, w[2], w[3], True) for w in layers],
-           "fused swapped": lambda: [fused_c(x, *w) for w in layers]}
-    est = 3 * H * I / 3e6                                               # us per layer at 3 TB/s
-    calls = max(1, min(100, int(3000 / (est * copies))))
-    try:            # SWAP is read when a graph is captured: "fused swapped" captures the swapped down GEMM
-        us = interleaved_us({n: f for n, f in fns.items() if n not in failed}, calls,
-                            setup=lambda name: setattr(fp8_mlp, "SWAP", name == "fused swapped"))
-    finally:
-        fp8_mlp.SWAP = False
-    row.update({f"{k}_us": v / copies for k, v in us.items()}, copies=copies)
-    return row
-
-
 def shape_rows(name: str, N: int, K: int, M: int, quick: bool, configs=None, waves=WAVES) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
@@ -240,7 +142,6 @@ def main():
                    "built-in grid)")
     p.add_argument("--waves", default=",".join(map(str, WAVES)), help="K splits to try, as waves of programs")
     p.add_argument("--refresh", action="store_true", help="also time the fp8 route's refresh at W6 (first)")
-    p.add_argument("--mlp", default="", help="row counts at which to time W6's MLP, split against fused (first)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU with FP8 (compute capability 8.9+)")
@@ -259,12 +160,6 @@ def main():
     if a.refresh:
         res["refresh"] = refresh_rows(res["copy_GBs"])
         print(f"refresh: {json.dumps(res['refresh'])}", flush=True)
-        with open(os.path.join(a.out, "fp8_gemm.json"), "w") as f:
-            json.dump(res, f, indent=1)
-    for M in [int(m) for m in a.mlp.split(",") if m]:
-        r = mlp_rows(M)
-        res.setdefault("mlp", []).append(r)
-        print(f"mlp: {json.dumps(r)}", flush=True)
         with open(os.path.join(a.out, "fp8_gemm.json"), "w") as f:
             json.dump(res, f, indent=1)
     for M in [int(m) for m in a.rows.split(",") if int(m) > 0]:

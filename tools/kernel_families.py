@@ -9,8 +9,6 @@ its first families fill tools/kernel_sweep.py).
               shorter) -> kernels/fp8.py dequantised_mm on the same quantised values
   fp8_quant   kernels/fp8_quant.py: merge_quantise with and without LoRA factors, partial row blocks and K steps, a
               zero row -> merged_twin
-  fp8_mlp     kernels/fp8_mlp.py: the decode MLP's two FP8 kernels (gate/up with SiLU and the row maxima, the down
-              GEMM quantising its bf16 input per row, plain and swapped) on partial row and column tiles -> mlp_twin
   moe         kernels/moe_experts.py: the decode step's expert kernels (gate/up with SiLU, down) over routings with
               empty experts and one past a row block -> expert_gate_up_reference, expert_down_reference
   moe_route   kernels/decode_route.py: a decode step's routing (softmax, top-k, weights, expert order) -> route_reference
@@ -220,54 +218,6 @@ def fp8_quant_cases(size):
                 yield dict(N=N, K=K, R=R, dtype=dtype)
 
 
-# --- fp8_mlp -------------------------------------------------------------------------------------------------------
-
-def check_fp8_mlp(device, M, H, I, swap) -> float:
-    """kernels/fp8_mlp.py's kernels (on CUDA through fp8_mlp, the custom ops the compiled step calls) against
-    mlp_twin: the row maxima bit-equal to the stored activations', the other layer's slot and rows past M left at
-    zero, the output within 0.02 relative on a GPU; 0.15 under the interpreter, whose e4m3 rounding halves some
-    values just under a power of two (tests/test_fp8.py). Returns the output's relative error."""
-    from kernels import fp8_mlp
-    from kernels.fp8 import quantise_activations, quantise_rows
-    g = gen("fp8_mlp", M, H, I, swap)
-    x = torch.randn(M, H, generator=g).bfloat16()
-    w8gu, sgu = quantise_rows(torch.randn(2 * I, H, generator=g) * 0.05)
-    w8d, sd = quantise_rows(torch.randn(H, I, generator=g) * 0.05)
-    y_twin, _, _ = fp8_mlp.mlp_twin(x, w8gu, sgu, w8d, sd)
-    put = lambda t: t.to(device)
-    rowmax = fp8_mlp.row_buffer(2, put(x))
-    if device == "cuda":
-        old, fp8_mlp.SWAP = fp8_mlp.SWAP, swap
-        try:
-            y = fp8_mlp.fp8_mlp(put(x), put(w8gu), put(sgu), put(w8d), put(sd), rowmax, 1)
-        finally:
-            fp8_mlp.SWAP = old
-        h = None
-    else:
-        x8, sx = quantise_activations(x)
-        h = fp8_mlp.gate_up_launch(x8, sx.view(M), w8gu, sgu, rowmax, 1)                  # (M, I) bf16
-        y = fp8_mlp.down_launch(h, rowmax, 1, w8d, sd, swap).sum(0)
-    rowmax = rowmax.cpu()
-    assert not rowmax[0].any() and not rowmax[1, M:].any(), "a slot past the layer's rows was written"
-    if h is not None:
-        assert torch.equal(rowmax[1, :M], h.float().abs().amax(1)), "row maxima differ from the stored values'"
-    err = rel(y.float(), y_twin)
-    assert err <= (0.02 if device == "cuda" else 0.15), f"relative error {err:.3g}"
-    return err
-
-
-def fp8_mlp_cases(size):
-    # (M, H, I): one row, rows and columns leaving partial tiles, W6's widths at 64 rows on a GPU
-    shapes = [(1, 64, 96), (17, 96, 160), (64, 256, 1056)]
-    if size == "gpu":
-        shapes += [(64, 3584, 18944), (40, 896, 4864)]
-    if size == "cpu":
-        shapes = [(1, 64, 96), (17, 96, 160)]
-    for M, H, I in shapes:
-        for swap in (False, True):
-            yield dict(M=M, H=H, I=I, swap=swap)
-
-
 # --- moe ----------------------------------------------------------------------------------------------------------
 
 def check_moe(device, N, H, I, E, k, skew, dtype, cfg) -> float:
@@ -361,7 +311,6 @@ def moe_route_cases(size):
 
 
 FAMILIES = {"fused_kl": (fused_kl_cases, check_fused_kl), "fp8_gemm": (fp8_gemm_cases, check_fp8_gemm),
-            "fp8_quant": (fp8_quant_cases, check_fp8_quant), "fp8_mlp": (fp8_mlp_cases, check_fp8_mlp),
-            "moe": (moe_cases, check_moe),
+            "fp8_quant": (fp8_quant_cases, check_fp8_quant), "moe": (moe_cases, check_moe),
             "moe_route": (moe_route_cases, check_moe_route)}
-NEEDS = {"fp8_gemm": fp8_needs, "fp8_quant": fp8_needs, "fp8_mlp": fp8_needs}   # family -> fn(device) -> why it cannot run here, or None
+NEEDS = {"fp8_gemm": fp8_needs, "fp8_quant": fp8_needs}   # family -> fn(device) -> why it cannot run here, or None

@@ -3,7 +3,7 @@ GPU, one command (#22, #38):
 
     python tools/lora_decode_bench.py --out $OUT/lora_decode          # W6: Qwen2.5-7B shape, r=16 on all linear layers
     python tools/lora_decode_bench.py --out $OUT/fp8 --variants addmm,fp8 --repeats 2   # FP8 vs W6's route
-    python tools/lora_decode_bench.py --out $OUT/mlp --variants addmm,fp8,fused-mlp --repeats 2 --alternate
+    python tools/lora_decode_bench.py --out $OUT/fp8 --variants addmm,fp8 --repeats 2 --alternate   # rounds
     python tools/lora_decode_bench.py --small --out /tmp/ld          # CPU smoke run (toy shape, eager, no graph)
 
 A random Qwen2 at W6's shape (tools/bench.py SHAPES, bf16, built in memory), peft LoRA r=16 alpha 32 on every
@@ -17,11 +17,9 @@ kernels/fp8_gemm.py's (the default) or, "fp8 scaled_mm" (--variants scaled_mm), 
 activations quantised per token for both, the FP8 copies made by kernels/fp8_quant.py's merge-and-quantise
 kernels (decode_weights.FP8_REFRESH's default); "fp8 torch-refresh" (--variants torch-refresh): fp8 with the copies
 made by lora.dense_weight and kernels/fp8.py's quantise_rows, eager (FP8_REFRESH="torch"); fp8_all: every group and
-the head in FP8; "fp8 fused-mlp" (--variants fused-mlp): fp8 with each layer's SiLU MLP in kernels/fp8_mlp.py's two
-kernels (Step.fp8_mlp_route = "fused", FAST_DECODE_FP8_MLP), "fp8 fused-swap" (--variants fused-swap) the same with
-its down GEMM swapped (fp8_mlp.SWAP). Per variant: median rollout seconds over --repeats calls
-after a warm-up call (compile, capture); with --alternate every decoder is built and warmed first, then the
-repetitions run in rounds, one rollout of each variant per round (clock drift reaches all alike), the
+the head in FP8. Per variant: median rollout seconds over --repeats calls after a warm-up call (compile, capture;
+every rollout samples from seed 0); with --alternate every decoder is built and warmed first, then the repetitions
+run in rounds, one rollout of each variant per round (a drift of the card's clocks reaches all alike), the
 peak memory allocated during a rollout, the largest and the mean |engine - teacher-forced| log-prob over 8 rows
 (the peft model in bf16: the trainer's side), and on a GPU a torch.profiler summary of one rollout (kernel names
 and counts: the GEMMs launched; microseconds per call and per token step) in OUT/profile-<variant>.txt. Also what
@@ -43,17 +41,14 @@ from bench import SHAPES   # tools/bench.py: the workloads' shapes
 
 GIB = 2**30
 VARIANTS = [   # name (its last word is its --variants name), decode weights, decode_weights.PACK, .LOW_RANK,
-    # fp8.GEMM, decode_weights.FP8_REFRESH, the decoder's fp8_mlp_route (engines/decode_step.py), fp8_mlp.SWAP
-    ("fused", "fused", True, "addmm", "triton", "triton", "split", False),
-    ("fp8", "fp8", True, "addmm", "triton", "triton", "split", False),
-    ("fp8 scaled_mm", "fp8", True, "addmm", "scaled_mm", "triton", "split", False),
-    ("fp8 torch-refresh", "fp8", True, "addmm", "triton", "torch", "split", False),
-    ("fp8 fused-mlp", "fp8", True, "addmm", "triton", "triton", "fused", False),
-    ("fp8 fused-swap", "fp8", True, "addmm", "triton", "triton", "fused", True),
-    ("in_place unpacked", "in_place", False, "addmm", "triton", "triton", "split", False),
-    ("in_place packed addmm", "in_place", True, "addmm", "triton", "triton", "split", False),
-    ("in_place packed mm", "in_place", True, "mm", "triton", "triton", "split", False),
-    ("fp8_all", "fp8_all", True, "addmm", "triton", "triton", "split", False)]
+    # fp8.GEMM, decode_weights.FP8_REFRESH
+    ("fused", "fused", True, "addmm", "triton", "triton"), ("fp8", "fp8", True, "addmm", "triton", "triton"),
+    ("fp8 scaled_mm", "fp8", True, "addmm", "scaled_mm", "triton"),
+    ("fp8 torch-refresh", "fp8", True, "addmm", "triton", "torch"),
+    ("in_place unpacked", "in_place", False, "addmm", "triton", "triton"),
+    ("in_place packed addmm", "in_place", True, "addmm", "triton", "triton"),
+    ("in_place packed mm", "in_place", True, "mm", "triton", "triton"),
+    ("fp8_all", "fp8_all", True, "addmm", "triton", "triton")]
 
 
 def build(shape: dict, r: int, device, dtype):
@@ -92,7 +87,8 @@ def rollout_once(dec, ids, mask, sampling, eos: int, device) -> tuple[float, flo
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    completion, alive, logprobs, _ = dec.sample(ids, mask, sampling, eos, 0, torch.Generator(device=device).manual_seed(0))
+    gen = torch.Generator(device=device).manual_seed(0)
+    completion, alive, logprobs, _ = dec.sample(ids, mask, sampling, eos, 0, gen)
     sync(device)
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
     return time.perf_counter() - t0, peak, (completion, alive, logprobs)
@@ -159,8 +155,8 @@ def main():
     p.add_argument("--r", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", default="fused,unpacked,addmm,mm", help="some of fused,fp8,scaled_mm,torch-refresh,"
-                   "fused-mlp,fused-swap,unpacked,addmm,mm,fp8_all, run in the order given (unpacked before addmm and "
-                   "mm: packing is for good)")
+                   "unpacked,addmm,mm,fp8_all, run in the order given (unpacked before addmm and mm: packing is for "
+                   "good)")
     p.add_argument("--budget-s", type=float, default=0, help="start no variant after this many seconds (0: no limit)")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled rollout per variant")
     p.add_argument("--alternate", action="store_true", help="build and warm every variant first, then time them in "
@@ -197,7 +193,6 @@ def main():
         before, t0 = mem(), time.perf_counter()
         settle(v)
         dec = FastDecoder(model, weights=v[1], use_graph=gpu, compile=gpu)     # in_place + PACK: packs here
-        dec.fp8_mlp_route = v[6]
         peaks = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)) if gpu else (0, 0)
         built = {"build_s": time.perf_counter() - t0, "build_peak_over_model_gib": (peaks[0] - before[0]) / GIB,
                  "build_reserved_peak_over_before_gib": (peaks[1] - before[1]) / GIB,
@@ -233,7 +228,8 @@ def main():
                 continue
             row = res["variants"][name]
             row["times_s"].append(t)
-            row["median_s"], row["peak_alloc_gib"] = statistics.median(row["times_s"]), max(peak, row["peak_alloc_gib"])
+            row["median_s"] = statistics.median(row["times_s"])
+            row["peak_alloc_gib"] = max(peak, row["peak_alloc_gib"])
             print(f"round {r}: {name} {t:.3f} s", flush=True)
         write(res, a.out, quiet=True)
         print("".join(line for line in open(os.path.join(a.out, "lora_decode.md")) if "x the rollout" in line),
@@ -247,9 +243,9 @@ def settle(v: tuple):
     """Set the module switches variant v was built (or is to be built) under: read when its step is traced or
     refreshed."""
     from engines import decode_weights
-    from kernels import fp8, fp8_mlp
+    from kernels import fp8
     decode_weights.PACK, decode_weights.LOW_RANK, decode_weights.FP8_REFRESH = v[2], v[3], v[5]
-    fp8.GEMM, fp8_mlp.SWAP = v[4], v[7]
+    fp8.GEMM = v[4]
 
 
 def write(res: dict, out: str, quiet: bool = False):
@@ -260,7 +256,8 @@ def write(res: dict, out: str, quiet: bool = False):
              "(reserved) | logprob gap max / mean | tis=token mean weight, truncated | tis=mask dropped |",
              "|---|---|---|---|---|---|---|---|---|"]
     f = lambda v, k, spec: format(v[k], spec) if k in v else "-"      # a row in the making lacks some
-    lines += [f"| {n} | {f(v, 'median_s', '.3f')} | {v['first_s']:.2f} | {v['peak_alloc_gib']:.2f} | {v['build_s']:.2f} "
+    lines += [f"| {n} | {f(v, 'median_s', '.3f')} | {v['first_s']:.2f} | {v['peak_alloc_gib']:.2f} "
+              f"| {v['build_s']:.2f} "
               f"| {v['build_peak_over_model_gib']:.3f} ({v['build_reserved_peak_over_before_gib']:.3f}) "
               f"| {f(v, 'logprob_gap_max', '.3f')} / {f(v, 'logprob_gap_mean', '.4f')} | "
               f"{f(v, 'tis_token_weight_mean', '.3f')}, {f(v, 'tis_truncated_frac', '.1%')} | "
@@ -269,7 +266,7 @@ def write(res: dict, out: str, quiet: bool = False):
     v = res["variants"]
     base = next((b for b in ("in_place packed addmm", "fused") if b in v), None)   # W6's route, else the default
     lines += [f"\n{n} / {base}: {v[n]['median_s'] / v[base]['median_s']:.3f}x the rollout"
-              for n in ("fp8", "fp8 scaled_mm", "fp8 torch-refresh", "fp8 fused-mlp", "fp8 fused-swap", "fp8_all")
+              for n in ("fp8", "fp8 scaled_mm", "fp8 torch-refresh", "fp8_all")
               if n in v and base and "median_s" in v[n] and "median_s" in v[base]]
     lines += [f"\n{n}: failed: {e}" for n, e in res["errors"].items()]
     with open(os.path.join(out, "lora_decode.md"), "w") as fh:
