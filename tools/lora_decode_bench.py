@@ -3,6 +3,7 @@ GPU, one command (#22, #38):
 
     python tools/lora_decode_bench.py --out $OUT/lora_decode          # W6: Qwen2.5-7B shape, r=16 on all linear layers
     python tools/lora_decode_bench.py --out $OUT/fp8 --variants addmm,fp8 --repeats 2   # FP8 vs W6's route
+    python tools/lora_decode_bench.py --out $OUT/fp8 --variants addmm,fp8 --repeats 2 --alternate   # rounds
     python tools/lora_decode_bench.py --small --out /tmp/ld          # CPU smoke run (toy shape, eager, no graph)
 
 A random Qwen2 at W6's shape (tools/bench.py SHAPES, bf16, built in memory), peft LoRA r=16 alpha 32 on every
@@ -16,7 +17,9 @@ kernels/fp8_gemm.py's (the default) or, "fp8 scaled_mm" (--variants scaled_mm), 
 activations quantised per token for both, the FP8 copies made by kernels/fp8_quant.py's merge-and-quantise
 kernels (decode_weights.FP8_REFRESH's default); "fp8 torch-refresh" (--variants torch-refresh): fp8 with the copies
 made by lora.dense_weight and kernels/fp8.py's quantise_rows, eager (FP8_REFRESH="torch"); fp8_all: every group and
-the head in FP8. Per variant: median rollout seconds over --repeats calls after a warm-up call (compile, capture), the
+the head in FP8. Per variant: median rollout seconds over --repeats calls after a warm-up call (compile, capture;
+every rollout samples from seed 0); with --alternate every decoder is built and warmed first, then the repetitions
+run in rounds, one rollout of each variant per round (a drift of the card's clocks reaches all alike), the
 peak memory allocated during a rollout, the largest and the mean |engine - teacher-forced| log-prob over 8 rows
 (the peft model in bf16: the trainer's side), and on a GPU a torch.profiler summary of one rollout (kernel names
 and counts: the GEMMs launched; microseconds per call and per token step) in OUT/profile-<variant>.txt. Also what
@@ -78,30 +81,38 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def rollout_row(model, dec, ids, mask, sampling, eos: int, repeats: int, device) -> dict:
-    """Times `repeats` rollouts after a warm-up, their peak memory, and the log-prob gap to teacher forcing."""
-    from models import completion_logprobs
+def rollout_once(dec, ids, mask, sampling, eos: int, device) -> tuple[float, float, tuple]:
+    """One rollout: its seconds, its peak allocated GiB and (completion, alive, logprobs)."""
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
     gen = torch.Generator(device=device).manual_seed(0)
-    times, peak = [], 0.0
-    for i in range(repeats + 1):
-        sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        completion, alive, logprobs, _ = dec.sample(ids, mask, sampling, eos, 0, gen)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-        if device.type == "cuda":
-            peak = max(peak, torch.cuda.max_memory_allocated(device) / GIB)
+    completion, alive, logprobs, _ = dec.sample(ids, mask, sampling, eos, 0, gen)
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
+    return time.perf_counter() - t0, peak, (completion, alive, logprobs)
+
+
+def gap_row(model, ids, out: tuple) -> dict:
+    """The log-prob gap of a rollout's first 8 rows to teacher forcing, and what algo.tis makes of it."""
+    from models import completion_logprobs
+    completion, alive, logprobs = out
     C = completion.shape[1]
     with torch.no_grad():   # 8 rows: the (rows, C, V) logits of all 64 would not fit beside a 7B model
         full = torch.cat([ids[:8], completion[:8]], 1)
         logp = completion_logprobs(model, full, torch.ones_like(full), C)[0]                # (8, C)
     gap = (logp.float() - logprobs[:8].float()).abs() * alive[:8]                                  # (8, C)
+    return {"logprob_gap_max": float(gap.max()), "logprob_gap_mean": float(gap.sum() / alive[:8].sum()),
+            "new_tokens": int(alive.sum()), **tis_row(logp.float(), logprobs[:8].float(), alive[:8].float())}
+
+
+def rollout_row(model, dec, ids, mask, sampling, eos: int, repeats: int, device) -> dict:
+    """Times `repeats` rollouts after a warm-up, their peak memory, and the log-prob gap to teacher forcing."""
+    runs = [rollout_once(dec, ids, mask, sampling, eos, device) for _ in range(repeats + 1)]
+    times = [r[0] for r in runs]
     return {"first_s": times[0], "times_s": times[1:], "median_s": statistics.median(times[1:]),
-            "peak_alloc_gib": peak, "logprob_gap_max": float(gap.max()),
-            "logprob_gap_mean": float(gap.sum() / alive[:8].sum()), "new_tokens": int(alive.sum()),
-            **tis_row(logp.float(), logprobs[:8].float(), alive[:8].float())}
+            "peak_alloc_gib": max(r[1] for r in runs), **gap_row(model, ids, runs[-1][2])}
 
 
 def tis_row(train_logp, sample_logp, mask, cap: float = 2.0) -> dict:
@@ -148,11 +159,11 @@ def main():
                    "good)")
     p.add_argument("--budget-s", type=float, default=0, help="start no variant after this many seconds (0: no limit)")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled rollout per variant")
+    p.add_argument("--alternate", action="store_true", help="build and warm every variant first, then time them in "
+                   "rounds (one rollout each per round); no profile")
     a = p.parse_args()
     start = time.perf_counter()
     os.makedirs(a.out, exist_ok=True)
-    from engines import decode_weights
-    from kernels import fp8
     from engines.base import SamplingParams
     from engines.fast_decode import FastDecoder
     shape = SHAPES["small" if a.small else "w6"]
@@ -170,22 +181,29 @@ def main():
     todo = a.variants.split(",")
     if set(todo) - set(by_key) or ("unpacked" in todo and {"addmm", "mm"} & set(todo[:todo.index("unpacked")])):
         p.error(f"--variants: a subset of {','.join(by_key)}, unpacked before addmm and mm (packing is for good)")
-    for name, weights, pack, low_rank, gemm, refresh in [by_key[k] for k in todo]:
+    warm = {}                                                   # --alternate: name -> (decoder, its settings)
+    for v in [by_key[k] for k in todo]:
+        name = v[0]
         if a.budget_s and time.perf_counter() - start > a.budget_s:
             print(f"{name}: skipped (--budget-s {a.budget_s:.0f} spent)", flush=True)
             continue
-        decode_weights.PACK, decode_weights.LOW_RANK, decode_weights.FP8_REFRESH = pack, low_rank, refresh
-        fp8.GEMM = gemm
         if gpu:
             torch.cuda.reset_peak_memory_stats(device)
         mem = lambda: (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)) if gpu else (0, 0)
         before, t0 = mem(), time.perf_counter()
-        dec = FastDecoder(model, weights=weights, use_graph=gpu, compile=gpu)     # in_place + PACK: packs here
+        settle(v)
+        dec = FastDecoder(model, weights=v[1], use_graph=gpu, compile=gpu)     # in_place + PACK: packs here
         peaks = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)) if gpu else (0, 0)
         built = {"build_s": time.perf_counter() - t0, "build_peak_over_model_gib": (peaks[0] - before[0]) / GIB,
                  "build_reserved_peak_over_before_gib": (peaks[1] - before[1]) / GIB,
                  "reserved_after_build_gib": mem()[1] / GIB}
         try:   # one variant's failure (a kernel that does not build on this card) is reported, the rest still run
+            if a.alternate:
+                first, peak, _ = rollout_once(dec, ids, mask, sampling, V, device)
+                res["variants"][name] = {**built, "first_s": first, "times_s": [], "peak_alloc_gib": peak}
+                print(f"{name}: warm, first call {first:.2f} s", flush=True)
+                warm[name] = (dec, v)
+                continue
             row = res["variants"][name] = {**built, **rollout_row(model, dec, ids, mask, sampling, V, a.repeats,
                                                                   device)}
         except Exception as e:
@@ -199,29 +217,62 @@ def main():
         print(f"{name}: {json.dumps(row)}", flush=True)
         dec.release()
         del dec
+    last = {}
+    for r in range(a.repeats if warm else 0):                   # --alternate: one rollout of each per round
+        for name, (dec, v) in warm.items():
+            settle(v)
+            try:
+                t, peak, last[name] = rollout_once(dec, ids, mask, sampling, V, device)
+            except Exception as e:
+                res["errors"][name] = f"{type(e).__name__}: {str(e)[:500]}"
+                continue
+            row = res["variants"][name]
+            row["times_s"].append(t)
+            row["median_s"] = statistics.median(row["times_s"])
+            row["peak_alloc_gib"] = max(peak, row["peak_alloc_gib"])
+            print(f"round {r}: {name} {t:.3f} s", flush=True)
+        write(res, a.out, quiet=True)
+        print("".join(line for line in open(os.path.join(a.out, "lora_decode.md")) if "x the rollout" in line),
+              flush=True)                                       # the ratios so far
+    for name, out in last.items():
+        res["variants"][name].update(gap_row(model, ids, out))
     write(res, a.out)
 
 
-def write(res: dict, out: str):
+def settle(v: tuple):
+    """Set the module switches variant v was built (or is to be built) under: read when its step is traced or
+    refreshed."""
+    from engines import decode_weights
+    from kernels import fp8
+    decode_weights.PACK, decode_weights.LOW_RANK, decode_weights.FP8_REFRESH = v[2], v[3], v[5]
+    fp8.GEMM = v[4]
+
+
+def write(res: dict, out: str, quiet: bool = False):
     with open(os.path.join(out, "lora_decode.json"), "w") as f:
         json.dump(res, f, indent=1)
     lines = [f"LoRA rollout, {res['shape']} shape, r={res['r']}, {res['device']}; model {res['model_gib']:.2f} GiB", "",
              "| variant | rollout median s | first s | peak alloc GiB | build s | build peak over model GiB "
              "(reserved) | logprob gap max / mean | tis=token mean weight, truncated | tis=mask dropped |",
              "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {n} | {v['median_s']:.3f} | {v['first_s']:.2f} | {v['peak_alloc_gib']:.2f} | {v['build_s']:.2f} "
+    f = lambda v, k, spec: format(v[k], spec) if k in v else "-"      # a row in the making lacks some
+    lines += [f"| {n} | {f(v, 'median_s', '.3f')} | {v['first_s']:.2f} | {v['peak_alloc_gib']:.2f} "
+              f"| {v['build_s']:.2f} "
               f"| {v['build_peak_over_model_gib']:.3f} ({v['build_reserved_peak_over_before_gib']:.3f}) "
-              f"| {v['logprob_gap_max']:.3f} / {v['logprob_gap_mean']:.4f} | {v['tis_token_weight_mean']:.3f}, "
-              f"{v['tis_truncated_frac']:.1%} | {v['tis_mask_dropped_frac']:.1%} |"
+              f"| {f(v, 'logprob_gap_max', '.3f')} / {f(v, 'logprob_gap_mean', '.4f')} | "
+              f"{f(v, 'tis_token_weight_mean', '.3f')}, {f(v, 'tis_truncated_frac', '.1%')} | "
+              f"{f(v, 'tis_mask_dropped_frac', '.1%')} |"
               for n, v in res["variants"].items()]
     v = res["variants"]
     base = next((b for b in ("in_place packed addmm", "fused") if b in v), None)   # W6's route, else the default
     lines += [f"\n{n} / {base}: {v[n]['median_s'] / v[base]['median_s']:.3f}x the rollout"
-              for n in ("fp8", "fp8 scaled_mm", "fp8 torch-refresh", "fp8_all") if n in v and base]
+              for n in ("fp8", "fp8 scaled_mm", "fp8 torch-refresh", "fp8_all")
+              if n in v and base and "median_s" in v[n] and "median_s" in v[base]]
     lines += [f"\n{n}: failed: {e}" for n, e in res["errors"].items()]
-    with open(os.path.join(out, "lora_decode.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    with open(os.path.join(out, "lora_decode.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    if not quiet:
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
