@@ -4,7 +4,8 @@ per sequence.
     o = decode_attention(qkv (B, (nh + 2 nkv) D), cos (S, D), sin (S, D), pos (B,) int64,
                          k (B, nkv, S, D), v (B, nkv, S, D), key_ok (B, S) uint8 or bool, last (1,) int64, scale)
     # -> o (B, nh * D). Writes the new token's rotated key and its value into k, v at slot `last`; attends over
-    # the slots [0, last] that key_ok allows (slot `last`, the token itself, always); slots after it are never read
+    # the slots [0, last] that key_ok allows (slot `last`, the token itself, always); slots after it are never read.
+    # A `last` >= S (a device tensor: no host check) writes nothing and attends over the S slots and the token
 
 Why: in engines/fast_decode.py's step (W1, docs/benchmarks.md: batch 128, 320 cache slots, 14 query / 2 KV
 heads of 64), cuDNN's scaled_dot_product_attention with a boolean mask reads all S slots of every sequence
@@ -49,12 +50,13 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _decode_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, ok_ptr, last_ptr, o_ptr, scale,
+    def _decode_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, ok_ptr, last_ptr, o_ptr, scale, S,
                           s_qkv, s_cs, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, sok_b, pm_ptr, ps_ptr, pa_ptr, tick_ptr,
                           qn_ptr, kn_ptr, eps,
                           NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr,
                           RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                          PRECISION: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr):
+                          PRECISION: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
+                          EARLY: tl.constexpr, GUARD: tl.constexpr):
         # program (sequence b, KV heads [h0, h0 + HEADS), split). Its rows are the HEADS * G query heads of those
         # KV heads (consecutive in qkv), padded to RP; its K/V tiles hold BLOCK slots of each of the HEADS heads
         # side by side, and a row's scores outside its own head are masked, so one tl.dot serves all heads
@@ -70,31 +72,73 @@ if HAS_TRITON:
         half = D // 2
         partner = tl.where(d < half, d + half, d - half)
         sign = tl.where(d < half, -1.0, 1.0)
-        p = tl.load(pos_ptr + b)
-        cos = tl.load(cos_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32)       # (DP,)
-        sin = tl.load(sin_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32) * sign
         row = qkv_ptr + b * s_qkv
         qh = (h0 * G + r)[:, None] * D                                 # (RP, 1) offsets of the rows' query heads
-        q = tl.load(row + qh + d[None, :], mask=qm, other=0.0).to(tl.float32)          # (RP, DP)
-        q2 = tl.load(row + qh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
         kh = (h0 + hr)[:, None] * D                                    # (RP, 1) each row's own KV head
         kr = row + NH * D
-        k_new = tl.load(kr + kh + d[None, :], mask=qm, other=0.0).to(tl.float32)       # (RP, DP)
-        k2 = tl.load(kr + kh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
-        if QK_NORM:   # qwen3's RMSNorm of each head before rotary; q2, k2 hold the same values permuted
-            q, q2 = _head_norm(q, q2, qn_ptr, d, partner, dm, eps, D)
-            k_new, k2 = _head_norm(k_new, k2, kn_ptr, d, partner, dm, eps, D)
-        q = (q * cos[None, :] + q2 * sin[None, :]).to(k_ptr.dtype.element_ty)
-        k_new = (k_new * cos[None, :] + k2 * sin[None, :]).to(k_ptr.dtype.element_ty)     # (RP, DP)
-        v_new = tl.load(kr + NKV * D + kh + d[None, :], mask=qm, other=0.0).to(k_ptr.dtype.element_ty)
-        last = tl.load(last_ptr)
+        c = tl.arange(0, HEADS * BLOCK)                                # tile columns: head c // BLOCK, its slot
+        hc = c // BLOCK
+        kc = k_ptr + b * sk_b + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
+        vc = v_ptr + b * sv_b + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
+        if EARLY:
+            # every load whose address the program ids give, issued before any result is used: one memory round
+            # trip for all of them, then one for the rotary rows (their address needs the position), where the
+            # order below waits on each in turn (docs/kernels.md, "The decode attention's prologue")
+            p = tl.load(pos_ptr + b)
+            last = tl.load(last_ptr)
+            q = tl.load(row + qh + d[None, :], mask=qm, other=0.0)    # (RP, DP) qkv's dtype
+            q2 = tl.load(row + qh + partner[None, :], mask=qm, other=0.0)
+            k_new = tl.load(kr + kh + d[None, :], mask=qm, other=0.0)
+            k2 = tl.load(kr + kh + partner[None, :], mask=qm, other=0.0)
+            v_raw = tl.load(kr + NKV * D + kh + d[None, :], mask=qm, other=0.0)
+            if QK_NORM:
+                wq = tl.load(qn_ptr + d, mask=dm, other=0.0)
+                wq2 = tl.load(qn_ptr + partner, mask=dm, other=0.0)
+                wk = tl.load(kn_ptr + d, mask=dm, other=0.0)
+                wk2 = tl.load(kn_ptr + partner, mask=dm, other=0.0)
+            if SPLITS == 1:   # the unsplit program starts at slot 0: its first K/V block needs no `last`
+                j0 = c % BLOCK
+                in0 = j0 < S
+                ok0 = tl.load(ok_ptr + b * sok_b + j0, mask=in0, other=0)
+                k0 = tl.load(kc + j0[:, None] * sk_s, mask=in0[:, None] & dm[None, :], other=0.0)
+                v0 = tl.load(vc + j0[:, None] * sv_s, mask=in0[:, None] & dm[None, :], other=0.0)
+            cos = tl.load(cos_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32)   # (DP,)
+            sin = tl.load(sin_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32) * sign
+            q, q2, k_new, k2 = q.to(tl.float32), q2.to(tl.float32), k_new.to(tl.float32), k2.to(tl.float32)
+            if QK_NORM:   # the same formula as _head_norm, on the weights loaded above
+                q, q2 = _scale_rows(q, q2, 1.0 / tl.sqrt(tl.sum(q * q, 1) / D + eps), wq, wq2)
+                k_new, k2 = _scale_rows(k_new, k2, 1.0 / tl.sqrt(tl.sum(k_new * k_new, 1) / D + eps), wk, wk2)
+            q = (q * cos[None, :] + q2 * sin[None, :]).to(k_ptr.dtype.element_ty)
+            k_new = (k_new * cos[None, :] + k2 * sin[None, :]).to(k_ptr.dtype.element_ty)     # (RP, DP)
+            v_new = v_raw.to(k_ptr.dtype.element_ty)
+        else:
+            p = tl.load(pos_ptr + b)
+            cos = tl.load(cos_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32)       # (DP,)
+            sin = tl.load(sin_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32) * sign
+            q = tl.load(row + qh + d[None, :], mask=qm, other=0.0).to(tl.float32)          # (RP, DP)
+            q2 = tl.load(row + qh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
+            k_new = tl.load(kr + kh + d[None, :], mask=qm, other=0.0).to(tl.float32)       # (RP, DP)
+            k2 = tl.load(kr + kh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
+            if QK_NORM:   # qwen3's RMSNorm of each head before rotary; q2, k2 hold the same values permuted
+                q, q2 = _head_norm(q, q2, qn_ptr, d, partner, dm, eps, D)
+                k_new, k2 = _head_norm(k_new, k2, kn_ptr, d, partner, dm, eps, D)
+            q = (q * cos[None, :] + q2 * sin[None, :]).to(k_ptr.dtype.element_ty)
+            k_new = (k_new * cos[None, :] + k2 * sin[None, :]).to(k_ptr.dtype.element_ty)     # (RP, DP)
+            v_new = tl.load(kr + NKV * D + kh + d[None, :], mask=qm, other=0.0).to(k_ptr.dtype.element_ty)
+            last = tl.load(last_ptr)
         # split `part` reads slots [lo, hi) of [0, last): chunks of whole blocks, so the grid stays fixed while
-        # the filled length grows between graph replays; splits past the filled length read nothing
+        # the filled length grows between graph replays; splits past the filled length read nothing. GUARD: a
+        # `last` at or past S (the engine sizes S; `last` is a device tensor, so nothing checks it on the host)
+        # writes nothing and reads the S slots, where it would write and read past the cache
         chunk = tl.maximum(tl.cdiv(tl.cdiv(last, SPLITS), BLOCK), 1) * BLOCK
         lo = part * chunk
         hi = tl.minimum(lo + chunk, last)
+        if GUARD:
+            hi = tl.minimum(hi, S)
         if part == 0:                                                  # one program writes the new K/V: one row
             wm = qm & (r % G == 0)[:, None]                            # of each KV head
+            if GUARD:
+                wm = wm & (tl.zeros((RP, 1), tl.int64) + last < S)      # (RP, 1): a scalar mask fails interpreted
             hw = (h0 + hr)[:, None].to(tl.int64)
             tl.store(k_ptr + b * sk_b + hw * sk_h + last * sk_s + d[None, :], k_new, mask=wm)
             tl.store(v_ptr + b * sv_b + hw * sv_h + last * sv_s + d[None, :], v_new, mask=wm)
@@ -104,27 +148,23 @@ if HAS_TRITON:
         m = tl.where(first, m0, -float("inf"))                         # (RP,) running max
         s = tl.where(first, tl.full((RP,), 1.0, tl.float32), 0.0)     # running sum
         acc = tl.where(first, v_new.to(tl.float32), 0.0)               # (RP, DP) running output
-        c = tl.arange(0, HEADS * BLOCK)                                # tile columns: head c // BLOCK, its slot
-        hc = c // BLOCK
-        kc = k_ptr + b * sk_b + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
-        vc = v_ptr + b * sv_b + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
         own = hr[:, None] == hc[None, :]                               # (RP, HEADS * BLOCK)
-        for s0 in range(lo, hi, BLOCK):                                # then the cache before it
+        start = lo
+        if EARLY:
+            if SPLITS == 1:   # the first block, loaded above: its slots past hi masked as the loop's loads mask them
+                jm0 = j0 < hi
+                v0 = tl.where(jm0[:, None], v0, 0.0)                  # an unfilled slot may hold nan: p = 0 times it
+                if lo < hi:
+                    m, s, acc = _block(q, k0, v0, (ok0 != 0) & jm0, own, m, s, acc, scale, PRECISION)
+                start = lo + BLOCK
+        for s0 in range(start, hi, BLOCK):                             # then the cache before it
             j = s0 + c % BLOCK
             jm = j < hi
             ok = (tl.load(ok_ptr + b * sok_b + j, mask=jm, other=0) != 0) & jm
             kv = jm[:, None] & dm[None, :]
             k = tl.load(kc + j[:, None] * sk_s, mask=kv, other=0.0)   # (HEADS * BLOCK, DP)
             v = tl.load(vc + j[:, None] * sv_s, mask=kv, other=0.0)
-            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (RP, HEADS * BLOCK) float32
-            sc = tl.where(own & ok[None, :], sc, -float("inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            shift = tl.where(m_new == -float("inf"), 0.0, m_new)       # nothing visible yet: exp(-inf - -inf) is nan
-            p_ = tl.exp(sc - shift[:, None])
-            alpha = tl.exp(m - shift)
-            s = s * alpha + tl.sum(p_, 1)
-            acc = acc * alpha[:, None] + tl.dot(p_.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            m, s, acc = _block(q, k, v, ok, own, m, s, acc, scale, PRECISION)
         if SPLITS == 1:
             o = acc / s[:, None]
             tl.store(o_ptr + b * so_b + qh + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
@@ -133,14 +173,35 @@ if HAS_TRITON:
                      pm_ptr, ps_ptr, pa_ptr, tick_ptr + b * (NKV // HEADS) + hb, RP, DP, SPLITS)
 
     @triton.jit
+    def _block(q, k, v, ok, own, m, s, acc, scale, PRECISION: tl.constexpr):
+        # one block of the online softmax: q (RP, DP), k and v (HEADS * BLOCK, DP) in the cache's dtype, ok
+        # (HEADS * BLOCK,) the slots to see, own (RP, HEADS * BLOCK) each row's own head; -> m, s, acc updated
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (RP, HEADS * BLOCK) float32
+        sc = tl.where(own & ok[None, :], sc, -float("inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)           # nothing visible yet: exp(-inf - -inf) is nan
+        p_ = tl.exp(sc - shift[:, None])
+        alpha = tl.exp(m - shift)
+        s = s * alpha + tl.sum(p_, 1)
+        acc = acc * alpha[:, None] + tl.dot(p_.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, s, acc
+
+    @triton.jit
     def _head_norm(x, x2, w_ptr, d, partner, dm, eps, D: tl.constexpr):
         # transformers' Qwen3RMSNorm per row of x (rows, DP) float32, and of x2 (x's columns at their rotary
         # partners): w * (x * rsqrt(mean(x^2) + eps)) with its roundings to the activations' dtype, which is the
         # weight's (decode_attention checks)
-        dt = w_ptr.dtype.element_ty
         r = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)                 # (rows,)
-        w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + partner, mask=dm, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + d, mask=dm, other=0.0)
+        w2 = tl.load(w_ptr + partner, mask=dm, other=0.0)
+        return _scale_rows(x, x2, r, w, w2)
+
+    @triton.jit
+    def _scale_rows(x, x2, r, w, w2):
+        # _head_norm's scaling: x * r rounded to the weight's dtype, times the weight w (DP,), rounded again; x2
+        # likewise by w2
+        dt = w.dtype
+        w, w2 = w.to(tl.float32), w2.to(tl.float32)
         x = (w[None, :] * (x * r[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         x2 = (w2[None, :] * (x2 * r[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         return x, x2
@@ -179,8 +240,10 @@ if HAS_TRITON:
     def _decode_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
                              key_ok: Tensor, last: Tensor, scale: float, block: int, warps: int, stages: int,
                              splits: int, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float,
-                             heads: int = 1) -> Tensor:
-        B, nkv, _, D = k.shape
+                             heads: int = 1, early: int = -1, guard: int = -1) -> Tensor:
+        # early, guard: -1 reads the module's EARLY / GUARD here, when the op runs (in the engine: when its step is
+        # captured, each rollout), not when the step is traced, so a tool can flip them between rollouts
+        B, nkv, S, D = k.shape
         nh = qkv.shape[1] // D - 2 * nkv
         out = torch.empty(B, nh * D, dtype=qkv.dtype, device=qkv.device)
         G = nh // nkv
@@ -191,19 +254,21 @@ if HAS_TRITON:
         pa = torch.empty(n * RP * DP, dtype=torch.float32, device=qkv.device)
         try:
             _decode_attention[(B, nkv // heads, splits)](
-                qkv, cos, sin, pos, k, v, key_ok, last, out, scale, qkv.stride(0), cos.stride(0),
+                qkv, cos, sin, pos, k, v, key_ok, last, out, scale, S, qkv.stride(0), cos.stride(0),
                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0),
                 key_ok.stride(0), pm, ps, pa, _tickets(groups if splits > 1 else 1, qkv.device),
                 cos if q_norm is None else q_norm, cos if k_norm is None else k_norm, eps,
                 NH=nh, NKV=nkv, G=G, HEADS=heads, RP=RP, D=D, DP=DP, BLOCK=block,
                 PRECISION="ieee" if k.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
-                SPLITS=splits, QK_NORM=q_norm is not None, num_warps=warps, num_stages=stages)
+                SPLITS=splits, QK_NORM=q_norm is not None, EARLY=int(EARLY if early < 0 else early),
+                GUARD=bool(GUARD if guard < 0 else guard), num_warps=warps, num_stages=stages)
         except triton.runtime.errors.OutOfResources as e:
             raise too_big(D, (block, warps, stages, heads), e) from None
         return out
 
     @_decode_attention_op.register_fake
-    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages, splits, q_norm, k_norm, eps, heads=1):
+    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages, splits, q_norm, k_norm, eps, heads=1,
+          early=-1, guard=-1):
         return qkv.new_empty(qkv.shape[0], qkv.shape[1] - 2 * k.shape[1] * k.shape[3])
 
 
@@ -247,6 +312,14 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
 # experts, timed". FAST_DECODE_ATTN="128=16x4x3x2,..." overrides entries for a run
 # (tools/decode_kernel_bench.py --shape qwen3,w1 times the candidates)
 SETTINGS = {64: (64, 4, 3, 1), 128: (16, 4, 3, 2), 256: (32, 4, 2, 1)}
+# the prologue's load order (FAST_DECODE_ATTN_EARLY=1): every load whose address the program ids give (position,
+# `last`, the token's q/k/v, the norm weights and, unsplit, the first K/V block) issued first, so the kernel waits
+# ~3 memory round trips before it streams instead of ~10. The same arithmetic: outputs are identical. Read when
+# the op runs (the engine: at each rollout's capture), so a tool may set it between rollouts
+EARLY = int(os.environ.get("FAST_DECODE_ATTN_EARLY", "0"))
+# GUARD: a `last` >= S writes nothing and reads only the S slots (the kernel's comment); off is the kernel before
+# this check, kept for one measurement of what the check costs (tools/decode_kernel_bench.py --unguarded)
+GUARD = True
 DEFAULTS = dict(SETTINGS)
 OVERRIDDEN = set()   # head_dims whose entry FAST_DECODE_ATTN set (too_big names it)
 for _item in filter(None, os.environ.get("FAST_DECODE_ATTN", "").split(",")):
@@ -280,14 +353,15 @@ def settings(D: int) -> tuple[int, int, int, int]:
 def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor,
                      last: Tensor, scale: float, block: int | None = None, warps: int | None = None,
                      stages: int | None = None, splits: int = 1, qk_norm: tuple | None = None,
-                     heads: int | None = None) -> Tensor:
+                     heads: int | None = None, early: int | None = None) -> Tensor:
     """See the module's docstring. The Triton kernel (CUDA, or TRITON_INTERPRET=1); block, warps, stages: the
     kernel's settings, by default SETTINGS' for this head_dim (`settings`). splits > 1: flash-decoding, each
     (sequence, KV head)'s filled slots cut into `splits` chunks of whole blocks, one program each (the grid is
     fixed; the chunk follows `last`), merged in the kernel by the last split to finish; block 32 by default
     (chunks of whole blocks: small blocks let short caches use several splits). qk_norm (q weight (D,), k weight
     (D,), eps): RMSNorm each head of q and k before the rotation, as transformers' Qwen3RMSNorm does. heads: KV
-    heads per program (a power of two; cut to the largest that divides the model's KV heads)."""
+    heads per program (a power of two; cut to the largest that divides the model's KV heads). early: the
+    prologue's load order (EARLY's; None: EARLY as it is when the op runs)."""
     b, w, st, hd = settings(k.shape[-1]) if k.dim() == 4 else (128, 4, 2, 1)
     block, warps, stages = block or (b if splits == 1 else 32), warps or w, stages or st
     heads = heads or (hd if splits == 1 else 1)
@@ -300,7 +374,7 @@ def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tens
     _check(qkv, cos, sin, pos, k, v, key_ok, last, qk_norm)
     qw, kw, eps = qk_norm or (None, None, 0.0)
     return _decode_attention_op(qkv, cos, sin, pos, k, v, key_ok, last, float(scale), block, warps, stages, splits,
-                                qw, kw, float(eps), math.gcd(heads, k.shape[1]))
+                                qw, kw, float(eps), math.gcd(heads, k.shape[1]), -1 if early is None else int(early))
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -329,11 +403,19 @@ def decode_attention_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tenso
     q, kn, vn = qkv.float().split([nh * D, nkv * D, nkv * D], dim=-1)
     c, s_ = cos[pos].float()[:, None], sin[pos].float()[:, None]        # (B, 1, D)
     q = rotate(q.view(B, nh, D), c, s_).to(k.dtype)                    # (B, nh, D)
-    slot = last.expand(B, nkv)[:, :, None, None].expand(B, nkv, 1, D)
-    k.scatter_(2, slot, rotate(kn.view(B, nkv, D), c, s_).to(k.dtype)[:, :, None])
-    v.scatter_(2, slot, vn.view(B, nkv, 1, D).to(v.dtype))
-    ok = (key_ok.bool() | (torch.arange(S, device=k.device) == last)) & (torch.arange(S, device=k.device) <= last)
+    k_new = rotate(kn.view(B, nkv, D), c, s_).to(k.dtype)[:, :, None]   # (B, nkv, 1, D)
+    v_new = vn.view(B, nkv, 1, D).to(v.dtype)
+    # the new token's key and value go to slot `last`; a `last` >= S writes nothing (as the kernel's guard), here
+    # by writing the slot's own value back into the last slot, with no host sync
+    inside = last < S
+    slot = last.clamp(max=S - 1).expand(B, nkv)[:, :, None, None].expand(B, nkv, 1, D)
+    k.scatter_(2, slot, torch.where(inside, k_new, k.gather(2, slot)))
+    v.scatter_(2, slot, torch.where(inside, v_new, v.gather(2, slot)))
+    # attend over the slots before `last` that key_ok allows, and the new token itself
+    ok = key_ok.bool() & (torch.arange(S, device=k.device) < last)                  # (B, S)
+    ok = torch.cat([ok, ok.new_ones(B, 1)], 1)                                       # (B, S + 1)
+    keys, vals = torch.cat([k.float(), k_new.float()], 2), torch.cat([v.float(), v_new.float()], 2)
     g = nh // nkv
-    sc = (q.float().reshape(B, nkv, g, D) @ k.float().transpose(-1, -2)) * scale   # (B, nkv, g, S)
+    sc = (q.float().reshape(B, nkv, g, D) @ keys.transpose(-1, -2)) * scale   # (B, nkv, g, S + 1)
     p = sc.masked_fill(~ok[:, None, None], float("-inf")).softmax(-1)
-    return (p @ v.float()).reshape(B, nh * D).to(qkv.dtype)
+    return (p @ vals).reshape(B, nh * D).to(qkv.dtype)
