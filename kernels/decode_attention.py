@@ -56,7 +56,7 @@ if HAS_TRITON:
                           NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr,
                           RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
                           PRECISION: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
-                          EARLY: tl.constexpr, GUARD: tl.constexpr):
+                          EARLY: tl.constexpr, GUARD: tl.constexpr, LINES: tl.constexpr):
         # program (sequence b, KV heads [h0, h0 + HEADS), split). Its rows are the HEADS * G query heads of those
         # KV heads (consecutive in qkv), padded to RP; its K/V tiles hold BLOCK slots of each of the HEADS heads
         # side by side, and a row's scores outside its own head are masked, so one tl.dot serves all heads
@@ -102,6 +102,9 @@ if HAS_TRITON:
                 ok0 = tl.load(ok_ptr + b * sok_b + j0, mask=in0, other=0)
                 k0 = tl.load(kc + j0[:, None] * sk_s, mask=in0[:, None] & dm[None, :], other=0.0)
                 v0 = tl.load(vc + j0[:, None] * sv_s, mask=in0[:, None] & dm[None, :], other=0.0)
+                if EARLY == 2:   # and ask L2 for the next two blocks, which the loop's first loads will want
+                    _prefetch(k_ptr + b * sk_b, sk_h, sk_s, h0, S, HEADS, BLOCK, LINES)
+                    _prefetch(v_ptr + b * sv_b, sv_h, sv_s, h0, S, HEADS, BLOCK, LINES)
             cos = tl.load(cos_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32)   # (DP,)
             sin = tl.load(sin_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32) * sign
             q, q2, k_new, k2 = q.to(tl.float32), q2.to(tl.float32), k_new.to(tl.float32), k2.to(tl.float32)
@@ -171,6 +174,18 @@ if HAS_TRITON:
         else:
             _combine(o_ptr + b * so_b + qh + d[None, :], qm, m, s, acc, (b * (NKV // HEADS) + hb) * SPLITS, part,
                      pm_ptr, ps_ptr, pa_ptr, tick_ptr + b * (NKV // HEADS) + hb, RP, DP, SPLITS)
+
+    @triton.jit
+    def _prefetch(base, s_h, s_s, h0, S, HEADS: tl.constexpr, BLOCK: tl.constexpr, LINES: tl.constexpr):
+        # an L2 prefetch of each 128-byte line of slots [BLOCK, 3 BLOCK) (those below S) of heads [h0, h0 + HEADS)
+        # of one sequence's cache at base: no register waits for it (PTX prefetch.global.L2; CUDA only)
+        t = tl.arange(0, 2 * HEADS * BLOCK)                            # (head, slot) rows
+        j = BLOCK + t % (2 * BLOCK)
+        j = tl.where(j < S, j, 0)                                      # past the cache: slot 0 again, harmless
+        row = base + (h0 + t // (2 * BLOCK)).to(tl.int64) * s_h + j * s_s
+        line = tl.arange(0, LINES) * (128 // base.dtype.element_ty.primitive_bitwidth * 8)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [row[:, None] + line[None, :]],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _block(q, k, v, ok, own, m, s, acc, scale, PRECISION: tl.constexpr):
@@ -261,7 +276,9 @@ if HAS_TRITON:
                 NH=nh, NKV=nkv, G=G, HEADS=heads, RP=RP, D=D, DP=DP, BLOCK=block,
                 PRECISION="ieee" if k.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
                 SPLITS=splits, QK_NORM=q_norm is not None, EARLY=int(EARLY if early < 0 else early),
-                GUARD=bool(GUARD if guard < 0 else guard), num_warps=warps, num_stages=stages)
+                GUARD=bool(GUARD if guard < 0 else guard),
+                LINES=triton.next_power_of_2(-(-D * k.element_size() // 128)),   # 128-byte lines a row: prefetch
+                num_warps=warps, num_stages=stages)
         except triton.runtime.errors.OutOfResources as e:
             raise too_big(D, (block, warps, stages, heads), e) from None
         return out
@@ -314,8 +331,9 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
 SETTINGS = {64: (64, 4, 3, 1), 128: (16, 4, 3, 2), 256: (32, 4, 2, 1)}
 # the prologue's load order (FAST_DECODE_ATTN_EARLY=1): every load whose address the program ids give (position,
 # `last`, the token's q/k/v, the norm weights and, unsplit, the first K/V block) issued first, so the kernel waits
-# ~3 memory round trips before it streams instead of ~10. The same arithmetic: outputs are identical. Read when
-# the op runs (the engine: at each rollout's capture), so a tool may set it between rollouts
+# ~3 memory round trips before it streams instead of ~10. 2: also an L2 prefetch of the next two blocks (CUDA
+# only). The same arithmetic: outputs are identical. Read when the op runs (the engine: at each rollout's
+# capture), so a tool may set it between rollouts
 EARLY = int(os.environ.get("FAST_DECODE_ATTN_EARLY", "0"))
 # GUARD: a `last` >= S writes nothing and reads only the S slots (the kernel's comment); off is the kernel before
 # this check, kept for one measurement of what the check costs (tools/decode_kernel_bench.py --unguarded)
@@ -361,7 +379,7 @@ def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tens
     (chunks of whole blocks: small blocks let short caches use several splits). qk_norm (q weight (D,), k weight
     (D,), eps): RMSNorm each head of q and k before the rotation, as transformers' Qwen3RMSNorm does. heads: KV
     heads per program (a power of two; cut to the largest that divides the model's KV heads). early: the
-    prologue's load order (EARLY's; None: EARLY as it is when the op runs)."""
+    prologue's load order, 0, 1 or 2 (EARLY's; None: EARLY as it is when the op runs)."""
     b, w, st, hd = settings(k.shape[-1]) if k.dim() == 4 else (128, 4, 2, 1)
     block, warps, stages = block or (b if splits == 1 else 32), warps or w, stages or st
     heads = heads or (hd if splits == 1 else 1)
@@ -372,6 +390,8 @@ def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tens
     if block < 16 or block & (block - 1):   # tl.dot takes no dimension under 16
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     _check(qkv, cos, sin, pos, k, v, key_ok, last, qk_norm)
+    if early not in (None, 0, 1, 2) or (early == 2 and not qkv.is_cuda):
+        raise ValueError(f"early must be 0, 1 or 2 (2: CUDA only, its prefetch is PTX), got {early} on {qkv.device}")
     qw, kw, eps = qk_norm or (None, None, 0.0)
     return _decode_attention_op(qkv, cos, sin, pos, k, v, key_ok, last, float(scale), block, warps, stages, splits,
                                 qw, kw, float(eps), math.gcd(heads, k.shape[1]), -1 if early is None else int(early))

@@ -83,10 +83,12 @@ def check_norm(fn, device="cpu", B=3, nh=4, nkv=2, S=40, D=16, last=20, dtype=to
     assert torch.equal(v, v2)
 
 
-def check_orders(B=2, nh=16, nkv=8, S=80, D=128, last=50, qk=True, dtype=torch.float32, device="cpu", **kw):
-    """The kernel's two prologue orders (kernels/decode_attention.py: EARLY) give the same output and cache bit
-    for bit; the slots after `last` hold nan, as an unfilled cache may, and the early order's first block (loaded
-    before `last` is known) must not let them in. kw: the kernel's settings (heads, block, splits)."""
+def check_orders(B=2, nh=16, nkv=8, S=80, D=128, last=50, qk=True, dtype=torch.float32, device="cpu", early=1,
+                 **kw):
+    """The kernel's prologue orders (kernels/decode_attention.py: EARLY 0 and `early`) give the same output and
+    cache bit for bit; the slots after `last` hold nan, as an unfilled cache may, and the early order's first
+    block (loaded before `last` is known) must not let them in. kw: the kernel's settings (heads, block,
+    splits)."""
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     cast = lambda t: t.to(device, dtype)
     qkv = cast(torch.randn(B, (nh + 2 * nkv) * D, generator=g) * 3)
@@ -98,10 +100,10 @@ def check_orders(B=2, nh=16, nkv=8, S=80, D=128, last=50, qk=True, dtype=torch.f
     pos, ok = pos.to(device), ok.to(device)
     norm = (cast(torch.rand(D, generator=g) + 0.5), cast(torch.rand(D, generator=g) + 0.5), 1e-6) if qk else None
     outs = []
-    for early in (0, 1):
+    for e in (0, early):
         kc, vc = k.clone(), v.clone()
         o = decode_attention(qkv, cos, sin, pos, kc, vc, ok, torch.tensor([last], device=device), 0.3, qk_norm=norm,
-                             early=early, **kw)
+                             early=e, **kw)
         outs.append((o, kc, vc))
     (o0, k0, v0), (o1, k1, v1) = outs
     assert torch.isfinite(o0).all()
@@ -142,6 +144,14 @@ def test_reference_qk_norm():
     check_norm(decode_attention_reference, tol=0.0)
     with pytest.raises(ValueError, match="qk_norm"):
         check_norm(lambda *a, qk_norm: decode_attention_reference(*a, qk_norm=(qk_norm[0][:-1], *qk_norm[1:])))
+
+
+def test_early_2_is_cuda_only():
+    """EARLY=2's prefetch is PTX: asked for on a CPU tensor, decode_attention says so before any launch."""
+    qkv, kv, cs = torch.zeros(1, 4 * 16), torch.zeros(1, 1, 8, 16), torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="CUDA only"):
+        decode_attention(qkv, cs, cs, torch.zeros(1, dtype=torch.long), kv, kv, torch.ones(1, 8, dtype=torch.bool),
+                         torch.tensor([3]), 1.0, early=2)
 
 
 def test_bad_shapes_are_named():
@@ -238,10 +248,13 @@ def test_kernel_cuda():
     for splits, last in ((4, 0), (4, 130), (8, 319), (16, 200)):
         check_attention(functools.partial(decode_attention, splits=splits, block=32), "cuda", B=128, nh=14, nkv=2,
                         S=320, D=64, last=last, dtype=torch.bfloat16, tol=3e-2)
-    for last in (0, 15, 200, 319):                                     # the early prologue at qwen3's and W1's shapes
-        check_orders(B=128, S=320, last=last, dtype=torch.bfloat16, device="cuda")
-        check_orders(B=128, nh=14, nkv=2, S=320, D=64, last=last, qk=False, dtype=torch.bfloat16, device="cuda")
-    check_last_past_cache(functools.partial(decode_attention, early=1), device="cuda")
+    for early, last in ((1, 0), (1, 15), (1, 200), (1, 319), (2, 0), (2, 40), (2, 319)):   # the early prologues
+        check_orders(B=128, S=320, last=last, dtype=torch.bfloat16, device="cuda", early=early)   # qwen3, W1
+        check_orders(B=128, nh=14, nkv=2, S=320, D=64, last=last, qk=False, dtype=torch.bfloat16, device="cuda",
+                     early=early)
+    check_orders(nh=4, nkv=4, S=12, D=16, last=11, qk=False, device="cuda", early=2)   # the prefetch past S
+    for early in (0, 1, 2):
+        check_last_past_cache(functools.partial(decode_attention, early=early), device="cuda")
 
 
 def test_oversized_override_names_the_setting(monkeypatch):

@@ -7,10 +7,10 @@
   over the layers' caches, so every read comes from memory as in the step, not L2; per layer-call time with
   64 / 192 / 318 slots filled, for the unsplit kernel (KV heads a program: --splits' fifth field) and
   flash-decoding splits.
-- --orders: the attention's prologue load orders (kernels/decode_attention.py: EARLY=0, today's, and 1) at the
+- --orders: the attention's prologue load orders (kernels/decode_attention.py: EARLY=0, today's, 1 and 2) at the
   default settings, each shape's step as it runs (qwen3 with its q/k norm), one graph each, replays alternated;
   --unguarded adds the kernel before its `last < S` guard. --rollouts qwen2,qwen3: W10's rollouts
-  (tools/bench_w10.py) of those models with EARLY 0 and 1 in alternated order, --rounds rounds, one process:
+  (tools/bench_w10.py) of those models with EARLY 0, 1 and 2 in rotating order, --rounds rounds, one process:
 
     python tools/decode_kernel_bench.py --out OUT --shape qwen3,w1 --attention-only --orders --unguarded \
         --rollouts qwen3 --reps 20
@@ -138,7 +138,7 @@ def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: d
 
 
 def order_rows(reps: int, shape: str, unguarded: bool, found: dict | None = None) -> list[str]:
-    """The prologue's two load orders (kernels/decode_attention.py: EARLY 0 and 1) at the default settings, and
+    """The prologue's load orders (kernels/decode_attention.py: EARLY 0, 1 and 2) at the default settings, and
     with --unguarded the kernel before its `last < S` guard (EARLY 0, GUARD off: the code before that change),
     one graph each over the layers' caches, replays alternated; qwen3's shape with its q/k norm, as its step runs
     it. Outputs are compared bit for bit (the same arithmetic)."""
@@ -156,6 +156,7 @@ def order_rows(reps: int, shape: str, unguarded: bool, found: dict | None = None
     norm = (torch.rand(D, device=dev, dtype=dt) + 0.5, torch.rand(D, device=dev, dtype=dt) + 0.5, 1e-6) \
         if shape == "qwen3" else None
     cases = [("today's order", 0, True), ("early loads (EARLY=1)", 1, True)]
+    cases += [("early loads + L2 prefetch (EARLY=2)", 2, True)] if torch.cuda.is_available() else []   # PTX
     cases += [("today's order, no `last < S` guard (before this change)", 0, False)] if unguarded else []
     rows, before = [], da.GUARD
     for filled in (64, 192, 318):
@@ -185,9 +186,9 @@ def order_rows(reps: int, shape: str, unguarded: bool, found: dict | None = None
 
 def rollout_rows(names: list[str], rounds: int) -> list[str]:
     """W10's rollouts (tools/bench_w10.py's workload, models and timing) of `names` with the attention's EARLY
-    off and on, in one process: each model is built and warmed up once (compile, capture, and one rollout at each
-    setting, so Triton's compile of either kernel is not timed); then `rounds` rounds each time every (model,
-    setting) once, the two settings' order alternating between rounds. The engine releases its graph after each
+    at 0, 1 and 2, in one process: each model is built and warmed up once (compile, capture, and one rollout at
+    each setting, so Triton's compile of each kernel is not timed); then `rounds` rounds each time every (model,
+    setting) once, the settings' order rotating between rounds. The engine releases its graph after each
     rollout and captures it again at the next, and the op reads EARLY when it runs, so each rollout runs the
     setting set just before it."""
     import importlib
@@ -199,14 +200,15 @@ def rollout_rows(names: list[str], rounds: int) -> list[str]:
     a = types.SimpleNamespace(tiny=device.type == "cpu")             # a CPU: bench_w10's toy shapes (a smoke run)
     work, dtype = (bench_w10.WORK_TINY, torch.float32) if a.tiny else (bench_w10.WORK, torch.bfloat16)
     states = {n: bench_w10.setup(n, a, work, device, dtype) for n in names}
-    times = {(n, e): [] for n in names for e in (0, 1)}
+    levels = (0, 1, 2) if device.type == "cuda" else (0, 1)         # 2's prefetch is PTX
+    times = {(n, e): [] for n in names for e in levels}
     for n in names:
-        for e in (0, 1):
+        for e in levels:
             da.EARLY = e
             states[n]["fn"]()
     for i in range(rounds):
         for n in names:
-            for e in ((0, 1) if i % 2 == 0 else (1, 0)):
+            for e in levels[i % len(levels):] + levels[:i % len(levels)]:   # each setting first in turn
                 da.EARLY = e
                 bench_w10.time_once(states[n])
                 times[n, e].append(states[n]["row"]["engine_times"].pop())
@@ -352,12 +354,12 @@ def main():
                     "'w1=...;qwen3=...'")
     ap.add_argument("--shape", default="w1", help="the attention's decode shapes (SHAPES: w1, qwen3), comma-separated")
     ap.add_argument("--attention-only", action="store_true", help="skip the sampler rows")
-    ap.add_argument("--orders", action="store_true", help="time the attention's prologue orders (EARLY 0, 1) at "
+    ap.add_argument("--orders", action="store_true", help="time the attention's prologue orders (EARLY 0, 1, 2) at "
                     "each --shape instead of the --splits variants")
     ap.add_argument("--unguarded", action="store_true", help="with --orders: also the kernel before its `last < S` "
                     "guard")
     ap.add_argument("--rollouts", default="", help="also time W10 rollouts of these models (tools/bench_w10.py's "
-                    "names, e.g. qwen2,qwen3) with EARLY 0 and 1 alternated")
+                    "names, e.g. qwen2,qwen3) with EARLY 0, 1 and 2 in rotating order")
     ap.add_argument("--rounds", type=int, default=3, help="--rollouts' timed rounds")
     ap.add_argument("--moe", default="", help="also time qwen3_moe's experts: kernels/moe_experts.py's settings "
                     "BM:BN:BK:warps:stages[:CN][/the same for down], comma-separated ('default': SETTINGS)")
@@ -387,7 +389,7 @@ def main():
         print("\n".join(rows), flush=True)
     if args.rollouts:
         rows += rollout_rows(args.rollouts.split(","), args.rounds)
-        print("\n".join(rows[-2 * len(args.rollouts.split(",")):]), flush=True)
+        print("\n".join(rows[-3 * len(args.rollouts.split(",")):]), flush=True)
     if args.moe:
         from kernels.moe_experts import SETTINGS as MOE
         ints = lambda text: tuple(int(x) for x in text.split(":"))
