@@ -5,7 +5,8 @@ per sequence.
                          k (B, nkv, S, D), v (B, nkv, S, D), key_ok (B, S) uint8 or bool, last (1,) int64, scale)
     # -> o (B, nh * D). Writes the new token's rotated key and its value into k, v at slot `last`; attends over
     # the slots [0, last] that key_ok allows (slot `last`, the token itself, always); slots after it are never read.
-    # A `last` >= S (a device tensor: no host check) writes nothing and attends over the S slots and the token
+    # A `last` >= S (a device tensor: no host check) writes nothing and attends over the S slots and the token.
+    # pos None: cos, sin are (B, D), each sequence's rotary row
 
 Why: in engines/fast_decode.py's step (W1, docs/benchmarks.md: batch 128, 320 cache slots, 14 query / 2 KV
 heads of 64), cuDNN's scaled_dot_product_attention with a boolean mask reads all S slots of every sequence
@@ -56,7 +57,7 @@ if HAS_TRITON:
                           NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr,
                           RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
                           PRECISION: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
-                          EARLY: tl.constexpr, GUARD: tl.constexpr, LINES: tl.constexpr):
+                          EARLY: tl.constexpr, GUARD: tl.constexpr, LINES: tl.constexpr, ROWS: tl.constexpr):
         # program (sequence b, KV heads [h0, h0 + HEADS), split). Its rows are the HEADS * G query heads of those
         # KV heads (consecutive in qkv), padded to RP; its K/V tiles hold BLOCK slots of each of the HEADS heads
         # side by side, and a row's scores outside its own head are masked, so one tl.dot serves all heads
@@ -72,19 +73,19 @@ if HAS_TRITON:
         half = D // 2
         partner = tl.where(d < half, d + half, d - half)
         sign = tl.where(d < half, -1.0, 1.0)
-        row = qkv_ptr + b * s_qkv
-        qh = (h0 * G + r)[:, None] * D                                 # (RP, 1) offsets of the rows' query heads
-        kh = (h0 + hr)[:, None] * D                                    # (RP, 1) each row's own KV head
-        kr = row + NH * D
-        c = tl.arange(0, HEADS * BLOCK)                                # tile columns: head c // BLOCK, its slot
-        hc = c // BLOCK
-        kc = k_ptr + b * sk_b + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
-        vc = v_ptr + b * sv_b + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
         if EARLY:
+            row = qkv_ptr + b * s_qkv
+            qh = (h0 * G + r)[:, None] * D                             # (RP, 1) offsets of the rows' query heads
+            kh = (h0 + hr)[:, None] * D                                # (RP, 1) each row's own KV head
+            kr = row + NH * D
+            c = tl.arange(0, HEADS * BLOCK)                            # tile columns: head c // BLOCK, its slot
+            hc = c // BLOCK
+            kc = k_ptr + b * sk_b + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
+            vc = v_ptr + b * sv_b + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
             # every load whose address the program ids give, issued before any result is used: one memory round
             # trip for all of them, then one for the rotary rows (their address needs the position), where the
             # order below waits on each in turn (docs/kernels.md, "The decode attention's prologue")
-            p = tl.load(pos_ptr + b)
+            p = b if ROWS else tl.load(pos_ptr + b)                   # ROWS: cos, sin hold row b's already
             last = tl.load(last_ptr)
             q = tl.load(row + qh + d[None, :], mask=qm, other=0.0)    # (RP, DP) qkv's dtype
             q2 = tl.load(row + qh + partner[None, :], mask=qm, other=0.0)
@@ -115,11 +116,15 @@ if HAS_TRITON:
             k_new = (k_new * cos[None, :] + k2 * sin[None, :]).to(k_ptr.dtype.element_ty)     # (RP, DP)
             v_new = v_raw.to(k_ptr.dtype.element_ty)
         else:
-            p = tl.load(pos_ptr + b)
+            p = b if ROWS else tl.load(pos_ptr + b)
             cos = tl.load(cos_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32)       # (DP,)
             sin = tl.load(sin_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32) * sign
+            row = qkv_ptr + b * s_qkv
+            qh = (h0 * G + r)[:, None] * D                             # (RP, 1) offsets of the rows' query heads
             q = tl.load(row + qh + d[None, :], mask=qm, other=0.0).to(tl.float32)          # (RP, DP)
             q2 = tl.load(row + qh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
+            kh = (h0 + hr)[:, None] * D                                # (RP, 1) each row's own KV head
+            kr = row + NH * D
             k_new = tl.load(kr + kh + d[None, :], mask=qm, other=0.0).to(tl.float32)       # (RP, DP)
             k2 = tl.load(kr + kh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
             if QK_NORM:   # qwen3's RMSNorm of each head before rotary; q2, k2 hold the same values permuted
@@ -151,6 +156,11 @@ if HAS_TRITON:
         m = tl.where(first, m0, -float("inf"))                         # (RP,) running max
         s = tl.where(first, tl.full((RP,), 1.0, tl.float32), 0.0)     # running sum
         acc = tl.where(first, v_new.to(tl.float32), 0.0)               # (RP, DP) running output
+        if not EARLY:   # today's order: the tile's addresses after the write (the same code as before EARLY)
+            c = tl.arange(0, HEADS * BLOCK)                            # tile columns: head c // BLOCK, its slot
+            hc = c // BLOCK
+            kc = k_ptr + b * sk_b + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
+            vc = v_ptr + b * sv_b + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
         own = hr[:, None] == hc[None, :]                               # (RP, HEADS * BLOCK)
         start = lo
         if EARLY:
@@ -252,7 +262,7 @@ if HAS_TRITON:
     # An opaque custom op, not a triton_op: inductor then calls it as it is instead of lowering the kernel into
     # its own code, which failed to compile inside the decode step (torch 2.11)
     @torch.library.custom_op("rlhack::decode_attention", mutates_args=("k", "v"))
-    def _decode_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
+    def _decode_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Optional[Tensor], k: Tensor, v: Tensor,
                              key_ok: Tensor, last: Tensor, scale: float, block: int, warps: int, stages: int,
                              splits: int, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float,
                              heads: int = 1, early: int = -1, guard: int = -1) -> Tensor:
@@ -269,7 +279,8 @@ if HAS_TRITON:
         pa = torch.empty(n * RP * DP, dtype=torch.float32, device=qkv.device)
         try:
             _decode_attention[(B, nkv // heads, splits)](
-                qkv, cos, sin, pos, k, v, key_ok, last, out, scale, S, qkv.stride(0), cos.stride(0),
+                qkv, cos, sin, last if pos is None else pos, k, v, key_ok, last, out, scale, S, qkv.stride(0),
+                cos.stride(0),
                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0),
                 key_ok.stride(0), pm, ps, pa, _tickets(groups if splits > 1 else 1, qkv.device),
                 cos if q_norm is None else q_norm, cos if k_norm is None else k_norm, eps,
@@ -278,7 +289,7 @@ if HAS_TRITON:
                 SPLITS=splits, QK_NORM=q_norm is not None, EARLY=int(EARLY if early < 0 else early),
                 GUARD=bool(GUARD if guard < 0 else guard),
                 LINES=triton.next_power_of_2(-(-D * k.element_size() // 128)),   # 128-byte lines a row: prefetch
-                num_warps=warps, num_stages=stages)
+                ROWS=pos is None, num_warps=warps, num_stages=stages)
         except triton.runtime.errors.OutOfResources as e:
             raise too_big(D, (block, warps, stages, heads), e) from None
         return out
@@ -289,7 +300,7 @@ if HAS_TRITON:
         return qkv.new_empty(qkv.shape[0], qkv.shape[1] - 2 * k.shape[1] * k.shape[3])
 
 
-def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor, last: Tensor,
+def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor | None, k: Tensor, v: Tensor, key_ok: Tensor, last: Tensor,
            qk_norm: tuple | None = None):
     if k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"k, v must be (B, kv_heads, S, head_dim), got k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -298,9 +309,10 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
     if qkv.dim() != 2 or qkv.shape[0] != B or nh <= 0 or nh % nkv or qkv.shape[1] != (nh + 2 * nkv) * D or D % 2:
         raise ValueError(f"qkv must be (B, (heads + 2 kv_heads) * head_dim) with heads % kv_heads == 0 and an even "
                          f"head_dim; got qkv {tuple(qkv.shape)}, k {tuple(k.shape)}")
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or cos.shape[0] < S:
-        raise ValueError(f"cos, sin must be (>= S, head_dim) = (>= {S}, {D}), got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    if pos.shape != (B,) or pos.dtype != torch.long:
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or cos.shape[0] < (B if pos is None else S):
+        raise ValueError(f"cos, sin must be (>= S, head_dim) = (>= {S}, {D}) tables, or with pos None ({B}, {D}) "
+                         f"rows, got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if pos is not None and (pos.shape != (B,) or pos.dtype != torch.long):
         raise ValueError(f"pos must be a ({B},) int64 tensor, got {pos.dtype} {tuple(pos.shape)}")
     if key_ok.shape != (B, S) or key_ok.dtype not in (torch.bool, torch.uint8):
         raise ValueError(f"key_ok must be bool or uint8 (B, S) = ({B}, {S}), got {key_ok.dtype} {tuple(key_ok.shape)}")
@@ -311,7 +323,7 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
     if B == 0 or S == 0 or k.dtype != v.dtype or not k.is_floating_point():
         raise ValueError(f"k, v must be float caches of one dtype with B, S >= 1, got {k.dtype} {v.dtype} "
                          f"{tuple(k.shape)}")
-    if len({t.device for t in (qkv, cos, sin, pos, k, v, key_ok, last)}) > 1:
+    if len({t.device for t in (qkv, cos, sin, pos, k, v, key_ok, last) if t is not None}) > 1:
         raise ValueError("qkv, cos, sin, pos, k, v, key_ok and last must be on one device")
     if qk_norm is not None:
         qw, kw, _ = qk_norm
@@ -368,7 +380,7 @@ def settings(D: int) -> tuple[int, int, int, int]:
     return SETTINGS.get(at) or (SETTINGS[64] if at < 64 else (32, 4, 2, 1))
 
 
-def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor,
+def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor | None, k: Tensor, v: Tensor, key_ok: Tensor,
                      last: Tensor, scale: float, block: int | None = None, warps: int | None = None,
                      stages: int | None = None, splits: int = 1, qk_norm: tuple | None = None,
                      heads: int | None = None, early: int | None = None) -> Tensor:
@@ -379,7 +391,9 @@ def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tens
     (chunks of whole blocks: small blocks let short caches use several splits). qk_norm (q weight (D,), k weight
     (D,), eps): RMSNorm each head of q and k before the rotation, as transformers' Qwen3RMSNorm does. heads: KV
     heads per program (a power of two; cut to the largest that divides the model's KV heads). early: the
-    prologue's load order, 0, 1 or 2 (EARLY's; None: EARLY as it is when the op runs)."""
+    prologue's load order, 0, 1 or 2 (EARLY's; None: EARLY as it is when the op runs). pos None: cos and sin
+    are (B, D), each sequence's rotary row already (a step can gather them once for all its layers), which
+    spares each program the load of its position before the rows'."""
     b, w, st, hd = settings(k.shape[-1]) if k.dim() == 4 else (128, 4, 2, 1)
     block, warps, stages = block or (b if splits == 1 else 32), warps or w, stages or st
     heads = heads or (hd if splits == 1 else 1)
@@ -409,7 +423,7 @@ def head_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def decode_attention_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
+def decode_attention_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor | None, k: Tensor, v: Tensor,
                                key_ok: Tensor, last: Tensor, scale: float, qk_norm: tuple | None = None) -> Tensor:
     """The torch twin: the same contract, in float32 (the slots after `last` are masked, not skipped)."""
     _check(qkv, cos, sin, pos, k, v, key_ok, last, qk_norm)
@@ -421,7 +435,8 @@ def decode_attention_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tenso
         q, kn = head_norm(q.view(B, nh, D), qw, eps).view(B, -1), head_norm(kn.view(B, nkv, D), kw, eps).view(B, -1)
         qkv = torch.cat([q, kn, vn], dim=-1)
     q, kn, vn = qkv.float().split([nh * D, nkv * D, nkv * D], dim=-1)
-    c, s_ = cos[pos].float()[:, None], sin[pos].float()[:, None]        # (B, 1, D)
+    rows = (cos, sin) if pos is None else (cos[pos], sin[pos])          # (B, D) each sequence's rotary row
+    c, s_ = rows[0].float()[:, None], rows[1].float()[:, None]         # (B, 1, D)
     q = rotate(q.view(B, nh, D), c, s_).to(k.dtype)                    # (B, nh, D)
     k_new = rotate(kn.view(B, nkv, D), c, s_).to(k.dtype)[:, :, None]   # (B, nkv, 1, D)
     v_new = vn.view(B, nkv, 1, D).to(v.dtype)

@@ -84,11 +84,11 @@ def check_norm(fn, device="cpu", B=3, nh=4, nkv=2, S=40, D=16, last=20, dtype=to
 
 
 def check_orders(B=2, nh=16, nkv=8, S=80, D=128, last=50, qk=True, dtype=torch.float32, device="cpu", early=1,
-                 **kw):
+                 rows=False, **kw):
     """The kernel's prologue orders (kernels/decode_attention.py: EARLY 0 and `early`) give the same output and
     cache bit for bit; the slots after `last` hold nan, as an unfilled cache may, and the early order's first
-    block (loaded before `last` is known) must not let them in. kw: the kernel's settings (heads, block,
-    splits)."""
+    block (loaded before `last` is known) must not let them in. rows: the early order gets each sequence's rotary
+    rows (pos None). kw: the kernel's settings (heads, block, splits)."""
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     cast = lambda t: t.to(device, dtype)
     qkv = cast(torch.randn(B, (nh + 2 * nkv) * D, generator=g) * 3)
@@ -102,7 +102,8 @@ def check_orders(B=2, nh=16, nkv=8, S=80, D=128, last=50, qk=True, dtype=torch.f
     outs = []
     for e in (0, early):
         kc, vc = k.clone(), v.clone()
-        o = decode_attention(qkv, cos, sin, pos, kc, vc, ok, torch.tensor([last], device=device), 0.3, qk_norm=norm,
+        c, s_, p = (cos[pos], sin[pos], None) if rows and e else (cos, sin, pos)   # rows: the rotary rows given
+        o = decode_attention(qkv, c, s_, p, kc, vc, ok, torch.tensor([last], device=device), 0.3, qk_norm=norm,
                              early=e, **kw)
         outs.append((o, kc, vc))
     (o0, k0, v0), (o1, k1, v1) = outs
@@ -137,6 +138,7 @@ def test_reference_last_past_cache():
 
 def test_reference_matches_sdpa():
     check_attention(decode_attention_reference)
+    check_attention(lambda q, c, s, p, *a: decode_attention_reference(q, c[p], s[p], None, *a))   # rows given
 
 
 def test_reference_qk_norm():
@@ -189,6 +191,9 @@ check_attention(functools.partial(decode_attention, heads=2, splits=4, block=16)
                 last=40)                                           # and split
 early = functools.partial(decode_attention, early=1)               # the early prologue against sdpa too
 check_attention(early)
+rows = lambda q, c, s, p, *a, **kw: decode_attention(q, c[p], s[p], None, *a, **kw)   # rotary rows given (pos None)
+check_attention(rows)
+check_attention(lambda *a, **kw: rows(*a, early=1, **kw), B=2, nh=4, nkv=4, S=70, D=16, last=69)
 check_attention(early, B=2, nh=4, nkv=4, S=70, D=16, last=69)
 check_norm(functools.partial(decode_attention, heads=4, block=16, early=1), B=2, nh=8, nkv=4, S=40, D=16, last=20)
 print("ok")
@@ -210,6 +215,8 @@ check_orders(nh=12, nkv=4, S=50, D=24, last=33, heads=2, block=16)   # GQA 3: pa
 check_orders(nh=6, nkv=2, S=150, D=40, last=97, qk=False, splits=4, block=16)   # split: the reorder alone
 check_orders(nh=4, nkv=4, S=12, D=16, last=11, qk=False)           # a cache shorter than the first block
 check_orders(nh=16, nkv=8, S=40, D=128, last=20, dtype=torch.bfloat16)
+check_orders(last=50, rows=True)                                   # the rotary rows given: the same bits
+check_orders(nh=14, nkv=2, S=128, D=64, last=100, qk=False, rows=True)
 print("ok")
 """)
 
@@ -253,6 +260,7 @@ def test_kernel_cuda():
         check_orders(B=128, nh=14, nkv=2, S=320, D=64, last=last, qk=False, dtype=torch.bfloat16, device="cuda",
                      early=early)
     check_orders(nh=4, nkv=4, S=12, D=16, last=11, qk=False, device="cuda", early=2)   # the prefetch past S
+    check_orders(B=128, S=320, last=200, dtype=torch.bfloat16, device="cuda", rows=True)
     for early in (0, 1, 2):
         check_last_past_cache(functools.partial(decode_attention, early=early), device="cuda")
 

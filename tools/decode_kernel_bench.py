@@ -155,26 +155,28 @@ def order_rows(reps: int, shape: str, unguarded: bool, found: dict | None = None
     ok = torch.rand(B, S, device=dev, generator=g) > 0.1
     norm = (torch.rand(D, device=dev, dtype=dt) + 0.5, torch.rand(D, device=dev, dtype=dt) + 0.5, 1e-6) \
         if shape == "qwen3" else None
-    cases = [("today's order", 0, True), ("early loads (EARLY=1)", 1, True)]
-    cases += [("early loads + L2 prefetch (EARLY=2)", 2, True)] if torch.cuda.is_available() else []   # PTX
-    cases += [("today's order, no `last < S` guard (before this change)", 0, False)] if unguarded else []
+    cases = [("today's order", 0, True, False), ("early loads (EARLY=1)", 1, True, False),
+             ("EARLY=1, rotary rows given (pos None; the gather once for all layers)", 1, True, True)]
+    if torch.cuda.is_available():   # 2's prefetch is PTX
+        cases += [("early loads + L2 prefetch (EARLY=2)", 2, True, False),
+                  ("EARLY=2, rotary rows given", 2, True, True)]
+    cases += [("today's order, no `last < S` guard (before this change)", 0, False, False)] if unguarded else []
     rows, before = [], da.GUARD
     for filled in (64, 192, 318):
         last = torch.tensor([filled], device=dev)
         fns, outs = [], []
-        for _, early, guard in cases:
-            def run(early=early, guard=guard):
+        for _, early, guard, given in cases:
+            def step(layers, early=early, guard=guard, given=given):   # -> the last layer's output
                 da.GUARD = guard                                       # read by the op at launch (capture)
-                for i in range(L):
-                    decode_attention(qkv[i], cos, sin, pos, ks[i], vs[i], ok, last, 0.125, qk_norm=norm, early=early)
+                c, s_, p = (cos[pos], sin[pos], None) if given else (cos, sin, pos)   # given: once for all layers
+                for i in range(layers):
+                    o = decode_attention(qkv[i], c, s_, p, ks[i], vs[i], ok, last, 0.125, qk_norm=norm, early=early)
                 da.GUARD = before
-            fns.append(run)
-            da.GUARD = guard
-            outs.append(decode_attention(qkv[0], cos, sin, pos, ks[0], vs[0], ok, last, 0.125, qk_norm=norm,
-                                         early=early))
-            da.GUARD = before
+                return o
+            fns.append(lambda step=step: step(L))
+            outs.append(step(1))
         times = [us / L for us in graphs_us(fns, reps)]
-        for (name, _, _), us, out in zip(cases, times, outs):
+        for (name, *_), us, out in zip(cases, times, outs):
             same = "identical to today's" if torch.equal(out, outs[0]) else \
                 f"DIFFERS from today's by {(out.float() - outs[0].float()).abs().max().item():.1e}"
             rows.append(f"| attention {shape}{' + qk_norm' if norm else ''} | {filled} slots | {name} | {us:.2f} | "
