@@ -158,8 +158,7 @@ def order_rows(reps: int, shape: str, unguarded: bool, found: dict | None = None
     cases = [("today's order", 0, True, False), ("early loads (EARLY=1)", 1, True, False),
              ("EARLY=1, rotary rows given (pos None; the gather once for all layers)", 1, True, True)]
     if torch.cuda.is_available():   # 2's prefetch is PTX
-        cases += [("early loads + L2 prefetch (EARLY=2)", 2, True, False),
-                  ("EARLY=2, rotary rows given", 2, True, True)]
+        cases += [("early loads + L2 prefetch (EARLY=2)", 2, True, False)]
     cases += [("today's order, no `last < S` guard (before this change)", 0, False, False)] if unguarded else []
     rows, before = [], da.GUARD
     for filled in (64, 192, 318):
