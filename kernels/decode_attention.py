@@ -5,8 +5,7 @@ per sequence.
                          k (B, nkv, S, D), v (B, nkv, S, D), key_ok (B, S) uint8 or bool, last (1,) int64, scale)
     # -> o (B, nh * D). Writes the new token's rotated key and its value into k, v at slot `last`; attends over
     # the slots [0, last] that key_ok allows (slot `last`, the token itself, always); slots after it are never read.
-    # A `last` >= S (a device tensor: no host check) writes nothing and attends over the S slots and the token.
-    # pos None: cos, sin are (B, D), each sequence's rotary row
+    # A `last` >= S (a device tensor: no host check) writes nothing and attends over the S slots and the token
 
 Why: in engines/fast_decode.py's step (W1, docs/benchmarks.md: batch 128, 320 cache slots, 14 query / 2 KV
 heads of 64), cuDNN's scaled_dot_product_attention with a boolean mask reads all S slots of every sequence
@@ -56,8 +55,7 @@ if HAS_TRITON:
                           qn_ptr, kn_ptr, eps,
                           NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr,
                           RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                          PRECISION: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
-                          EARLY: tl.constexpr, GUARD: tl.constexpr, LINES: tl.constexpr, ROWS: tl.constexpr):
+                          PRECISION: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr):
         # program (sequence b, KV heads [h0, h0 + HEADS), split). Its rows are the HEADS * G query heads of those
         # KV heads (consecutive in qkv), padded to RP; its K/V tiles hold BLOCK slots of each of the HEADS heads
         # side by side, and a row's scores outside its own head are masked, so one tl.dot serves all heads
@@ -73,80 +71,34 @@ if HAS_TRITON:
         half = D // 2
         partner = tl.where(d < half, d + half, d - half)
         sign = tl.where(d < half, -1.0, 1.0)
-        if EARLY:
-            row = qkv_ptr + b * s_qkv
-            qh = (h0 * G + r)[:, None] * D                             # (RP, 1) offsets of the rows' query heads
-            kh = (h0 + hr)[:, None] * D                                # (RP, 1) each row's own KV head
-            kr = row + NH * D
-            c = tl.arange(0, HEADS * BLOCK)                            # tile columns: head c // BLOCK, its slot
-            hc = c // BLOCK
-            kc = k_ptr + b * sk_b + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
-            vc = v_ptr + b * sv_b + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
-            # every load whose address the program ids give, issued before any result is used: one memory round
-            # trip for all of them, then one for the rotary rows (their address needs the position), where the
-            # order below waits on each in turn (docs/kernels.md, "The decode attention's prologue")
-            p = b if ROWS else tl.load(pos_ptr + b)                   # ROWS: cos, sin hold row b's already
-            last = tl.load(last_ptr)
-            q = tl.load(row + qh + d[None, :], mask=qm, other=0.0)    # (RP, DP) qkv's dtype
-            q2 = tl.load(row + qh + partner[None, :], mask=qm, other=0.0)
-            k_new = tl.load(kr + kh + d[None, :], mask=qm, other=0.0)
-            k2 = tl.load(kr + kh + partner[None, :], mask=qm, other=0.0)
-            v_raw = tl.load(kr + NKV * D + kh + d[None, :], mask=qm, other=0.0)
-            if QK_NORM:
-                wq = tl.load(qn_ptr + d, mask=dm, other=0.0)
-                wq2 = tl.load(qn_ptr + partner, mask=dm, other=0.0)
-                wk = tl.load(kn_ptr + d, mask=dm, other=0.0)
-                wk2 = tl.load(kn_ptr + partner, mask=dm, other=0.0)
-            if SPLITS == 1:   # the unsplit program starts at slot 0: its first K/V block needs no `last`
-                j0 = c % BLOCK
-                in0 = j0 < S
-                ok0 = tl.load(ok_ptr + b * sok_b + j0, mask=in0, other=0)
-                k0 = tl.load(kc + j0[:, None] * sk_s, mask=in0[:, None] & dm[None, :], other=0.0)
-                v0 = tl.load(vc + j0[:, None] * sv_s, mask=in0[:, None] & dm[None, :], other=0.0)
-                if EARLY == 2:   # and ask L2 for the next two blocks, which the loop's first loads will want
-                    _prefetch(k_ptr + b * sk_b, sk_h, sk_s, h0, S, HEADS, BLOCK, LINES)
-                    _prefetch(v_ptr + b * sv_b, sv_h, sv_s, h0, S, HEADS, BLOCK, LINES)
-            cos = tl.load(cos_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32)   # (DP,)
-            sin = tl.load(sin_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32) * sign
-            q, q2, k_new, k2 = q.to(tl.float32), q2.to(tl.float32), k_new.to(tl.float32), k2.to(tl.float32)
-            if QK_NORM:   # the same formula as _head_norm, on the weights loaded above
-                q, q2 = _scale_rows(q, q2, 1.0 / tl.sqrt(tl.sum(q * q, 1) / D + eps), wq, wq2)
-                k_new, k2 = _scale_rows(k_new, k2, 1.0 / tl.sqrt(tl.sum(k_new * k_new, 1) / D + eps), wk, wk2)
-            q = (q * cos[None, :] + q2 * sin[None, :]).to(k_ptr.dtype.element_ty)
-            k_new = (k_new * cos[None, :] + k2 * sin[None, :]).to(k_ptr.dtype.element_ty)     # (RP, DP)
-            v_new = v_raw.to(k_ptr.dtype.element_ty)
-        else:
-            p = b if ROWS else tl.load(pos_ptr + b)
-            cos = tl.load(cos_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32)       # (DP,)
-            sin = tl.load(sin_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32) * sign
-            row = qkv_ptr + b * s_qkv
-            qh = (h0 * G + r)[:, None] * D                             # (RP, 1) offsets of the rows' query heads
-            q = tl.load(row + qh + d[None, :], mask=qm, other=0.0).to(tl.float32)          # (RP, DP)
-            q2 = tl.load(row + qh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
-            kh = (h0 + hr)[:, None] * D                                # (RP, 1) each row's own KV head
-            kr = row + NH * D
-            k_new = tl.load(kr + kh + d[None, :], mask=qm, other=0.0).to(tl.float32)       # (RP, DP)
-            k2 = tl.load(kr + kh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
-            if QK_NORM:   # qwen3's RMSNorm of each head before rotary; q2, k2 hold the same values permuted
-                q, q2 = _head_norm(q, q2, qn_ptr, d, partner, dm, eps, D)
-                k_new, k2 = _head_norm(k_new, k2, kn_ptr, d, partner, dm, eps, D)
-            q = (q * cos[None, :] + q2 * sin[None, :]).to(k_ptr.dtype.element_ty)
-            k_new = (k_new * cos[None, :] + k2 * sin[None, :]).to(k_ptr.dtype.element_ty)     # (RP, DP)
-            v_new = tl.load(kr + NKV * D + kh + d[None, :], mask=qm, other=0.0).to(k_ptr.dtype.element_ty)
-            last = tl.load(last_ptr)
+        p = tl.load(pos_ptr + b)
+        cos = tl.load(cos_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32)       # (DP,)
+        sin = tl.load(sin_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32) * sign
+        row = qkv_ptr + b * s_qkv
+        qh = (h0 * G + r)[:, None] * D                                 # (RP, 1) offsets of the rows' query heads
+        q = tl.load(row + qh + d[None, :], mask=qm, other=0.0).to(tl.float32)          # (RP, DP)
+        q2 = tl.load(row + qh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
+        kh = (h0 + hr)[:, None] * D                                    # (RP, 1) each row's own KV head
+        kr = row + NH * D
+        k_new = tl.load(kr + kh + d[None, :], mask=qm, other=0.0).to(tl.float32)       # (RP, DP)
+        k2 = tl.load(kr + kh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
+        if QK_NORM:   # qwen3's RMSNorm of each head before rotary; q2, k2 hold the same values permuted
+            q, q2 = _head_norm(q, q2, qn_ptr, d, partner, dm, eps, D)
+            k_new, k2 = _head_norm(k_new, k2, kn_ptr, d, partner, dm, eps, D)
+        q = (q * cos[None, :] + q2 * sin[None, :]).to(k_ptr.dtype.element_ty)
+        k_new = (k_new * cos[None, :] + k2 * sin[None, :]).to(k_ptr.dtype.element_ty)     # (RP, DP)
+        v_new = tl.load(kr + NKV * D + kh + d[None, :], mask=qm, other=0.0).to(k_ptr.dtype.element_ty)
+        last = tl.load(last_ptr)
         # split `part` reads slots [lo, hi) of [0, last): chunks of whole blocks, so the grid stays fixed while
-        # the filled length grows between graph replays; splits past the filled length read nothing. GUARD: a
-        # `last` at or past S (the engine sizes S; `last` is a device tensor, so nothing checks it on the host)
-        # writes nothing and reads the S slots, where it would write and read past the cache
+        # the filled length grows between graph replays; splits past the filled length read nothing. A `last` at
+        # or past S (the engine sizes S; `last` is a device tensor, so no host code checks it) writes nothing and
+        # reads the S slots, where it would write and read past the cache (cost: none measured)
         chunk = tl.maximum(tl.cdiv(tl.cdiv(last, SPLITS), BLOCK), 1) * BLOCK
         lo = part * chunk
-        hi = tl.minimum(lo + chunk, last)
-        if GUARD:
-            hi = tl.minimum(hi, S)
+        hi = tl.minimum(tl.minimum(lo + chunk, last), S)
         if part == 0:                                                  # one program writes the new K/V: one row
             wm = qm & (r % G == 0)[:, None]                            # of each KV head
-            if GUARD:
-                wm = wm & (tl.zeros((RP, 1), tl.int64) + last < S)      # (RP, 1): a scalar mask fails interpreted
+            wm = wm & (tl.zeros((RP, 1), tl.int64) + last < S)        # (RP, 1): a scalar mask fails interpreted
             hw = (h0 + hr)[:, None].to(tl.int64)
             tl.store(k_ptr + b * sk_b + hw * sk_h + last * sk_s + d[None, :], k_new, mask=wm)
             tl.store(v_ptr + b * sv_b + hw * sv_h + last * sv_s + d[None, :], v_new, mask=wm)
@@ -156,28 +108,27 @@ if HAS_TRITON:
         m = tl.where(first, m0, -float("inf"))                         # (RP,) running max
         s = tl.where(first, tl.full((RP,), 1.0, tl.float32), 0.0)     # running sum
         acc = tl.where(first, v_new.to(tl.float32), 0.0)               # (RP, DP) running output
-        if not EARLY:   # today's order: the tile's addresses after the write (the same code as before EARLY)
-            c = tl.arange(0, HEADS * BLOCK)                            # tile columns: head c // BLOCK, its slot
-            hc = c // BLOCK
-            kc = k_ptr + b * sk_b + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
-            vc = v_ptr + b * sv_b + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
+        c = tl.arange(0, HEADS * BLOCK)                                # tile columns: head c // BLOCK, its slot
+        hc = c // BLOCK
+        kc = k_ptr + b * sk_b + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
+        vc = v_ptr + b * sv_b + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
         own = hr[:, None] == hc[None, :]                               # (RP, HEADS * BLOCK)
-        start = lo
-        if EARLY:
-            if SPLITS == 1:   # the first block, loaded above: its slots past hi masked as the loop's loads mask them
-                jm0 = j0 < hi
-                v0 = tl.where(jm0[:, None], v0, 0.0)                  # an unfilled slot may hold nan: p = 0 times it
-                if lo < hi:
-                    m, s, acc = _block(q, k0, v0, (ok0 != 0) & jm0, own, m, s, acc, scale, PRECISION)
-                start = lo + BLOCK
-        for s0 in range(start, hi, BLOCK):                             # then the cache before it
+        for s0 in range(lo, hi, BLOCK):                                # then the cache before it
             j = s0 + c % BLOCK
             jm = j < hi
             ok = (tl.load(ok_ptr + b * sok_b + j, mask=jm, other=0) != 0) & jm
             kv = jm[:, None] & dm[None, :]
             k = tl.load(kc + j[:, None] * sk_s, mask=kv, other=0.0)   # (HEADS * BLOCK, DP)
             v = tl.load(vc + j[:, None] * sv_s, mask=kv, other=0.0)
-            m, s, acc = _block(q, k, v, ok, own, m, s, acc, scale, PRECISION)
+            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (RP, HEADS * BLOCK) float32
+            sc = tl.where(own & ok[None, :], sc, -float("inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)       # nothing visible yet: exp(-inf - -inf) is nan
+            p_ = tl.exp(sc - shift[:, None])
+            alpha = tl.exp(m - shift)
+            s = s * alpha + tl.sum(p_, 1)
+            acc = acc * alpha[:, None] + tl.dot(p_.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
         if SPLITS == 1:
             o = acc / s[:, None]
             tl.store(o_ptr + b * so_b + qh + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
@@ -186,47 +137,14 @@ if HAS_TRITON:
                      pm_ptr, ps_ptr, pa_ptr, tick_ptr + b * (NKV // HEADS) + hb, RP, DP, SPLITS)
 
     @triton.jit
-    def _prefetch(base, s_h, s_s, h0, S, HEADS: tl.constexpr, BLOCK: tl.constexpr, LINES: tl.constexpr):
-        # an L2 prefetch of each 128-byte line of slots [BLOCK, 3 BLOCK) (those below S) of heads [h0, h0 + HEADS)
-        # of one sequence's cache at base: no register waits for it (PTX prefetch.global.L2; CUDA only)
-        t = tl.arange(0, 2 * HEADS * BLOCK)                            # (head, slot) rows
-        j = BLOCK + t % (2 * BLOCK)
-        j = tl.where(j < S, j, 0)                                      # past the cache: slot 0 again, harmless
-        row = base + (h0 + t // (2 * BLOCK)).to(tl.int64) * s_h + j * s_s
-        line = tl.arange(0, LINES) * (128 // base.dtype.element_ty.primitive_bitwidth * 8)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [row[:, None] + line[None, :]],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _block(q, k, v, ok, own, m, s, acc, scale, PRECISION: tl.constexpr):
-        # one block of the online softmax: q (RP, DP), k and v (HEADS * BLOCK, DP) in the cache's dtype, ok
-        # (HEADS * BLOCK,) the slots to see, own (RP, HEADS * BLOCK) each row's own head; -> m, s, acc updated
-        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (RP, HEADS * BLOCK) float32
-        sc = tl.where(own & ok[None, :], sc, -float("inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        shift = tl.where(m_new == -float("inf"), 0.0, m_new)           # nothing visible yet: exp(-inf - -inf) is nan
-        p_ = tl.exp(sc - shift[:, None])
-        alpha = tl.exp(m - shift)
-        s = s * alpha + tl.sum(p_, 1)
-        acc = acc * alpha[:, None] + tl.dot(p_.to(v.dtype), v, input_precision=PRECISION)
-        return m_new, s, acc
-
-    @triton.jit
     def _head_norm(x, x2, w_ptr, d, partner, dm, eps, D: tl.constexpr):
         # transformers' Qwen3RMSNorm per row of x (rows, DP) float32, and of x2 (x's columns at their rotary
         # partners): w * (x * rsqrt(mean(x^2) + eps)) with its roundings to the activations' dtype, which is the
         # weight's (decode_attention checks)
+        dt = w_ptr.dtype.element_ty
         r = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)                 # (rows,)
-        w = tl.load(w_ptr + d, mask=dm, other=0.0)
-        w2 = tl.load(w_ptr + partner, mask=dm, other=0.0)
-        return _scale_rows(x, x2, r, w, w2)
-
-    @triton.jit
-    def _scale_rows(x, x2, r, w, w2):
-        # _head_norm's scaling: x * r rounded to the weight's dtype, times the weight w (DP,), rounded again; x2
-        # likewise by w2
-        dt = w.dtype
-        w, w2 = w.to(tl.float32), w2.to(tl.float32)
+        w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + partner, mask=dm, other=0.0).to(tl.float32)
         x = (w[None, :] * (x * r[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         x2 = (w2[None, :] * (x2 * r[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         return x, x2
@@ -262,12 +180,10 @@ if HAS_TRITON:
     # An opaque custom op, not a triton_op: inductor then calls it as it is instead of lowering the kernel into
     # its own code, which failed to compile inside the decode step (torch 2.11)
     @torch.library.custom_op("rlhack::decode_attention", mutates_args=("k", "v"))
-    def _decode_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Optional[Tensor], k: Tensor, v: Tensor,
+    def _decode_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
                              key_ok: Tensor, last: Tensor, scale: float, block: int, warps: int, stages: int,
                              splits: int, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float,
-                             heads: int = 1, early: int = -1, guard: int = -1) -> Tensor:
-        # early, guard: -1 reads the module's EARLY / GUARD here, when the op runs (in the engine: when its step is
-        # captured, each rollout), not when the step is traced, so a tool can flip them between rollouts
+                             heads: int = 1) -> Tensor:
         B, nkv, S, D = k.shape
         nh = qkv.shape[1] // D - 2 * nkv
         out = torch.empty(B, nh * D, dtype=qkv.dtype, device=qkv.device)
@@ -279,28 +195,23 @@ if HAS_TRITON:
         pa = torch.empty(n * RP * DP, dtype=torch.float32, device=qkv.device)
         try:
             _decode_attention[(B, nkv // heads, splits)](
-                qkv, cos, sin, last if pos is None else pos, k, v, key_ok, last, out, scale, S, qkv.stride(0),
-                cos.stride(0),
+                qkv, cos, sin, pos, k, v, key_ok, last, out, scale, S, qkv.stride(0), cos.stride(0),
                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0),
                 key_ok.stride(0), pm, ps, pa, _tickets(groups if splits > 1 else 1, qkv.device),
                 cos if q_norm is None else q_norm, cos if k_norm is None else k_norm, eps,
                 NH=nh, NKV=nkv, G=G, HEADS=heads, RP=RP, D=D, DP=DP, BLOCK=block,
                 PRECISION="ieee" if k.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
-                SPLITS=splits, QK_NORM=q_norm is not None, EARLY=int(EARLY if early < 0 else early),
-                GUARD=bool(GUARD if guard < 0 else guard),
-                LINES=triton.next_power_of_2(-(-D * k.element_size() // 128)),   # 128-byte lines a row: prefetch
-                ROWS=pos is None, num_warps=warps, num_stages=stages)
+                SPLITS=splits, QK_NORM=q_norm is not None, num_warps=warps, num_stages=stages)
         except triton.runtime.errors.OutOfResources as e:
             raise too_big(D, (block, warps, stages, heads), e) from None
         return out
 
     @_decode_attention_op.register_fake
-    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages, splits, q_norm, k_norm, eps, heads=1,
-          early=-1, guard=-1):
+    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages, splits, q_norm, k_norm, eps, heads=1):
         return qkv.new_empty(qkv.shape[0], qkv.shape[1] - 2 * k.shape[1] * k.shape[3])
 
 
-def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor | None, k: Tensor, v: Tensor, key_ok: Tensor, last: Tensor,
+def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor, last: Tensor,
            qk_norm: tuple | None = None):
     if k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"k, v must be (B, kv_heads, S, head_dim), got k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -309,10 +220,9 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor | None, k: Tensor,
     if qkv.dim() != 2 or qkv.shape[0] != B or nh <= 0 or nh % nkv or qkv.shape[1] != (nh + 2 * nkv) * D or D % 2:
         raise ValueError(f"qkv must be (B, (heads + 2 kv_heads) * head_dim) with heads % kv_heads == 0 and an even "
                          f"head_dim; got qkv {tuple(qkv.shape)}, k {tuple(k.shape)}")
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or cos.shape[0] < (B if pos is None else S):
-        raise ValueError(f"cos, sin must be (>= S, head_dim) = (>= {S}, {D}) tables, or with pos None ({B}, {D}) "
-                         f"rows, got {tuple(cos.shape)}, {tuple(sin.shape)}")
-    if pos is not None and (pos.shape != (B,) or pos.dtype != torch.long):
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or cos.shape[0] < S:
+        raise ValueError(f"cos, sin must be (>= S, head_dim) = (>= {S}, {D}), got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if pos.shape != (B,) or pos.dtype != torch.long:
         raise ValueError(f"pos must be a ({B},) int64 tensor, got {pos.dtype} {tuple(pos.shape)}")
     if key_ok.shape != (B, S) or key_ok.dtype not in (torch.bool, torch.uint8):
         raise ValueError(f"key_ok must be bool or uint8 (B, S) = ({B}, {S}), got {key_ok.dtype} {tuple(key_ok.shape)}")
@@ -323,7 +233,7 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor | None, k: Tensor,
     if B == 0 or S == 0 or k.dtype != v.dtype or not k.is_floating_point():
         raise ValueError(f"k, v must be float caches of one dtype with B, S >= 1, got {k.dtype} {v.dtype} "
                          f"{tuple(k.shape)}")
-    if len({t.device for t in (qkv, cos, sin, pos, k, v, key_ok, last) if t is not None}) > 1:
+    if len({t.device for t in (qkv, cos, sin, pos, k, v, key_ok, last)}) > 1:
         raise ValueError("qkv, cos, sin, pos, k, v, key_ok and last must be on one device")
     if qk_norm is not None:
         qw, kw, _ = qk_norm
@@ -341,15 +251,6 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor | None, k: Tensor,
 # experts, timed". FAST_DECODE_ATTN="128=16x4x3x2,..." overrides entries for a run
 # (tools/decode_kernel_bench.py --shape qwen3,w1 times the candidates)
 SETTINGS = {64: (64, 4, 3, 1), 128: (16, 4, 3, 2), 256: (32, 4, 2, 1)}
-# the prologue's load order (FAST_DECODE_ATTN_EARLY=1): every load whose address the program ids give (position,
-# `last`, the token's q/k/v, the norm weights and, unsplit, the first K/V block) issued first, so the kernel waits
-# ~3 memory round trips before it streams instead of ~10. 2: also an L2 prefetch of the next two blocks (CUDA
-# only). The same arithmetic: outputs are identical. Read when the op runs (the engine: at each rollout's
-# capture), so a tool may set it between rollouts
-EARLY = int(os.environ.get("FAST_DECODE_ATTN_EARLY", "0"))
-# GUARD: a `last` >= S writes nothing and reads only the S slots (the kernel's comment); off is the kernel before
-# this check, kept for one measurement of what the check costs (tools/decode_kernel_bench.py --unguarded)
-GUARD = True
 DEFAULTS = dict(SETTINGS)
 OVERRIDDEN = set()   # head_dims whose entry FAST_DECODE_ATTN set (too_big names it)
 for _item in filter(None, os.environ.get("FAST_DECODE_ATTN", "").split(",")):
@@ -380,20 +281,17 @@ def settings(D: int) -> tuple[int, int, int, int]:
     return SETTINGS.get(at) or (SETTINGS[64] if at < 64 else (32, 4, 2, 1))
 
 
-def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor | None, k: Tensor, v: Tensor, key_ok: Tensor,
+def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor,
                      last: Tensor, scale: float, block: int | None = None, warps: int | None = None,
                      stages: int | None = None, splits: int = 1, qk_norm: tuple | None = None,
-                     heads: int | None = None, early: int | None = None) -> Tensor:
+                     heads: int | None = None) -> Tensor:
     """See the module's docstring. The Triton kernel (CUDA, or TRITON_INTERPRET=1); block, warps, stages: the
     kernel's settings, by default SETTINGS' for this head_dim (`settings`). splits > 1: flash-decoding, each
     (sequence, KV head)'s filled slots cut into `splits` chunks of whole blocks, one program each (the grid is
     fixed; the chunk follows `last`), merged in the kernel by the last split to finish; block 32 by default
     (chunks of whole blocks: small blocks let short caches use several splits). qk_norm (q weight (D,), k weight
     (D,), eps): RMSNorm each head of q and k before the rotation, as transformers' Qwen3RMSNorm does. heads: KV
-    heads per program (a power of two; cut to the largest that divides the model's KV heads). early: the
-    prologue's load order, 0, 1 or 2 (EARLY's; None: EARLY as it is when the op runs). pos None: cos and sin
-    are (B, D), each sequence's rotary row already (a step can gather them once for all its layers), which
-    spares each program the load of its position before the rows'."""
+    heads per program (a power of two; cut to the largest that divides the model's KV heads)."""
     b, w, st, hd = settings(k.shape[-1]) if k.dim() == 4 else (128, 4, 2, 1)
     block, warps, stages = block or (b if splits == 1 else 32), warps or w, stages or st
     heads = heads or (hd if splits == 1 else 1)
@@ -404,11 +302,9 @@ def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor | None, 
     if block < 16 or block & (block - 1):   # tl.dot takes no dimension under 16
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     _check(qkv, cos, sin, pos, k, v, key_ok, last, qk_norm)
-    if early not in (None, 0, 1, 2) or (early == 2 and not qkv.is_cuda):
-        raise ValueError(f"early must be 0, 1 or 2 (2: CUDA only, its prefetch is PTX), got {early} on {qkv.device}")
     qw, kw, eps = qk_norm or (None, None, 0.0)
     return _decode_attention_op(qkv, cos, sin, pos, k, v, key_ok, last, float(scale), block, warps, stages, splits,
-                                qw, kw, float(eps), math.gcd(heads, k.shape[1]), -1 if early is None else int(early))
+                                qw, kw, float(eps), math.gcd(heads, k.shape[1]))
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -423,7 +319,7 @@ def head_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def decode_attention_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor | None, k: Tensor, v: Tensor,
+def decode_attention_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
                                key_ok: Tensor, last: Tensor, scale: float, qk_norm: tuple | None = None) -> Tensor:
     """The torch twin: the same contract, in float32 (the slots after `last` are masked, not skipped)."""
     _check(qkv, cos, sin, pos, k, v, key_ok, last, qk_norm)
@@ -435,13 +331,12 @@ def decode_attention_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tenso
         q, kn = head_norm(q.view(B, nh, D), qw, eps).view(B, -1), head_norm(kn.view(B, nkv, D), kw, eps).view(B, -1)
         qkv = torch.cat([q, kn, vn], dim=-1)
     q, kn, vn = qkv.float().split([nh * D, nkv * D, nkv * D], dim=-1)
-    rows = (cos, sin) if pos is None else (cos[pos], sin[pos])          # (B, D) each sequence's rotary row
-    c, s_ = rows[0].float()[:, None], rows[1].float()[:, None]         # (B, 1, D)
+    c, s_ = cos[pos].float()[:, None], sin[pos].float()[:, None]        # (B, 1, D)
     q = rotate(q.view(B, nh, D), c, s_).to(k.dtype)                    # (B, nh, D)
     k_new = rotate(kn.view(B, nkv, D), c, s_).to(k.dtype)[:, :, None]   # (B, nkv, 1, D)
     v_new = vn.view(B, nkv, 1, D).to(v.dtype)
-    # the new token's key and value go to slot `last`; a `last` >= S writes nothing (as the kernel's guard), here
-    # by writing the slot's own value back into the last slot, with no host sync
+    # the new token's key and value go to slot `last`; a `last` >= S writes nothing (as the kernel), here by
+    # writing the last slot's own value back, with no host sync
     inside = last < S
     slot = last.clamp(max=S - 1).expand(B, nkv)[:, :, None, None].expand(B, nkv, 1, D)
     k.scatter_(2, slot, torch.where(inside, k_new, k.gather(2, slot)))

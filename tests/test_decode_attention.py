@@ -83,35 +83,6 @@ def check_norm(fn, device="cpu", B=3, nh=4, nkv=2, S=40, D=16, last=20, dtype=to
     assert torch.equal(v, v2)
 
 
-def check_orders(B=2, nh=16, nkv=8, S=80, D=128, last=50, qk=True, dtype=torch.float32, device="cpu", early=1,
-                 rows=False, **kw):
-    """The kernel's prologue orders (kernels/decode_attention.py: EARLY 0 and `early`) give the same output and
-    cache bit for bit; the slots after `last` hold nan, as an unfilled cache may, and the early order's first
-    block (loaded before `last` is known) must not let them in. rows: the early order gets each sequence's rotary
-    rows (pos None). kw: the kernel's settings (heads, block, splits)."""
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    cast = lambda t: t.to(device, dtype)
-    qkv = cast(torch.randn(B, (nh + 2 * nkv) * D, generator=g) * 3)
-    k, v = cast(torch.randn(B, nkv, S, D, generator=g)), cast(torch.randn(B, nkv, S, D, generator=g))
-    k[:, :, last + 1:], v[:, :, last + 1:] = float("nan"), float("nan")
-    cos, sin = cast(torch.randn(S, D, generator=g)), cast(torch.randn(S, D, generator=g))
-    pos, ok = torch.randint(0, S, (B,), generator=g), torch.rand(B, S, generator=g) > 0.3
-    ok[0] = False                                                  # row 0 sees only its new token
-    pos, ok = pos.to(device), ok.to(device)
-    norm = (cast(torch.rand(D, generator=g) + 0.5), cast(torch.rand(D, generator=g) + 0.5), 1e-6) if qk else None
-    outs = []
-    for e in (0, early):
-        kc, vc = k.clone(), v.clone()
-        c, s_, p = (cos[pos], sin[pos], None) if rows and e else (cos, sin, pos)   # rows: the rotary rows given
-        o = decode_attention(qkv, c, s_, p, kc, vc, ok, torch.tensor([last], device=device), 0.3, qk_norm=norm,
-                             early=e, **kw)
-        outs.append((o, kc, vc))
-    (o0, k0, v0), (o1, k1, v1) = outs
-    assert torch.isfinite(o0).all()
-    assert torch.equal(o0, o1) and torch.equal(k0.nan_to_num(7.0), k1.nan_to_num(7.0)) and \
-        torch.equal(v0.nan_to_num(7.0), v1.nan_to_num(7.0))
-
-
 def check_last_past_cache(fn, B=2, nh=4, nkv=2, S=40, D=16, tol=1e-5, device="cpu", **kw):
     """A `last` >= S (a device tensor the host never reads) writes nothing and attends over the S slots key_ok
     allows and the new token: as `last` = S on a cache one slot longer whose extra slot is free. The cache, and
@@ -138,7 +109,6 @@ def test_reference_last_past_cache():
 
 def test_reference_matches_sdpa():
     check_attention(decode_attention_reference)
-    check_attention(lambda q, c, s, p, *a: decode_attention_reference(q, c[p], s[p], None, *a))   # rows given
 
 
 def test_reference_qk_norm():
@@ -146,14 +116,6 @@ def test_reference_qk_norm():
     check_norm(decode_attention_reference, tol=0.0)
     with pytest.raises(ValueError, match="qk_norm"):
         check_norm(lambda *a, qk_norm: decode_attention_reference(*a, qk_norm=(qk_norm[0][:-1], *qk_norm[1:])))
-
-
-def test_early_2_is_cuda_only():
-    """EARLY=2's prefetch is PTX: asked for on a CPU tensor, decode_attention says so before any launch."""
-    qkv, kv, cs = torch.zeros(1, 4 * 16), torch.zeros(1, 1, 8, 16), torch.zeros(8, 16)
-    with pytest.raises(ValueError, match="CUDA only"):
-        decode_attention(qkv, cs, cs, torch.zeros(1, dtype=torch.long), kv, kv, torch.ones(1, 8, dtype=torch.bool),
-                         torch.tensor([3]), 1.0, early=2)
 
 
 def test_bad_shapes_are_named():
@@ -189,34 +151,6 @@ check_attention(functools.partial(decode_attention, heads=2, block=16), B=2, nh=
 check_norm(functools.partial(decode_attention, heads=4, block=16), B=2, nh=8, nkv=4, S=40, D=16, last=20)
 check_attention(functools.partial(decode_attention, heads=2, splits=4, block=16), B=2, nh=8, nkv=4, S=70, D=16,
                 last=40)                                           # and split
-early = functools.partial(decode_attention, early=1)               # the early prologue against sdpa too
-check_attention(early)
-rows = lambda q, c, s, p, *a, **kw: decode_attention(q, c[p], s[p], None, *a, **kw)   # rotary rows given (pos None)
-check_attention(rows)
-check_attention(lambda *a, **kw: rows(*a, early=1, **kw), B=2, nh=4, nkv=4, S=70, D=16, last=69)
-check_attention(early, B=2, nh=4, nkv=4, S=70, D=16, last=69)
-check_norm(functools.partial(decode_attention, heads=4, block=16, early=1), B=2, nh=8, nkv=4, S=40, D=16, last=20)
-print("ok")
-""")
-
-
-def test_prologue_orders_interpreted():
-    """EARLY=1 against EARLY=0, bit for bit: qwen3's shape (16 query / 8 KV heads of 128, 2 KV heads a program, the
-    q/k norm) and W1's (14 / 2 heads of 64, 64-slot blocks), at the fills the tests above use (one slot, the
-    final slot, inside the first block, several blocks), and the edge settings (padded rows and columns, splits)."""
-    run_interpreted("""
-import torch
-from tests.test_decode_attention import check_orders
-for last in (0, 5, 16, 50, 79):                                    # qwen3 (its defaults: 16-slot blocks, 2 heads)
-    check_orders(last=last)
-for last in (0, 63, 64, 100, 127):                                 # W1 (64-slot blocks, one head a program)
-    check_orders(nh=14, nkv=2, S=128, D=64, last=last, qk=False)
-check_orders(nh=12, nkv=4, S=50, D=24, last=33, heads=2, block=16)   # GQA 3: padded rows; D 24: padded columns
-check_orders(nh=6, nkv=2, S=150, D=40, last=97, qk=False, splits=4, block=16)   # split: the reorder alone
-check_orders(nh=4, nkv=4, S=12, D=16, last=11, qk=False)           # a cache shorter than the first block
-check_orders(nh=16, nkv=8, S=40, D=128, last=20, dtype=torch.bfloat16)
-check_orders(last=50, rows=True)                                   # the rotary rows given: the same bits
-check_orders(nh=14, nkv=2, S=128, D=64, last=100, qk=False, rows=True)
 print("ok")
 """)
 
@@ -226,9 +160,8 @@ def test_last_past_cache_interpreted():
 import functools
 from tests.test_decode_attention import check_last_past_cache
 from kernels.decode_attention import decode_attention
-for early in (0, 1):
-    check_last_past_cache(functools.partial(decode_attention, early=early))
-    check_last_past_cache(functools.partial(decode_attention, early=early, heads=2, block=16), nkv=4, nh=8, S=37)
+check_last_past_cache(decode_attention)
+check_last_past_cache(functools.partial(decode_attention, heads=2, block=16), nkv=4, nh=8, S=37)
 check_last_past_cache(functools.partial(decode_attention, splits=4, block=16), S=70)
 print("ok")
 """)
@@ -255,14 +188,8 @@ def test_kernel_cuda():
     for splits, last in ((4, 0), (4, 130), (8, 319), (16, 200)):
         check_attention(functools.partial(decode_attention, splits=splits, block=32), "cuda", B=128, nh=14, nkv=2,
                         S=320, D=64, last=last, dtype=torch.bfloat16, tol=3e-2)
-    for early, last in ((1, 0), (1, 15), (1, 200), (1, 319), (2, 0), (2, 40), (2, 319)):   # the early prologues
-        check_orders(B=128, S=320, last=last, dtype=torch.bfloat16, device="cuda", early=early)   # qwen3, W1
-        check_orders(B=128, nh=14, nkv=2, S=320, D=64, last=last, qk=False, dtype=torch.bfloat16, device="cuda",
-                     early=early)
-    check_orders(nh=4, nkv=4, S=12, D=16, last=11, qk=False, device="cuda", early=2)   # the prefetch past S
-    check_orders(B=128, S=320, last=200, dtype=torch.bfloat16, device="cuda", rows=True)
-    for early in (0, 1, 2):
-        check_last_past_cache(functools.partial(decode_attention, early=early), device="cuda")
+    check_last_past_cache(decode_attention, device="cuda")            # a last past the cache: nothing written
+    check_last_past_cache(functools.partial(decode_attention, splits=4, block=16), S=70, device="cuda")
 
 
 def test_oversized_override_names_the_setting(monkeypatch):

@@ -7,13 +7,6 @@
   over the layers' caches, so every read comes from memory as in the step, not L2; per layer-call time with
   64 / 192 / 318 slots filled, for the unsplit kernel (KV heads a program: --splits' fifth field) and
   flash-decoding splits.
-- --orders: the attention's prologue load orders (kernels/decode_attention.py: EARLY=0, today's, 1 and 2) at the
-  default settings, each shape's step as it runs (qwen3 with its q/k norm), one graph each, replays alternated;
-  --unguarded adds the kernel before its `last < S` guard. --rollouts qwen2,qwen3: W10's rollouts
-  (tools/bench_w10.py) of those models with EARLY 0, 1 and 2 in rotating order, --rounds rounds, one process:
-
-    python tools/decode_kernel_bench.py --out OUT --shape qwen3,w1 --attention-only --orders --unguarded \
-        --rollouts qwen3 --reps 20
 - Experts (kernels/moe_experts.py, --moe) at W10's qwen3_moe decode shape (128 tokens x top-4 of 32, hidden 1024,
   expert MLP 768) against torch's grouped GEMM route, in one graph over 8 layers' weights; --copy: a 2 GiB
   device copy, the card's rate in the same command.
@@ -57,31 +50,6 @@ def graph_us(fn, calls: int, reps: int) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) * 1000 / calls)
     return sorted(times)[len(times) // 2]
-
-
-def graphs_us(fns: list, reps: int) -> list[float]:
-    """Median microseconds per run of each of `fns`, each captured in its own CUDA graph, the graphs' replays
-    alternated (fn 0, fn 1, ..., fn 0, ...) so a drift of the card moves them alike."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in fns:
-            fn(), fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graphs = []
-    for fn in fns:
-        graphs.append(torch.cuda.CUDAGraph())
-        with torch.cuda.graph(graphs[-1]):
-            fn()
-    times = [[] for _ in fns]
-    for i in range(reps * len(fns)):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graphs[i % len(fns)].replay()
-        b.record()
-        torch.cuda.synchronize()
-        times[i % len(fns)].append(a.elapsed_time(b) * 1000)
-    return [sorted(t)[len(t) // 2] for t in times]
 
 
 # decode shapes (batch, query heads, KV heads, cache slots, head_dim, layers): W1's (Qwen2.5-0.5B) and W10's qwen3
@@ -134,99 +102,6 @@ def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: d
                 decode_attention(qkv[i], cos, sin, pos, ks[i], vs[i], ok, last, 0.125, qk_norm=(qw, kw_, 1e-6))
         rows.append(f"| attention {shape} | {filled} slots | default settings, with qk_norm | "
                     f"{graph_us(normed, 1, reps) / L:.2f} | |")
-    return rows
-
-
-def order_rows(reps: int, shape: str, unguarded: bool, found: dict | None = None) -> list[str]:
-    """The prologue's load orders (kernels/decode_attention.py: EARLY 0, 1 and 2) at the default settings, and
-    with --unguarded the kernel before its `last < S` guard (EARLY 0, GUARD off: the code before that change),
-    one graph each over the layers' caches, replays alternated; qwen3's shape with its q/k norm, as its step runs
-    it. Outputs are compared bit for bit (the same arithmetic)."""
-    import importlib
-    da = importlib.import_module("kernels.decode_attention")   # the package exports a function of that name
-    B, nh, nkv, S, D, L = SHAPES[shape]
-    dev, dt = "cuda", torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-    qkv = [torch.randn(B, (nh + 2 * nkv) * D, device=dev, dtype=dt, generator=g) for _ in range(L)]
-    ks = [torch.randn(B, nkv, S, D, device=dev, dtype=dt, generator=g) for _ in range(L)]
-    vs = [torch.randn(B, nkv, S, D, device=dev, dtype=dt, generator=g) for _ in range(L)]
-    cos, sin = torch.randn(S, D, device=dev, dtype=dt), torch.randn(S, D, device=dev, dtype=dt)
-    pos = torch.arange(B, device=dev) % S
-    ok = torch.rand(B, S, device=dev, generator=g) > 0.1
-    norm = (torch.rand(D, device=dev, dtype=dt) + 0.5, torch.rand(D, device=dev, dtype=dt) + 0.5, 1e-6) \
-        if shape == "qwen3" else None
-    cases = [("today's order", 0, True, False), ("early loads (EARLY=1)", 1, True, False),
-             ("EARLY=1, rotary rows given (pos None; the gather once for all layers)", 1, True, True)]
-    if torch.cuda.is_available():   # 2's prefetch is PTX
-        cases += [("early loads + L2 prefetch (EARLY=2)", 2, True, False)]
-    cases += [("today's order, no `last < S` guard (before this change)", 0, False, False)] if unguarded else []
-    rows, before = [], da.GUARD
-    for filled in (64, 192, 318):
-        last = torch.tensor([filled], device=dev)
-        fns, outs = [], []
-        for _, early, guard, given in cases:
-            def step(layers, early=early, guard=guard, given=given):   # -> the last layer's output
-                da.GUARD = guard                                       # read by the op at launch (capture)
-                c, s_, p = (cos[pos], sin[pos], None) if given else (cos, sin, pos)   # given: once for all layers
-                for i in range(layers):
-                    o = decode_attention(qkv[i], c, s_, p, ks[i], vs[i], ok, last, 0.125, qk_norm=norm, early=early)
-                da.GUARD = before
-                return o
-            fns.append(lambda step=step: step(L))
-            outs.append(step(1))
-        times = [us / L for us in graphs_us(fns, reps)]
-        for (name, *_), us, out in zip(cases, times, outs):
-            same = "identical to today's" if torch.equal(out, outs[0]) else \
-                f"DIFFERS from today's by {(out.float() - outs[0].float()).abs().max().item():.1e}"
-            rows.append(f"| attention {shape}{' + qk_norm' if norm else ''} | {filled} slots | {name} | {us:.2f} | "
-                        f"{same}; vs today's {us - times[0]:+.2f} us |")
-            if found is not None:
-                found.setdefault(name, []).append(us)
-    return rows
-
-
-def rollout_rows(names: list[str], rounds: int) -> list[str]:
-    """W10's rollouts (tools/bench_w10.py's workload, models and timing) of `names` with the attention's EARLY
-    at 0, 1 and 2, in one process: each model is built and warmed up once (compile, capture, and one rollout at
-    each setting, so Triton's compile of each kernel is not timed); then `rounds` rounds each time every (model,
-    setting) once, the settings' order rotating between rounds. The engine releases its graph after each
-    rollout and captures it again at the next, and the op reads EARLY when it runs, so each rollout runs the
-    setting set just before it."""
-    import importlib
-    import statistics
-    import types
-    import bench_w10
-    da = importlib.import_module("kernels.decode_attention")
-    device, before = torch.device("cuda" if torch.cuda.is_available() else "cpu"), da.EARLY
-    a = types.SimpleNamespace(tiny=device.type == "cpu")             # a CPU: bench_w10's toy shapes (a smoke run)
-    work, dtype = (bench_w10.WORK_TINY, torch.float32) if a.tiny else (bench_w10.WORK, torch.bfloat16)
-    states = {n: bench_w10.setup(n, a, work, device, dtype) for n in names}
-    levels = (0, 1, 2) if device.type == "cuda" else (0, 1)         # 2's prefetch is PTX
-    times = {(n, e): [] for n in names for e in levels}
-    for n in names:
-        for e in levels:
-            da.EARLY = e
-            states[n]["fn"]()
-    for i in range(rounds):
-        for n in names:
-            for e in levels[i % len(levels):] + levels[:i % len(levels)]:   # each setting first in turn
-                da.EARLY = e
-                bench_w10.time_once(states[n])
-                times[n, e].append(states[n]["row"]["engine_times"].pop())
-        print(f"rollouts: round {i + 1}: " + ", ".join(f"{n} EARLY={e} {t[-1]:.3f} s" for (n, e), t in times.items()),
-              flush=True)
-    da.EARLY = before
-    params = {n: states[n]["row"]["params_read"] for n in names}
-    rows = []
-    for (n, e), t in times.items():
-        x = ""
-        if "qwen2" in names:   # per round: seconds per parameter read over qwen2's (at today's order) that round
-            q = [(t[i] / params[n]) / (times["qwen2", 0][i] / params["qwen2"]) for i in range(len(t))]
-            x = f"{statistics.median(q):.3f} ({min(q):.3f}-{max(q):.3f})"
-        d = [t[i] - times[n, 0][i] for i in range(len(t))]
-        rows.append(f"| rollout {n} | W10, {rounds} rounds | EARLY={e} | {statistics.median(t):.4f} s "
-                    f"({min(t):.4f}-{max(t):.4f}) | x qwen2 per parameter {x}; minus EARLY=0 per round "
-                    f"{', '.join(f'{v * 1e3:+.1f}' for v in d)} ms |")
     return rows
 
 
@@ -355,13 +230,6 @@ def main():
                     "'w1=...;qwen3=...'")
     ap.add_argument("--shape", default="w1", help="the attention's decode shapes (SHAPES: w1, qwen3), comma-separated")
     ap.add_argument("--attention-only", action="store_true", help="skip the sampler rows")
-    ap.add_argument("--orders", action="store_true", help="time the attention's prologue orders (EARLY 0, 1, 2) at "
-                    "each --shape instead of the --splits variants")
-    ap.add_argument("--unguarded", action="store_true", help="with --orders: also the kernel before its `last < S` "
-                    "guard")
-    ap.add_argument("--rollouts", default="", help="also time W10 rollouts of these models (tools/bench_w10.py's "
-                    "names, e.g. qwen2,qwen3) with EARLY 0, 1 and 2 in rotating order")
-    ap.add_argument("--rounds", type=int, default=3, help="--rollouts' timed rounds")
     ap.add_argument("--moe", default="", help="also time qwen3_moe's experts: kernels/moe_experts.py's settings "
                     "BM:BN:BK:warps:stages[:CN][/the same for down], comma-separated ('default': SETTINGS)")
     ap.add_argument("--copy", action="store_true", help="also time a 2 GiB device copy (the card's rate)")
@@ -383,14 +251,8 @@ def main():
     found = {}
     rows = [copy_row(args.reps)] if args.copy else []
     for sh in shapes:
-        if args.orders:
-            rows += order_rows(args.reps, sh, args.unguarded, found.setdefault(sh, {}))
-        else:
-            rows += attention_rows(args.reps, parse(per_shape.get(sh, args.splits)), sh, found.setdefault(sh, {}))
+        rows += attention_rows(args.reps, parse(per_shape.get(sh, args.splits)), sh, found.setdefault(sh, {}))
         print("\n".join(rows), flush=True)
-    if args.rollouts:
-        rows += rollout_rows(args.rollouts.split(","), args.rounds)
-        print("\n".join(rows[-3 * len(args.rollouts.split(",")):]), flush=True)
     if args.moe:
         from kernels.moe_experts import SETTINGS as MOE
         ints = lambda text: tuple(int(x) for x in text.split(":"))
@@ -404,10 +266,7 @@ def main():
         rows += moe_rows(args.reps, [pair(v) for v in args.moe.split(",")], found=found.setdefault("moe", {}))
     if not args.attention_only:
         rows += sampler_rows(args.reps, args.calls, samplers)
-    if args.json and args.orders:
-        with open(args.json, "w") as f:
-            json.dump({"shapes": {sh: SHAPES[sh] for sh in shapes}, "orders": found}, f, indent=1)
-    elif args.json:
+    if args.json:
         mean = lambda v: sum(v["us"]) / len(v["us"])
         best = {sh: min((v for v in found[sh].values() if v["splits"] == 1 and v["warps"] and len(v["us"]) == 3),
                         key=mean, default=None) for sh in shapes}
