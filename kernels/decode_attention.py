@@ -4,7 +4,8 @@ per sequence.
     o = decode_attention(qkv (B, (nh + 2 nkv) D), cos (S, D), sin (S, D), pos (B,) int64,
                          k (B, nkv, S, D), v (B, nkv, S, D), key_ok (B, S) uint8 or bool, last (1,) int64, scale)
     # -> o (B, nh * D). Writes the new token's rotated key and its value into k, v at slot `last`; attends over
-    # the slots [0, last] that key_ok allows (slot `last`, the token itself, always); slots after it are never read
+    # the slots [0, last] that key_ok allows (slot `last`, the token itself, always); slots after it are never read.
+    # A `last` >= S (a device tensor: no host check) writes nothing and attends over the S slots and the token
 
 Why: in engines/fast_decode.py's step (W1, docs/benchmarks.md: batch 128, 320 cache slots, 14 query / 2 KV
 heads of 64), cuDNN's scaled_dot_product_attention with a boolean mask reads all S slots of every sequence
@@ -49,7 +50,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _decode_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, ok_ptr, last_ptr, o_ptr, scale,
+    def _decode_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, ok_ptr, last_ptr, o_ptr, scale, S,
                           s_qkv, s_cs, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, sok_b, pm_ptr, ps_ptr, pa_ptr, tick_ptr,
                           qn_ptr, kn_ptr, eps,
                           NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr,
@@ -89,12 +90,15 @@ if HAS_TRITON:
         v_new = tl.load(kr + NKV * D + kh + d[None, :], mask=qm, other=0.0).to(k_ptr.dtype.element_ty)
         last = tl.load(last_ptr)
         # split `part` reads slots [lo, hi) of [0, last): chunks of whole blocks, so the grid stays fixed while
-        # the filled length grows between graph replays; splits past the filled length read nothing
+        # the filled length grows between graph replays; splits past the filled length read nothing. A `last` at
+        # or past S (the engine sizes S; `last` is a device tensor, so no host code checks it) writes nothing and
+        # reads the S slots, where it would write and read past the cache (cost: none measured)
         chunk = tl.maximum(tl.cdiv(tl.cdiv(last, SPLITS), BLOCK), 1) * BLOCK
         lo = part * chunk
-        hi = tl.minimum(lo + chunk, last)
+        hi = tl.minimum(tl.minimum(lo + chunk, last), S)
         if part == 0:                                                  # one program writes the new K/V: one row
             wm = qm & (r % G == 0)[:, None]                            # of each KV head
+            wm = wm & (tl.zeros((RP, 1), tl.int64) + last < S)        # (RP, 1): a scalar mask fails interpreted
             hw = (h0 + hr)[:, None].to(tl.int64)
             tl.store(k_ptr + b * sk_b + hw * sk_h + last * sk_s + d[None, :], k_new, mask=wm)
             tl.store(v_ptr + b * sv_b + hw * sv_h + last * sv_s + d[None, :], v_new, mask=wm)
@@ -180,7 +184,7 @@ if HAS_TRITON:
                              key_ok: Tensor, last: Tensor, scale: float, block: int, warps: int, stages: int,
                              splits: int, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float,
                              heads: int = 1) -> Tensor:
-        B, nkv, _, D = k.shape
+        B, nkv, S, D = k.shape
         nh = qkv.shape[1] // D - 2 * nkv
         out = torch.empty(B, nh * D, dtype=qkv.dtype, device=qkv.device)
         G = nh // nkv
@@ -191,7 +195,7 @@ if HAS_TRITON:
         pa = torch.empty(n * RP * DP, dtype=torch.float32, device=qkv.device)
         try:
             _decode_attention[(B, nkv // heads, splits)](
-                qkv, cos, sin, pos, k, v, key_ok, last, out, scale, qkv.stride(0), cos.stride(0),
+                qkv, cos, sin, pos, k, v, key_ok, last, out, scale, S, qkv.stride(0), cos.stride(0),
                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0),
                 key_ok.stride(0), pm, ps, pa, _tickets(groups if splits > 1 else 1, qkv.device),
                 cos if q_norm is None else q_norm, cos if k_norm is None else k_norm, eps,
@@ -329,11 +333,19 @@ def decode_attention_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tenso
     q, kn, vn = qkv.float().split([nh * D, nkv * D, nkv * D], dim=-1)
     c, s_ = cos[pos].float()[:, None], sin[pos].float()[:, None]        # (B, 1, D)
     q = rotate(q.view(B, nh, D), c, s_).to(k.dtype)                    # (B, nh, D)
-    slot = last.expand(B, nkv)[:, :, None, None].expand(B, nkv, 1, D)
-    k.scatter_(2, slot, rotate(kn.view(B, nkv, D), c, s_).to(k.dtype)[:, :, None])
-    v.scatter_(2, slot, vn.view(B, nkv, 1, D).to(v.dtype))
-    ok = (key_ok.bool() | (torch.arange(S, device=k.device) == last)) & (torch.arange(S, device=k.device) <= last)
+    k_new = rotate(kn.view(B, nkv, D), c, s_).to(k.dtype)[:, :, None]   # (B, nkv, 1, D)
+    v_new = vn.view(B, nkv, 1, D).to(v.dtype)
+    # the new token's key and value go to slot `last`; a `last` >= S writes nothing (as the kernel), here by
+    # writing the last slot's own value back, with no host sync
+    inside = last < S
+    slot = last.clamp(max=S - 1).expand(B, nkv)[:, :, None, None].expand(B, nkv, 1, D)
+    k.scatter_(2, slot, torch.where(inside, k_new, k.gather(2, slot)))
+    v.scatter_(2, slot, torch.where(inside, v_new, v.gather(2, slot)))
+    # attend over the slots before `last` that key_ok allows, and the new token itself
+    ok = key_ok.bool() & (torch.arange(S, device=k.device) < last)                  # (B, S)
+    ok = torch.cat([ok, ok.new_ones(B, 1)], 1)                                       # (B, S + 1)
+    keys, vals = torch.cat([k.float(), k_new.float()], 2), torch.cat([v.float(), v_new.float()], 2)
     g = nh // nkv
-    sc = (q.float().reshape(B, nkv, g, D) @ k.float().transpose(-1, -2)) * scale   # (B, nkv, g, S)
+    sc = (q.float().reshape(B, nkv, g, D) @ keys.transpose(-1, -2)) * scale   # (B, nkv, g, S + 1)
     p = sc.masked_fill(~ok[:, None, None], float("-inf")).softmax(-1)
-    return (p @ v.float()).reshape(B, nh * D).to(qkv.dtype)
+    return (p @ vals).reshape(B, nh * D).to(qkv.dtype)

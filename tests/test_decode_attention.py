@@ -83,6 +83,30 @@ def check_norm(fn, device="cpu", B=3, nh=4, nkv=2, S=40, D=16, last=20, dtype=to
     assert torch.equal(v, v2)
 
 
+def check_last_past_cache(fn, B=2, nh=4, nkv=2, S=40, D=16, tol=1e-5, device="cpu", **kw):
+    """A `last` >= S (a device tensor the host never reads) writes nothing and attends over the S slots key_ok
+    allows and the new token: as `last` = S on a cache one slot longer whose extra slot is free. The cache, and
+    memory just past it (a strided view), stay as they were."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=g)
+    k, v = torch.randn(B, nkv, S + 8, D, generator=g), torch.randn(B, nkv, S + 8, D, generator=g)
+    cos, sin = torch.randn(S + 8, D, generator=g), torch.randn(S + 8, D, generator=g)
+    pos, ok = torch.randint(0, S, (B,), generator=g), torch.rand(B, S + 1, generator=g) > 0.3
+    qkv, k, v, cos, sin, pos, ok = (t.to(device) for t in (qkv, k, v, cos, sin, pos, ok))
+    want = fn(qkv, cos, sin, pos, k[:, :, :S + 1].clone(), v[:, :, :S + 1].clone(), ok,
+              torch.tensor([S], device=device), 0.3, **kw)
+    for last in (S, S + 3):
+        kb, vb = k.clone(), v.clone()
+        got = fn(qkv, cos, sin, pos, kb[:, :, :S], vb[:, :, :S], ok[:, :S].contiguous(),
+                 torch.tensor([last], device=device), 0.3, **kw)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        assert torch.equal(kb, k) and torch.equal(vb, v)
+
+
+def test_reference_last_past_cache():
+    check_last_past_cache(decode_attention_reference)
+
+
 def test_reference_matches_sdpa():
     check_attention(decode_attention_reference)
 
@@ -131,6 +155,18 @@ print("ok")
 """)
 
 
+def test_last_past_cache_interpreted():
+    run_interpreted("""
+import functools
+from tests.test_decode_attention import check_last_past_cache
+from kernels.decode_attention import decode_attention
+check_last_past_cache(decode_attention)
+check_last_past_cache(functools.partial(decode_attention, heads=2, block=16), nkv=4, nh=8, S=37)
+check_last_past_cache(functools.partial(decode_attention, splits=4, block=16), S=70)
+print("ok")
+""")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_cuda():
     for last in (0, 63, 64, 200, 319):
@@ -152,6 +188,8 @@ def test_kernel_cuda():
     for splits, last in ((4, 0), (4, 130), (8, 319), (16, 200)):
         check_attention(functools.partial(decode_attention, splits=splits, block=32), "cuda", B=128, nh=14, nkv=2,
                         S=320, D=64, last=last, dtype=torch.bfloat16, tol=3e-2)
+    check_last_past_cache(decode_attention, device="cuda")            # a last past the cache: nothing written
+    check_last_past_cache(functools.partial(decode_attention, splits=4, block=16), S=70, device="cuda")
 
 
 def test_oversized_override_names_the_setting(monkeypatch):
