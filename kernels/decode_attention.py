@@ -342,10 +342,13 @@ def decode_attention_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tenso
     k.scatter_(2, slot, torch.where(inside, k_new, k.gather(2, slot)))
     v.scatter_(2, slot, torch.where(inside, v_new, v.gather(2, slot)))
     # attend over the slots before `last` that key_ok allows, and the new token itself
+    # (the token's own score is a column of its own: no copy of the cache with the token appended)
     ok = key_ok.bool() & (torch.arange(S, device=k.device) < last)                  # (B, S)
-    ok = torch.cat([ok, ok.new_ones(B, 1)], 1)                                       # (B, S + 1)
-    keys, vals = torch.cat([k.float(), k_new.float()], 2), torch.cat([v.float(), v_new.float()], 2)
     g = nh // nkv
-    sc = (q.float().reshape(B, nkv, g, D) @ keys.transpose(-1, -2)) * scale   # (B, nkv, g, S + 1)
-    p = sc.masked_fill(~ok[:, None, None], float("-inf")).softmax(-1)
-    return (p @ vals).reshape(B, nh * D).to(qkv.dtype)
+    qg = q.float().reshape(B, nkv, g, D)
+    sc = (qg @ k.float().transpose(-1, -2)) * scale                                 # (B, nkv, g, S)
+    sc = sc.masked_fill(~ok[:, None, None], float("-inf"))
+    own = (qg @ k_new.float().transpose(-1, -2)) * scale                            # (B, nkv, g, 1)
+    p = torch.cat([sc, own], -1).softmax(-1)                                        # (B, nkv, g, S + 1)
+    o = p[..., :S] @ v.float() + p[..., S:] * v_new.float()                         # (B, nkv, g, D)
+    return o.reshape(B, nh * D).to(qkv.dtype)
