@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fp8 import dequantised_mm, quantise_activations, quantise_rows
-from kernels.fp8_gemm import launch, tiles
+from kernels.fp8_gemm import LOADS, launch, tiles
 from tools.decode_kernel_bench import graph_us as graph_replay_us
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944),
@@ -90,7 +90,7 @@ def refresh_rows(gbs: float, shape: str = "w6", device: str = "cuda") -> dict:
     return res
 
 
-def shape_rows(name: str, N: int, K: int, M: int, quick: bool, configs=None, waves=WAVES) -> dict:
+def shape_rows(name: str, N: int, K: int, M: int, quick: bool, configs=None, waves=WAVES, loads=("ptr",)) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
     x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -106,30 +106,69 @@ def shape_rows(name: str, N: int, K: int, M: int, quick: bool, configs=None, wav
                                                            out_dtype=torch.bfloat16) for w8, s in q], est, copies)
     row["quant"] = graph_us(lambda: quantise_activations(x), 5)
     ref = dequantised_mm(x8, sx, q[0][0], q[0][1])                    # (M, N) float32
-    cands = {}
+    cands, fns, first = {}, {}, {}
     for BN, BK, warps, stages in configs or (QUICK if quick else CONFIGS):
-        for waves in waves:
-            t = tiles(M, N, K, BN=BN, BK=BK, warps=warps, stages=stages, waves=waves)
-            key = f"BN{t.BN} BK{t.BK} w{t.warps} s{t.stages} S{t.S}"
-            if key in cands:
-                continue
-            try:
-                err = ((launch(x8, sxv, q[0][0], q[0][1], t).sum(0) - ref).norm() / ref.norm()).item()
-                cands[key] = (graph_us(lambda: [launch(x8, sxv, w8, s, t) for w8, s in q], est, copies), err, t)
-            except Exception as e:                                    # e.g. out of shared memory at this tile
-                print(f"  {name} M={M} {key}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-    best = min(cands, key=lambda k: cands[k][0])
-    us, err, t = cands[best]
-    row.update(triton=us, triton_tiles=best, triton_rel_err=err,
-               triton_sum=graph_us(lambda: [launch(x8, sxv, w8, s, t).sum(0).to(torch.bfloat16) for w8, s in q],
-                                   est, copies),
-               default_tiles=str(tiles(M, N, K)), default=cands.get(_key(tiles(M, N, K)), (None,))[0],
-               all={k: round(v[0], 2) for k, v in sorted(cands.items(), key=lambda kv: kv[1][0])})
+        for wv in waves:
+            t = tiles(M, N, K, BN=BN, BK=BK, warps=warps, stages=stages, waves=wv)
+            for how in loads:
+                key = _key(t, how)
+                if key in fns:
+                    continue
+                try:
+                    parts = launch(x8, sxv, q[0][0], q[0][1], t, how)     # (S, M, N)
+                    err = ((parts.sum(0) - ref).norm() / ref.norm()).item()
+                    # the other loads' output at the same tiles: the same products in the same order
+                    other = first.setdefault(_key(t, ""), parts)
+                    cands[key] = (err, t, (parts - other).abs().max().item())
+                    fns[key] = lambda t=t, how=how: [launch(x8, sxv, w8, s, t, how) for w8, s in q]
+                except Exception as e:                                # e.g. out of shared memory at this tile
+                    print(f"  {name} M={M} {key}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+    us = alternate_us(fns, est, copies)                               # key -> us per call
+    best = {how: min((k for k in us if k.startswith(how)), key=us.get, default=None) for how in loads}
+    row["triton_all"] = {k: round(v, 2) for k, v in sorted(us.items(), key=lambda kv: kv[1])}
+    row["loads_max_abs_diff"] = max(c[2] for c in cands.values())   # between loads at the same tiles
+    for how, k in best.items():
+        if k is None:
+            continue
+        err, t, _ = cands[k]
+        d = _key(tiles(M, N, K), how)
+        row[how] = {"us": us[k], "tiles": k, "rel_err": err, "default_tiles": d, "default_us": us.get(d),
+                    "sum_us": graph_us(lambda: [launch(x8, sxv, w8, s, t, how).sum(0).to(torch.bfloat16)
+                                                for w8, s in q], est, copies)}
     return row
 
 
-def _key(t) -> str:
-    return f"BN{t.BN} BK{t.BK} w{t.warps} s{t.stages} S{t.S}"
+def alternate_us(fns: dict, est_us: float, calls: int, rounds: int = 7) -> dict:
+    """Median microseconds per call of each fn (which makes `calls` GEMM calls), each captured once in a CUDA graph
+    of about 3 ms of them, the graphs replayed in turn, `rounds` times (a drift of the card's clocks reaches all
+    candidates alike)."""
+    reps = max(1, min(200, int(3000 / max(est_us * calls, 1))))
+    graphs = {}
+    for key, fn in fns.items():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graphs[key] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[key]):
+            for _ in range(reps):
+                fn()
+    times = {key: [] for key in graphs}
+    for _ in range(rounds):
+        for key, g in graphs.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            times[key].append(a.elapsed_time(b) * 1000 / (reps * calls))
+    del graphs
+    return {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+
+
+def _key(t, loads: str) -> str:
+    return f"{loads} BN{t.BN} BK{t.BK} w{t.warps} s{t.stages} S{t.S}".strip()
 
 
 def main():
@@ -141,11 +180,15 @@ def main():
     p.add_argument("--configs", default="", help="tile configs BN,BK,warps,stages separated by ';' (default: the "
                    "built-in grid)")
     p.add_argument("--waves", default=",".join(map(str, WAVES)), help="K splits to try, as waves of programs")
+    p.add_argument("--loads", default="ptr", help="the kernel's tile loads to try: some of ptr,tma (each with "
+                   "every tile config)")
     p.add_argument("--refresh", action="store_true", help="also time the fp8 route's refresh at W6 (first)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU with FP8 (compute capability 8.9+)")
-    names = a.shapes.split(",")
+    names, loads = a.shapes.split(","), a.loads.split(",")
+    if set(loads) - set(LOADS):
+        p.error(f"--loads: some of {','.join(LOADS)}, got {a.loads}")
     if set(names) - set(SHAPES):
         p.error(f"--shapes: some of {','.join(SHAPES)}, got {a.shapes}")
     try:
@@ -165,21 +208,23 @@ def main():
     for M in [int(m) for m in a.rows.split(",") if int(m) > 0]:
         for name in names:
             N, K = SHAPES[name]
-            r = shape_rows(name, N, K, M, str(M) in a.quick_rows.split(","), configs, waves)
+            r = shape_rows(name, N, K, M, str(M) in a.quick_rows.split(","), configs, waves, loads)
             r["name"] = name
             res["rows"].append(r)
             print(json.dumps(r), flush=True)
             with open(os.path.join(a.out, "fp8_gemm.json"), "w") as f:
                 json.dump(res, f, indent=1)
-    gbs = lambda r, k, b: f"{r[k]:.1f} ({b * r['fp8_MB'] / r[k]:.2f})" if r.get(k) else "-"
+    tb = lambda r, us, b: f"{us:.1f} ({b * r['fp8_MB'] / us:.2f})" if us else "-"
     print("\nus per call (TB/s of weight read), CUDA-graph replays;", res["device"])
-    print("| GEMM | M | bf16 | scaled_mm | triton best | + sum | default tiles | quant | best tiles |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| GEMM | M | bf16 | scaled_mm | " + " | ".join(f"{h} default | {h} best | {h} best + sum" for h in loads)
+          + " | quant | best tiles | loads' max diff |")
+    print("|---|---|---|---|" + "---|---|---|" * len(loads) + "---|---|---|")
     for r in res["rows"]:
-        print(f"| {r['name']} | {r['M']} | {gbs(r, 'bf16', 2)} | {gbs(r, 'scaled_mm', 1)} | {gbs(r, 'triton', 1)} | "
-              f"{r['triton_sum']:.1f} | {gbs(r, 'default', 1)} | {r['quant']:.1f} "
-              f"| {r['triton_tiles']} (err {r['triton_rel_err']:.1e}) |")
-
+        cells = [f"{tb(r, r[h]['default_us'], 1)} | {tb(r, r[h]['us'], 1)} | {r[h]['sum_us']:.1f}" if h in r
+                 else "- | - | -" for h in loads]
+        print(f"| {r['name']} | {r['M']} | {tb(r, r['bf16'], 2)} | {tb(r, r['scaled_mm'], 1)} | " + " | ".join(cells)
+              + f" | {r['quant']:.1f} | {'; '.join(r[h]['tiles'] for h in loads if h in r)} | "
+              f"{r['loads_max_abs_diff']:.1e} |")
 
 if __name__ == "__main__":
     main()
