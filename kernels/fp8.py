@@ -25,11 +25,10 @@ from kernels.fp8_gemm import HAS_TRITON, fp8_gemm, wins
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max      # 448.0: e4m3's largest finite value
 ROWS = 4096                         # rows quantised at a time: the float32 temporary of a 7B head stays ~60 MB
-# the GPU's GEMM at decode-sized row counts (where fp8_gemm.wins): "triton" (kernels/fp8_gemm.py, pointer loads),
-# "tma" (the same kernel fetching its tiles by the TMA copy engine: a candidate, docs/lora.md) or "scaled_mm"
-# (torch._scaled_mm); all take the activations quantised per token. Read when the step is traced, so set it
-# before building a decoder (tools/lora_decode_bench.py compares them)
-GEMMS = ("triton", "tma", "scaled_mm")
+# the GPU's GEMM at decode-sized row counts (where fp8_gemm.wins): "triton" (kernels/fp8_gemm.py) or "scaled_mm"
+# (torch._scaled_mm); both take the activations quantised per token. Read when the step is traced, so set it
+# before building a decoder (tools/lora_decode_bench.py compares both)
+GEMMS = ("triton", "scaled_mm")
 GEMM = os.environ.get("FAST_DECODE_FP8_GEMM", "triton")
 if GEMM not in GEMMS:
     raise ValueError(f"FAST_DECODE_FP8_GEMM={GEMM!r}: use one of {', '.join(GEMMS)}")
@@ -89,13 +88,12 @@ def quantise_activations(x: Tensor) -> tuple[Tensor, Tensor]:
 def fp8_linear(x: Tensor, w8: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """x (..., K) -> (..., N) in x's dtype: x @ (w8 * scale[:, None]).T + bias, x quantised per row to e4m3 first.
     One FP8 GEMM on CUDA (a GPU without FP8 was refused before: check_device), the float32 twin elsewhere; with
-    GEMM = "triton" (or "tma"), decode-sized row counts on CUDA take kernels/fp8_gemm.py (where fp8_gemm.wins), whose
+    GEMM = "triton", decode-sized row counts on CUDA take kernels/fp8_gemm.py (where fp8_gemm.wins), whose
     partial sums over K ranges are added here, in order."""
     lead, K = x.shape[:-1], x.shape[-1]
     x8, sx = quantise_activations(x.reshape(-1, K))                                # (M, K), (M, 1)
-    if x.is_cuda and GEMM in ("triton", "tma") and HAS_TRITON and wins(x8.shape[0], w8.shape[0], K):
-        loads = "tma" if GEMM == "tma" else "ptr"
-        y = fp8_gemm(x8, sx, w8, scale, loads).sum(0).to(x.dtype)                  # (M, N)
+    if x.is_cuda and GEMM == "triton" and HAS_TRITON and wins(x8.shape[0], w8.shape[0], K):
+        y = fp8_gemm(x8, sx, w8, scale).sum(0).to(x.dtype)                         # (M, N)
     elif x.is_cuda:
         # w8.t() is (K, N) column-major, the layout _scaled_mm wants for its second operand
         y = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=scale[None], out_dtype=x.dtype)   # (M, N)

@@ -25,7 +25,6 @@ from torch import Tensor
 from kernels.logprob import HAS_TRITON
 
 MAX_ROWS = 128          # decode-sized M; more rows (a prefill: compute-bound) go to _scaled_mm (fp8.fp8_linear)
-LOADS = ("ptr", "tma")   # how the kernel fetches its tiles (launch): pointer loads, or the TMA copy engine
 SMS = 132               # multiprocessors the K split fills: the cards it was tuned on (docs/lora.md names them)
 
 
@@ -68,7 +67,6 @@ def wins(M: int, N: int, K: int) -> bool:
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     @triton.jit
     def _fp8_gemm(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, M, N, K, PER, stride_xm, stride_wn, stride_os, stride_om,
@@ -95,66 +93,33 @@ if HAS_TRITON:
         o_ptrs = out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
         tl.store(o_ptrs, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
-    @triton.jit
-    def _fp8_gemm_tma(x_desc, sx_ptr, w_desc, sw_ptr, out_ptr, M, N, K, PER, stride_os, stride_om,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """_fp8_gemm with x's (BM, BK) and w's (BN, BK) tiles fetched by the copy engine (TMA) through host tensor
-        descriptors: one instruction per tile instead of a pointer per element, rows past M and columns past N
-        filled with zeros by the descriptor (where _fp8_gemm masks). The same products in the same order."""
-        pid_n, pid_s = tl.program_id(0), tl.program_id(1)
-        rm = tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        k0 = pid_s * PER
-        k1 = tl.minimum(k0 + PER, K)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(k0, k1, BK):
-            x = x_desc.load([0, k])                                                       # (BM, BK)
-            w = w_desc.load([pid_n * BN, k])                                              # (BN, BK)
-            acc = tl.dot(x, w.T, acc)
-        acc *= tl.load(sx_ptr + rm, mask=rm < M, other=0.0)[:, None]
-        acc *= tl.load(sw_ptr + rn, mask=rn < N, other=0.0)[None, :]
-        o_ptrs = out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
-        tl.store(o_ptrs, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-    def launch(x8: Tensor, sx: Tensor, w8: Tensor, sw: Tensor, t: Tiles, loads: str = "ptr") -> Tensor:
-        """The kernel with tiles t (tools/fp8_gemm_bench.py tries several): (S, M, N) float32. loads: "ptr"
-        (_fp8_gemm) or "tma" (_fp8_gemm_tma: x8's row stride, K bytes, must be a multiple of 16, as w8's)."""
+    def launch(x8: Tensor, sx: Tensor, w8: Tensor, sw: Tensor, t: Tiles) -> Tensor:
+        """The kernel with tiles t (tools/fp8_gemm_bench.py tries several): (S, M, N) float32."""
         M, K = x8.shape
         N = w8.shape[0]
         out = torch.empty(t.S, M, N, dtype=torch.float32, device=x8.device)
-        grid = (triton.cdiv(N, t.BN), t.S)
-        if loads == "tma":
-            # host descriptors hold x8's and w8's addresses: stable under CUDA graph replay, as the refresh
-            # rewrites the FP8 copies in place (decode_weights.fp8_group) and the step's buffers keep theirs
-            x_desc = TensorDescriptor.from_tensor(x8, [t.BM, t.BK])
-            w_desc = TensorDescriptor.from_tensor(w8, [t.BN, t.BK])
-            _fp8_gemm_tma[grid](x_desc, sx, w_desc, sw, out, M, N, K, t.per, out.stride(0), out.stride(1),
-                                BM=t.BM, BN=t.BN, BK=t.BK, num_warps=t.warps, num_stages=t.stages)
-        else:
-            _fp8_gemm[grid](x8, sx, w8, sw, out, M, N, K, t.per, x8.stride(0), w8.stride(0), out.stride(0),
-                            out.stride(1), BM=t.BM, BN=t.BN, BK=t.BK, num_warps=t.warps, num_stages=t.stages)
+        _fp8_gemm[(triton.cdiv(N, t.BN), t.S)](
+            x8, sx, w8, sw, out, M, N, K, t.per, x8.stride(0), w8.stride(0), out.stride(0), out.stride(1),
+            BM=t.BM, BN=t.BN, BK=t.BK, num_warps=t.warps, num_stages=t.stages)
         return out
 
     # an opaque custom op (as kernels/decode_attention.py's): the compiled decode step calls it as it is
     @torch.library.custom_op("rlhack::fp8_gemm", mutates_args=())
-    def _fp8_gemm_op(x8: Tensor, sx: Tensor, w8: Tensor, sw: Tensor, loads: str) -> Tensor:
-        return launch(x8, sx, w8, sw, tiles(x8.shape[0], w8.shape[0], x8.shape[1]), loads)
+    def _fp8_gemm_op(x8: Tensor, sx: Tensor, w8: Tensor, sw: Tensor) -> Tensor:
+        return launch(x8, sx, w8, sw, tiles(x8.shape[0], w8.shape[0], x8.shape[1]))
 
     @_fp8_gemm_op.register_fake
-    def _(x8, sx, w8, sw, loads):
+    def _(x8, sx, w8, sw):
         return x8.new_empty(tiles(x8.shape[0], w8.shape[0], x8.shape[1]).S, x8.shape[0], w8.shape[0],
                             dtype=torch.float32)
 
 
-def fp8_gemm(x8: Tensor, sx: Tensor, w8: Tensor, sw: Tensor, loads: str = "ptr") -> Tensor:
+def fp8_gemm(x8: Tensor, sx: Tensor, w8: Tensor, sw: Tensor) -> Tensor:
     """x8 (M, K) e4m3 (M <= MAX_ROWS, contiguous rows), sx (M,) float32, w8 (N, K) e4m3 contiguous, sw (N,)
     float32 -> (S, M, N) float32 partial sums over K ranges; their sum is (x8 * sx[:, None]) @ (w8 * sw[:, None]).T.
-    loads: "ptr" or "tma" (launch). Triton only (CUDA, or TRITON_INTERPRET=1)."""
+    Triton only (CUDA, or TRITON_INTERPRET=1)."""
     M, K = x8.shape
     if M > MAX_ROWS or w8.shape[1] != K or K % 16 or x8.stride(1) != 1 or not w8.is_contiguous():
         raise ValueError(f"fp8_gemm takes x8 (M <= {MAX_ROWS}, K) with K % 16 == 0 and contiguous rows, w8 "
                          f"(N, K) contiguous; got x8 {tuple(x8.shape)}, w8 {tuple(w8.shape)}")
-    if loads not in LOADS or (loads == "tma" and x8.stride(0) % 16):   # (the descriptors check the addresses)
-        raise ValueError(f"fp8_gemm: loads one of {LOADS} (tma: x8's row stride a multiple of 16), got {loads!r}, "
-                         f"stride {x8.stride(0)}")
-    return _fp8_gemm_op(x8, sx.reshape(M).contiguous(), w8, sw, loads)
+    return _fp8_gemm_op(x8, sx.reshape(M).contiguous(), w8, sw)

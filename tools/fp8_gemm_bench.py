@@ -7,16 +7,17 @@ the head), one GPU, one command (#38):
     python tools/fp8_gemm_bench.py --out $OUT/gemm --rows 0 --refresh      # the per-rollout refresh alone
 
 Each candidate is timed as replays of a CUDA graph holding many calls (as the decode step runs: a standalone
-launch's host cost would hide a 10 us kernel), over enough weight copies that the weights do not stay in L2:
-bf16 cuBLAS (F.linear), torch._scaled_mm (FP8, rowwise scales), kernels/fp8_gemm.py's FP8 x FP8 kernel over a
-grid of tiles and K splits (its partial sums' addition not included: in the step it fuses into the next kernel;
-"+ sum" times it as a kernel of its own), and the activation quantisation alone (eager, several kernels: an upper
-bound of what it adds when fused). Also the card's copy bandwidth (a 1 GiB device-to-device copy, bytes read plus
-written), the ceiling for the GB/s column (weight bytes over time). --refresh: what each rollout's refresh of the
-FP8 copies costs at W6 (engines/decode_weights.refresh on a 2-layer model of W6's widths with LoRA r=16 on every
-projection, tools/lora_decode_bench.py's build; the layers' time x 14 plus the head's: a 28-layer rollout's), eager
-as in a rollout, for each decode_weights.FP8_REFRESH, against its floor (bf16 W read twice and the e4m3 copy
-written, at the copy bandwidth). Writes OUT/fp8_gemm.json and prints a table.
+launch's host cost would hide a 10 us kernel), over enough weight copies that the weights do not stay in L2: bf16
+cuBLAS (F.linear), torch._scaled_mm (FP8, rowwise scales), kernels/fp8_gemm.py's FP8 x FP8 kernel over a grid of
+tiles and K splits (one graph per tile config, the graphs replayed in turn, 7 rounds; its partial sums' addition not
+included: in the step it fuses into the next kernel; "+ sum" times it as a kernel of its own), and the activation
+quantisation alone (eager, several kernels: an upper bound of what it adds when fused). Also the card's copy
+bandwidth (a 1 GiB device-to-device copy, bytes read plus written), the ceiling for the GB/s column (weight bytes
+over time). --refresh: what each rollout's refresh of the FP8 copies costs at W6 (engines/decode_weights.refresh on
+a 2-layer model of W6's widths with LoRA r=16 on every projection, tools/lora_decode_bench.py's build; the layers'
+time x 14 plus the head's: a 28-layer rollout's), eager as in a rollout, for each decode_weights.FP8_REFRESH,
+against its floor (bf16 W read twice and the e4m3 copy written, at the copy bandwidth). Writes OUT/fp8_gemm.json and
+prints a table.
 """
 import argparse
 import json
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fp8 import dequantised_mm, quantise_activations, quantise_rows
-from kernels.fp8_gemm import LOADS, launch, tiles
+from kernels.fp8_gemm import launch, tiles
 from tools.decode_kernel_bench import graph_us as graph_replay_us
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944),
@@ -90,7 +91,7 @@ def refresh_rows(gbs: float, shape: str = "w6", device: str = "cuda") -> dict:
     return res
 
 
-def shape_rows(name: str, N: int, K: int, M: int, quick: bool, configs=None, waves=WAVES, loads=("ptr",)) -> dict:
+def shape_rows(name: str, N: int, K: int, M: int, quick: bool, configs=None, waves=WAVES) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
     x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -106,42 +107,34 @@ def shape_rows(name: str, N: int, K: int, M: int, quick: bool, configs=None, wav
                                                            out_dtype=torch.bfloat16) for w8, s in q], est, copies)
     row["quant"] = graph_us(lambda: quantise_activations(x), 5)
     ref = dequantised_mm(x8, sx, q[0][0], q[0][1])                    # (M, N) float32
-    cands, fns, first = {}, {}, {}
+    cands, fns = {}, {}
     for BN, BK, warps, stages in configs or (QUICK if quick else CONFIGS):
         for wv in waves:
             t = tiles(M, N, K, BN=BN, BK=BK, warps=warps, stages=stages, waves=wv)
-            for how in loads:
-                key = _key(t, how)
-                if key in fns:
-                    continue
-                try:
-                    parts = launch(x8, sxv, q[0][0], q[0][1], t, how)     # (S, M, N)
-                    err = ((parts.sum(0) - ref).norm() / ref.norm()).item()
-                    # the other loads' output at the same tiles: the same products in the same order
-                    other = first.setdefault(_key(t, ""), parts)
-                    cands[key] = (err, t, (parts - other).abs().max().item())
-                    fns[key] = lambda t=t, how=how: [launch(x8, sxv, w8, s, t, how) for w8, s in q]
-                except Exception as e:                                # e.g. out of shared memory at this tile
-                    print(f"  {name} M={M} {key}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            key = _key(t)
+            if key in cands:
+                continue
+            try:
+                err = ((launch(x8, sxv, q[0][0], q[0][1], t).sum(0) - ref).norm() / ref.norm()).item()
+                cands[key] = (err, t)
+                fns[key] = lambda t=t: [launch(x8, sxv, w8, s, t) for w8, s in q]
+            except Exception as e:                                    # e.g. out of shared memory at this tile
+                print(f"  {name} M={M} {key}: {type(e).__name__}: {str(e)[:120]}", flush=True)
     us = alternate_us(fns, est, copies)                               # key -> us per call
-    best = {how: min((k for k in us if k.startswith(how)), key=us.get, default=None) for how in loads}
-    row["triton_all"] = {k: round(v, 2) for k, v in sorted(us.items(), key=lambda kv: kv[1])}
-    row["loads_max_abs_diff"] = max(c[2] for c in cands.values())   # between loads at the same tiles
-    for how, k in best.items():
-        if k is None:
-            continue
-        err, t, _ = cands[k]
-        d = _key(tiles(M, N, K), how)
-        row[how] = {"us": us[k], "tiles": k, "rel_err": err, "default_tiles": d, "default_us": us.get(d),
-                    "sum_us": graph_us(lambda: [launch(x8, sxv, w8, s, t, how).sum(0).to(torch.bfloat16)
-                                                for w8, s in q], est, copies)}
+    best = min(us, key=us.get)
+    err, t = cands[best]
+    row.update(triton=us[best], triton_tiles=best, triton_rel_err=err,
+               triton_sum=graph_us(lambda: [launch(x8, sxv, w8, s, t).sum(0).to(torch.bfloat16) for w8, s in q],
+                                   est, copies),
+               default_tiles=str(tiles(M, N, K)), default=us.get(_key(tiles(M, N, K))),
+               all={k: round(v, 2) for k, v in sorted(us.items(), key=lambda kv: kv[1])})
     return row
 
 
 def alternate_us(fns: dict, est_us: float, calls: int, rounds: int = 7) -> dict:
     """Median microseconds per call of each fn (which makes `calls` GEMM calls), each captured once in a CUDA graph
-    of about 3 ms of them, the graphs replayed in turn, `rounds` times (a drift of the card's clocks reaches all
-    candidates alike)."""
+    of about 3 ms of them, the graphs replayed in turn, `rounds` times: a drift of the card's clocks (or another
+    process on it) reaches every candidate alike."""
     reps = max(1, min(200, int(3000 / max(est_us * calls, 1))))
     graphs = {}
     for key, fn in fns.items():
@@ -163,12 +156,11 @@ def alternate_us(fns: dict, est_us: float, calls: int, rounds: int = 7) -> dict:
             b.record()
             torch.cuda.synchronize()
             times[key].append(a.elapsed_time(b) * 1000 / (reps * calls))
-    del graphs
     return {key: sorted(v)[len(v) // 2] for key, v in times.items()}
 
 
-def _key(t, loads: str) -> str:
-    return f"{loads} BN{t.BN} BK{t.BK} w{t.warps} s{t.stages} S{t.S}".strip()
+def _key(t) -> str:
+    return f"BN{t.BN} BK{t.BK} w{t.warps} s{t.stages} S{t.S}"
 
 
 def main():
@@ -180,15 +172,11 @@ def main():
     p.add_argument("--configs", default="", help="tile configs BN,BK,warps,stages separated by ';' (default: the "
                    "built-in grid)")
     p.add_argument("--waves", default=",".join(map(str, WAVES)), help="K splits to try, as waves of programs")
-    p.add_argument("--loads", default="ptr", help="the kernel's tile loads to try: some of ptr,tma (each with "
-                   "every tile config)")
     p.add_argument("--refresh", action="store_true", help="also time the fp8 route's refresh at W6 (first)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU with FP8 (compute capability 8.9+)")
-    names, loads = a.shapes.split(","), a.loads.split(",")
-    if set(loads) - set(LOADS):
-        p.error(f"--loads: some of {','.join(LOADS)}, got {a.loads}")
+    names = a.shapes.split(",")
     if set(names) - set(SHAPES):
         p.error(f"--shapes: some of {','.join(SHAPES)}, got {a.shapes}")
     try:
@@ -208,23 +196,21 @@ def main():
     for M in [int(m) for m in a.rows.split(",") if int(m) > 0]:
         for name in names:
             N, K = SHAPES[name]
-            r = shape_rows(name, N, K, M, str(M) in a.quick_rows.split(","), configs, waves, loads)
+            r = shape_rows(name, N, K, M, str(M) in a.quick_rows.split(","), configs, waves)
             r["name"] = name
             res["rows"].append(r)
             print(json.dumps(r), flush=True)
             with open(os.path.join(a.out, "fp8_gemm.json"), "w") as f:
                 json.dump(res, f, indent=1)
-    tb = lambda r, us, b: f"{us:.1f} ({b * r['fp8_MB'] / us:.2f})" if us else "-"
+    gbs = lambda r, k, b: f"{r[k]:.1f} ({b * r['fp8_MB'] / r[k]:.2f})" if r.get(k) else "-"
     print("\nus per call (TB/s of weight read), CUDA-graph replays;", res["device"])
-    print("| GEMM | M | bf16 | scaled_mm | " + " | ".join(f"{h} default | {h} best | {h} best + sum" for h in loads)
-          + " | quant | best tiles | loads' max diff |")
-    print("|---|---|---|---|" + "---|---|---|" * len(loads) + "---|---|---|")
+    print("| GEMM | M | bf16 | scaled_mm | triton best | + sum | default tiles | quant | best tiles |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
-        cells = [f"{tb(r, r[h]['default_us'], 1)} | {tb(r, r[h]['us'], 1)} | {r[h]['sum_us']:.1f}" if h in r
-                 else "- | - | -" for h in loads]
-        print(f"| {r['name']} | {r['M']} | {tb(r, r['bf16'], 2)} | {tb(r, r['scaled_mm'], 1)} | " + " | ".join(cells)
-              + f" | {r['quant']:.1f} | {'; '.join(r[h]['tiles'] for h in loads if h in r)} | "
-              f"{r['loads_max_abs_diff']:.1e} |")
+        print(f"| {r['name']} | {r['M']} | {gbs(r, 'bf16', 2)} | {gbs(r, 'scaled_mm', 1)} | {gbs(r, 'triton', 1)} | "
+              f"{r['triton_sum']:.1f} | {gbs(r, 'default', 1)} | {r['quant']:.1f} "
+              f"| {r['triton_tiles']} (err {r['triton_rel_err']:.1e}) |")
+
 
 if __name__ == "__main__":
     main()

@@ -13,8 +13,7 @@ gives them (unpacked before the packed ones: packing changes the model's storage
 unpacked (engines.decode_weights.PACK off: 15 GEMMs per layer per token); in_place packed, the low-rank product by addmm (8 GEMMs), then by mm and an add
 (decode_weights.LOW_RANK="mm"); fp8: the route engine_dtype=fp8 takes (FP8 copies of the merged weights of
 every group of at least decode_weights.FP8_MIN elements and of the head, the rest fused in bf16), its decode GEMMs
-kernels/fp8_gemm.py's (the default), "fp8 tma" (--variants tma) the same kernel fetching its tiles by TMA (the
-kernels.fp8.GEMM candidate "tma") or, "fp8 scaled_mm" (--variants scaled_mm), torch._scaled_mm's, the
+kernels/fp8_gemm.py's (the default) or, "fp8 scaled_mm" (--variants scaled_mm), torch._scaled_mm's, the
 activations quantised per token for both, the FP8 copies made by kernels/fp8_quant.py's merge-and-quantise
 kernels (decode_weights.FP8_REFRESH's default); "fp8 torch-refresh" (--variants torch-refresh): fp8 with the copies
 made by lora.dense_weight and kernels/fp8.py's quantise_rows, eager (FP8_REFRESH="torch"); fp8_all: every group and
@@ -45,7 +44,6 @@ VARIANTS = [   # name (its last word is its --variants name), decode weights, de
     # fp8.GEMM, decode_weights.FP8_REFRESH
     ("fused", "fused", True, "addmm", "triton", "triton"), ("fp8", "fp8", True, "addmm", "triton", "triton"),
     ("fp8 scaled_mm", "fp8", True, "addmm", "scaled_mm", "triton"),
-    ("fp8 tma", "fp8", True, "addmm", "tma", "triton"),
     ("fp8 torch-refresh", "fp8", True, "addmm", "triton", "torch"),
     ("in_place unpacked", "in_place", False, "addmm", "triton", "triton"),
     ("in_place packed addmm", "in_place", True, "addmm", "triton", "triton"),
@@ -156,9 +154,9 @@ def main():
     p.add_argument("--small", action="store_true", help="toy shape on CPU (eager, no graph, no compile)")
     p.add_argument("--r", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="fused,unpacked,addmm,mm", help="some of fused,fp8,tma,scaled_mm,"
-                   "torch-refresh,unpacked,addmm,mm,fp8_all, run in the order given (unpacked before addmm and mm: "
-                   "packing is for good)")
+    p.add_argument("--variants", default="fused,unpacked,addmm,mm", help="some of fused,fp8,scaled_mm,torch-refresh,"
+                   "unpacked,addmm,mm,fp8_all, run in the order given (unpacked before addmm and mm: packing is for "
+                   "good)")
     p.add_argument("--budget-s", type=float, default=0, help="start no variant after this many seconds (0: no limit)")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled rollout per variant")
     p.add_argument("--alternate", action="store_true", help="build and warm every variant first, then time them in "
@@ -268,7 +266,7 @@ def write(res: dict, out: str, quiet: bool = False):
     v = res["variants"]
     base = next((b for b in ("in_place packed addmm", "fused") if b in v), None)   # W6's route, else the default
     lines += [f"\n{n} / {base}: {v[n]['median_s'] / v[base]['median_s']:.3f}x the rollout"
-              for n in ("fp8", "fp8 tma", "fp8 scaled_mm", "fp8 torch-refresh", "fp8_all")
+              for n in ("fp8", "fp8 scaled_mm", "fp8 torch-refresh", "fp8_all")
               if n in v and base and "median_s" in v[n] and "median_s" in v[base]]
     lines += [f"\n{n}: failed: {e}" for n, e in res["errors"].items()]
     with open(os.path.join(out, "lora_decode.md"), "w") as fh:
