@@ -3,7 +3,7 @@ default in the same graphs; W10 rollouts with the candidates on, interleaved wit
 
     python tools/moe_kernel_bench.py --out OUT                                # kernels, then rollouts
     python tools/moe_kernel_bench.py --out OUT --parts kernels                # kernels | rollouts | profile
-    python tools/moe_kernel_bench.py --out OUT --parts rollouts --schemes default,route_warps8 --budget 60
+    python tools/moe_kernel_bench.py --out OUT --parts rollouts --schemes default,route_warps4 --budget 60
 
 - kernels: at 128 tokens x top-4 of 32 experts (hidden 1024, expert MLP 768), routed as `routing` says (uniform,
   uneven, grouped), in one CUDA graph over 8 layers' weights (151 MB of experts each, so every layer's weights
@@ -39,14 +39,15 @@ DEV = "cuda"   # the kernels part's device (a CPU check of this file under TRITO
 
 # scheme -> the module switches it sets ((module, name, value)); "default" is today's code
 SCHEMES = {"default": [],
-           "route_warps8": [(dr, "WARPS", 8)]}                               # the routing program in 8 warps
+           "route_warps4": [(dr, "WARPS", 4)],                               # the routing program in 4 warps (the
+           "route_warps8": [(dr, "WARPS", 8)]}                               # default at 128 tokens is 8)
 # the experts' variants timed in the graph: (name, switches, gate_up's cfg, down's cfg); None: SETTINGS'
 EXPERTS = [("split (today)", [], None, None),
            ("split, BM 64", [], (64, 128, 64, 8, 3, 96), (64, 128, 64, 8, 3))]   # (the loop, SPLIT False: measured
 # in docs/architectures.md, not a candidate: left out to keep the device call short)
 # the routing's variants: (name, switches, router GEMM inside the kernel)
-ROUTES = [("one program (today), cuBLAS GEMM before", [], False),
-          ("one program, 8 warps, GEMM before", [(dr, "WARPS", 8)], False),
+ROUTES = [("one program (today: 8 warps at 128 tokens), cuBLAS GEMM before", [], False),
+          ("one program, 4 warps, GEMM before", [(dr, "WARPS", 4)], False),
           ("one program, 16 warps, GEMM before", [(dr, "WARPS", 16)], False),
           ("one program, GEMM inside", [], True)]
 
@@ -208,7 +209,7 @@ def main():
     p.add_argument("--out", required=True, help="folder for moe_bench.json and profile.txt")
     p.add_argument("--parts", default="kernels,rollouts")
     p.add_argument("--reps", type=int, default=20, help="graph replays per timing (median)")
-    p.add_argument("--schemes", default="default,route_warps8", help=f"rollouts' schemes, the first the baseline; of: "
+    p.add_argument("--schemes", default="default,route_warps4", help=f"rollouts' schemes, the first the baseline; of: "
                    f"{', '.join(SCHEMES)}, or several joined by + (their switches together)")
     p.add_argument("--rounds", type=int, default=3, help="rollouts: interleaved rounds")
     p.add_argument("--budget", type=float, default=120.0, help="rollouts: seconds of set-up after which the next "
