@@ -24,7 +24,7 @@ import torch
 
 from engines.base import Rollout, SamplingParams, left_pad, make_rollout, sample_tokens
 from engines.exact_decode import ExactDecoder
-from engines.fast_decode import FastDecoder, supported, why_not
+from engines.fast_decode import Clock, FastDecoder, supported, why_not
 from engines.generic_decode import GenericDecoder
 from engines.moe import Recorder
 from kernels.fp8 import check_device as check_fp8
@@ -83,8 +83,10 @@ class BuiltinEngine:
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
+        clock = Clock(device)   # FAST_DECODE_TIMES=1: the host's work around the decoder too
         ids, mask = left_pad([p for p in prompts for _ in range(n)], self.pad_id)  # (B, P)
         ids, mask = ids.to(device), mask.to(device)
+        clock.lap("pad")
         B = ids.shape[0]
         images = vision.batch_images(prompts, n) or None   # pictures: the prefill encodes them (vision.py)
         plain = (model is not self.model or sampling.top_k > 0 or sampling.logprobs_mode != "raw"   # the lab's options
@@ -106,8 +108,11 @@ class BuiltinEngine:
             self.fp8_decoder = self.fp8_decoder or FastDecoder(model, keep_cache=self.keep_cache, weights=self.fp8)
             completion, alive, logprobs, done = self.fp8_decoder.sample(ids, mask, sampling, self.eos_id,
                                                                         self.pad_id, generator)
+            clock.lap("decoder")
             model.train(was_training)
-            return make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
+            out = make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
+            clock.lap("to host")
+            return out
         if not plain and (self.fast or (self.fast is None and device.type == "cuda")):
             self.decoder = self.decoder or self._decoder(model)
             # pictures: the prefill's embeddings (the encoder once per picture) and positions; the decode is text
@@ -126,9 +131,11 @@ class BuiltinEngine:
                       "using the portable loop", file=sys.stderr)
                 self.fast, self.decoder = False, None
                 return self.generate(prompts, n, sampling, generator)
+            clock.lap("decoder")
             model.train(was_training)
             out = make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
             out.routes = self.decoder.last_routes if self.routing_replay else None
+            clock.lap("to host")
             return out
         # layers compiled for training (compile=true) would recompile at every new cache length: run them eagerly
         with torch.compiler.set_stance("force_eager"):
