@@ -17,11 +17,14 @@ evaluation samples with the policy itself. The copy always runs the portable loo
 """
 import copy
 import inspect
+import math
 import sys
 from collections import deque
 
 import torch
 
+import distributed
+import memory
 from engines.base import Rollout, SamplingParams, left_pad, make_rollout, sample_tokens
 from engines.exact_decode import ExactDecoder
 from engines.fast_decode import Clock, FastDecoder, supported, why_not
@@ -41,6 +44,50 @@ def _cache_kw(model) -> str:
 def _cache_of(out):
     cache = getattr(out, "cache", None)
     return out.past_key_values if cache is None else cache
+
+
+# engine_keep_cache=auto keeps the decoder's state when it is at most this share of the GPU's memory. Every rollout
+# allocates the state anyway; keeping it adds it to the update's peak only. So 5%: only an update already within 5%
+# of the card could be pushed over by it (a run that close should set memory_budget_gib, under which auto never
+# keeps, as the budget's plan counts the update without it), while W1's state (~1.8 GiB with its evaluation shape,
+# state_bytes) is kept on a 40 GB card and up; W6's (7B LoRA: ~15 GiB, fused copies of every adapted group) is 11%
+# of an H200 and is freed for the update, as before.
+KEEP_SHARE = 0.05
+
+
+def state_bytes(cfg, model, prompt_ids: list[list[int]], world: int) -> int:
+    """What the fast decoder keeps between rollouts when it keeps its cache (engines/fast_decode.py: _state and
+    refresh): per kept shape (the training rollout's, the largest evaluation call's) the K/V cache, L x 2 x
+    (B, kv_heads, S, D), the (B, V) logits and sampling buffers in its graph's pool (counted as 2 float32 copies),
+    and once the fused copies of q/k/v and gate/up (LoRA: every adapted group; memory.terms' rule)."""
+    mc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    wb = next(model.parameters()).element_size()
+    s = memory.Shape.of(mc, max(map(len, prompt_ids), default=1), cfg, world, wb)
+    S = math.ceil(s.tokens / 64) * 64                                       # cache slots (fast_decode.sample)
+    # rows per evaluation call (rollout.score_prompts: 256 // n prompts of n samples each)
+    evals = [min(256 // n * n, (cfg.eval_size or 256) * n) for n in {1, cfg.eval_k or 1}]
+    rows = [s.rollout_batch, max(evals)]
+    per_row = s.layers * 2 * s.kv_heads * s.head_dim * S * wb + 2 * 4 * s.vocab
+    return sum(rows) * per_row + memory.terms(s, cfg, ref=False)["copies"]
+
+
+def keep_cache(cfg, model, prompt_ids: list[list[int]], device) -> bool:
+    """engine_keep_cache -> does the built-in engine's decoder keep its state between rollouts (config.py:
+    engine_keep_cache)? auto: on a GPU, with no option that asks for memory between stages (offload*, engine_sleep) and
+    no memory_budget_gib, when state_bytes is at most KEEP_SHARE of the card; the decision is printed."""
+    if cfg.engine_keep_cache != "auto":
+        return cfg.engine_keep_cache == "true"
+    freeing = [k for k in ("offload", "offload_models", "offload_optimizer", "engine_sleep", "memory_budget_gib")
+               if getattr(cfg, k)]
+    if device.type != "cuda" or freeing or cfg.engine != "builtin":
+        return False
+    need = state_bytes(cfg, model, prompt_ids, distributed.world())
+    card = torch.cuda.get_device_properties(device).total_memory
+    keep = need <= KEEP_SHARE * card
+    what = "kept between rollouts" if keep else f"freed after each rollout (over {KEEP_SHARE:.0%})"
+    distributed.print0(f"engine_keep_cache=auto: the decoder's state is ~{need / 2**30:.1f} GiB, {need / card:.1%} of "
+                       f"the GPU: {what}")
+    return keep
 
 
 @register("engine", "builtin")
