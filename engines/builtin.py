@@ -131,8 +131,10 @@ class BuiltinEngine:
         was_training = model.training
         model.eval()
         clock = Clock(device)   # FAST_DECODE_TIMES=1: the host's work around the decoder too
-        ids, mask = left_pad([p for p in prompts for _ in range(n)], self.pad_id)  # (B, P)
-        ids, mask = ids.to(device), mask.to(device)
+        # each prompt padded once on the host, its n rows made on the device: padding all B rows in Python took
+        # ~4 ms of a W1 rollout (H200, docs/speed.md "Shared-prompt prefill"); the same tensors
+        ids, mask = left_pad(prompts, self.pad_id)                                # (G, P)
+        ids, mask = ids.to(device).repeat_interleave(n, 0), mask.to(device).repeat_interleave(n, 0)   # (B, P)
         clock.lap("pad")
         B = ids.shape[0]
         images = vision.batch_images(prompts, n) or None   # pictures: the prefill encodes them (vision.py)

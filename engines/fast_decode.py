@@ -135,9 +135,10 @@ COMPILE_ADVANCE = os.environ.get("FAST_DECODE_COMPILE_ADVANCE", "1") == "1"
 
 
 def shared_prefill() -> bool:
-    """FAST_DECODE_SHARED_PREFILL=1: prefill each distinct prompt row once (_prefill). Read at each rollout, so a tool
-    can alternate it between rollouts of one decoder."""
-    return os.environ.get("FAST_DECODE_SHARED_PREFILL", "0") == "1"
+    """Prefill each distinct prompt row once (_prefill); FAST_DECODE_SHARED_PREFILL=0 forwards every row, as before.
+    On by default: faster in W1's loop and in W6's rollout on an H200 (docs/speed.md, "Shared-prompt prefill").
+    Read at each rollout, so a tool can alternate it between rollouts of one decoder."""
+    return os.environ.get("FAST_DECODE_SHARED_PREFILL", "1") == "1"
 
 
 def distinct_rows(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -404,8 +405,8 @@ class FastDecoder(Step, Turns):
                  positions: Tensor | None) -> Tensor:
         """Forward all prompt tokens at once into st's cache (causal within the prompt, padding keys hidden) and
         set the decode's key mask and positions; -> the last token's logits (B, V). embeds, positions: sample's.
-        With FAST_DECODE_SHARED_PREFILL=1 each distinct prompt row is forwarded once into the first U rows of the
-        cache, then its first P slots (K/V, slot positions, recorded routes) and logits are copied to every row that
+        With the shared prefill (shared_prefill) each distinct prompt row is forwarded once into the first U rows of
+        the cache, then its first P slots (K/V, slot positions, recorded routes) and logits are copied to every row that
         shares it: GRPO's n samples per prompt make the prefill n times smaller. Prompts with pictures (embeds,
         positions) keep the per-row prefill: their rows are equal only if their pictures are too, which ids do not
         show. Multi-turn episodes (engines/fast_turns.py) prefill through feed(), not here: per row as before."""

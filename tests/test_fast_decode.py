@@ -148,7 +148,8 @@ def test_capture_does_not_retry_bad_settings(random_model_dir, monkeypatch, caps
 
 def test_engine_keep_cache_reaches_the_engine(random_model_dir, tmp_path, monkeypatch):
     """engine_keep_cache=true in train.py's synchronous loop: the engine's decoder keeps its cache (run_setup's
-    make_engine line); false (the default) frees it; a bad value is a one-line error before any work."""
+    make_engine line); false frees it, and so does auto (the default) on the CPU; a bad value is a one-line error
+    before any work."""
     import train
     from config import UserError
     from engines.builtin import BuiltinEngine
@@ -158,7 +159,7 @@ def test_engine_keep_cache_reaches_the_engine(random_model_dir, tmp_path, monkey
                         init(self, *a, **kw))
     argv = [f"model={random_model_dir}", "steps=1", "eval_every=1", "eval_size=4", "prompts_per_step=2",
             "samples_per_prompt=2", "max_new_tokens=4", "threads=1", "progress=false"]
-    for value, want in (("true", True), ("false", False)):
+    for value, want in (("true", True), ("false", False), ("auto", False)):
         train.main(argv + [f"out_dir={tmp_path / value}", f"engine_keep_cache={value}"])
         assert seen.pop() is want
     with pytest.raises(UserError) as e:

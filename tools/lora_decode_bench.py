@@ -26,10 +26,11 @@ peak memory allocated during a rollout, the largest and the mean |engine - teach
 (the peft model in bf16: the trainer's side), and on a GPU a torch.profiler summary of one rollout (kernel names
 and counts: the GEMMs launched; microseconds per call and per token step) in OUT/profile-<variant>.txt. Also what
 packing took: seconds and the peak memory over the model before it (one group's buffer expected, never a model
-copy), and of reserved memory. --shared-prefill on / both (both needs --alternate): the 64 rows are 8 prompts
-repeated 8 times, as train.py's rollouts are (else 64 distinct rows), and each variant's rollouts run with
-FAST_DECODE_SHARED_PREFILL=1 (both: also with 0, the two in the same rounds, their order swapped each round; the
-row of the shared prefill is named "<variant> +shared prefill").
+copy), and of reserved memory. The 64 rows are 8 prompts repeated 8 times, as train.py's rollouts are (before
+2026-11-28's shared prefill, 64 distinct prompts: only the prefill tells them apart). --shared-prefill sets
+FAST_DECODE_SHARED_PREFILL for every rollout: on (1, the default), off (0: every row prefilled) or both (needs
+--alternate: each variant with 0 and 1 in the same rounds, their order swapped each round; the rows with 1 are
+named "<variant> +shared prefill").
 Writes OUT/lora_decode.json and OUT/lora_decode.md.
 """
 import argparse
@@ -166,9 +167,9 @@ def main():
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled rollout per variant")
     p.add_argument("--alternate", action="store_true", help="build and warm every variant first, then time them in "
                    "rounds (one rollout each per round); no profile")
-    p.add_argument("--shared-prefill", default="off", choices=("off", "on", "both"),
-                   help="FAST_DECODE_SHARED_PREFILL for the rollouts, over prompts repeated as in training (on, both); "
-                        "both: each variant with it off and on, in the same rounds (needs --alternate)")
+    p.add_argument("--shared-prefill", default="on", choices=("off", "on", "both"),
+                   help="FAST_DECODE_SHARED_PREFILL for the rollouts (on: the default route); both: each variant "
+                        "with it off and on, in the same rounds (needs --alternate)")
     a = p.parse_args()
     if a.shared_prefill == "both" and not a.alternate:
         p.error("--shared-prefill both times the two in the same rounds: add --alternate")
@@ -184,9 +185,8 @@ def main():
     gpu = device.type == "cuda"
     model = build(shape, a.r, device, torch.bfloat16 if gpu else torch.float32)
     B, P, V = shape["prompts"] * shape["samples"], shape["prompt_len"], shape["vocab_size"]
-    groups = shape["samples"] if a.shared_prefill != "off" else 1           # rows that share a prompt
-    ids = torch.randint(1, V, (B // groups, P), generator=torch.Generator().manual_seed(0))
-    ids = ids.repeat_interleave(groups, 0).to(device)                         # (B, P)
+    ids = torch.randint(1, V, (shape["prompts"], P), generator=torch.Generator().manual_seed(0))
+    ids = ids.repeat_interleave(shape["samples"], 0).to(device)               # (B, P): a prompt's samples adjacent
     mask = torch.ones_like(ids)
     sampling = SamplingParams(1.0, 1.0, shape["new"])
     res = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "shape": "small" if a.small else "w6",
