@@ -49,9 +49,9 @@ def _cache_of(out):
 # engine_keep_cache=auto keeps the decoder's state when it is at most this share of the GPU's memory. Every rollout
 # allocates the state anyway; keeping it adds it to the update's peak only. So 5%: only an update already within 5%
 # of the card could be pushed over by it (a run that close should set memory_budget_gib, under which auto never
-# keeps, as the budget's plan counts the update without it), while W1's state (~1.8 GiB with its evaluation shape,
-# state_bytes) is kept on a 40 GB card and up; W6's (7B LoRA: ~15 GiB, fused copies of every adapted group) is 11%
-# of an H200 and is freed for the update, as before.
+# keeps, as the budget's plan counts the update without it), while W1's state (~1.7 GiB with its evaluation shape,
+# state_bytes; 0.8 GiB more at the update's peak, measured on an H200) is kept on a 40 GB card and up; W6's (7B LoRA:
+# 14.5-17 GiB, mostly fused copies of every adapted group) is 10-12% of an H200 and is freed for the update, as before.
 KEEP_SHARE = 0.05
 
 
@@ -262,7 +262,13 @@ class BuiltinEngine:
                     params[name].copy_(t)
 
     def sleep(self) -> str:
-        # the KV cache lives only inside generate(); the weights are the policy's: nothing to free
+        # the weights are the policy's; a decoder that keeps its state (engine_keep_cache) frees it here and
+        # re-captures at the next rollout; otherwise the KV cache lives only inside generate(): nothing to free
+        kept = [d for d in (self.decoder, self.fp8_decoder) if isinstance(d, FastDecoder) and d.states]
+        for d in kept:
+            d.release()
+        if kept:
+            return "builtin engine: freed the decoder's kept KV cache, fused weights and graph (engine_keep_cache)"
         return "builtin engine: nothing to free (weights shared with the policy, KV cache freed after each generate)"
 
     def wake(self) -> str:

@@ -107,7 +107,8 @@ def test_fast_path_skips_module_hooks_repeats_and_releases(random_model_dir):
     """The decode step reads the embedding by its weight, never through the module: training puts hooks there
     (gradient checkpointing adds one that calls requires_grad_), and with torch 2.11 torch.compile could not
     trace it, which on an H200 silently sent every train.py rollout to the uncompiled step (0.81 s vs 0.37 s).
-    A seeded rollout repeats exactly, and the cache is freed after each call unless keep_cache is set."""
+    A seeded rollout repeats exactly, and the cache is freed after each call unless keep_cache is set (then by
+    sleep(): engine_sleep)."""
     from models import load_model
     from engines.builtin import BuiltinEngine
     from engines.base import SamplingParams
@@ -125,6 +126,8 @@ def test_fast_path_skips_module_hooks_repeats_and_releases(random_model_dir):
     engine.decoder.keep_cache = True
     run()
     assert len(engine.decoder.states) == 1
+    assert "freed" in engine.sleep() and engine.decoder.states == {}       # engine_sleep frees a kept state
+    assert "nothing to free" in engine.sleep()
 
 
 def test_capture_does_not_retry_bad_settings(random_model_dir, monkeypatch, capsys):
