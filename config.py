@@ -277,6 +277,12 @@ class Config:
                                        "gate/up concatenated, LoRA merged, per rollout: fastest) or in_place (no "
                                        "copy: one GEMM per projection, LoRA as its low-rank product; the copies "
                                        "are 12 GiB at a 7B LoRA, docs/lora.md)", choices=("fused", "in_place"))
+    engine_keep_cache: str = opt("auto", "the built-in engine's GPU decoder keeps its KV cache, fused weights and "
+                                         "CUDA graph between the loop's rollouts (no re-capture per step) instead of "
+                                         "freeing them for the update: true, false, or auto (keep when they are at "
+                                         "most 5% of the GPU's memory and no offload option, engine_sleep or "
+                                         "memory_budget_gib is set; engines/builtin.py: keep_cache); mode=async's "
+                                         "rollout ranks always keep", choices=("auto", "true", "false"))
     # asynchronous RL (async_rl.py, docs/async.md)
     mode: str = opt("sync", "sync: every rank generates and trains in turn; async (torchrun): the last rollout_ranks "
                             "ranks only generate, the others only train, overlapped (docs/async.md)",

@@ -29,6 +29,7 @@ from config_checks import check_reward_args, default_threads, validate
 from critic import Critic
 from distributed import print0
 from engines import moe
+from engines.builtin import keep_cache
 from models import load_model, setup_device
 from rewards import parse_spec, reward_kwargs
 from rewards.pool import RewardPool
@@ -171,7 +172,8 @@ def setup(cfg: Config, resume_from: str | None, rank: int) -> Run:
     if algo.exact_kl(cfg.algo):   # the loss's full-vocabulary KL reads both heads (full_kl.py)
         full_kl.check_models(policy, reference)
     critic = Critic(cfg, device, dtype, fsdp) if algo.needs_critic else None   # PPO's value model
-    engine = make_engine(cfg, engine_model, tok, sample_dtype=cfg.engine_dtype, lag=cfg.engine_lag)  # docs/mismatch.md
+    engine = make_engine(cfg, engine_model, tok, sample_dtype=cfg.engine_dtype, lag=cfg.engine_lag,   # docs/mismatch.md
+                         keep_cache=keep_cache(cfg, engine_model, train_ids + eval_ids, device))
     sampler = make_sampler(cfg, engine, engine_model, tok, pool)   # single completions, or episodes (env.name)
     # speed: fused AdamW (one kernel for all parameters) on GPU; offloaded shards step on the CPU with the default
     # only what trains (LoRA: the adapters); the optimizer state and checkpoints hold nothing of the frozen base

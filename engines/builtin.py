@@ -17,14 +17,17 @@ evaluation samples with the policy itself. The copy always runs the portable loo
 """
 import copy
 import inspect
+import math
 import sys
 from collections import deque
 
 import torch
 
+import distributed
+import memory
 from engines.base import Rollout, SamplingParams, left_pad, make_rollout, sample_tokens
 from engines.exact_decode import ExactDecoder
-from engines.fast_decode import FastDecoder, supported, why_not
+from engines.fast_decode import Clock, FastDecoder, supported, why_not
 from engines.generic_decode import GenericDecoder
 from engines.moe import Recorder
 from kernels.fp8 import check_device as check_fp8
@@ -41,6 +44,50 @@ def _cache_kw(model) -> str:
 def _cache_of(out):
     cache = getattr(out, "cache", None)
     return out.past_key_values if cache is None else cache
+
+
+# engine_keep_cache=auto keeps the decoder's state when it is at most this share of the GPU's memory. Every rollout
+# allocates the state anyway; keeping it adds it to the update's peak only. So 5%: only an update already within 5%
+# of the card could be pushed over by it (a run that close should set memory_budget_gib, under which auto never
+# keeps, as the budget's plan counts the update without it), while W1's state (~1.7 GiB with its evaluation shape,
+# state_bytes; 0.8 GiB more at the update's peak, measured on an H200) is kept on a 40 GB card and up; W6's (7B LoRA:
+# 14.5-17 GiB, mostly fused copies of every adapted group) is 10-12% of an H200 and is freed for the update, as before.
+KEEP_SHARE = 0.05
+
+
+def state_bytes(cfg, model, prompt_ids: list[list[int]], world: int) -> int:
+    """What the fast decoder keeps between rollouts when it keeps its cache (engines/fast_decode.py: _state and
+    refresh): per kept shape (the training rollout's, the largest evaluation call's) the K/V cache, L x 2 x
+    (B, kv_heads, S, D), the (B, V) logits and sampling buffers in its graph's pool (counted as 2 float32 copies),
+    and once the fused copies of q/k/v and gate/up (LoRA: every adapted group; memory.terms' rule)."""
+    mc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    wb = next(model.parameters()).element_size()
+    s = memory.Shape.of(mc, max(map(len, prompt_ids), default=1), cfg, world, wb)
+    S = math.ceil(s.tokens / 64) * 64                                       # cache slots (fast_decode.sample)
+    # rows per evaluation call (rollout.score_prompts: 256 // n prompts of n samples each)
+    evals = [min(256 // n * n, (cfg.eval_size or 256) * n) for n in {1, cfg.eval_k or 1}]
+    rows = [s.rollout_batch, max(evals)]
+    per_row = s.layers * 2 * s.kv_heads * s.head_dim * S * wb + 2 * 4 * s.vocab
+    return sum(rows) * per_row + memory.terms(s, cfg, ref=False)["copies"]
+
+
+def keep_cache(cfg, model, prompt_ids: list[list[int]], device) -> bool:
+    """engine_keep_cache -> does the built-in engine's decoder keep its state between rollouts (config.py:
+    engine_keep_cache)? auto: on a GPU, with no option that asks for memory between stages (offload*, engine_sleep) and
+    no memory_budget_gib, when state_bytes is at most KEEP_SHARE of the card; the decision is printed."""
+    if cfg.engine_keep_cache != "auto":
+        return cfg.engine_keep_cache == "true"
+    freeing = [k for k in ("offload", "offload_models", "offload_optimizer", "engine_sleep", "memory_budget_gib")
+               if getattr(cfg, k)]
+    if device.type != "cuda" or freeing or cfg.engine != "builtin":
+        return False
+    need = state_bytes(cfg, model, prompt_ids, distributed.world())
+    card = torch.cuda.get_device_properties(device).total_memory
+    keep = need <= KEEP_SHARE * card
+    what = "kept between rollouts" if keep else f"freed after each rollout (over {KEEP_SHARE:.0%})"
+    distributed.print0(f"engine_keep_cache=auto: the decoder's state is ~{need / 2**30:.1f} GiB, {need / card:.1%} of "
+                       f"the GPU: {what}")
+    return keep
 
 
 @register("engine", "builtin")
@@ -83,8 +130,12 @@ class BuiltinEngine:
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
-        ids, mask = left_pad([p for p in prompts for _ in range(n)], self.pad_id)  # (B, P)
-        ids, mask = ids.to(device), mask.to(device)
+        clock = Clock(device)   # FAST_DECODE_TIMES=1: the host's work around the decoder too
+        # each prompt padded once on the host, its n rows made on the device: padding all B rows in Python took
+        # ~4 ms of a W1 rollout (H200, docs/speed.md "Shared-prompt prefill"); the same tensors
+        ids, mask = left_pad(prompts, self.pad_id)                                # (G, P)
+        ids, mask = ids.to(device).repeat_interleave(n, 0), mask.to(device).repeat_interleave(n, 0)   # (B, P)
+        clock.lap("pad")
         B = ids.shape[0]
         images = vision.batch_images(prompts, n) or None   # pictures: the prefill encodes them (vision.py)
         plain = (model is not self.model or sampling.top_k > 0 or sampling.logprobs_mode != "raw"   # the lab's options
@@ -106,8 +157,11 @@ class BuiltinEngine:
             self.fp8_decoder = self.fp8_decoder or FastDecoder(model, keep_cache=self.keep_cache, weights=self.fp8)
             completion, alive, logprobs, done = self.fp8_decoder.sample(ids, mask, sampling, self.eos_id,
                                                                         self.pad_id, generator)
+            clock.lap("decoder")
             model.train(was_training)
-            return make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
+            out = make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
+            clock.lap("to host")
+            return out
         if not plain and (self.fast or (self.fast is None and device.type == "cuda")):
             self.decoder = self.decoder or self._decoder(model)
             # pictures: the prefill's embeddings (the encoder once per picture) and positions; the decode is text
@@ -126,9 +180,11 @@ class BuiltinEngine:
                       "using the portable loop", file=sys.stderr)
                 self.fast, self.decoder = False, None
                 return self.generate(prompts, n, sampling, generator)
+            clock.lap("decoder")
             model.train(was_training)
             out = make_rollout(ids, mask, completion, alive.float(), logprobs, done, len(prompts), n)
             out.routes = self.decoder.last_routes if self.routing_replay else None
+            clock.lap("to host")
             return out
         # layers compiled for training (compile=true) would recompile at every new cache length: run them eagerly
         with torch.compiler.set_stance("force_eager"):
@@ -206,7 +262,13 @@ class BuiltinEngine:
                     params[name].copy_(t)
 
     def sleep(self) -> str:
-        # the KV cache lives only inside generate(); the weights are the policy's: nothing to free
+        # the weights are the policy's; a decoder that keeps its state (engine_keep_cache) frees it here and
+        # re-captures at the next rollout; otherwise the KV cache lives only inside generate(): nothing to free
+        kept = [d for d in (self.decoder, self.fp8_decoder) if isinstance(d, FastDecoder) and d.states]
+        for d in kept:
+            d.release()
+        if kept:
+            return "builtin engine: freed the decoder's kept KV cache, fused weights and graph (engine_keep_cache)"
         return "builtin engine: nothing to free (weights shared with the policy, KV cache freed after each generate)"
 
     def wake(self) -> str:

@@ -89,8 +89,9 @@ def supported(model) -> bool:
 
 
 class Clock:
-    """FAST_DECODE_TIMES=1 prints where a rollout's time goes (capture / prefill / decode) to stderr; the
-    synchronisations it needs cost a little, so it is off otherwise."""
+    """FAST_DECODE_TIMES=1 prints where a rollout's time goes (setup: buffers and weights' re-read, capture, prefill,
+    decode, finish; engines/builtin.py adds its padding and the copy to the host) to stderr; the synchronisations it
+    needs cost a little, so it is off otherwise."""
     def __init__(self, device):
         self.on, self.device = os.environ.get("FAST_DECODE_TIMES") == "1", device
         self.t = self.now() if self.on else 0.0
@@ -133,6 +134,24 @@ SAMPLER = os.environ.get("FAST_DECODE_SAMPLER", "cdf")
 COMPILE_ADVANCE = os.environ.get("FAST_DECODE_COMPILE_ADVANCE", "1") == "1"
 
 
+def shared_prefill() -> bool:
+    """Prefill each distinct prompt row once (_prefill); FAST_DECODE_SHARED_PREFILL=0 forwards every row, as before.
+    On by default: faster in W1's loop and in W6's rollout on an H200 (docs/speed.md, "Shared-prompt prefill").
+    Read at each rollout, so a tool can alternate it between rollouts of one decoder."""
+    return os.environ.get("FAST_DECODE_SHARED_PREFILL", "1") == "1"
+
+
+def distinct_rows(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """GRPO's n samples of a prompt are equal rows of ids and mask (engines/builtin.py repeats each prompt n times).
+    ids, mask (B, P) -> (ids, mask) of the U distinct rows (U, P) each and each row's distinct row (B,), or None
+    when no two rows are equal (nothing to share). One host sync: torch.unique must know U."""
+    P = ids.shape[1]
+    rows, inverse = torch.unique(torch.cat([ids, mask.to(ids.dtype)], 1), dim=0, return_inverse=True)   # (U, 2P), (B,)
+    if rows.shape[0] == ids.shape[0]:
+        return None
+    return rows[:, :P], rows[:, P:].to(mask.dtype), inverse
+
+
 def advance(tok: Tensor, logp: Tensor, done: Tensor, completion: Tensor, alive: Tensor, logprobs: Tensor,
             t: Tensor, feed: Tensor, pos: Tensor | None, slot: Tensor | None, pad_id: int, eos_id: int):
     """After sampling tok, logp (B,): write column t of completion / alive / logprobs (B, N) (rows already done
@@ -152,6 +171,7 @@ def advance(tok: Tensor, logp: Tensor, done: Tensor, completion: Tensor, alive: 
 
 class FastDecoder(Step, Turns):
     _advance = staticmethod(advance)   # the bookkeeping after sampling; __init__ compiles it with the step
+    SHARES_PREFILL = True              # FAST_DECODE_SHARED_PREFILL applies (_prefill); not to GenericDecoder's cache
 
     def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
                  attention: str = "kernel", keep_cache: bool = False, weights: str = "fused",
@@ -329,9 +349,10 @@ class FastDecoder(Step, Turns):
         # top_p = 1: the Gumbel kernel samples inside the graph (one kernel, no host work per token);
         # top_p < 1 needs a sort per token: the graph stops at the logits and torch samples eagerly
         graph_sampling = sampling.top_p >= 1.0
+        clock = Clock(ids.device)
         st = self._state(B, S, N, graph_sampling, ids.device, dtype)
         self.refresh()                       # the optimizer moved the weights since the last call
-        clock = Clock(ids.device)
+        clock.lap("setup")                   # the state's buffers (when new) and the weights' re-read
         if self.use_graph and st["graph"] is None:
             self._capture(st)
         clock.lap("capture")
@@ -342,7 +363,13 @@ class FastDecoder(Step, Turns):
         st["inv_t"].fill_(1.0 / sampling.temperature)
         if graph_sampling:   # the kernel's noise comes from this seed: drawn from the caller's generator, so runs
             where = generator.device if generator is not None else "cpu"   # repeat exactly; eager sampling draws
-            st["seed"].fill_(int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=where)))  # as the loop
+            seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=where)   # as the loop
+            # a seed drawn on the GPU (train.py's generator) is copied there: reading it on the host (int) would make
+            # the host wait for the prefill before it queues the decode
+            if seed.device.type == "cpu":
+                st["seed"].fill_(int(seed))
+            else:
+                st["seed"].copy_(seed)
         st["completion"].fill_(pad_id)
         st["alive"].zero_()
         st["logprobs"].zero_()
@@ -369,33 +396,64 @@ class FastDecoder(Step, Turns):
             self.last_routes = torch.stack([r[:, :P + C] for r in st["routes"]], 2).cpu()
         if not self.keep_cache:
             self.release()                   # the views above keep only these small buffers alive
-            return out
-        return tuple(t.clone() for t in out)   # the next call overwrites kept buffers
+        else:
+            out = tuple(t.clone() for t in out)   # the next call overwrites kept buffers
+        clock.lap("finish")
+        return out
 
     def _prefill(self, st: dict, ids: Tensor, mask: Tensor, embeds: Tensor | None,
                  positions: Tensor | None) -> Tensor:
         """Forward all prompt tokens at once into st's cache (causal within the prompt, padding keys hidden) and
-        set the decode's key mask and positions; -> the last token's logits (B, V). embeds, positions: sample's."""
+        set the decode's key mask and positions; -> the last token's logits (B, V). embeds, positions: sample's.
+        With the shared prefill (shared_prefill) each distinct prompt row is forwarded once into the first U rows of
+        the cache, then its first P slots (K/V, slot positions, recorded routes) and logits are copied to every row that
+        shares it: GRPO's n samples per prompt make the prefill n times smaller. Prompts with pictures (embeds,
+        positions) keep the per-row prefill: their rows are equal only if their pictures are too, which ids do not
+        show. Multi-turn episodes (engines/fast_turns.py) prefill through feed(), not here: per row as before."""
         (B, P), S = ids.shape, st["key_ok"].shape[-1]
-        slots = torch.arange(S, device=ids.device)
-        causal = slots[None, :P, None] >= slots[None, None, :]                  # (1, P, S): key j <= query i
-        real = torch.zeros(B, S, dtype=torch.bool, device=ids.device)
-        real[:, :P] = mask.bool()
-        key_ok = (causal & real[:, None]) | (slots[:P, None] == slots[None])[None]  # a pad query sees itself: no nan
-        # eager: compiling it (dynamic shapes) costs far more on the first call than it saves per rollout
-        # (measured: docs/speed.md, "Third session")
         for r in st["routes"] or []:
             r.fill_(-1)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0) if positions is None else positions   # (B, P) or (3, B, P)
-        cos, sin, rows = st["cos"], st["sin"], pos
-        if pos.dim() == 3:   # M-RoPE: a rotary row per prompt token (B * P rows), each token reading its own
-            cos, sin = (t.reshape(1, B * P, -1) for t in mrope_rotation(self.model, pos, st["cos"].dtype))
-            rows = torch.arange(B * P, device=ids.device).view(B, P)
-        logits = self._forward(ids, rows, slots[:P], key_ok[:, None], st["k"], st["v"], cos, sin, st["kpos"],
-                               st["routes"], **({} if embeds is None else {"embeds": embeds}))   # generic: ids only
+        share = self.SHARES_PREFILL and embeds is None and positions is None and shared_prefill()
+        found = distinct_rows(ids, mask) if share else None
+        if found is None:
+            logits = self._prefill_rows(st, ids, mask, embeds, positions)
+        else:
+            u_ids, u_mask, inverse = found
+            logits = self._prefill_rows(st, u_ids, u_mask, None, None).index_select(0, inverse)   # (B, V)
+            U = u_ids.shape[0]
+            spread = lambda t: t[:, :P].copy_(t[:U, :P].index_select(0, inverse))   # slots dim 1 of (B, S, ...)
+            for t in st["k"] + st["v"]:                                            # (B, nkv, S, D)
+                t[:, :, :P].copy_(t[:U, :, :P].index_select(0, inverse))
+            spread(st["kpos"])                                                     # (B, S)
+            for r in st["routes"] or []:                                           # (B, S, k)
+                spread(r)
+        real = torch.zeros(B, S, dtype=torch.bool, device=ids.device)
+        real[:, :P] = mask.bool()
         st["key_ok"].copy_(real[:, None, None])
         # the decode's positions go on from one past each row's largest (M-RoPE: past the picture's grid, not its
         # token count); the text step's plain rotary is M-RoPE's for text, whose three positions are equal
         st["pos"].copy_(mask.sum(-1, keepdim=True) if positions is None
-                        else pos.reshape(-1, B, P).amax(dim=(0, 2))[:, None] + 1)
+                        else positions.reshape(-1, B, P).amax(dim=(0, 2))[:, None] + 1)
         return logits
+
+    def _prefill_rows(self, st: dict, ids: Tensor, mask: Tensor, embeds: Tensor | None,
+                      positions: Tensor | None) -> Tensor:
+        """The prefill's forward of ids, mask (n, P) into the first n rows of st's cache (n = B, or U distinct
+        rows); -> the last token's logits (n, V)."""
+        (n, P), S = ids.shape, st["key_ok"].shape[-1]
+        slots = torch.arange(S, device=ids.device)
+        causal = slots[None, :P, None] >= slots[None, None, :]                  # (1, P, S): key j <= query i
+        real = torch.zeros(n, S, dtype=torch.bool, device=ids.device)
+        real[:, :P] = mask.bool()
+        key_ok = (causal & real[:, None]) | (slots[:P, None] == slots[None])[None]  # a pad query sees itself: no nan
+        # eager: compiling it (dynamic shapes) costs far more on the first call than it saves per rollout
+        # (measured: docs/speed.md, "Third session")
+        pos = (mask.cumsum(-1) - 1).clamp(min=0) if positions is None else positions   # (n, P) or (3, n, P)
+        cos, sin, rows = st["cos"], st["sin"], pos
+        if pos.dim() == 3:   # M-RoPE: a rotary row per prompt token (n * P rows), each token reading its own
+            cos, sin = (t.reshape(1, n * P, -1) for t in mrope_rotation(self.model, pos, st["cos"].dtype))
+            rows = torch.arange(n * P, device=ids.device).view(n, P)
+        head = lambda ts: ts if n == st["kpos"].shape[0] else [t[:n] for t in ts]   # the first n rows: views
+        return self._forward(ids, rows, slots[:P], key_ok[:, None], head(st["k"]), head(st["v"]), cos, sin,
+                             head([st["kpos"]])[0], None if st["routes"] is None else head(st["routes"]),
+                             **({} if embeds is None else {"embeds": embeds}))   # generic: ids only

@@ -122,6 +122,7 @@ def why_not_attention(model) -> str | None:
 
 
 class GenericDecoder(FastDecoder):
+    SHARES_PREFILL = False   # its cache is one transformers StaticCache, whose rows are not views to prefill apart
     def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
                  keep_cache: bool = False, backend: str = "inductor", attention: str = "kernel", **_):
         if attention not in ROUTES:

@@ -1,4 +1,7 @@
 """The engine's fast path (engines/fast_decode.py), run on CPU without graphs: same function as the plain loop."""
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -104,7 +107,8 @@ def test_fast_path_skips_module_hooks_repeats_and_releases(random_model_dir):
     """The decode step reads the embedding by its weight, never through the module: training puts hooks there
     (gradient checkpointing adds one that calls requires_grad_), and with torch 2.11 torch.compile could not
     trace it, which on an H200 silently sent every train.py rollout to the uncompiled step (0.81 s vs 0.37 s).
-    A seeded rollout repeats exactly, and the cache is freed after each call unless keep_cache is set."""
+    A seeded rollout repeats exactly, and the cache is freed after each call unless keep_cache is set (then by
+    sleep(): engine_sleep)."""
     from models import load_model
     from engines.builtin import BuiltinEngine
     from engines.base import SamplingParams
@@ -122,6 +126,8 @@ def test_fast_path_skips_module_hooks_repeats_and_releases(random_model_dir):
     engine.decoder.keep_cache = True
     run()
     assert len(engine.decoder.states) == 1
+    assert "freed" in engine.sleep() and engine.decoder.states == {}       # engine_sleep frees a kept state
+    assert "nothing to free" in engine.sleep()
 
 
 def test_capture_does_not_retry_bad_settings(random_model_dir, monkeypatch, capsys):
@@ -141,3 +147,55 @@ def test_capture_does_not_retry_bad_settings(random_model_dir, monkeypatch, caps
     with pytest.raises(UserError, match="FAST_DECODE_ATTN=64"):
         dec._capture({})
     assert len(tries) == 1 and "torch.compile failed" not in capsys.readouterr().err
+
+
+def test_engine_keep_cache_reaches_the_engine(random_model_dir, tmp_path, monkeypatch):
+    """engine_keep_cache=true in train.py's synchronous loop: the engine's decoder keeps its cache (run_setup's
+    make_engine line); false frees it, and so does auto (the default) on the CPU; a bad value is a one-line error
+    before any work."""
+    import train
+    from config import UserError
+    from engines.builtin import BuiltinEngine
+    seen = []
+    init = BuiltinEngine.__init__
+    monkeypatch.setattr(BuiltinEngine, "__init__", lambda self, *a, **kw: seen.append(kw["keep_cache"]) or
+                        init(self, *a, **kw))
+    argv = [f"model={random_model_dir}", "steps=1", "eval_every=1", "eval_size=4", "prompts_per_step=2",
+            "samples_per_prompt=2", "max_new_tokens=4", "threads=1", "progress=false"]
+    for value, want in (("true", True), ("false", False), ("auto", False)):
+        train.main(argv + [f"out_dir={tmp_path / value}", f"engine_keep_cache={value}"])
+        assert seen.pop() is want
+    with pytest.raises(UserError) as e:
+        train.main(argv + [f"out_dir={tmp_path / 'bad'}", "engine_keep_cache=yes"])
+    assert str(e.value) == "config key 'engine_keep_cache' must be one of auto, true, false; got 'yes'"
+    assert seen == [] and not (tmp_path / "bad").exists()
+
+
+def test_engine_keep_cache_auto(random_model_dir, monkeypatch):
+    """auto keeps when the decoder's state (hand-derived here for the tiny model) is at most 5% of the card, and
+    never with an option that frees memory between stages, nor on the CPU."""
+    from config import Config
+    from engines import builtin
+    from models import load_model
+    model, _ = load_model(random_model_dir, torch.device("cpu"), torch.float32)
+    cfg = Config(model=random_model_dir, engine_keep_cache="auto", prompts_per_step=4, samples_per_prompt=8,
+                 max_new_tokens=34, eval_size=100)
+    prompts = [[3] * 10, [4] * 30]
+    # 32 training rows and 100 evaluation rows; S = 64 slots (30 + 34 rounded up); per row: 2 layers x K and V x
+    # 1 kv head x 32 dims x 64 slots x 4 bytes, plus 2 float32 copies of the 14-token vocabulary; the fused q/k/v
+    # (64 x (64 + 32 + 32)) and gate/up (64 x 256) copies of 2 layers, 4 bytes each
+    need = (32 + 100) * (2 * 2 * 32 * 64 * 4 + 2 * 4 * 14) + 2 * 4 * (64 * 128 + 64 * 256)
+    assert builtin.state_bytes(cfg, model, prompts, world=1) == need
+    cuda = torch.device("cuda")
+    card = lambda total: monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(
+        total_memory=total))
+    card(20 * need)                                                     # exactly 5%
+    assert builtin.keep_cache(cfg, model, prompts, cuda)
+    card(20 * need - 1)
+    assert not builtin.keep_cache(cfg, model, prompts, cuda)
+    card(10**12)
+    for freeing in ("offload_optimizer", "offload_models", "engine_sleep"):
+        assert not builtin.keep_cache(dataclasses.replace(cfg, **{freeing: True}), model, prompts, cuda)
+    assert not builtin.keep_cache(dataclasses.replace(cfg, memory_budget_gib=40.0), model, prompts, cuda)
+    assert not builtin.keep_cache(cfg, model, prompts, torch.device("cpu"))
+    assert builtin.keep_cache(dataclasses.replace(cfg, engine_keep_cache="true"), model, prompts, torch.device("cpu"))

@@ -5,6 +5,8 @@ GPU, one command (#22, #38):
     python tools/lora_decode_bench.py --out $OUT/fp8 --variants addmm,fp8 --repeats 2   # FP8 vs W6's route
     python tools/lora_decode_bench.py --out $OUT/fp8 --variants addmm,fp8 --repeats 2 --alternate   # rounds
     python tools/lora_decode_bench.py --small --out /tmp/ld          # CPU smoke run (toy shape, eager, no graph)
+    python tools/lora_decode_bench.py --out $OUT/sp --variants addmm,fp8 --repeats 2 --alternate --shared-prefill both
+                                        # each variant with FAST_DECODE_SHARED_PREFILL off and on, in the same rounds
 
 A random Qwen2 at W6's shape (tools/bench.py SHAPES, bf16, built in memory), peft LoRA r=16 alpha 32 on every
 linear layer with B random (peft starts it at zero), 8 x 8 prompts of 64 random tokens, 256 new tokens at
@@ -24,7 +26,11 @@ peak memory allocated during a rollout, the largest and the mean |engine - teach
 (the peft model in bf16: the trainer's side), and on a GPU a torch.profiler summary of one rollout (kernel names
 and counts: the GEMMs launched; microseconds per call and per token step) in OUT/profile-<variant>.txt. Also what
 packing took: seconds and the peak memory over the model before it (one group's buffer expected, never a model
-copy), and of reserved memory.
+copy), and of reserved memory. The 64 rows are 8 prompts repeated 8 times, as train.py's rollouts are (before
+2026-11-28's shared prefill, 64 distinct prompts: only the prefill tells them apart). --shared-prefill sets
+FAST_DECODE_SHARED_PREFILL for every rollout: on (1, the default), off (0: every row prefilled) or both (needs
+--alternate: each variant with 0 and 1 in the same rounds, their order swapped each round; the rows with 1 are
+named "<variant> +shared prefill").
 Writes OUT/lora_decode.json and OUT/lora_decode.md.
 """
 import argparse
@@ -161,7 +167,15 @@ def main():
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled rollout per variant")
     p.add_argument("--alternate", action="store_true", help="build and warm every variant first, then time them in "
                    "rounds (one rollout each per round); no profile")
+    p.add_argument("--shared-prefill", default="on", choices=("off", "on", "both"),
+                   help="FAST_DECODE_SHARED_PREFILL for the rollouts (on: the default route); both: each variant "
+                        "with it off and on, in the same rounds (needs --alternate)")
     a = p.parse_args()
+    if a.shared_prefill == "both" and not a.alternate:
+        p.error("--shared-prefill both times the two in the same rounds: add --alternate")
+    modes = {"off": ["0"], "on": ["1"], "both": ["0", "1"]}[a.shared_prefill]
+    env_before = os.environ.get("FAST_DECODE_SHARED_PREFILL")
+    os.environ["FAST_DECODE_SHARED_PREFILL"] = modes[-1]   # warm-up and the one-pass route: the last mode
     start = time.perf_counter()
     os.makedirs(a.out, exist_ok=True)
     from engines.base import SamplingParams
@@ -171,7 +185,8 @@ def main():
     gpu = device.type == "cuda"
     model = build(shape, a.r, device, torch.bfloat16 if gpu else torch.float32)
     B, P, V = shape["prompts"] * shape["samples"], shape["prompt_len"], shape["vocab_size"]
-    ids = torch.randint(1, V, (B, P), generator=torch.Generator().manual_seed(0)).to(device)    # (B, P)
+    ids = torch.randint(1, V, (shape["prompts"], P), generator=torch.Generator().manual_seed(0))
+    ids = ids.repeat_interleave(shape["samples"], 0).to(device)               # (B, P): a prompt's samples adjacent
     mask = torch.ones_like(ids)
     sampling = SamplingParams(1.0, 1.0, shape["new"])
     res = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "shape": "small" if a.small else "w6",
@@ -219,8 +234,13 @@ def main():
         del dec
     last = {}
     for r in range(a.repeats if warm else 0):                   # --alternate: one rollout of each per round
-        for name, (dec, v) in warm.items():
+        for (name, (dec, v)), mode in [(w, m) for w in warm.items() for m in (modes if r % 2 == 0 else modes[::-1])]:
             settle(v)
+            os.environ["FAST_DECODE_SHARED_PREFILL"] = mode
+            if mode == "1" and len(modes) > 1:
+                name = f"{name} +shared prefill"
+                same = {k: x for k, x in res["variants"][name.split(" +")[0]].items() if k != "median_s"}  # its build
+                res["variants"].setdefault(name, {**same, "times_s": []})
             try:
                 t, peak, last[name] = rollout_once(dec, ids, mask, sampling, V, device)
             except Exception as e:
@@ -236,6 +256,10 @@ def main():
               flush=True)                                       # the ratios so far
     for name, out in last.items():
         res["variants"][name].update(gap_row(model, ids, out))
+    if env_before is None:
+        os.environ.pop("FAST_DECODE_SHARED_PREFILL")
+    else:
+        os.environ["FAST_DECODE_SHARED_PREFILL"] = env_before
     write(res, a.out)
 
 
@@ -265,9 +289,13 @@ def write(res: dict, out: str, quiet: bool = False):
               for n, v in res["variants"].items()]
     v = res["variants"]
     base = next((b for b in ("in_place packed addmm", "fused") if b in v), None)   # W6's route, else the default
-    lines += [f"\n{n} / {base}: {v[n]['median_s'] / v[base]['median_s']:.3f}x the rollout"
-              for n in ("fp8", "fp8 scaled_mm", "fp8 torch-refresh", "fp8_all")
-              if n in v and base and "median_s" in v[n] and "median_s" in v[base]]
+    ratio = lambda n, d: f"\n{n} / {d}: {v[n]['median_s'] / v[d]['median_s']:.3f}x the rollout"
+    has = lambda n: n in v and "median_s" in v[n]
+    fp8s = ("fp8", "fp8 scaled_mm", "fp8 torch-refresh", "fp8_all")
+    lines += [ratio(n, base) for n in fp8s if base and has(n) and has(base)]
+    sp = " +shared prefill"
+    lines += [ratio(n + sp, base + sp) for n in fp8s if base and has(n + sp) and has(base + sp)]
+    lines += [ratio(n, n[:-len(sp)]) for n in v if n.endswith(sp) and has(n) and has(n[:-len(sp)])]
     lines += [f"\n{n}: failed: {e}" for n, e in res["errors"].items()]
     with open(os.path.join(out, "lora_decode.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
