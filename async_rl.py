@@ -33,7 +33,8 @@ which the trainers drain first; their weights no longer exist), the prompts alre
 sampling state; a resumed run hands those back to the rollout ranks, so kill -9 + resume continues exactly.
 Ctrl-C / SIGTERM (train.Stop, on every rank; torchrun passes Ctrl-C on to each as SIGINT): the trainers finish the
 step, write its checkpoint (exact, as a periodic one), take the batches already on their way, tell the rollout ranks
-to stop (`end_rollouts`), print the resume command and exit 130, the rollout ranks too.
+to stop (`end_rollouts`), print the resume command and exit 130; the rollout ranks hold the signal until past the
+closing barrier, where the trainers meet them.
 Partial rollouts (partial.budget_tokens, docs/async.md): a trajectory may span segments(cfg) iterations, at most
 budget tokens in each but its last; rollout iterations then trail by lag = max_staleness - (segments - 1) steps, so
 that no token is older than max_staleness versions. The open trajectories ride with each batch and in checkpoints.
