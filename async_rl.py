@@ -33,7 +33,8 @@ which the trainers drain first; their weights no longer exist), the prompts alre
 sampling state; a resumed run hands those back to the rollout ranks, so kill -9 + resume continues exactly.
 Ctrl-C / SIGTERM (train.Stop, on every rank; torchrun passes Ctrl-C on to each as SIGINT): the trainers finish the
 step, write its checkpoint (exact, as a periodic one), take the batches already on their way, tell the rollout ranks
-to stop (`end_rollouts`), print the resume command and exit 130, the rollout ranks too.
+to stop (`end_rollouts`), print the resume command and exit 130; the rollout ranks hold the signal until past the
+closing barrier, where the trainers meet them.
 Partial rollouts (partial.budget_tokens, docs/async.md): a trajectory may span segments(cfg) iterations, at most
 budget tokens in each but its last; rollout iterations then trail by lag = max_staleness - (segments - 1) steps, so
 that no token is older than max_staleness versions. The open trajectories ride with each batch and in checkpoints.
@@ -92,44 +93,60 @@ def generate_loop(cfg, link: Link, phases, j: int) -> dict:
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + 1_000_003 * j)   # j = 0: the one-process stream
     params = dict(model.named_parameters())
     D = link.clock.segments - 1
+    prompts: dict = {}
+    opened: dict[int, dict] = {}                        # step -> its trajectories so far (partial rollouts)
+    # a signal: remembered, sent with the next batch, and in force until the closing barrier has passed: one that
+    # met the default handler after the last batch went (KeyboardInterrupt) would end this rank while the trainers
+    # finish their step, and they would meet a closed connection at that barrier
+    stop = phases.Stop()
+
+    def on_trainer(wait):
+        """A wait on trainer rank 0. Its failure after a signal is that rank leaving on the signal (during its set-up
+        or train.finish, where no train.Stop holds it): this rank ends as interrupted too, not with an error."""
+        try:
+            return wait()
+        except (RuntimeError, UserError):   # gloo's error, or async_link's line that blames trainer rank 0
+            if stop.signal:
+                raise KeyboardInterrupt from None   # train.py: "interrupted: nothing saved since the last checkpoint"
+            raise
 
     def weights() -> dict:
-        msg = link.receive_weights(params)
+        msg = on_trainer(lambda: link.receive_weights(params))
         if msg.get("stop"):
             return msg
         engine.load_weights(model.named_parameters())   # the built-in engine samples with these: a no-op there
         prompts.update(msg["prompts"])
         return msg
 
-    prompts: dict = {}
-    opened: dict[int, dict] = {}                        # step -> its trajectories so far (partial rollouts)
-    stop = phases.Stop()                                # a signal: remembered, sent with the next batch
-    msg = weights()                                     # the start: initial (or resumed) weights, first prompts
-    if msg["states"] is not None:                       # resumed: the sampling stream where the checkpoint left it
-        gen.set_state(msg["states"][j])
-        opened = {int(s): state for s, state in msg["partials"][j].items()}
-    for step in range(min([*prompts, *opened], default=cfg.steps + 1), cfg.steps + 1):
-        t0 = time.perf_counter()
-        while not msg.get("stop") and msg["t"] < link.clock.weights_for(step):   # too far ahead: wait for weights
-            msg = weights()
-        if msg.get("stop"):                             # the trainers ended the run
-            break
-        t1 = time.perf_counter()
-        for s in range(step, min(step + D, cfg.steps) + 1):   # oldest first: one generate call per step
-            ids = None if s in opened else [train_ids[i] for i in prompts.pop(s)[j::link.K]]
-            opened[s] = advance(engine, opened.get(s), ids, s == step, msg["version"], cfg, gen, tok.pad_token_id)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        checkpoint.crash_point("generate", step)        # tests: a rollout rank that dies
-        done = opened.pop(step)
-        link.send(step, {"rollout": {f.name: done.get(f.name) for f in fields(Rollout)},
-                         "token_versions": done["versions"], "segments": done["segments"],
-                         "version": int(done["version0"]), "state": gen.get_state(), "partial": dict(opened),
-                         "idle_s": t1 - t0, "generate_s": time.perf_counter() - t1, "stop": stop.signal})
-    stop.restore()
-    link.flush()
-    engine.close()
-    dist.barrier()   # train.finish's (or end_rollouts'): every rank done before the group goes
+    try:
+        msg = weights()                                 # the start: initial (or resumed) weights, first prompts
+        if msg["states"] is not None:                   # resumed: the sampling stream where the checkpoint left it
+            gen.set_state(msg["states"][j])
+            opened = {int(s): state for s, state in msg["partials"][j].items()}
+        for step in range(min([*prompts, *opened], default=cfg.steps + 1), cfg.steps + 1):
+            t0 = time.perf_counter()
+            while not msg.get("stop") and msg["t"] < link.clock.weights_for(step):   # too far ahead: wait
+                msg = weights()
+            if msg.get("stop"):                         # the trainers ended the run
+                break
+            t1 = time.perf_counter()
+            for s in range(step, min(step + D, cfg.steps) + 1):   # oldest first: one generate call per step
+                ids = None if s in opened else [train_ids[i] for i in prompts.pop(s)[j::link.K]]
+                opened[s] = advance(engine, opened.get(s), ids, s == step, msg["version"], cfg, gen,
+                                    tok.pad_token_id)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            checkpoint.crash_point("generate", step)    # tests: a rollout rank that dies
+            done = opened.pop(step)
+            link.send(step, {"rollout": {f.name: done.get(f.name) for f in fields(Rollout)},
+                             "token_versions": done["versions"], "segments": done["segments"],
+                             "version": int(done["version0"]), "state": gen.get_state(), "partial": dict(opened),
+                             "idle_s": t1 - t0, "generate_s": time.perf_counter() - t1, "stop": stop.signal})
+        on_trainer(link.flush)
+        engine.close()
+        on_trainer(dist.barrier)   # train.finish's (or end_rollouts'): every rank done before the group goes
+    finally:
+        stop.restore()
     return {"stopped": "the trainers"} if msg.get("stop") else {}
 
 

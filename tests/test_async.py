@@ -17,6 +17,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -261,6 +262,110 @@ def test_a_dead_rollout_rank_stops_every_trainer_at_one_point(monkeypatch):
     assert lost_steps(s, Clock(staleness=0, steps=8), 3) == set()        # max_staleness=0: nothing is ever lost
 
 
+class TrainerZero:
+    """Trainer rank 0 as a rollout rank sees it (max_staleness=0, 2 steps, one rollout rank): the start weights
+    with step 1's prompts, then step 1's weights with step 2's, or (ends) its stop message in their place. A SIGINT
+    lands at each point named in `at` (signal.raise_signal: the handler runs there, as a real one's runs when the
+    blocking call returns); at the point `gone` (receive1, barrier) the wait fails as when trainer rank 0 has exited."""
+    K = 1
+
+    def __init__(self, at=(), gone=None, ends=False):
+        self.clock, self.at, self.gone, self.sent, self.points = Clock(0, 2), at, gone, [], []
+        self.msgs = [{"t": 0, "version": 0, "prompts": {1: [0]}, "states": None},
+                     {"stop": True} if ends else {"t": 1, "version": 1, "prompts": {2: [1]}}]
+
+    def hit(self, point):
+        self.points.append(point)
+        if point in self.at:
+            signal.raise_signal(signal.SIGINT)
+        if point == self.gone:   # gloo's error; a receive's is async_link's line naming the rank
+            raise (UserError("trainer rank 0 did not answer the next weights (died, ...): Connection closed by peer")
+                   if point.startswith("receive") else RuntimeError("Connection closed by peer"))
+
+    def receive_weights(self, params):
+        n = sum(p.startswith("receive") for p in self.points)   # 0: the start, 1: step 1's weights
+        self.hit(f"receive{n}")
+        return self.msgs[n]
+
+    def send(self, step, payload):
+        self.sent.append(payload["stop"])
+
+    def flush(self):
+        self.hit("flush")
+
+
+@pytest.fixture
+def rollout_rank(monkeypatch):
+    """-> run(link): async_rl.generate_loop as rollout rank 0 on a fake model, data, engine and barrier (no
+    process group), under train.Stop as under torchrun -> what it returns, or "interrupted" (KeyboardInterrupt:
+    train.py's line and exit 130); the test's own SIGINT handler is back afterwards."""
+    import types
+
+    import torch.distributed as dist
+
+    import async_rl
+    import train
+    cfg = Config()
+    cfg.steps, cfg.max_staleness = 2, 0
+    engine = types.SimpleNamespace(load_weights=lambda named: None)
+
+    def run(link):
+        engine.close = lambda: link.hit("close")
+        monkeypatch.setattr(async_rl, "setup_device", lambda cfg: (torch.device("cpu"), torch.float32))
+        monkeypatch.setattr(async_rl, "load_model", lambda *a: link.hit("load") or
+                            (torch.nn.Linear(1, 1), types.SimpleNamespace(pad_token_id=0)))
+        monkeypatch.setattr(async_rl, "build_data", lambda *a: (None, None, [[5], [6]], None))
+        monkeypatch.setattr(async_rl, "make_engine", lambda *a, **k: engine)
+        monkeypatch.setattr(async_rl, "advance", lambda engine, state, ids, final, version, *a: {
+            "versions": torch.full((1, 1), version), "segments": torch.ones(1, dtype=torch.long),
+            "version0": torch.tensor(version)})
+        monkeypatch.setattr(dist, "barrier", lambda *a, **k: link.hit("barrier"))
+        try:
+            return async_rl.generate_loop(cfg, link, types.SimpleNamespace(Stop=train.Stop), 0)
+        except KeyboardInterrupt:   # a value, so that a wrong one fails the test instead of ending pytest's session
+            return "interrupted"
+    before = signal.getsignal(signal.SIGINT)
+    yield run
+    assert signal.getsignal(signal.SIGINT) is before   # generate_loop put it back (Stop.restore)
+    signal.signal(signal.SIGINT, before)                 # ... and if it did not, the next tests still get theirs
+
+
+@pytest.mark.parametrize("at, stops", [
+    ("receive0", ["SIGINT", "SIGINT"]),  # waiting for the first weights (trainer 0 sets up): with the first batch
+    ("receive1", [None, "SIGINT"]),      # inside a blocking receive of the next weights: with the next batch
+    ("flush", [None, None]),             # the last batch gone, the trainers still training (the CI failure)
+    ("close", [None, None]),
+    ("barrier", [None, None]),           # in the closing barrier itself
+])
+def test_a_signal_on_a_rollout_rank_waits_for_the_closing_barrier(rollout_rank, at, stops):
+    """Ctrl-C reaches every rank (torchrun passes it on): a rollout rank remembers it until past its closing
+    barrier, where the trainers, who finish the step, meet it. After its last batch it used to leave at once
+    (KeyboardInterrupt: the handler was put back before that barrier), and the trainer's end_rollouts barrier
+    failed with 'Connection closed by peer' (a fresh-clone CI run; reproduced with SIGINT after row 2)."""
+    link = TrainerZero(at=(at,))
+    assert rollout_rank(link) == {}                               # the trainers end the run, not this rank
+    assert link.sent == stops and link.points[-1] == "barrier" and link.points.count("barrier") == 1
+    link = TrainerZero(at=("receive1",), ends=True)               # their stop message in place of the weights
+    assert rollout_rank(link) == {"stopped": "the trainers"} and link.sent == [None]
+    assert link.points[-1] == "barrier" and link.points.count("barrier") == 1
+
+
+def test_a_rollout_rank_interrupted_ends_as_interrupted(rollout_rank):
+    """A signal while loading (before the first weights, as before the synchronous loop's first step) or a
+    second signal abandons at once (KeyboardInterrupt); so does trainer rank 0 gone after a signal (it was
+    interrupted where no train.Stop holds it: its set-up, train.finish): train.py's 'interrupted' line, not an
+    error that blames trainer rank 0 or a traceback. Without a signal that error stays."""
+    assert rollout_rank(TrainerZero(at=("load",))) == "interrupted"
+    assert rollout_rank(TrainerZero(at=("receive1", "flush"))) == "interrupted"
+    link = TrainerZero(at=("receive0",), gone="receive1")
+    assert rollout_rank(link) == "interrupted" and "barrier" not in link.points
+    assert rollout_rank(TrainerZero(at=("flush",), gone="barrier")) == "interrupted"
+    with pytest.raises(UserError, match="^trainer rank 0 did not answer the next weights"):
+        rollout_rank(TrainerZero(gone="receive1"))
+    with pytest.raises(RuntimeError, match="^Connection closed by peer$"):
+        rollout_rank(TrainerZero(gone="barrier"))
+
+
 def test_merge_pads_prompts_left_and_completions_right():
     a = Rollout(torch.tensor([[5, 6, 7]]), torch.tensor([[1, 1, 1]]), torch.tensor([[1.0]]), torch.tensor([[-1.0]]),
                 torch.tensor([True]), torch.tensor([0]))                          # P=2, C=1
@@ -459,9 +564,10 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(tmp_path):
     (no error of its own) and prints the command that resumes; resumed, the run equals an uninterrupted one.
     Beside it, a run whose every reward breaks (the code reward on arithmetic rows, which have no tests) stops
     after 3 steps with the synchronous loop's one-line reason, its rollout rank ending cleanly too."""
-    import signal
     import time
-    args = [*torchrun(2), *SMALL, "mode=async", "max_staleness=1", "algo.tis=token"]
+    # 8 steps: the signal must reach the trainer before its last stop check (after step 7); with 4 that came
+    # ~0.1 s after step 1's row on an idle CPU, and a SIGINT sent 0.1-0.2 s late found the run over (3 of 4 runs)
+    args = [*torchrun(2), *SMALL, "steps=8", "mode=async", "max_staleness=1", "algo.tis=token"]
     base, cut, bad = tmp_path / "base", tmp_path / "cut", tmp_path / "bad"
     procs = [subprocess.Popen([*args, f"out_dir={d}", *extra], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=ENV)
@@ -469,7 +575,7 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(tmp_path):
     deadline = time.monotonic() + 240
     while not (cut / "metrics.jsonl").exists() or '"step": 1,' not in (cut / "metrics.jsonl").read_text():
         assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()[0][-3000:]
-        time.sleep(0.1)
+        time.sleep(0.01)
     procs[0].send_signal(signal.SIGINT)
     (out, rc), (out_b, rc_b), (out_x, rc_x) = ((p.communicate(timeout=300)[0], p.returncode) for p in procs)
     said = re.search(r"stopped by SIGINT after step (\d); checkpoint (\S+)\. To continue: torchrun <as before> "
@@ -478,12 +584,12 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes_exactly(tmp_path):
     ranks = "\n".join(line for line in out.splitlines() if re.search(r"\[rank\d\]:", line))
     assert said and not ranks, f"{ranks[:6000]}\n...\n{out[-2000:]}"
     step = int(said.group(1))
-    assert step < 4 and said.group(2) == str(cut / "checkpoints" / f"step_{step:06d}")
+    assert step < 8 and said.group(2) == str(cut / "checkpoints" / f"step_{step:06d}")
     assert checkpoint.damage(said.group(2)) is None and len(step_rows(cut)) == step
     assert rc_b == 0, out_b[-3000:]
     ((rc, out),) = launch([*args, f"out_dir={cut}"])
     assert rc == 0, out[-3000:]
-    assert untimed(cut) == untimed(base) and len(untimed(base)) == 4
+    assert untimed(cut) == untimed(base) and len(untimed(base)) == 8
     assert rc_x != 0 and len(step_rows(bad)) == 2, out_x[-3000:]
     assert re.search(r"error: every sample's reward or episode failed for 3 steps in a row \(step 3: code: "
                      r"ValueError", out_x) and "did not answer" not in out_x, out_x[-3000:]
