@@ -142,10 +142,11 @@ def shared_prefill() -> bool:
 
 
 def graph_prefill() -> bool:
-    """Replay the text prefill from a CUDA graph (_prefill) when the decoder keeps its state:
-    FAST_DECODE_GRAPH_PREFILL=1. Off by default (the eager prefill) until a device command measures it. Read at each
-    rollout, like shared_prefill."""
-    return os.environ.get("FAST_DECODE_GRAPH_PREFILL", "0") == "1"
+    """Replay the text prefill from a CUDA graph (_prefill) when the decoder keeps its state;
+    FAST_DECODE_GRAPH_PREFILL=0 prefills eagerly, as before. On by default: W1's rollout in the loop 0.321 against
+    0.332 s, W6's faster in every alternating round, bf16 and fp8, on an H200 (docs/speed.md, "The prefill from a
+    CUDA graph"). Read at each rollout, like shared_prefill."""
+    return os.environ.get("FAST_DECODE_GRAPH_PREFILL", "1") == "1"
 
 
 # a graphed prefill pads its prompts on the left to a multiple of this many columns: each (distinct rows, padded
@@ -155,6 +156,12 @@ def graph_prefill() -> bool:
 # which a prefill bound by launching its kernels (16 rows x 64 tokens at W1: docs/speed.md) does not feel
 PREFILL_BUCKET = 64
 PREFILL_GRAPHS = 2   # prefill graphs kept per decode state, like _state's bound: one shape and the next
+# the most tokens (distinct rows x padded length) a graphed prefill forwards; larger ones stay eager. The graph pays
+# where launching the kernels bounds the prefill (W1: 16 x 64 tokens, 0.025 -> 0.008 s); W1's evaluation call (128
+# distinct rows, 8,192 tokens) was bound by the GPU (0.030 s eager, 0.028 replayed), and a graph's private memory pool
+# keeps its activations reserved between rollouts (W1's peak reserved went from 8.7 to 9.4 GiB with both graphs;
+# H200, docs/speed.md)
+PREFILL_GRAPH_TOKENS = 4096
 
 
 def distinct_rows(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -425,10 +432,10 @@ class FastDecoder(Step, Turns):
         return out
 
     def _graphs_prefill(self, embeds: Tensor | None, positions: Tensor | None) -> bool:
-        """Does this rollout's prefill replay a CUDA graph (_prefill)? Only when the state is kept (keep_cache: a graph
-        captured for one rollout would cost more than the eager prefill it replaces), on CUDA with graphs, for a text
-        prompt (pictures keep the eager prefill: their embeddings' shape is the picture's), and not after a failed
-        capture."""
+        """May this rollout's prefill replay a CUDA graph (_prefill: up to PREFILL_GRAPH_TOKENS)? Only when the state
+        is kept (keep_cache: a graph captured for one rollout would cost more than the eager prefill it replaces), on
+        CUDA with graphs, for a text prompt (pictures keep the eager prefill: their embeddings' shape is the
+        picture's), and not after a failed capture."""
         return (self.GRAPHS_PREFILL and graph_prefill() and (self.use_graph or self.prefill_graph_eager)
                 and self.keep_cache and embeds is None and positions is None and not self.prefill_failed)
 
@@ -445,7 +452,7 @@ class FastDecoder(Step, Turns):
         share = self.SHARES_PREFILL and embeds is None and positions is None and shared_prefill()
         found = distinct_rows(ids, mask) if share else None
         u_ids, u_mask, inverse = (ids, mask, None) if found is None else found
-        if self._graphs_prefill(embeds, positions):
+        if self._graphs_prefill(embeds, positions) and u_ids.numel() <= PREFILL_GRAPH_TOKENS:
             logits = self._replay_prefill(st, u_ids, u_mask, inverse, mask)
             if logits is not None:
                 return logits

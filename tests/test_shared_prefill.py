@@ -8,7 +8,7 @@ import torch
 from engines.base import SamplingParams
 from engines.builtin import BuiltinEngine
 from engines.fast_decode import FastDecoder, distinct_rows
-from tests.test_architectures import EOS, PAD, prompts as family_prompts, tiny_model
+from tests.test_architectures import EOS, PAD, VOCAB, prompts as family_prompts, tiny_model
 
 
 def rollouts(model, prompt_ids, n, monkeypatch, routing_replay=False, top_p=1.0):
@@ -147,8 +147,9 @@ def test_bucketed_prefill_records_the_same_routes(monkeypatch):
 
 def test_graphed_prefill_needs_a_kept_state(monkeypatch):
     """Without keep_cache the prefill stays eager and unpadded (a graph per rollout would cost more than it saves);
-    pictures and the generic decoder keep it too (_graphs_prefill)."""
-    monkeypatch.setenv("FAST_DECODE_GRAPH_PREFILL", "1")
+    pictures and the generic decoder keep it too (_graphs_prefill). On unless FAST_DECODE_GRAPH_PREFILL=0."""
+    from engines.generic_decode import GenericDecoder
+    monkeypatch.delenv("FAST_DECODE_GRAPH_PREFILL", raising=False)
     model = tiny_model("qwen2")
     dec = FastDecoder(model, use_graph=False)
     dec.prefill_graph_eager = True
@@ -156,8 +157,27 @@ def test_graphed_prefill_needs_a_kept_state(monkeypatch):
     dec.keep_cache = True
     assert dec._graphs_prefill(None, None)
     assert not dec._graphs_prefill(torch.zeros(1), None)
+    assert not FastDecoder(model, use_graph=False, keep_cache=True)._graphs_prefill(None, None)   # the CPU: no graphs
+    generic = GenericDecoder(model, use_graph=False, keep_cache=True)
+    generic.prefill_graph_eager = True
+    assert not generic._graphs_prefill(None, None)
     monkeypatch.setenv("FAST_DECODE_GRAPH_PREFILL", "0")
     assert not dec._graphs_prefill(None, None)
+
+
+def test_large_prefills_stay_eager(monkeypatch):
+    """A prefill of more than PREFILL_GRAPH_TOKENS tokens (distinct rows x bucketed length) runs eagerly: no graph
+    is kept for it, and it samples what the plain prefill samples."""
+    import engines.fast_decode as fast_decode
+    monkeypatch.setattr(fast_decode, "PREFILL_GRAPH_TOKENS", 20)
+    model = tiny_model("qwen2")
+    p = family_prompts()
+    sets = [p[:2], p]                                    # 2 x 8 tokens: graphed; 3 x 8: eager (bucket 4)
+    off, _ = graph_rollouts(model, sets, 2, monkeypatch, on=False)
+    on, dec = graph_rollouts(model, sets, 2, monkeypatch, on=True, bucket=4)
+    for a, b in zip(off, on):
+        same(a, b)
+    assert prefill_graphs(dec) == [(2, 8, True)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -171,7 +191,7 @@ def test_gpu_graphed_prefill_samples_what_the_eager_prefill_samples(family, monk
     import engines.fast_decode as fast_decode
     model = tiny_model(family, seed=5).cuda()
     g = torch.Generator().manual_seed(3)
-    long = [torch.randint(3, 60, (k,), generator=g).tolist() for k in (70, 66)]   # bucket 128, not 64
+    long = [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (70, 66)]   # bucket 128, not 64
     sets = [family_prompts(), family_prompts(), long]
     replay = family == "qwen3_moe"
     sampler, fast_decode.SAMPLER = fast_decode.SAMPLER, "gumbel"     # as test_architectures' _gpu_check
