@@ -19,7 +19,8 @@ Parts, each in its own process (clean peak-memory counters):
           (micro_batch_size, grad_checkpointing, compile, fused_loss; hf = compiled_recompute=false: transformers'
           checkpoint wrapper; rep = parallel=replicate under torchrun; keepF = activation_budget=F, e.g. keep0.5;
           kcX = engine_keep_cache=X, e.g. kcfalse; spX = FAST_DECODE_SHARED_PREFILL=X, sp0 the per-row prefill;
-          gpX = FAST_DECODE_GRAPH_PREFILL=X, gp1 the prefill replayed from a CUDA graph when the state is kept)
+          gpX = FAST_DECODE_GRAPH_PREFILL=X, gp0 the eager prefill; the default replays it from a CUDA graph when
+          the state is kept)
           and per --gpus count (above 1: under torchrun, FSDP2 unless rep, N shares of the batch). With
           FAST_DECODE_TIMES=1 each part's log holds every rollout's split (engines/fast_decode.py: Clock)
   engine  the built-in engine alone on the same batch: fast path (graph + compile) with each attention, with the

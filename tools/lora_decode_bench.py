@@ -32,10 +32,11 @@ copy), and of reserved memory. The 64 rows are 8 prompts repeated 8 times, as tr
 2026-11-28's shared prefill, 64 distinct prompts: only the prefill tells them apart). --shared-prefill sets
 FAST_DECODE_SHARED_PREFILL for every rollout: on (1, the default), off (0: every row prefilled) or both (needs
 --alternate: each variant with 0 and 1 in the same rounds, their order swapped each round; the rows with 1 are
-named "<variant> +shared prefill"). --graph-prefill sets FAST_DECODE_GRAPH_PREFILL the same way (off by default:
-the eager prefill; "<variant> +graph prefill" rows), and when not off every decoder keeps its state between
-rollouts (keep_cache, which the graphed prefill needs), in both modes, so the pair differs in the prefill only;
-one of the two switches may be both.
+named "<variant> +shared prefill"). --graph-prefill sets FAST_DECODE_GRAPH_PREFILL the same way ("<variant> +graph
+prefill" rows), and when not off every decoder keeps its state between rollouts (keep_cache, which the graphed
+prefill needs), in both modes, so the pair differs in the prefill only; off (the tool's default, as before this
+switch) frees the state after each rollout, where the engine never graphs the prefill. One of the two switches may
+be both.
 Writes OUT/lora_decode.json and OUT/lora_decode.md.
 """
 import argparse
@@ -176,9 +177,9 @@ def main():
                    help="FAST_DECODE_SHARED_PREFILL for the rollouts (on: the default route); both: each variant "
                         "with it off and on, in the same rounds (needs --alternate)")
     p.add_argument("--graph-prefill", default="off", choices=("off", "on", "both"),
-                   help="FAST_DECODE_GRAPH_PREFILL for the rollouts (off: the default route); not off: the decoders "
-                        "keep their state (keep_cache); both: each variant with it off and on, in the same rounds "
-                        "(needs --alternate)")
+                   help="FAST_DECODE_GRAPH_PREFILL for the rollouts; not off: the decoders keep their state "
+                        "(keep_cache, which the graphed prefill needs); off: they free it after each rollout, as "
+                        "before; both: each variant with it off and on, in the same rounds (needs --alternate)")
     a = p.parse_args()
     for opt_name, value in (("--shared-prefill", a.shared_prefill), ("--graph-prefill", a.graph_prefill)):
         if value == "both" and not a.alternate:
