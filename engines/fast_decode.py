@@ -141,6 +141,29 @@ def shared_prefill() -> bool:
     return os.environ.get("FAST_DECODE_SHARED_PREFILL", "1") == "1"
 
 
+def graph_prefill() -> bool:
+    """Replay the text prefill from a CUDA graph (_prefill) when the decoder keeps its state;
+    FAST_DECODE_GRAPH_PREFILL=0 prefills eagerly, as before. On by default: W1's rollout in the loop 0.321 against
+    0.332 s, W6's faster in every alternating round, bf16 and fp8, on an H200 (docs/speed.md, "The prefill from a
+    CUDA graph"). Read at each rollout, like shared_prefill."""
+    return os.environ.get("FAST_DECODE_GRAPH_PREFILL", "1") == "1"
+
+
+# a graphed prefill pads its prompts on the left to a multiple of this many columns: each (distinct rows, padded
+# length) pair costs a warm-up prefill and a capture the first time it is seen, so a dataset's prompt lengths, which
+# vary step to step, must fall into few shapes. 64 is the cache length's rounding already (sample: S), so a bucket
+# adds no decode state that the prompt length would not; the extra padding is at most 63 columns per distinct row,
+# which a prefill bound by launching its kernels (16 rows x 64 tokens at W1: docs/speed.md) does not feel
+PREFILL_BUCKET = 64
+PREFILL_GRAPHS = 2   # prefill graphs kept per decode state, like _state's bound: one shape and the next
+# the most tokens (distinct rows x padded length) a graphed prefill forwards; larger ones stay eager. The graph pays
+# where launching the kernels bounds the prefill (W1: 16 x 64 tokens, 0.025 -> 0.008 s); W1's evaluation call (128
+# distinct rows, 8,192 tokens) was bound by the GPU (0.030 s eager, 0.028 replayed), and a graph's private memory pool
+# keeps its activations reserved between rollouts (W1's peak reserved went from 8.7 to 9.4 GiB with both graphs;
+# H200, docs/speed.md)
+PREFILL_GRAPH_TOKENS = 4096
+
+
 def distinct_rows(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     """GRPO's n samples of a prompt are equal rows of ids and mask (engines/builtin.py repeats each prompt n times).
     ids, mask (B, P) -> (ids, mask) of the U distinct rows (U, P) each and each row's distinct row (B,), or None
@@ -172,6 +195,7 @@ def advance(tok: Tensor, logp: Tensor, done: Tensor, completion: Tensor, alive: 
 class FastDecoder(Step, Turns):
     _advance = staticmethod(advance)   # the bookkeeping after sampling; __init__ compiles it with the step
     SHARES_PREFILL = True              # FAST_DECODE_SHARED_PREFILL applies (_prefill); not to GenericDecoder's cache
+    GRAPHS_PREFILL = True              # FAST_DECODE_GRAPH_PREFILL applies (_graphs_prefill); GenericDecoder: eager
 
     def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
                  attention: str = "kernel", keep_cache: bool = False, weights: str = "fused",
@@ -209,6 +233,8 @@ class FastDecoder(Step, Turns):
         # routing replay (engines/moe.py): each token's experts per MoE layer, kept by sample() as last_routes
         self.record_routes, self.last_routes = record_routes and any(s.moe for s in self.arch.layers), None
         self.captured = False   # once warm, a re-capture needs 1 warm-up step, not 3 (measured: docs/speed.md)
+        self.prefill_failed = False   # a prefill's capture failed: the eager prefill from then on (_replay_prefill)
+        self.prefill_graph_eager = False   # tests on the CPU: the graphed prefill's buckets and buffers, run eagerly
 
     def _top_k(self) -> int:
         mlp = next(layer.mlp for layer, s in zip(self.model.model.layers, self.arch.layers) if s.moe)
@@ -341,8 +367,12 @@ class FastDecoder(Step, Turns):
         alive (B, C) bool (1 up to and including EOS), logprobs (B, C) float, done (B,) bool.
         Prompts with pictures (engines/builtin.py): embeds (B, P, H) the prefill's input embeddings (vision.embed),
         positions (B, P) or M-RoPE's (3, B, P) (vision.positions); the decode after them is text only."""
-        B, P = ids.shape
+        B, P0 = ids.shape
         N = sampling.max_new_tokens
+        if self._graphs_prefill(embeds, positions):   # pad to the bucket (PREFILL_BUCKET): few prefill shapes
+            lead = -P0 % PREFILL_BUCKET                # the extra left padding; hidden from every key like the rest
+            ids, mask = F.pad(ids, (lead, 0), value=pad_id), F.pad(mask, (lead, 0), value=0)
+        P = ids.shape[1]
         S = -(-(P + N) // 64) * 64          # round up so that prompts of similar length reuse one graph
         dtype = next(self.model.parameters()).dtype
         self.eos_id, self.pad_id = eos_id, pad_id
@@ -393,13 +423,21 @@ class FastDecoder(Step, Turns):
         clock.lap("decode")
         out = (st["completion"][:, :C], alive[:, :C], st["logprobs"][:, :C], st["done"])
         if st["routes"] is not None:   # (B, P + C, L, k): column j holds the experts of input_ids' column j
-            self.last_routes = torch.stack([r[:, :P + C] for r in st["routes"]], 2).cpu()
+            self.last_routes = torch.stack([r[:, P - P0:P + C] for r in st["routes"]], 2).cpu()   # not the bucket's pad
         if not self.keep_cache:
             self.release()                   # the views above keep only these small buffers alive
         else:
             out = tuple(t.clone() for t in out)   # the next call overwrites kept buffers
         clock.lap("finish")
         return out
+
+    def _graphs_prefill(self, embeds: Tensor | None, positions: Tensor | None) -> bool:
+        """May this rollout's prefill replay a CUDA graph (_prefill: up to PREFILL_GRAPH_TOKENS)? Only when the state
+        is kept (keep_cache: a graph captured for one rollout would cost more than the eager prefill it replaces), on
+        CUDA with graphs, for a text prompt (pictures keep the eager prefill: their embeddings' shape is the
+        picture's), and not after a failed capture."""
+        return (self.GRAPHS_PREFILL and graph_prefill() and (self.use_graph or self.prefill_graph_eager)
+                and self.keep_cache and embeds is None and positions is None and not self.prefill_failed)
 
     def _prefill(self, st: dict, ids: Tensor, mask: Tensor, embeds: Tensor | None,
                  positions: Tensor | None) -> Tensor:
@@ -409,16 +447,28 @@ class FastDecoder(Step, Turns):
         the cache, then its first P slots (K/V, slot positions, recorded routes) and logits are copied to every row that
         shares it: GRPO's n samples per prompt make the prefill n times smaller. Prompts with pictures (embeds,
         positions) keep the per-row prefill: their rows are equal only if their pictures are too, which ids do not
-        show. Multi-turn episodes (engines/fast_turns.py) prefill through feed(), not here: per row as before."""
-        (B, P), S = ids.shape, st["key_ok"].shape[-1]
-        for r in st["routes"] or []:
-            r.fill_(-1)
+        show. Multi-turn episodes (engines/fast_turns.py) prefill through feed(), not here: per row as before.
+        With the graphed prefill (_graphs_prefill) all of this after finding the distinct rows is one graph replay."""
         share = self.SHARES_PREFILL and embeds is None and positions is None and shared_prefill()
         found = distinct_rows(ids, mask) if share else None
-        if found is None:
-            logits = self._prefill_rows(st, ids, mask, embeds, positions)
+        u_ids, u_mask, inverse = (ids, mask, None) if found is None else found
+        if self._graphs_prefill(embeds, positions) and u_ids.numel() <= PREFILL_GRAPH_TOKENS:
+            logits = self._replay_prefill(st, u_ids, u_mask, inverse, mask)
+            if logits is not None:
+                return logits
+        return self._prefill_body(st, u_ids, u_mask, inverse, mask, embeds, positions)
+
+    def _prefill_body(self, st: dict, u_ids: Tensor, u_mask: Tensor, inverse: Tensor | None, mask: Tensor,
+                      embeds: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
+        """_prefill's work on its rows: u_ids, u_mask (U, P) forwarded into the first U rows of the cache, then (inverse
+        (B,): each row's distinct row, None when U = B rows are all forwarded) fanned out to the B rows; the key mask
+        and positions from mask (B, P); -> logits (B, V). Device work only (no host sync): a graph can hold it."""
+        (B, P), S = mask.shape, st["key_ok"].shape[-1]
+        for r in st["routes"] or []:
+            r.fill_(-1)
+        if inverse is None:
+            logits = self._prefill_rows(st, u_ids, u_mask, embeds, positions)
         else:
-            u_ids, u_mask, inverse = found
             logits = self._prefill_rows(st, u_ids, u_mask, None, None).index_select(0, inverse)   # (B, V)
             U = u_ids.shape[0]
             spread = lambda t: t[:, :P].copy_(t[:U, :P].index_select(0, inverse))   # slots dim 1 of (B, S, ...)
@@ -427,7 +477,7 @@ class FastDecoder(Step, Turns):
             spread(st["kpos"])                                                     # (B, S)
             for r in st["routes"] or []:                                           # (B, S, k)
                 spread(r)
-        real = torch.zeros(B, S, dtype=torch.bool, device=ids.device)
+        real = torch.zeros(B, S, dtype=torch.bool, device=mask.device)
         real[:, :P] = mask.bool()
         st["key_ok"].copy_(real[:, None, None])
         # the decode's positions go on from one past each row's largest (M-RoPE: past the picture's grid, not its
@@ -435,6 +485,50 @@ class FastDecoder(Step, Turns):
         st["pos"].copy_(mask.sum(-1, keepdim=True) if positions is None
                         else positions.reshape(-1, B, P).amax(dim=(0, 2))[:, None] + 1)
         return logits
+
+    def _replay_prefill(self, st: dict, u_ids: Tensor, u_mask: Tensor, inverse: Tensor | None,
+                        mask: Tensor) -> Tensor | None:
+        """_prefill_body from a CUDA graph of this state, one per (U, P, shared) shape (PREFILL_GRAPHS kept): at 16
+        distinct rows the eager prefill is bound by launching 24 layers of small kernels (docs/speed.md). The inputs
+        are copied into the graph's own buffers, the outputs (cache rows, kpos, key_ok, pos, routes) are st's own
+        buffers, the logits the graph's. A new shape costs one eager warm-up (whose result is thrown away) and a
+        capture, then a replay; a failed capture (e.g. a host sync in some prefill path) prints one line and leaves
+        the eager prefill for the rest of the run (None: the caller prefills eagerly)."""
+        graphs = st.setdefault("prefills", {})
+        key = (*u_ids.shape, inverse is not None)
+        g = graphs.get(key)
+        if g is None:
+            if len(graphs) >= PREFILL_GRAPHS:
+                graphs.pop(next(iter(graphs)))
+            g = {"ids": u_ids.clone(), "u_mask": u_mask.clone(), "mask": mask.clone(),
+                 "inverse": None if inverse is None else inverse.clone()}
+            if not self.use_graph:                # prefill_graph_eager (tests): each replay runs the body on g's
+                g["logits"] = None
+                g["replay"] = lambda: g.update(logits=self._prefill_body(st, g["ids"], g["u_mask"], g["inverse"],
+                                                                         g["mask"]))
+            else:
+                try:
+                    s = torch.cuda.Stream()      # warm up on a side stream (cuBLAS handles, sdpa's choice), as _record
+                    s.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(s):
+                        self._prefill_body(st, g["ids"], g["u_mask"], g["inverse"], g["mask"])
+                    torch.cuda.current_stream().wait_stream(s)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        g["logits"] = self._prefill_body(st, g["ids"], g["u_mask"], g["inverse"], g["mask"])
+                    g["replay"] = graph.replay
+                except Exception as e:
+                    print(f"fast_decode: capturing the prefill failed ({type(e).__name__}: "
+                          f"{(str(e).splitlines() or [''])[0][:200]}); the eager prefill from now on", file=sys.stderr)
+                    self.prefill_failed = True
+                    torch.cuda.synchronize()
+                    return None
+            graphs[key] = g
+        for name, t in (("ids", u_ids), ("u_mask", u_mask), ("mask", mask), ("inverse", inverse)):
+            if t is not None:
+                g[name].copy_(t)
+        g["replay"]()
+        return g["logits"]
 
     def _prefill_rows(self, st: dict, ids: Tensor, mask: Tensor, embeds: Tensor | None,
                       positions: Tensor | None) -> Tensor:

@@ -123,6 +123,7 @@ def why_not_attention(model) -> str | None:
 
 class GenericDecoder(FastDecoder):
     SHARES_PREFILL = False   # its cache is one transformers StaticCache, whose rows are not views to prefill apart
+    GRAPHS_PREFILL = False   # its prefill runs the model's own forward, whose host work a graph may not hold: eager
     def __init__(self, model, use_graph: bool | None = None, compile: bool | None = None, check_every: int = 16,
                  keep_cache: bool = False, backend: str = "inductor", attention: str = "kernel", **_):
         if attention not in ROUTES:

@@ -8,7 +8,7 @@ import torch
 from engines.base import SamplingParams
 from engines.builtin import BuiltinEngine
 from engines.fast_decode import FastDecoder, distinct_rows
-from tests.test_architectures import EOS, PAD, prompts as family_prompts, tiny_model
+from tests.test_architectures import EOS, PAD, VOCAB, prompts as family_prompts, tiny_model
 
 
 def rollouts(model, prompt_ids, n, monkeypatch, routing_replay=False, top_p=1.0):
@@ -74,3 +74,135 @@ def test_distinct_rows():
     assert torch.equal(u_ids[inverse], ids) and torch.equal(u_mask[inverse], mask)
     assert inverse[0] == inverse[2] and len(set(inverse.tolist())) == 3
     assert distinct_rows(ids[:2], mask[:2]) is None                    # all distinct: today's prefill
+
+
+# --- FAST_DECODE_GRAPH_PREFILL=1 (engines/fast_decode.py: _replay_prefill): the prefill replayed from a CUDA graph of
+# its (distinct rows, bucketed prompt length) shape, when the decoder keeps its state ---------------------------------
+
+def graph_rollouts(model, prompt_sets, n, monkeypatch, on: bool, use_graph: bool = False, routing_replay=False,
+                   bucket: int | None = None):
+    """One kept decoder's seeded rollouts of each prompt set in turn, with the graphed prefill on or off (use_graph
+    False: its buffers and buckets with each replay run eagerly, prefill_graph_eager); -> (rollouts, decoder)."""
+    import engines.fast_decode as fast_decode
+    monkeypatch.setenv("FAST_DECODE_GRAPH_PREFILL", "1" if on else "0")
+    if bucket:
+        monkeypatch.setattr(fast_decode, "PREFILL_BUCKET", bucket)
+    # on a GPU graphed, not compiled: the prefill is eager code either way, and compiling four tiny decoders would
+    # take most of the test's time
+    dec = FastDecoder(model, use_graph=use_graph, compile=False, keep_cache=True, record_routes=routing_replay)
+    dec.prefill_graph_eager = not use_graph
+    engine = BuiltinEngine(model, EOS, PAD, fast=True, routing_replay=routing_replay, keep_cache=True)
+    engine.decoder = dec
+    out = [engine.generate(p, n, SamplingParams(top_p=1.0, max_new_tokens=10), torch.Generator().manual_seed(0))
+           for p in prompt_sets]
+    return out, dec
+
+
+def prefill_graphs(dec) -> list:
+    """The (rows, padded prompt length, shared) keys of the prefill graphs the decoder's states hold."""
+    return [k for st in dec.states.values() for k in st.get("prefills", {})]
+
+
+def same_routes(a, b):
+    assert (a.routes is None) == (b.routes is None)
+    if a.routes is not None:
+        assert torch.equal(a.routes, b.routes)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])    # mistral: a sliding window (slot positions)
+def test_bucketed_prefill_samples_what_the_plain_prefill_samples(family, monkeypatch):
+    """The graphed prefill's route on the CPU (its replay run eagerly): prompts padded on the left to a bucket
+    (PREFILL_BUCKET 4 here, so 7 and 5 tokens become 8, 3 becomes 4) sample the unpadded rollout's tokens with its
+    log-probs, over repeated prompts, a batch with no repeats (no fan-out) and a second call of one shape (the kept
+    graph's buffers take the new inputs). Log-probs within 1e-5 and not exactly: longer padding changes the rows the
+    CPU's GEMMs and attention sum over (same's reason)."""
+    model = tiny_model(family)
+    p = family_prompts()
+    sets = [p, p, p[:1], p[1:], p[::-1]]          # P 7, 7, 3 (bucket 4), 7, 7 with the rows in another order
+    for n in (4, 1):
+        off, _ = graph_rollouts(model, sets, n, monkeypatch, on=False)
+        on, dec = graph_rollouts(model, sets, n, monkeypatch, on=True, bucket=4)
+        for a, b in zip(off, on):
+            same(a, b)
+        shared = n > 1
+        # three shapes (3, 8), (1, 4), (2, 8) (U for n = 4; B = U rows for n = 1): two kept (PREFILL_GRAPHS)
+        assert sorted(prefill_graphs(dec)) == [(1, 4, shared), (2, 8, shared)] or \
+            sorted(prefill_graphs(dec)) == [(2, 8, shared), (3, 8, shared)], prefill_graphs(dec)
+        assert dec.states, "the state is kept (keep_cache)"
+
+
+def test_bucketed_prefill_records_the_same_routes(monkeypatch):
+    """Routing replay on a tiny qwen3_moe with the graphed prefill's route: the routes come back without the bucket's
+    extra padding columns, equal to the plain prefill's."""
+    model = tiny_model("qwen3_moe", seed=5)
+    sets = [family_prompts(), family_prompts(seed=2)]
+    off, _ = graph_rollouts(model, sets, 3, monkeypatch, on=False, routing_replay=True)
+    on, dec = graph_rollouts(model, sets, 3, monkeypatch, on=True, routing_replay=True, bucket=16)
+    for a, b in zip(off, on):
+        same(a, b)
+        assert a.routes.shape == b.routes.shape and a.routes.shape[1] == a.input_ids.shape[1]
+        same_routes(a, b)
+    assert prefill_graphs(dec) == [(3, 16, True)]
+
+
+def test_graphed_prefill_needs_a_kept_state(monkeypatch):
+    """Without keep_cache the prefill stays eager and unpadded (a graph per rollout would cost more than it saves);
+    pictures and the generic decoder keep it too (_graphs_prefill). On unless FAST_DECODE_GRAPH_PREFILL=0."""
+    from engines.generic_decode import GenericDecoder
+    monkeypatch.delenv("FAST_DECODE_GRAPH_PREFILL", raising=False)
+    model = tiny_model("qwen2")
+    dec = FastDecoder(model, use_graph=False)
+    dec.prefill_graph_eager = True
+    assert not dec._graphs_prefill(None, None)
+    dec.keep_cache = True
+    assert dec._graphs_prefill(None, None)
+    assert not dec._graphs_prefill(torch.zeros(1), None)
+    assert not FastDecoder(model, use_graph=False, keep_cache=True)._graphs_prefill(None, None)   # the CPU: no graphs
+    generic = GenericDecoder(model, use_graph=False, keep_cache=True)
+    generic.prefill_graph_eager = True
+    assert not generic._graphs_prefill(None, None)
+    monkeypatch.setenv("FAST_DECODE_GRAPH_PREFILL", "0")
+    assert not dec._graphs_prefill(None, None)
+
+
+def test_large_prefills_stay_eager(monkeypatch):
+    """A prefill of more than PREFILL_GRAPH_TOKENS tokens (distinct rows x bucketed length) runs eagerly: no graph
+    is kept for it, and it samples what the plain prefill samples."""
+    import engines.fast_decode as fast_decode
+    monkeypatch.setattr(fast_decode, "PREFILL_GRAPH_TOKENS", 20)
+    model = tiny_model("qwen2")
+    p = family_prompts()
+    sets = [p[:2], p]                                    # 2 x 8 tokens: graphed; 3 x 8: eager (bucket 4)
+    off, _ = graph_rollouts(model, sets, 2, monkeypatch, on=False)
+    on, dec = graph_rollouts(model, sets, 2, monkeypatch, on=True, bucket=4)
+    for a, b in zip(off, on):
+        same(a, b)
+    assert prefill_graphs(dec) == [(2, 8, True)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_gpu_graphed_prefill_samples_what_the_eager_prefill_samples(family, monkeypatch):
+    """On a GPU, graphed: a kept decoder with the prefill replayed from CUDA graphs samples what one with
+    the eager prefill samples, over two calls of one shape (the second replays the graph it captured), a second
+    prompt length in another bucket (a new capture) and, qwen3_moe, with routing replay (the routes written inside
+    the graph). Float32 models: the bucket's extra padding changes the sums' order in the last bits only; log-probs
+    within 2e-3 (TF32 matmuls, as _gpu_check), tokens exactly (a gap that size cannot flip these peaked tiny models)."""
+    import engines.fast_decode as fast_decode
+    model = tiny_model(family, seed=5).cuda()
+    g = torch.Generator().manual_seed(3)
+    long = [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (70, 66)]   # bucket 128, not 64
+    sets = [family_prompts(), family_prompts(), long]
+    replay = family == "qwen3_moe"
+    sampler, fast_decode.SAMPLER = fast_decode.SAMPLER, "gumbel"     # as test_architectures' _gpu_check
+    try:
+        off, _ = graph_rollouts(model, sets, 4, monkeypatch, on=False, use_graph=True, routing_replay=replay)
+        on, dec = graph_rollouts(model, sets, 4, monkeypatch, on=True, use_graph=True, routing_replay=replay)
+    finally:
+        fast_decode.SAMPLER = sampler
+    assert not dec.prefill_failed, "the prefill's capture failed: see stderr"
+    assert sorted(prefill_graphs(dec)) == [(2, 128, True), (3, 64, True)]
+    for a, b in zip(off, on):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.completion_mask, b.completion_mask)
+        assert torch.allclose(a.logprobs, b.logprobs, atol=2e-3, rtol=0), (a.logprobs - b.logprobs).abs().max()
+        same_routes(a, b)

@@ -15,10 +15,12 @@ EOS id lies outside the model's vocabulary, so every completion runs to full len
 Parts, each in its own process (clean peak-memory counters):
   ours    train.main itself (the real loop) for 1 warm-up + N measured steps; the split comes from its
           metrics.jsonl (time/rollout, time/reward, time/logprobs, time/update, time/sync; with several GPUs
-          rank 0's). One run per --ours variant MICRO[:ckpt][:compile][:fused][:hf][:rep][:keepF][:kcX][:spX]
+          rank 0's). One run per --ours variant MICRO[:ckpt][:compile][:fused][:hf][:rep][:keepF][:kcX][:spX][:gpX]
           (micro_batch_size, grad_checkpointing, compile, fused_loss; hf = compiled_recompute=false: transformers'
           checkpoint wrapper; rep = parallel=replicate under torchrun; keepF = activation_budget=F, e.g. keep0.5;
-          kcX = engine_keep_cache=X, e.g. kcfalse; spX = FAST_DECODE_SHARED_PREFILL=X, sp0 the per-row prefill)
+          kcX = engine_keep_cache=X, e.g. kcfalse; spX = FAST_DECODE_SHARED_PREFILL=X, sp0 the per-row prefill;
+          gpX = FAST_DECODE_GRAPH_PREFILL=X, gp0 the eager prefill; the default replays it from a CUDA graph when
+          the state is kept)
           and per --gpus count (above 1: under torchrun, FSDP2 unless rep, N shares of the batch). With
           FAST_DECODE_TIMES=1 each part's log holds every rollout's split (engines/fast_decode.py: Clock)
   engine  the built-in engine alone on the same batch: fast path (graph + compile) with each attention, with the
@@ -71,8 +73,9 @@ if __name__ != "__main__":
 # --- parts -------------------------------------------------------------------------------------------
 def part_ours(a) -> dict:
     import train
-    if flag(a.variant, "sp"):   # this part's process only: read by the decoder at each rollout
-        os.environ["FAST_DECODE_SHARED_PREFILL"] = flag(a.variant, "sp")
+    for name, env in (("sp", "FAST_DECODE_SHARED_PREFILL"), ("gp", "FAST_DECODE_GRAPH_PREFILL")):
+        if flag(a.variant, name):   # this part's process only: read by the decoder at each rollout
+            os.environ[env] = flag(a.variant, name)
     run_dir = os.path.join(a.tmp, f"ours-{a.variant.replace(':', '-')}-np{a.gpus}")   # its own: a reused one resumes
     argv = [f"model={a.model}", "task=bench_random", "rewards=bench_cheap", f"steps={a.steps + 1}",
             f"prompts_per_step={W['prompts']}", f"samples_per_prompt={W['samples']}", f"max_new_tokens={W['new']}",
@@ -272,7 +275,8 @@ def describe(variant: str) -> str:
             + (", parallel=replicate" if "rep" in flags else "")
             + (f", activation_budget={keep(variant)}" if keep(variant) != "0" else "")
             + (f", engine_keep_cache={flag(variant, 'kc')}" if flag(variant, "kc") else "")
-            + (f", FAST_DECODE_SHARED_PREFILL={flag(variant, 'sp')}" if flag(variant, "sp") else ""))
+            + (f", FAST_DECODE_SHARED_PREFILL={flag(variant, 'sp')}" if flag(variant, "sp") else "")
+            + (f", FAST_DECODE_GRAPH_PREFILL={flag(variant, 'gp')}" if flag(variant, "gp") else ""))
 
 
 def table(results: dict, a) -> str:
@@ -341,9 +345,10 @@ def main():
     p.add_argument("--trl-ckpt", action="store_true", help="also run TRL with gradient checkpointing")
     p.add_argument("--steps", type=int, default=4, help="measured steps (after one warm-up step)")
     p.add_argument("--ours", default="128:ckpt:compile,32:ckpt:compile",
-                   help="comma list of variants MICRO[:ckpt][:compile][:fused][:hf][:rep][:keepF][:kcX][:spX]: "
+                   help="comma list of variants MICRO[:ckpt][:compile][:fused][:hf][:rep][:keepF][:kcX][:spX][:gpX]: "
                         "micro_batch_size, grad_checkpointing, compile, fused_loss, compiled_recompute=false, "
-                        "parallel=replicate, activation_budget=F, engine_keep_cache=X, FAST_DECODE_SHARED_PREFILL=X "
+                        "parallel=replicate, activation_budget=F, engine_keep_cache=X, FAST_DECODE_SHARED_PREFILL=X, "
+                        "FAST_DECODE_GRAPH_PREFILL=X "
                         "(default: W1's headline, one pass over its 128 samples, then the setting within TRL's "
                         "checkpointed memory)")
     p.add_argument("--micro", default="16", help=argparse.SUPPRESS)      # internal: one variant's parts

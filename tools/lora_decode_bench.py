@@ -7,6 +7,8 @@ GPU, one command (#22, #38):
     python tools/lora_decode_bench.py --small --out /tmp/ld          # CPU smoke run (toy shape, eager, no graph)
     python tools/lora_decode_bench.py --out $OUT/sp --variants addmm,fp8 --repeats 2 --alternate --shared-prefill both
                                         # each variant with FAST_DECODE_SHARED_PREFILL off and on, in the same rounds
+    python tools/lora_decode_bench.py --out $OUT/gp --variants addmm,fp8 --repeats 2 --alternate --graph-prefill both
+                                        # each variant's kept decoder with FAST_DECODE_GRAPH_PREFILL off and on
 
 A random Qwen2 at W6's shape (tools/bench.py SHAPES, bf16, built in memory), peft LoRA r=16 alpha 32 on every
 linear layer with B random (peft starts it at zero), 8 x 8 prompts of 64 random tokens, 256 new tokens at
@@ -30,7 +32,11 @@ copy), and of reserved memory. The 64 rows are 8 prompts repeated 8 times, as tr
 2026-11-28's shared prefill, 64 distinct prompts: only the prefill tells them apart). --shared-prefill sets
 FAST_DECODE_SHARED_PREFILL for every rollout: on (1, the default), off (0: every row prefilled) or both (needs
 --alternate: each variant with 0 and 1 in the same rounds, their order swapped each round; the rows with 1 are
-named "<variant> +shared prefill").
+named "<variant> +shared prefill"). --graph-prefill sets FAST_DECODE_GRAPH_PREFILL the same way ("<variant> +graph
+prefill" rows), and when not off every decoder keeps its state between rollouts (keep_cache, which the graphed
+prefill needs), in both modes, so the pair differs in the prefill only; off (the tool's default, as before this
+switch) frees the state after each rollout, where the engine never graphs the prefill. One of the two switches may
+be both.
 Writes OUT/lora_decode.json and OUT/lora_decode.md.
 """
 import argparse
@@ -170,12 +176,24 @@ def main():
     p.add_argument("--shared-prefill", default="on", choices=("off", "on", "both"),
                    help="FAST_DECODE_SHARED_PREFILL for the rollouts (on: the default route); both: each variant "
                         "with it off and on, in the same rounds (needs --alternate)")
+    p.add_argument("--graph-prefill", default="off", choices=("off", "on", "both"),
+                   help="FAST_DECODE_GRAPH_PREFILL for the rollouts; not off: the decoders keep their state "
+                        "(keep_cache, which the graphed prefill needs); off: they free it after each rollout, as "
+                        "before; both: each variant with it off and on, in the same rounds (needs --alternate)")
     a = p.parse_args()
-    if a.shared_prefill == "both" and not a.alternate:
-        p.error("--shared-prefill both times the two in the same rounds: add --alternate")
-    modes = {"off": ["0"], "on": ["1"], "both": ["0", "1"]}[a.shared_prefill]
-    env_before = os.environ.get("FAST_DECODE_SHARED_PREFILL")
-    os.environ["FAST_DECODE_SHARED_PREFILL"] = modes[-1]   # warm-up and the one-pass route: the last mode
+    for opt_name, value in (("--shared-prefill", a.shared_prefill), ("--graph-prefill", a.graph_prefill)):
+        if value == "both" and not a.alternate:
+            p.error(f"{opt_name} both times the two in the same rounds: add --alternate")
+    if a.shared_prefill == a.graph_prefill == "both":
+        p.error("--shared-prefill and --graph-prefill: one of them may be both, not the two")
+    values = {"off": ["0"], "on": ["1"], "both": ["0", "1"]}
+    # the switch the rounds alternate (the other one fixed): its variable, its rows' suffix, its values
+    env, label, modes = (("FAST_DECODE_GRAPH_PREFILL", "+graph prefill", values[a.graph_prefill])
+                         if a.graph_prefill == "both" else
+                         ("FAST_DECODE_SHARED_PREFILL", "+shared prefill", values[a.shared_prefill]))
+    envs_before = {k: os.environ.get(k) for k in ("FAST_DECODE_SHARED_PREFILL", "FAST_DECODE_GRAPH_PREFILL")}
+    os.environ["FAST_DECODE_SHARED_PREFILL"] = values[a.shared_prefill][-1]
+    os.environ["FAST_DECODE_GRAPH_PREFILL"] = values[a.graph_prefill][-1]   # warm-up and the one-pass route: the last
     start = time.perf_counter()
     os.makedirs(a.out, exist_ok=True)
     from engines.base import SamplingParams
@@ -207,7 +225,8 @@ def main():
         mem = lambda: (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)) if gpu else (0, 0)
         before, t0 = mem(), time.perf_counter()
         settle(v)
-        dec = FastDecoder(model, weights=v[1], use_graph=gpu, compile=gpu)     # in_place + PACK: packs here
+        dec = FastDecoder(model, weights=v[1], use_graph=gpu, compile=gpu,    # in_place + PACK: packs here
+                          keep_cache=a.graph_prefill != "off")
         peaks = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)) if gpu else (0, 0)
         built = {"build_s": time.perf_counter() - t0, "build_peak_over_model_gib": (peaks[0] - before[0]) / GIB,
                  "build_reserved_peak_over_before_gib": (peaks[1] - before[1]) / GIB,
@@ -236,9 +255,9 @@ def main():
     for r in range(a.repeats if warm else 0):                   # --alternate: one rollout of each per round
         for (name, (dec, v)), mode in [(w, m) for w in warm.items() for m in (modes if r % 2 == 0 else modes[::-1])]:
             settle(v)
-            os.environ["FAST_DECODE_SHARED_PREFILL"] = mode
+            os.environ[env] = mode
             if mode == "1" and len(modes) > 1:
-                name = f"{name} +shared prefill"
+                name = f"{name} {label}"
                 same = {k: x for k, x in res["variants"][name.split(" +")[0]].items() if k != "median_s"}  # its build
                 res["variants"].setdefault(name, {**same, "times_s": []})
             try:
@@ -256,10 +275,11 @@ def main():
               flush=True)                                       # the ratios so far
     for name, out in last.items():
         res["variants"][name].update(gap_row(model, ids, out))
-    if env_before is None:
-        os.environ.pop("FAST_DECODE_SHARED_PREFILL")
-    else:
-        os.environ["FAST_DECODE_SHARED_PREFILL"] = env_before
+    for k, before in envs_before.items():
+        if before is None:
+            os.environ.pop(k)
+        else:
+            os.environ[k] = before
     write(res, a.out)
 
 
@@ -293,9 +313,9 @@ def write(res: dict, out: str, quiet: bool = False):
     has = lambda n: n in v and "median_s" in v[n]
     fp8s = ("fp8", "fp8 scaled_mm", "fp8 torch-refresh", "fp8_all")
     lines += [ratio(n, base) for n in fp8s if base and has(n) and has(base)]
-    sp = " +shared prefill"
-    lines += [ratio(n + sp, base + sp) for n in fp8s if base and has(n + sp) and has(base + sp)]
-    lines += [ratio(n, n[:-len(sp)]) for n in v if n.endswith(sp) and has(n) and has(n[:-len(sp)])]
+    for sp in (" +shared prefill", " +graph prefill"):    # the rows of --shared-prefill both, --graph-prefill both
+        lines += [ratio(n + sp, base + sp) for n in fp8s if base and has(n + sp) and has(base + sp)]
+        lines += [ratio(n, n[:-len(sp)]) for n in v if n.endswith(sp) and has(n) and has(n[:-len(sp)])]
     lines += [f"\n{n}: failed: {e}" for n, e in res["errors"].items()]
     with open(os.path.join(out, "lora_decode.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
