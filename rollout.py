@@ -89,8 +89,10 @@ def decode(tok, rollout) -> list[str]:
     """The completions as text, each cut at its own length (EOS included, padding not)."""
     C = rollout.completion_mask.shape[1]
     ids = rollout.input_ids[:, -C:]
-    lengths = rollout.completion_mask.sum(-1).long()
-    return [tok.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(ids, lengths)]
+    lengths = rollout.completion_mask.sum(-1).long().tolist()
+    # each row as a tensor: transformers' decode type-checks a list's every id in Python (to_py_obj), a tensor in one
+    # .tolist(): 128 x 256 ids took ~5.5 against ~12 ms on a CPU, the same texts
+    return [tok.decode(row[:n], skip_special_tokens=True) for row, n in zip(ids, lengths)]
 
 
 def submit_rewards(pool, samples: list[dict], completions: list[str], rollout=None, tok=None):
