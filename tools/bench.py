@@ -344,7 +344,7 @@ def main():
     p.add_argument("--lora", type=int, default=0, help="TRL's LoRA rank (peft, all linear layers); 0 = full fine-tune")
     p.add_argument("--trl-ckpt", action="store_true", help="also run TRL with gradient checkpointing")
     p.add_argument("--steps", type=int, default=4, help="measured steps (after one warm-up step)")
-    p.add_argument("--ours", default="128:ckpt:compile,32:ckpt:compile",
+    p.add_argument("--ours", default="128:ckpt:compile,32:ckpt:compile:kcfalse",   # 32: TRL's checkpointed memory
                    help="comma list of variants MICRO[:ckpt][:compile][:fused][:hf][:rep][:keepF][:kcX][:spX][:gpX]: "
                         "micro_batch_size, grad_checkpointing, compile, fused_loss, compiled_recompute=false, "
                         "parallel=replicate, activation_budget=F, engine_keep_cache=X, FAST_DECODE_SHARED_PREFILL=X, "
