@@ -1,4 +1,4 @@
-"""FAST_DECODE_SHARED_PREFILL=1 (engines/fast_decode.py: _prefill): each distinct prompt row is prefilled once and
+"""FAST_DECODE_SHARED_PREFILL=1 (engines/fast_prefill.py: _prefill): each distinct prompt row is prefilled once and
 copied to the rows that share it. On the CPU (eager, no graph) a rollout with it on must equal one with it off:
 the same tokens, log-probs and recorded MoE routes, for repeated prompts of different lengths (left padding), for a
 batch with no repeats and for a batch of one prompt."""
@@ -7,7 +7,8 @@ import torch
 
 from engines.base import SamplingParams
 from engines.builtin import BuiltinEngine
-from engines.fast_decode import FastDecoder, distinct_rows
+from engines.fast_decode import FastDecoder
+from engines.fast_prefill import distinct_rows
 from tests.test_architectures import EOS, PAD, VOCAB, prompts as family_prompts, tiny_model
 
 
@@ -76,7 +77,7 @@ def test_distinct_rows():
     assert distinct_rows(ids[:2], mask[:2]) is None                    # all distinct: today's prefill
 
 
-# --- FAST_DECODE_GRAPH_PREFILL=1 (engines/fast_decode.py: _replay_prefill): the prefill replayed from a CUDA graph of
+# --- FAST_DECODE_GRAPH_PREFILL=1 (engines/fast_prefill.py: _replay_prefill): the prefill replayed from a CUDA graph of
 # its (distinct rows, bucketed prompt length) shape, when the decoder keeps its state ---------------------------------
 
 def graph_rollouts(model, prompt_sets, n, monkeypatch, on: bool, use_graph: bool = False, routing_replay=False,
@@ -168,8 +169,8 @@ def test_graphed_prefill_needs_a_kept_state(monkeypatch):
 def test_large_prefills_stay_eager(monkeypatch):
     """A prefill of more than PREFILL_GRAPH_TOKENS tokens (distinct rows x bucketed length) runs eagerly: no graph
     is kept for it, and it samples what the plain prefill samples."""
-    import engines.fast_decode as fast_decode
-    monkeypatch.setattr(fast_decode, "PREFILL_GRAPH_TOKENS", 20)
+    import engines.fast_prefill as fast_prefill
+    monkeypatch.setattr(fast_prefill, "PREFILL_GRAPH_TOKENS", 20)
     model = tiny_model("qwen2")
     p = family_prompts()
     sets = [p[:2], p]                                    # 2 x 8 tokens: graphed; 3 x 8: eager (bucket 4)
