@@ -49,9 +49,8 @@ def _cache_of(out):
 # engine_keep_cache=auto keeps the decoder's state when it is at most this share of the GPU's memory. Every rollout
 # allocates the state anyway; keeping it adds it to the update's peak only. So 5%: only an update already within 5%
 # of the card could be pushed over by it (a run that close should set memory_budget_gib, under which auto never
-# keeps, as the budget's plan counts the update without it), while W1's state (~1.7 GiB with its evaluation shape,
-# state_bytes; 0.8 GiB more at the update's peak, measured on an H200) is kept on a 40 GB card and up; W6's (7B LoRA:
-# 14.5-17 GiB, mostly fused copies of every adapted group) is 10-12% of an H200 and is freed for the update, as before.
+# keeps, as the budget's plan counts the update without it). A 0.5B model's state is kept, a 7B LoRA's fused copies
+# are not (what each weighs: docs/speed.md, "Shared-prompt prefill")
 KEEP_SHARE = 0.05
 
 
@@ -131,8 +130,8 @@ class BuiltinEngine:
         was_training = model.training
         model.eval()
         clock = Clock(device)   # FAST_DECODE_TIMES=1: the host's work around the decoder too
-        # each prompt padded once on the host, its n rows made on the device: padding all B rows in Python took
-        # ~4 ms of a W1 rollout (H200, docs/speed.md "Shared-prompt prefill"); the same tensors
+        # each prompt padded once on the host, its n rows made on the device (the same tensors): padding all B rows
+        # in Python was most of a rollout's host padding (docs/speed.md, "Shared-prompt prefill")
         ids, mask = left_pad(prompts, self.pad_id)                                # (G, P)
         ids, mask = ids.to(device).repeat_interleave(n, 0), mask.to(device).repeat_interleave(n, 0)   # (B, P)
         clock.lap("pad")

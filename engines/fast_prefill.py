@@ -20,23 +20,22 @@ from engines.families import mrope_rotation
 
 def shared_prefill() -> bool:
     """Prefill each distinct prompt row once (_prefill); FAST_DECODE_SHARED_PREFILL=0 forwards every row, as before.
-    On by default: faster in W1's loop and in W6's rollout on an H200 (docs/speed.md, "Shared-prompt prefill").
+    On by default: measured faster in W1's loop and W6's rollout (docs/speed.md, "Shared-prompt prefill").
     Read at each rollout, so a tool can alternate it between rollouts of one decoder."""
     return os.environ.get("FAST_DECODE_SHARED_PREFILL", "1") == "1"
 
 
 def graph_prefill() -> bool:
     """Replay the text prefill from a CUDA graph (_prefill) when the decoder keeps its state;
-    FAST_DECODE_GRAPH_PREFILL=0 prefills eagerly, as before. On by default: W1's rollout in the loop 0.321 against
-    0.332 s, W6's faster in every alternating round, bf16 and fp8, on an H200 (docs/speed.md, "The prefill from a
-    CUDA graph"). Read at each rollout, like shared_prefill."""
+    FAST_DECODE_GRAPH_PREFILL=0 prefills eagerly, as before. On by default: measured faster in W1's loop and W6's
+    rollout (docs/speed.md, "The prefill from a CUDA graph"). Read at each rollout, like shared_prefill."""
     return os.environ.get("FAST_DECODE_GRAPH_PREFILL", "1") == "1"
 
 
 PREFILL_GRAPHS = 2   # prefill graphs kept per decode state, like _state's bound: one shape and the next
-# the most tokens (distinct rows x padded length) a graphed prefill forwards, larger ones eager: it pays where launches
-# bound the prefill (W1 16 x 64: 0.025 -> 0.008 s), not at W1's GPU-bound 8,192-token evaluation (0.030 -> 0.028 s),
-# whose graph pool kept its activations reserved (peak reserved 8.7 -> 9.4 GiB; H200, docs/speed.md)
+# the most tokens (distinct rows x padded length) a graphed prefill forwards, larger ones eager: a graph pays where
+# launching kernels bounds the prefill (few distinct rows), not where the GPU does, and its private pool keeps the
+# prefill's activations reserved between rollouts (measured: docs/speed.md, "The prefill from a CUDA graph")
 PREFILL_GRAPH_TOKENS = 4096
 
 

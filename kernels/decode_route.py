@@ -26,10 +26,9 @@ from kernels.logprob import HAS_TRITON
 
 # the kernel holds N x E probabilities in one program; engines/moe.py sends larger routings (a prefill) to torch
 MAX_TOKENS = 512
-# the program's warps; 0 (the default) picks by size: 4 below 128 tokens, else 8. At W10's decode batch (128
-# tokens) 8 warps ran the routing 1.0-1.4 us faster per layer in a CUDA graph than 4, and qwen3_moe's W10 rollout
-# 0.2937 against 0.2984 s, faster in 4 of 4 interleaved rounds (docs/architectures.md, "Busy experts in bigger
-# blocks, the routing over several programs"); smaller batches keep 4 (not timed)
+# the program's warps; 0 (the default) picks by size: 4 below 128 tokens, else 8, which timed faster than 4 at W10's
+# decode batch, alone and in qwen3_moe rollouts (docs/architectures.md, "Busy experts in bigger blocks, the routing
+# over several programs"); smaller batches keep 4 (not timed)
 WARPS = int(os.environ.get("FAST_DECODE_ROUTE_WARPS", "0"))
 if WARPS not in (0, 1, 2, 4, 8, 16, 32):
     raise ValueError(f"FAST_DECODE_ROUTE_WARPS must be 0 (by size) or a power of two up to 32, got {WARPS}")
