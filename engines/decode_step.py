@@ -54,12 +54,14 @@ class Step:
 
     def _forward(self, ids: Tensor, pos: Tensor, slots: Tensor, key_ok: Tensor, ks: list[Tensor], vs: list[Tensor],
                  cos: Tensor, sin: Tensor, kpos: Tensor | None = None, routes: list | None = None,
-                 embeds: Tensor | None = None) -> Tensor:
+                 share: tuple | None = None, embeds: Tensor | None = None) -> Tensor:
         """ids, pos (B, T); writes these T tokens' K/V at cache slots (T,), or (B, T) per row, of ks, vs (per layer
         (B, nkv, S, D)); key_ok (B, 1, T, S) says which slots each query may see; cos, sin (R, S, D) rotary tables,
         a row per kind of layer (or (S, D): one); kpos (B, S): each slot's position, updated here (needed only
         for sliding windows); routes: per MoE layer a (B, S, k) buffer that gets each token's experts at its slot
-        (routing replay); embeds (B, T, H): input embeddings in place of the ids' (a prefill with pictures).
+        (routing replay); share (src (B,), shared (1,)): a decode step's rows read their slots below shared from row
+        src's copy (kernels/decode_attention.py; the shared prefill sets them); embeds (B, T, H): input embeddings in
+        place of the ids' (a prefill with pictures).
         Returns the last token's logits (B, V)."""
         m, arch = self.model.model, self.arch
         if cos.dim() == 2:
@@ -84,7 +86,7 @@ class Step:
             p_qkv, p_gu, p_o, p_down = self.fused[i]
             qkv = project(_norm(pre_a, x), p_qkv)                            # (B, T, (nh + 2 nkv) D)
             x = x + _norm(post_a, project(self._attention(qkv, pos, slots, ok, ks[i], vs[i], cos[spec.rope],
-                                                          sin[spec.rope], layer.self_attn, spec), p_o))
+                                                          sin[spec.rope], layer.self_attn, spec, share), p_o))
             h = _norm(pre_m, x)
             if spec.moe:   # routes: routing replay's record (engines/moe.py), one (B, S, k) buffer per MoE layer
                 y = moe_block(layer.mlp, h, self.moe_grouped, None if routes is None else routes[n_moe], slots)
@@ -114,7 +116,7 @@ class Step:
         return torch.cat([q, k, v], dim=-1)
 
     def _attention(self, qkv: Tensor, pos: Tensor, slots: Tensor, key_ok: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   cos: Tensor, sin: Tensor, a, spec) -> Tensor:
+                   cos: Tensor, sin: Tensor, a, spec, share: tuple | None = None) -> Tensor:
         """qkv (B, T, (nh + 2 nkv) D) -> (B, T, nh D): the q/k norm of the family (a: the layer's attention module),
         rotary (tables cos, sin (S, D)), the cache write and attention."""
         B, T, _ = qkv.shape
@@ -124,7 +126,7 @@ class Step:
                 qkv = self._qk_norm(a, spec, qkv)
             return decode_attention_kernel(qkv.reshape(B, -1), cos, sin, pos.view(B), k_cache, v_cache,
                                            key_ok[:, 0, 0], slots, a.scaling, splits=self.splits,
-                                           qk_norm=fused).view(B, T, -1)
+                                           qk_norm=fused, share=share).view(B, T, -1)
         qkv = self._qk_norm(a, spec, qkv)
         return self._attend(qkv, (cos[pos][:, None], sin[pos][:, None]), k_cache, v_cache, slots, key_ok, a.scaling)
 

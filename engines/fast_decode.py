@@ -230,6 +230,8 @@ class FastDecoder(Step, Turns, Prefill):
                 "pos": zeros(B, 1, dtype=torch.long),          # its position (real tokens before it)
                 "slot": zeros(1, dtype=torch.long),            # its cache slot
                 "key_ok": zeros(B, 1, 1, S, dtype=torch.bool),
+                # each row's prompt slots are read from row src's copy below slot `shared` (engines/fast_prefill.py)
+                "src": torch.arange(B, device=device), "shared": zeros(1, dtype=torch.long),
                 # sampling state, advanced inside the graph when graph_sampling (kernels/sample.py)
                 "t": zeros(1, dtype=torch.long),               # the completion column being sampled
                 "inv_t": zeros(1, dtype=torch.float32), "seed": zeros(1, dtype=torch.long),
@@ -261,7 +263,7 @@ class FastDecoder(Step, Turns, Prefill):
         sample the next one. Everything it touches is a buffer in st, so a graph of it replays correctly."""
         st["key_ok"].index_fill_(3, st["slot"], True)                       # the new token's slot is visible
         logits = self._step(st["tok"], st["pos"], st["slot"], st["key_ok"], st["k"], st["v"], st["cos"], st["sin"],
-                            st["kpos"], st["routes"])
+                            st["kpos"], st["routes"], (st["src"], st["shared"]) if self.SHARES_PREFILL else None)
         if st["graph_sampling"]:
             tok, logp = self._sample(logits, st)
             self._advance(tok, logp, st["done"], st["completion"], st["alive"], st["logprobs"], st["t"], st["tok"],

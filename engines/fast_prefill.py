@@ -25,6 +25,13 @@ def shared_prefill() -> bool:
     return os.environ.get("FAST_DECODE_SHARED_PREFILL", "1") == "1"
 
 
+def shared_reads() -> bool:
+    """After a shared prefill, the decode attention reads each prompt's slots from one of its rows (the state's src,
+    shared; kernels/decode_attention.py: share), so the L2 cache serves its other rows; FAST_DECODE_SHARED_READS=0:
+    each row reads its own copy, as before. Read when the prefill runs (a graphed prefill: when it is captured)."""
+    return os.environ.get("FAST_DECODE_SHARED_READS", "1") == "1"
+
+
 def graph_prefill() -> bool:
     """Replay the text prefill from a CUDA graph (_prefill) when the decoder keeps its state;
     FAST_DECODE_GRAPH_PREFILL=0 prefills eagerly, as before. On by default: measured faster in W1's loop and W6's
@@ -101,6 +108,13 @@ class Prefill:
             spread(st["kpos"])                                                     # (B, S)
             for r in st["routes"] or []:                                           # (B, S, k)
                 spread(r)
+        if inverse is None or not shared_reads():
+            st["shared"].zero_()
+        else:   # the decode reads a prompt's P slots from its first row: its rows' copies are equal
+            rows = torch.arange(B, device=inverse.device)
+            first = torch.full_like(rows[:U], B).scatter_reduce_(0, inverse, rows, "amin")   # (U,)
+            st["src"].copy_(first[inverse])                                        # (B,)
+            st["shared"].fill_(P)
         real = torch.zeros(B, S, dtype=torch.bool, device=mask.device)
         real[:, :P] = mask.bool()
         st["key_ok"].copy_(real[:, None, None])

@@ -204,9 +204,10 @@ class GenericDecoder(FastDecoder):
         return out[None] if None in out else out
 
     def _forward(self, ids: Tensor, pos: Tensor, slots: Tensor, key_ok: Tensor, ks: list, vs: list, cos: Tensor,
-                 sin: Tensor, kpos: Tensor | None = None, routes: list | None = None) -> Tensor:
+                 sin: Tensor, kpos: Tensor | None = None, routes: list | None = None,
+                 share: tuple | None = None) -> Tensor:
         """FastDecoder._forward's contract, through the model's own forward; ks[0] is the StaticCache. routes: always
-        None here (routing replay refuses this path: engines/builtin.py)."""
+        None here (routing replay refuses this path: engines/builtin.py); share too (SHARES_PREFILL is off)."""
         if slots.dim() != 1:
             raise NotImplementedError("the generic decoder writes shared cache slots only (no multi-turn feed)")
         cache = ks[0]

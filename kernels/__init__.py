@@ -168,13 +168,14 @@ def _sample_torch(logits, inv_t, seed, step, method):
 
 @register("kernel", "decode_attention.triton")
 @needs("triton")
-def _decode_triton(qkv, cos, sin, pos, k, v, key_ok, last, scale, splits, qk_norm=None):
-    return decode_attention(qkv, cos, sin, pos, k, v, key_ok, last, scale, splits=splits, qk_norm=qk_norm)
+def _decode_triton(qkv, cos, sin, pos, k, v, key_ok, last, scale, splits, qk_norm=None, share=None):
+    return decode_attention(qkv, cos, sin, pos, k, v, key_ok, last, scale, splits=splits, qk_norm=qk_norm,
+                            share=share)
 
 
 @register("kernel", "decode_attention.torch")
-def _decode_torch(qkv, cos, sin, pos, k, v, key_ok, last, scale, splits, qk_norm=None):
-    return decode_attention_reference(qkv, cos, sin, pos, k, v, key_ok, last, scale, qk_norm)   # no splits: one pass
+def _decode_torch(qkv, cos, sin, pos, k, v, key_ok, last, scale, splits, qk_norm=None, share=None):
+    return decode_attention_reference(qkv, cos, sin, pos, k, v, key_ok, last, scale, qk_norm, share)   # no splits: one pass
 
 
 # ------------------------------------------------------------------ the entry points the callers use
@@ -218,9 +219,11 @@ def sample_token(logits: Tensor, inv_t: Tensor, seed: Tensor, step: Tensor, meth
 
 def decode_attention_kernel(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
                             key_ok: Tensor, last: Tensor, scale: float, splits: int = 1,
-                            qk_norm: tuple | None = None) -> Tensor:
+                            qk_norm: tuple | None = None, share: tuple | None = None) -> Tensor:
     """qkv (B, (nh + 2 nkv) D), rotary tables cos/sin (S, D), pos (B,), caches k/v (B, nkv, S, D), key_ok (B, S),
     last (1,) -> (B, nh D): rotary, the new K/V written at slot `last`, and attention over the slots up to it
     (kernels/decode_attention.py). splits > 1: the kernel's flash-decoding form (the CPU twin ignores it).
-    qk_norm (q weight (D,), k weight (D,), eps): qwen3's RMSNorm of each head of q and k before the rotation."""
-    return _pick("decode_attention", qkv)(qkv, cos, sin, pos, k, v, key_ok, last, scale, splits, qk_norm)
+    qk_norm (q weight (D,), k weight (D,), eps): qwen3's RMSNorm of each head of q and k before the rotation.
+    share (src (B,), shared (1,)): row b's slots below shared hold row src[b]'s values; the kernel reads them there
+    (one copy per prompt from memory), the twin reads its own."""
+    return _pick("decode_attention", qkv)(qkv, cos, sin, pos, k, v, key_ok, last, scale, splits, qk_norm, share)

@@ -6,6 +6,9 @@ per sequence.
     # -> o (B, nh * D). Writes the new token's rotated key and its value into k, v at slot `last`; attends over
     # the slots [0, last] that key_ok allows (slot `last`, the token itself, always); slots after it are never read.
     # A `last` >= S (a device tensor: no host check) writes nothing and attends over the S slots and the token
+    o = decode_attention(..., share=(src (B,) int64, shared (1,) int64))
+    # the same, reading each row b's slots below shared[0] from row src[b]'s cache: the caller guarantees they
+    # hold equal values there (GRPO's samples of one prompt, whose prompt slots the shared prefill copied)
 
 Why: in engines/fast_decode.py's step (W1, docs/benchmarks.md: batch 128, 320 cache slots, 14 query / 2 KV
 heads of 64), cuDNN's scaled_dot_product_attention with a boolean mask reads all S slots of every sequence
@@ -14,7 +17,9 @@ small kernels per layer (measured: docs/kernels.md, "Decode attention"). Here on
 KV head) rotates the group's g query heads and its key in registers, stores the key and value in the cache,
 then reads that head's K/V once for all g query heads (GQA) up to the slot before `last`, which the graph
 passes as a device tensor, so each replay reads only the cache so far; the new token's own key and value
-enter the online softmax from registers. A program may take several KV heads (`heads`): its tiles then hold
+enter the online softmax from registers. With `share`, the rows of one prompt read its slots from one row: the
+cache still holds every row's copy, but the programs of a prompt's samples run side by side and fetch the same
+addresses, which the L2 cache then serves; a copy per row would be fetched from memory by each. A program may take several KV heads (`heads`): its tiles then hold
 each head's block of slots side by side, and each query row's scores outside its own head are masked, so one
 dot product per block serves them all. Scores and the online softmax are float32; P @ V takes P in the
 cache's dtype (as flash attention does); q and k are rounded to the cache's dtype after the rotation, as
@@ -52,10 +57,11 @@ if HAS_TRITON:
     @triton.jit
     def _decode_attention(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, ok_ptr, last_ptr, o_ptr, scale, S,
                           s_qkv, s_cs, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, sok_b, pm_ptr, ps_ptr, pa_ptr, tick_ptr,
-                          qn_ptr, kn_ptr, eps,
+                          qn_ptr, kn_ptr, eps, src_ptr, shared_ptr,
                           NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr,
                           RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                          PRECISION: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr):
+                          PRECISION: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
+                          SHARE: tl.constexpr):
         # program (sequence b, KV heads [h0, h0 + HEADS), split). Its rows are the HEADS * G query heads of those
         # KV heads (consecutive in qkv), padded to RP; its K/V tiles hold BLOCK slots of each of the HEADS heads
         # side by side, and a row's scores outside its own head are masked, so one tl.dot serves all heads
@@ -113,13 +119,20 @@ if HAS_TRITON:
         kc = k_ptr + b * sk_b + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
         vc = v_ptr + b * sv_b + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
         own = hr[:, None] == hc[None, :]                               # (RP, HEADS * BLOCK)
+        if SHARE:   # slots below `shared`: row src's copy (the same values), so a prompt's rows fetch one copy
+            src = tl.load(src_ptr + b)
+            shared = tl.load(shared_ptr)
         for s0 in range(lo, hi, BLOCK):                                # then the cache before it
             j = s0 + c % BLOCK
             jm = j < hi
             ok = (tl.load(ok_ptr + b * sok_b + j, mask=jm, other=0) != 0) & jm
             kv = jm[:, None] & dm[None, :]
-            k = tl.load(kc + j[:, None] * sk_s, mask=kv, other=0.0)   # (HEADS * BLOCK, DP)
-            v = tl.load(vc + j[:, None] * sv_s, mask=kv, other=0.0)
+            ko, vo = j * sk_s, j * sv_s                                # (HEADS * BLOCK,) offsets from row b
+            if SHARE:
+                ko += tl.where(j < shared, (src - b) * sk_b, 0)
+                vo += tl.where(j < shared, (src - b) * sv_b, 0)
+            k = tl.load(kc + ko[:, None], mask=kv, other=0.0)          # (HEADS * BLOCK, DP)
+            v = tl.load(vc + vo[:, None], mask=kv, other=0.0)
             sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (RP, HEADS * BLOCK) float32
             sc = tl.where(own & ok[None, :], sc, -float("inf"))
             m_new = tl.maximum(m, tl.max(sc, 1))
@@ -183,7 +196,7 @@ if HAS_TRITON:
     def _decode_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
                              key_ok: Tensor, last: Tensor, scale: float, block: int, warps: int, stages: int,
                              splits: int, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float,
-                             heads: int = 1) -> Tensor:
+                             heads: int = 1, src: Optional[Tensor] = None, shared: Optional[Tensor] = None) -> Tensor:
         B, nkv, S, D = k.shape
         nh = qkv.shape[1] // D - 2 * nkv
         out = torch.empty(B, nh * D, dtype=qkv.dtype, device=qkv.device)
@@ -199,20 +212,23 @@ if HAS_TRITON:
                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0),
                 key_ok.stride(0), pm, ps, pa, _tickets(groups if splits > 1 else 1, qkv.device),
                 cos if q_norm is None else q_norm, cos if k_norm is None else k_norm, eps,
+                pos if src is None else src, last if shared is None else shared,
                 NH=nh, NKV=nkv, G=G, HEADS=heads, RP=RP, D=D, DP=DP, BLOCK=block,
                 PRECISION="ieee" if k.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
-                SPLITS=splits, QK_NORM=q_norm is not None, num_warps=warps, num_stages=stages)
+                SPLITS=splits, QK_NORM=q_norm is not None, SHARE=src is not None, num_warps=warps,
+                num_stages=stages)
         except triton.runtime.errors.OutOfResources as e:
             raise too_big(D, (block, warps, stages, heads), e) from None
         return out
 
     @_decode_attention_op.register_fake
-    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages, splits, q_norm, k_norm, eps, heads=1):
+    def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages, splits, q_norm, k_norm, eps, heads=1,
+          src=None, shared=None):
         return qkv.new_empty(qkv.shape[0], qkv.shape[1] - 2 * k.shape[1] * k.shape[3])
 
 
 def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor, last: Tensor,
-           qk_norm: tuple | None = None):
+           qk_norm: tuple | None = None, share: tuple | None = None):
     if k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"k, v must be (B, kv_heads, S, head_dim), got k {tuple(k.shape)}, v {tuple(v.shape)}")
     B, nkv, S, D = k.shape
@@ -240,6 +256,12 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
         if any(w.shape != (D,) or w.dtype != qkv.dtype or w.device != qkv.device or w.stride(0) != 1 for w in (qw, kw)):
             raise ValueError(f"qk_norm's weights must be contiguous ({D},) tensors of qkv's dtype and device, got "
                              f"{tuple(qw.shape)} {qw.dtype}, {tuple(kw.shape)} {kw.dtype}")
+    if share is not None:
+        src, shared = share
+        if src.shape != (B,) or shared.shape != (1,) or src.dtype != torch.long or shared.dtype != torch.long \
+                or src.device != k.device or shared.device != k.device:
+            raise ValueError(f"share must be (src ({B},) int64, shared (1,) int64) on the cache's device, got src "
+                             f"{src.dtype} {tuple(src.shape)}, shared {shared.dtype} {tuple(shared.shape)}")
 
 
 # unsplit launch settings (block, warps, stages, heads) by head_dim, each chosen by timing candidates at a real
@@ -284,14 +306,16 @@ def settings(D: int) -> tuple[int, int, int, int]:
 def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor,
                      last: Tensor, scale: float, block: int | None = None, warps: int | None = None,
                      stages: int | None = None, splits: int = 1, qk_norm: tuple | None = None,
-                     heads: int | None = None) -> Tensor:
+                     heads: int | None = None, share: tuple | None = None) -> Tensor:
     """See the module's docstring. The Triton kernel (CUDA, or TRITON_INTERPRET=1); block, warps, stages: the
     kernel's settings, by default SETTINGS' for this head_dim (`settings`). splits > 1: flash-decoding, each
     (sequence, KV head)'s filled slots cut into `splits` chunks of whole blocks, one program each (the grid is
     fixed; the chunk follows `last`), merged in the kernel by the last split to finish; block 32 by default
     (chunks of whole blocks: small blocks let short caches use several splits). qk_norm (q weight (D,), k weight
     (D,), eps): RMSNorm each head of q and k before the rotation, as transformers' Qwen3RMSNorm does. heads: KV
-    heads per program (a power of two; cut to the largest that divides the model's KV heads)."""
+    heads per program (a power of two; cut to the largest that divides the model's KV heads). share (src (B,)
+    int64, shared (1,) int64): read row b's slots below shared[0] from row src[b] (equal there: the caller's
+    promise, which the kernel cannot check without reading both)."""
     b, w, st, hd = settings(k.shape[-1]) if k.dim() == 4 else (128, 4, 2, 1)
     block, warps, stages = block or (b if splits == 1 else 32), warps or w, stages or st
     heads = heads or (hd if splits == 1 else 1)
@@ -301,10 +325,11 @@ def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tens
         raise ValueError(f"heads must be a power of two >= 1, got {heads}")
     if block < 16 or block & (block - 1):   # tl.dot takes no dimension under 16
         raise ValueError(f"block must be a power of two >= 16, got {block}")
-    _check(qkv, cos, sin, pos, k, v, key_ok, last, qk_norm)
+    _check(qkv, cos, sin, pos, k, v, key_ok, last, qk_norm, share)
     qw, kw, eps = qk_norm or (None, None, 0.0)
+    src, shared = share or (None, None)
     return _decode_attention_op(qkv, cos, sin, pos, k, v, key_ok, last, float(scale), block, warps, stages, splits,
-                                qw, kw, float(eps), math.gcd(heads, k.shape[1]))
+                                qw, kw, float(eps), math.gcd(heads, k.shape[1]), src, shared)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -320,9 +345,12 @@ def head_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
 
 
 def decode_attention_reference(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
-                               key_ok: Tensor, last: Tensor, scale: float, qk_norm: tuple | None = None) -> Tensor:
-    """The torch twin: the same contract, in float32 (the slots after `last` are masked, not skipped)."""
-    _check(qkv, cos, sin, pos, k, v, key_ok, last, qk_norm)
+                               key_ok: Tensor, last: Tensor, scale: float, qk_norm: tuple | None = None,
+                               share: tuple | None = None) -> Tensor:
+    """The torch twin: the same contract, in float32 (the slots after `last` are masked, not skipped). share is
+    checked and not followed: by its contract the row's own slots hold the same values, and gathering src's rows
+    here would copy the cache each call (the CPU engine's path)."""
+    _check(qkv, cos, sin, pos, k, v, key_ok, last, qk_norm, share)
     B, nkv, S, D = k.shape
     nh = qkv.shape[1] // D - 2 * nkv
     if qk_norm is not None:

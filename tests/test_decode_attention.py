@@ -103,6 +103,45 @@ def check_last_past_cache(fn, B=2, nh=4, nkv=2, S=40, D=16, tol=1e-5, device="cp
         assert torch.equal(kb, k) and torch.equal(vb, v)
 
 
+def check_share(fn, device="cpu", B=5, nh=6, nkv=2, S=70, D=16, last=50, shared=23, dtype=torch.float32,
+                tol=1e-5, group=None, **kw):
+    """share=(src, shared): row b's slots below `shared` are read from row src[b]. Rows that differ there give
+    the result of the unshared call on a cache whose rows hold src's slots (so the kernel reads src, not its own
+    row); on that cache, the shared call equals the unshared one bit for bit (the same values read); the new
+    token's key and value go to each row's own slot `last` only. group: rows in groups of that many reading the
+    group's first (GRPO's samples), else a hand-picked map."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    cast = lambda t: t.to(device=device, dtype=dtype)
+    qkv = cast(torch.randn(B, (nh + 2 * nkv) * D, generator=g))
+    k, v = cast(torch.randn(B, nkv, S, D, generator=g)), cast(torch.randn(B, nkv, S, D, generator=g))
+    cos, sin = cast(torch.randn(S, D, generator=g)), cast(torch.randn(S, D, generator=g))
+    pos, ok = torch.randint(0, S, (B,), generator=g).to(device), (torch.rand(B, S, generator=g) > 0.3).to(device)
+    src = torch.tensor([0, 0, 2, 2, 0, 2, 6][:B]) if group is None else torch.arange(B) // group * group
+    src = src.to(device)                                                  # default: rows 1, 4 read 0; 3, 5 read 2
+    at = torch.tensor([last], device=device)
+    k_src, v_src = k.clone(), v.clone()                                   # the caches as the shared prefill leaves them
+    k_src[:, :, :shared], v_src[:, :, :shared] = k[src, :, :shared], v[src, :, :shared]
+    share = (src, torch.tensor([shared], device=device))
+    k1, v1, k2, v2, k3, v3 = k_src.clone(), v_src.clone(), k.clone(), v.clone(), k_src.clone(), v_src.clone()
+    want = fn(qkv, cos, sin, pos, k1, v1, ok, at, 0.3, **kw)
+    got = fn(qkv, cos, sin, pos, k2, v2, ok, at, 0.3, share=share, **kw)   # differing rows: src's slots are read
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert torch.equal(fn(qkv, cos, sin, pos, k3, v3, ok, at, 0.3, share=share, **kw), want)   # equal rows: exact
+    assert torch.equal(k1, k3) and torch.equal(v1, v3)
+    k_src[:, :, last], v_src[:, :, last] = k1[:, :, last], v1[:, :, last]   # the only slot written, per own row
+    k[:, :, last], v[:, :, last] = k1[:, :, last], v1[:, :, last]
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_reference_share_is_checked():
+    """The twin does not follow share (by its contract the row's own slots are equal), but checks its shapes."""
+    kv, cs, pos, last = torch.zeros(2, 2, 10, 8), torch.zeros(10, 8), torch.zeros(2, dtype=torch.long), torch.tensor([3])
+    ok = torch.ones(2, 10, dtype=torch.bool)
+    with pytest.raises(ValueError, match="share"):
+        decode_attention_reference(torch.zeros(2, (2 + 4) * 8), cs, cs, pos, kv, kv, ok, last, 1.0,
+                                   share=(torch.zeros(3, dtype=torch.long), torch.tensor([2])))
+
+
 def test_reference_last_past_cache():
     check_last_past_cache(decode_attention_reference)
 
@@ -151,6 +190,11 @@ check_attention(functools.partial(decode_attention, heads=2, block=16), B=2, nh=
 check_norm(functools.partial(decode_attention, heads=4, block=16), B=2, nh=8, nkv=4, S=40, D=16, last=20)
 check_attention(functools.partial(decode_attention, heads=2, splits=4, block=16), B=2, nh=8, nkv=4, S=70, D=16,
                 last=40)                                           # and split
+from tests.test_decode_attention import check_share
+check_share(decode_attention)                                      # a prompt's rows read one row's slots
+check_share(functools.partial(decode_attention, block=16), shared=40, last=40)   # every slot before last shared
+check_share(functools.partial(decode_attention, heads=2, block=16), nh=8, nkv=4, shared=17)   # mid-block bound
+check_share(functools.partial(decode_attention, splits=4, block=16), shared=30)   # split: chunks on both sides
 print("ok")
 """)
 
@@ -188,6 +232,13 @@ def test_kernel_cuda():
     for splits, last in ((4, 0), (4, 130), (8, 319), (16, 200)):
         check_attention(functools.partial(decode_attention, splits=splits, block=32), "cuda", B=128, nh=14, nkv=2,
                         S=320, D=64, last=last, dtype=torch.bfloat16, tol=3e-2)
+    for last, shared in ((64, 64), (200, 64), (319, 1)):              # qwen3's shape, GRPO's groups of 8 rows
+        check_share(functools.partial(decode_attention), "cuda", B=128, nh=16, nkv=8, S=320, D=128, last=last,
+                    shared=shared, dtype=torch.bfloat16, tol=3e-2, group=8)
+    check_share(decode_attention, "cuda", B=128, nh=14, nkv=2, S=320, D=64, last=200, shared=64,
+                dtype=torch.bfloat16, tol=3e-2, group=8)                 # W1's
+    check_share(functools.partial(decode_attention, splits=4, block=32), "cuda", B=128, nh=14, nkv=2, S=320, D=64,
+                last=130, shared=64, dtype=torch.bfloat16, tol=3e-2, group=8)
     check_last_past_cache(decode_attention, device="cuda")            # a last past the cache: nothing written
     check_last_past_cache(functools.partial(decode_attention, splits=4, block=16), S=70, device="cuda")
 

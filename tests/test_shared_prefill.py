@@ -181,6 +181,52 @@ def test_large_prefills_stay_eager(monkeypatch):
     assert prefill_graphs(dec) == [(2, 8, True)]
 
 
+def check_shared_reads(family: str, device: str = "cpu", use_graph: bool = False):
+    """FAST_DECODE_SHARED_READS (engines/fast_prefill.py: shared_reads): after a shared prefill each row's state
+    points its prompt slots at its prompt's first row (src, shared = the padded prompt length), and the decode,
+    reading them there, samples the same tokens and log-probs bit for bit as with each row reading its own copy;
+    off, or with no repeated prompt, nothing is shared (shared = 0)."""
+    import os
+    model = tiny_model(family, seed=5).to(device)
+    p = family_prompts()                                               # 3 prompts, 4 samples each: rows 0-3, 4-7, ...
+    outs = []
+    for on in ("0", "1"):
+        os.environ["FAST_DECODE_SHARED_READS"] = on
+        dec = FastDecoder(model, use_graph=use_graph, compile=False, keep_cache=True)   # kept: the state to read
+        engine = BuiltinEngine(model, EOS, PAD, fast=True, keep_cache=True)
+        engine.decoder = dec
+        outs.append(engine.generate(p, 4, SamplingParams(top_p=1.0, max_new_tokens=10),
+                                    torch.Generator(device=device).manual_seed(0)))
+        (st,) = dec.states.values()
+        assert st["shared"].item() == (max(map(len, p)) if on == "1" else 0)
+        if on == "1":
+            assert st["src"].tolist() == [r // 4 * 4 for r in range(12)]
+        engine.generate(p[:2], 1, SamplingParams(top_p=1.0, max_new_tokens=3), torch.Generator(device=device))
+        assert [s["shared"].item() for s in dec.states.values() if s["src"].numel() == 2] == [0]   # distinct prompts
+    del os.environ["FAST_DECODE_SHARED_READS"]
+    a, b = outs
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_shared_reads_interpreted():
+    """check_shared_reads with the decode-attention kernel itself (interpreted), which follows share: the CPU's
+    torch twin reads each row's own slots."""
+    from tests.interpret import run_interpreted
+    run_interpreted("""
+from tests.test_shared_prefill import check_shared_reads
+check_shared_reads("qwen3")
+check_shared_reads("mistral")                                          # a sliding window: the kernel's key mask
+print("ok")
+""")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_shared_reads_graphed():
+    """check_shared_reads on a GPU, the decode replayed from a CUDA graph (not compiled: tiny models)."""
+    check_shared_reads("qwen3", "cuda", use_graph=True)
+    check_shared_reads("qwen3_moe", "cuda", use_graph=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
 def test_gpu_graphed_prefill_samples_what_the_eager_prefill_samples(family, monkeypatch):
