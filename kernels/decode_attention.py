@@ -120,17 +120,33 @@ if HAS_TRITON:
         vc = v_ptr + b * sv_b + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
         own = hr[:, None] == hc[None, :]                               # (RP, HEADS * BLOCK)
         if SHARE:   # slots below `shared`: row src's copy (the same values), so a prompt's rows fetch one copy
-            src = tl.load(src_ptr + b)
-            shared = tl.load(shared_ptr)
-        for s0 in range(lo, hi, BLOCK):                                # then the cache before it
+            src, shared = tl.load(src_ptr + b), tl.load(shared_ptr)
+            dk, dv = (src - b) * sk_b, (src - b) * sv_b                # offsets from row b's cache to row src's
+        else:
+            shared, dk, dv = 0, 0, 0
+        m, s, acc = _attend_slots(q, m, s, acc, kc, vc, ok_ptr + b * sok_b, c, lo, hi, shared, dk, dv, own, dm,
+                                  sk_s, sv_s, scale, BLOCK, PRECISION, SHARE)
+        if SPLITS == 1:
+            o = acc / s[:, None]
+            tl.store(o_ptr + b * so_b + qh + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
+        else:
+            _combine(o_ptr + b * so_b + qh + d[None, :], qm, m, s, acc, (b * (NKV // HEADS) + hb) * SPLITS, part,
+                     pm_ptr, ps_ptr, pa_ptr, tick_ptr + b * (NKV // HEADS) + hb, RP, DP, SPLITS)
+
+    @triton.jit
+    def _attend_slots(q, m, s, acc, kc, vc, okr, c, lo, hi, shared, dk, dv, own, dm, sk_s, sv_s, scale,
+                      BLOCK: tl.constexpr, PRECISION: tl.constexpr, SHARE: tl.constexpr):
+        # the online softmax (m, s, acc) of q (RP, DP) over the cache's slots [lo, hi): kc, vc (HEADS * BLOCK, DP)
+        # point at slot 0 of row b's heads, okr at its key mask; SHARE: slots below `shared` at offsets dk, dv
+        for s0 in range(lo, hi, BLOCK):
             j = s0 + c % BLOCK
             jm = j < hi
-            ok = (tl.load(ok_ptr + b * sok_b + j, mask=jm, other=0) != 0) & jm
+            ok = (tl.load(okr + j, mask=jm, other=0) != 0) & jm
             kv = jm[:, None] & dm[None, :]
-            ko, vo = j * sk_s, j * sv_s                                # (HEADS * BLOCK,) offsets from row b
+            ko, vo = j * sk_s, j * sv_s                                # (HEADS * BLOCK,) offsets in row b
             if SHARE:
-                ko += tl.where(j < shared, (src - b) * sk_b, 0)
-                vo += tl.where(j < shared, (src - b) * sv_b, 0)
+                ko += tl.where(j < shared, dk, 0)
+                vo += tl.where(j < shared, dv, 0)
             k = tl.load(kc + ko[:, None], mask=kv, other=0.0)          # (HEADS * BLOCK, DP)
             v = tl.load(vc + vo[:, None], mask=kv, other=0.0)
             sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (RP, HEADS * BLOCK) float32
@@ -142,12 +158,7 @@ if HAS_TRITON:
             s = s * alpha + tl.sum(p_, 1)
             acc = acc * alpha[:, None] + tl.dot(p_.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
-        if SPLITS == 1:
-            o = acc / s[:, None]
-            tl.store(o_ptr + b * so_b + qh + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
-        else:
-            _combine(o_ptr + b * so_b + qh + d[None, :], qm, m, s, acc, (b * (NKV // HEADS) + hb) * SPLITS, part,
-                     pm_ptr, ps_ptr, pa_ptr, tick_ptr + b * (NKV // HEADS) + hb, RP, DP, SPLITS)
+        return m, s, acc
 
     @triton.jit
     def _head_norm(x, x2, w_ptr, d, partner, dm, eps, D: tl.constexpr):

@@ -185,27 +185,39 @@ def check_shared_reads(family: str, device: str = "cpu", use_graph: bool = False
     """FAST_DECODE_SHARED_READS (engines/fast_prefill.py: shared_reads): after a shared prefill each row's state
     points its prompt slots at its prompt's first row (src, shared = the padded prompt length), and the decode,
     reading them there, samples the same tokens and log-probs bit for bit as with each row reading its own copy;
-    off, or with no repeated prompt, nothing is shared (shared = 0)."""
+    off, or with no repeated prompt, nothing is shared (shared = 0). Restores the variable (a plain function:
+    the interpreted test calls it in a subprocess, without pytest's monkeypatch)."""
     import os
-    model = tiny_model(family, seed=5).to(device)
-    p = family_prompts()                                               # 3 prompts, 4 samples each: rows 0-3, 4-7, ...
-    outs = []
-    for on in ("0", "1"):
-        os.environ["FAST_DECODE_SHARED_READS"] = on
-        dec = FastDecoder(model, use_graph=use_graph, compile=False, keep_cache=True)   # kept: the state to read
-        engine = BuiltinEngine(model, EOS, PAD, fast=True, keep_cache=True)
-        engine.decoder = dec
-        outs.append(engine.generate(p, 4, SamplingParams(top_p=1.0, max_new_tokens=10),
-                                    torch.Generator(device=device).manual_seed(0)))
-        (st,) = dec.states.values()
-        assert st["shared"].item() == (max(map(len, p)) if on == "1" else 0)
-        if on == "1":
-            assert st["src"].tolist() == [r // 4 * 4 for r in range(12)]
-        engine.generate(p[:2], 1, SamplingParams(top_p=1.0, max_new_tokens=3), torch.Generator(device=device))
-        assert [s["shared"].item() for s in dec.states.values() if s["src"].numel() == 2] == [0]   # distinct prompts
-    del os.environ["FAST_DECODE_SHARED_READS"]
+    before = os.environ.get("FAST_DECODE_SHARED_READS")
+    try:
+        outs = [_shared_reads_rollout(family, device, use_graph, on) for on in ("0", "1")]
+    finally:
+        os.environ.pop("FAST_DECODE_SHARED_READS", None)
+        if before is not None:
+            os.environ["FAST_DECODE_SHARED_READS"] = before
     a, b = outs
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logprobs, b.logprobs)
+
+
+def _shared_reads_rollout(family: str, device: str, use_graph: bool, on: str):
+    import os
+    os.environ["FAST_DECODE_SHARED_READS"] = on
+    model = tiny_model(family, seed=5).to(device)
+    p = family_prompts()                                               # 3 prompts, 4 samples each: rows 0-3, 4-7, ...
+    dec = FastDecoder(model, use_graph=use_graph, compile=False, keep_cache=True)   # kept: the state to read
+    engine = BuiltinEngine(model, EOS, PAD, fast=True, keep_cache=True)
+    engine.decoder = dec
+    out = engine.generate(p, 4, SamplingParams(top_p=1.0, max_new_tokens=10),
+                          torch.Generator(device=device).manual_seed(0))
+    (st,) = dec.states.values()
+    graphed = list(st.get("prefills", {}))                             # (U, P, shared): a graph's padded length
+    P = graphed[0][1] if graphed else max(map(len, p))
+    assert st["shared"].item() == (P if on == "1" else 0)
+    if on == "1":
+        assert st["src"].tolist() == [r // 4 * 4 for r in range(12)]
+    engine.generate(p[:2], 1, SamplingParams(top_p=1.0, max_new_tokens=3), torch.Generator(device=device))
+    assert [s["shared"].item() for s in dec.states.values() if s["src"].numel() == 2] == [0]   # distinct prompts
+    return out
 
 
 def test_shared_reads_interpreted():
