@@ -5,6 +5,7 @@
     python tools/bench_w10.py --tiny              # CPU smoke run: the same code on 2-layer toy shapes, seconds
     python tools/bench_w10.py --only qwen3,gemma3 --no-hf --json out.json
     python tools/bench_w10.py --only granite --hf granite --check --profile granite   # + log-prob gap, kernel table
+    python tools/bench_w10.py --only qwen2,qwen3,qwen3_moe --no-hf --keep-cache   # states kept, as training's auto
 
 Workload: 16 prompts x 8 samples, 64 random tokens each, 256 new tokens, temperature 1, top_p 1, random bf16
 weights built here from each family's config class (no hub), EOS outside the vocabulary, so every row runs to
@@ -158,9 +159,10 @@ def setup(name: str, a, work: dict, device, dtype) -> dict:
     D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     # K and V bytes per cached position of one sequence: what a decode token reads besides the weights
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * D * torch.finfo(dtype).bits // 8
-    row = {"model": name, "model_type": model_type, "params_read": params_read(model), "kv_bytes_per_position": kv}
+    row = {"model": name, "model_type": model_type, "params_read": params_read(model), "kv_bytes_per_position": kv,
+           "keep_cache": a.keep_cache}
     row["bytes_per_step"] = bytes_per_step(model, row, work, dtype)
-    engine = BuiltinEngine(model, eos_id=V, pad_id=0, fast=True)
+    engine = BuiltinEngine(model, eos_id=V, pad_id=0, fast=True, keep_cache=a.keep_cache)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=work["new"])
     gen = torch.Generator(device=device).manual_seed(0)
     fn = lambda: engine.generate(prompts, work["samples"], sampling, gen)
@@ -223,9 +225,10 @@ def round_ratios(rows: list[dict]):
 
 def table(rows: list[dict], device: str) -> str:
     base = next((r for r in rows if r["model"] == "qwen2" and "engine_s" in r), None)
-    lines = [f"W10 on {device}: rollout of {{prompts}} x {{samples}} x {{new}} new tokens; engine s: the median of the "
-             "interleaved rounds (min-max); x qwen2 = seconds per parameter read over qwen2's fast path in the same "
-             "round, the median over rounds (min-max)", "",
+    kept = " (states kept between rollouts)" if rows and rows[0].get("keep_cache") else ""
+    lines = [f"W10 on {device}{kept}: rollout of {{prompts}} x {{samples}} x {{new}} new tokens; engine s: the median "
+             "of the interleaved rounds (min-max); x qwen2 = seconds per parameter read over qwen2's fast path in the "
+             "same round, the median over rounds (min-max)", "",
              "| model | path | params read / token | engine s | x qwen2 | GB read / step | x qwen2 per byte | hf static s "
              "| engine / hf | log-prob gap mean, max |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -258,6 +261,9 @@ def main():
     p.add_argument("--profile", default="", help="comma-separated models whose engine rollout is profiled once more "
                    "(GPU); with several, each table goes to --profile-out with the model's name before .txt")
     p.add_argument("--profile-out", default="w10_profile.txt", help="where --profile writes its kernel table")
+    p.add_argument("--keep-cache", action="store_true",
+                   help="each engine keeps its decoder's state between rollouts (engine_keep_cache=true, which auto "
+                   "picks in training for models this size): no re-capture per rollout, the prefill from a graph")
     p.add_argument("--check", action="store_true",
                    help="also measure each engine rollout's log-prob gap to teacher forcing (mean, max)")
     a = p.parse_args()
