@@ -6,6 +6,7 @@
     python tools/bench_w10.py --only qwen3,gemma3 --no-hf --json out.json
     python tools/bench_w10.py --only granite --hf granite --check --profile granite   # + log-prob gap, kernel table
     python tools/bench_w10.py --only qwen2,qwen3,qwen3_moe --no-hf --keep-cache   # states kept, as training's auto
+    python tools/bench_w10.py --only qwen3 --no-hf --ab FAST_DECODE_SHARED_READS  # a switch off and on, in one process
 
 Workload: 16 prompts x 8 samples, 64 random tokens each, 256 new tokens, temperature 1, top_p 1, random bf16
 weights built here from each family's config class (no hub), EOS outside the vocabulary, so every row runs to
@@ -178,7 +179,10 @@ def setup(name: str, a, work: dict, device, dtype) -> dict:
 
 
 def time_once(st: dict):
-    """One timed rollout of a set-up model (a round's turn); its median and range go to the row."""
+    """One timed rollout of a set-up model (a round's turn); its median and range go to the row. A twin of --ab
+    sets its variable first (read by the engine at each rollout)."""
+    if "ab" in st:
+        os.environ[st["ab"][0]] = st["ab"][1]
     sync()
     t0 = time.perf_counter()
     st["out"] = st["fn"]()
@@ -211,10 +215,11 @@ def finish(st: dict, a, work: dict, device, emit=lambda row: None) -> dict:
 def round_ratios(rows: list[dict]):
     """Per round, each model's seconds per parameter read over qwen2's in the same round: the ratio's median and
     range over rounds (qwen2 drifts between commands and hosts; a round's pair ran back to back)."""
-    base = next((r for r in rows if r["model"] == "qwen2" and r.get("engine_times")), None)
-    if base is None:
-        return
-    for r in rows:
+    for r in rows:   # with --ab, against qwen2 under the same value of the variable
+        base = next((b for b in rows if b["model"].split(" ")[0] == "qwen2" and b.get("ab") == r.get("ab")
+                     and b.get("engine_times")), None)
+        if base is None:
+            continue
         n = min(len(r.get("engine_times", [])), len(base["engine_times"]))
         if n and "error" not in r:
             q = [(r["engine_times"][i] / r["params_read"]) / (base["engine_times"][i] / base["params_read"])
@@ -224,7 +229,6 @@ def round_ratios(rows: list[dict]):
 
 
 def table(rows: list[dict], device: str) -> str:
-    base = next((r for r in rows if r["model"] == "qwen2" and "engine_s" in r), None)
     kept = " (states kept between rollouts)" if rows and rows[0].get("keep_cache") else ""
     lines = [f"W10 on {device}{kept}: rollout of {{prompts}} x {{samples}} x {{new}} new tokens; engine s: the median "
              "of the interleaved rounds (min-max); x qwen2 = seconds per parameter read over qwen2's fast path in the "
@@ -240,6 +244,8 @@ def table(rows: list[dict], device: str) -> str:
         hf = r.get("hf_static_s")
         hf_s, ratio = ("", "") if hf is None else (f"{hf:.3f}", f"{r['engine_s'] / hf:.2f}")
         gap = f"{r['logprob_gap_mean']:.2e}, {r['logprob_gap_max']:.2e}" if "logprob_gap_mean" in r else ""
+        base = next((b for b in rows if b["model"].split(" ")[0] == "qwen2" and b.get("ab") == r.get("ab")
+                     and "engine_s" in b), None)
         per_byte = f"{r['engine_s'] / r['bytes_per_step'] / (base['engine_s'] / base['bytes_per_step']):.2f}" \
             if base else ""
         lines.append(f"| {r['model']} | {r['path']} | {r['params_read'] / 1e6:.1f}M | {r['engine_s']:.3f} "
@@ -264,6 +270,10 @@ def main():
     p.add_argument("--keep-cache", action="store_true",
                    help="each engine keeps its decoder's state between rollouts (engine_keep_cache=true, which auto "
                    "picks in training for models this size): no re-capture per rollout, the prefill from a graph")
+    p.add_argument("--ab", default="", metavar="VAR",
+                   help="A/B an environment variable the engine reads at each rollout (e.g. FAST_DECODE_SHARED_READS): "
+                   "each model's rollout is timed with VAR=0 and VAR=1 in every round, the order alternating by "
+                   "round; a row per value; the check, profile and transformers' generate run for VAR=1 only")
     p.add_argument("--check", action="store_true",
                    help="also measure each engine rollout's log-prob gap to teacher forcing (mean, max)")
     a = p.parse_args()
@@ -296,8 +306,9 @@ def main():
 
     def failed(name: str, e: Exception, row: dict | None, key: str = "error"):
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-        save(row if row is not None else {"model": name})
-        next(r for r in rows if r["model"] == name)[key] = why
+        row = row if row is not None else {"model": name}
+        save(row)
+        row[key] = why
         save()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -313,8 +324,19 @@ def main():
             save(states[-1]["row"])
         except Exception as e:   # one family's failure is a row of the table, not the end of the run
             failed(name, e, None)
+    before = os.environ.get(a.ab) if a.ab else None
+    if a.ab:   # each set-up model as two twins sharing its engine: VAR=0 and VAR=1, each with its own row
+        twins = []
+        for st in states:
+            rows.remove(st["row"])
+            for v in "01":
+                row = dict(st["row"], model=f"{st['name']} {a.ab}={v}", ab=v, engine_times=[])
+                twins.append(dict(st, row=row, ab=(a.ab, v)))
+                save(row)
+        states = twins
     for i in range(a.repeats):
-        for st in list(states):
+        for st in list(states) if i % 2 == 0 or not a.ab else [t for pair in zip(states[1::2], states[::2])
+                                                                 for t in pair]:
             try:
                 time_once(st)
             except Exception as e:
@@ -322,12 +344,18 @@ def main():
                 states.remove(st)
         save()
         print(f"bench_w10: round {i + 1} of {a.repeats}: " + ", ".join(
-            f"{st['name']} {st['row']['engine_times'][-1]:.3f} s" for st in states), flush=True)
+            f"{st['row']['model']} {st['row']['engine_times'][-1]:.3f} s" for st in states), flush=True)
+    if a.ab:
+        states = [st for st in states if st["ab"][1] == "1"]
     for st in states:
         try:
             save(finish(st, a, work, device))
         except Exception as e:   # the engine ran; the check, profile or transformers' generate failed
             failed(st["name"], e, st["row"], "hf_error")
+    if a.ab:
+        os.environ.pop(a.ab, None)
+        if before is not None:
+            os.environ[a.ab] = before
     print(table(rows, dev_name).format(**work))
 
 
