@@ -175,7 +175,8 @@ def _decode_triton(qkv, cos, sin, pos, k, v, key_ok, last, scale, splits, qk_nor
 
 @register("kernel", "decode_attention.torch")
 def _decode_torch(qkv, cos, sin, pos, k, v, key_ok, last, scale, splits, qk_norm=None, share=None):
-    return decode_attention_reference(qkv, cos, sin, pos, k, v, key_ok, last, scale, qk_norm, share)   # no splits: one pass
+    # no splits (one pass); share checked, then its rows' own equal copies read
+    return decode_attention_reference(qkv, cos, sin, pos, k, v, key_ok, last, scale, qk_norm, share)
 
 
 # ------------------------------------------------------------------ the entry points the callers use
