@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from engines.exact import Exact, exact_of, inv_temperature, on_gpu, token_logprobs
+from engines.graphs import capture
 from kernels.exact_sample import exact_row_logprobs
 from models import position_ids
 
@@ -99,7 +100,7 @@ class ExactDecoder:
             self._decode(st)
         torch.cuda.current_stream().wait_stream(s)
         st["graph"] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(st["graph"]):
+        with capture(st["graph"]):
             self._decode(st)
 
     @torch.no_grad()

@@ -53,6 +53,7 @@ from engines.decode_step import Step, attend  # noqa: F401  (attend: the "matmul
 from engines.decode_weights import WEIGHTS, groups, pack_layers
 from engines.families import FAMILIES as SUPPORTED, arch_of, rotary_tables, text_decoder
 from engines.fast_prefill import Prefill
+from engines.graphs import capture
 from engines.fast_turns import Turns
 from engines.moe import triton_experts, use_grouped
 from kernels import sample_token
@@ -321,7 +322,7 @@ class FastDecoder(Step, Turns, Prefill):
         torch.cuda.current_stream().wait_stream(s)
         self._rewind(st)
         st["graph"] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(st["graph"]):
+        with capture(st["graph"]):
             st["logits"] = decode(st)
         self.captured = True
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from engines.families import mrope_rotation
+from engines.graphs import capture
 
 def shared_prefill() -> bool:
     """Prefill each distinct prompt row once (_prefill); FAST_DECODE_SHARED_PREFILL=0 forwards every row, as before.
@@ -152,7 +153,7 @@ class Prefill:
                         self._prefill_body(st, g["ids"], g["u_mask"], g["inverse"], g["mask"])
                     torch.cuda.current_stream().wait_stream(s)
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
+                    with capture(graph):
                         g["logits"] = self._prefill_body(st, g["ids"], g["u_mask"], g["inverse"], g["mask"])
                     g["replay"] = graph.replay
                 except Exception as e:

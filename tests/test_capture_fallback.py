@@ -71,3 +71,79 @@ def test_random_model_captures_the_compiled_step_on_a_gpu(random_model_dir, tmp_
                         f"out_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"})
     assert r.returncode == 0 and "torch.compile failed" not in r.stderr, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_capture_holds_off_the_garbage_collector(monkeypatch):
+    """engines/graphs.py `capture`: automatic garbage collection is off inside (a dead decoder's graphs freed by it
+    mid-capture would invalidate the capture), on again after, also after an error, and left off if it was off.
+    torch.cuda.graph is replaced by a stand-in, so no GPU is needed."""
+    import contextlib
+    import gc
+    import engines.graphs as graphs
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, **kw):
+        seen.append(gc.isenabled())
+        yield
+
+    monkeypatch.setattr(graphs.torch.cuda, "graph", fake_graph)
+    was_on = gc.isenabled()
+    try:
+        gc.enable()
+        with graphs.capture(object()):
+            seen.append(gc.isenabled())
+        assert seen == [False, False] and gc.isenabled()
+        with pytest.raises(ValueError), graphs.capture(object()):
+            raise ValueError("a failed capture")
+        assert gc.isenabled()
+        gc.disable()
+        with graphs.capture(object()):
+            pass
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was_on else gc.disable)()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_capture_while_a_dead_decoders_graphs_would_be_collected():
+    """A decoder whose graphs become garbage (decoders sit in reference cycles: the cyclic collector frees them)
+    while another decoder captures: enough allocations inside that capture to trigger the collector. With
+    collection held off (engines/graphs.py) the capture succeeds; without, freeing the dead graphs mid-capture
+    invalidated it (the GPU gate's failure of 2026-11-28)."""
+    import gc
+    from engines.base import SamplingParams
+    from engines.builtin import BuiltinEngine
+    from tests.test_architectures import EOS, PAD, prompts, tiny_model
+    model = tiny_model("qwen2", seed=5).cuda()
+
+    def run(dec):
+        engine = BuiltinEngine(model, EOS, PAD, fast=True, keep_cache=True)
+        engine.decoder = dec
+        return engine.generate(prompts(), 2, SamplingParams(max_new_tokens=4), torch.Generator().manual_seed(0))
+
+    hold = [FastDecoder(model, compile=False, keep_cache=True)]
+    run(hold[0])
+    assert hold[0].states and all(st["graph"] is not None for st in hold[0].states.values())
+    dec = FastDecoder(model, compile=False, keep_cache=True)
+    step = dec._step
+
+    kept = []
+
+    def dropping_step(*a, **k):
+        # inside the capture: the held decoder becomes garbage, then enough allocations that the collector, left
+        # on, would make a full pass (thresholds of 1; kept objects past a quarter of the long-lived ones)
+        if torch.cuda.is_current_stream_capturing() and hold:
+            hold.clear()
+            gc.set_threshold(1, 1, 1)
+            kept.extend([] for _ in range(len(gc.get_objects()) // 2))
+        return step(*a, **k)
+
+    dec._step = dropping_step
+    thresholds = gc.get_threshold()
+    try:
+        out = run(dec)
+    finally:
+        gc.set_threshold(*thresholds)
+        kept.clear()
+    assert not hold and dec.captured and out.completion_mask.any()
