@@ -5,8 +5,9 @@
 - Attention (kernels/decode_attention.py) at W1's decode shape (batch 128, 14 query / 2 KV heads of 64, 320 slots)
   or qwen3's (--shape w1,qwen3: 16 query / 8 KV heads of 128, 28 layers): one CUDA graph of a call per layer
   over the layers' caches, so every read comes from memory as in the step, not L2; per layer-call time with
-  64 / 192 / 318 slots filled, for the unsplit kernel (KV heads a program: --splits' fifth field) and
-  flash-decoding splits.
+  64 / 192 / 318 slots filled (--fills), for the unsplit kernel (KV heads a program: --splits' fifth field) and
+  flash-decoding splits. --share 8:64: GRPO's layout after the shared prefill (groups of 8 sequences holding one
+  64-slot prompt, read through the kernel's share=), so the prompt's reads are the L2's as in the rollout.
 - Experts (kernels/moe_experts.py, --moe) at W10's qwen3_moe decode shape (128 tokens x top-4 of 32, hidden 1024,
   expert MLP 768) against torch's grouped GEMM route, in one graph over 8 layers' weights; --copy: a 2 GiB
   device copy, the card's rate in the same command.
@@ -56,9 +57,24 @@ def graph_us(fn, calls: int, reps: int) -> float:
 SHAPES = {"w1": (128, 14, 2, 320, 64, 24), "qwen3": (128, 16, 8, 320, 128, 28)}
 
 
-def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: dict | None = None) -> list[str]:
+def shared_prompt(caches: list[Tensor], ok: Tensor, n: int, prompt: int) -> tuple[Tensor, Tensor]:
+    """The layout the shared prefill leaves (engines/fast_prefill.py): sequences in groups of n, each group's
+    first `prompt` slots (K/V of every cache (B, kv heads, S, D) in caches, and the key mask ok (B, S)) copied from
+    its first sequence, in place. Returns decode_attention's share=(src (B,), shared (1,))."""
+    B = ok.shape[0]
+    src = torch.arange(B, device=ok.device) // n * n
+    for c in caches:
+        c[:, :, :prompt] = c[src, :, :prompt]
+    ok[:, :prompt] = ok[src, :prompt]
+    return src, torch.tensor([prompt], device=ok.device)
+
+
+def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: dict | None = None,
+                   share: tuple | None = None, fills: tuple = (64, 192, 318)) -> list[str]:
     """variants: (splits, block), (splits, block, warps, stages) or (splits, block, warps, stages, heads: KV heads
-    per program). found: filled with {variant name: [us at each fill]} for --json."""
+    per program). found: filled with {variant name: [us at each fill]} for --json. share (n, prompt): sequences in
+    groups of n hold one prompt's K/V in their first `prompt` slots, and every call passes share=(src, shared), as
+    the engine does after the shared prefill. fills: the cache slots filled before the call."""
     B, nh, nkv, S, D, L = SHAPES[shape]
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -68,17 +84,19 @@ def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: d
     cos, sin = torch.randn(S, D, device=dev, dtype=dt), torch.randn(S, D, device=dev, dtype=dt)
     pos = torch.arange(B, device=dev) % S
     ok = torch.rand(B, S, device=dev, generator=g) > 0.1                # (B, S) a few holes, as left padding
+    extra = dict(share=shared_prompt(ks + vs, ok, *share)) if share else {}
     rows = []
-    for filled in (64, 192, 318):
+    for filled in fills:
         last = torch.tensor([filled], device=dev)
-        want = decode_attention(qkv[0], cos, sin, pos, ks[0], vs[0], ok, last, 0.125, block=128, warps=4, stages=2,
-                                heads=1)
+        want = decode_attention(qkv[0], cos, sin, pos, ks[0].clone(), vs[0].clone(), ok, last, 0.125, block=128,
+                                warps=4, stages=2, heads=1)
         gb = B * nkv * (filled + 1) * D * 2 * ks[0].element_size() / 1e9   # K and V read (and the new slot written)
         for var in variants:
             splits, block, warps, stages, heads = (*var, None, None, None)[:5]
-            kw = dict(splits=splits, block=block, warps=warps, stages=stages, heads=heads)
+            kw = dict(splits=splits, block=block, warps=warps, stages=stages, heads=heads, **extra)
             name = ("1 program per (seq, head)" if splits == 1 else f"split {splits}") + f", block {block}" + (
-                f", {warps} warps, {stages} stages" if warps else "") + (f", {heads} KV heads a program" if heads else "")
+                f", {warps} warps, {stages} stages" if warps else "") + (f", {heads} KV heads a program" if heads else "") + (
+                ", shared prompt" if share else "")
             def run(kw=kw):
                 for i in range(L):
                     decode_attention(qkv[i], cos, sin, pos, ks[i], vs[i], ok, last, 0.125, **kw)
@@ -93,13 +111,15 @@ def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: d
                 found.setdefault(name, {"splits": splits, "block": block, "warps": warps, "stages": stages,
                                         "heads": heads, "us": []})
                 found[name]["us"].append(us)
-            rows.append(f"| attention {shape} | {filled} slots | {name} | {us:.2f} | {gb / us * 1e6 / 1e3:.2f} TB/s; "
+            rows.append(f"| attention {shape} | {filled} slots | {name} | {us:.2f} | {gb / us * 1e6 / 1e3:.2f} TB/s"
+                        f"{' (as if unshared)' if share else ''}; "
                         f"max diff vs 128x4x2 {err:.1e} |")
     if shape == "qwen3":                                               # the q/k norm fused into the prologue
         qw, kw_ = torch.rand(D, device=dev, dtype=dt) + 0.5, torch.rand(D, device=dev, dtype=dt) + 0.5
         def normed():
             for i in range(L):
-                decode_attention(qkv[i], cos, sin, pos, ks[i], vs[i], ok, last, 0.125, qk_norm=(qw, kw_, 1e-6))
+                decode_attention(qkv[i], cos, sin, pos, ks[i], vs[i], ok, last, 0.125, qk_norm=(qw, kw_, 1e-6),
+                                 **extra)
         rows.append(f"| attention {shape} | {filled} slots | default settings, with qk_norm | "
                     f"{graph_us(normed, 1, reps) / L:.2f} | |")
     return rows
@@ -230,6 +250,9 @@ def main():
                     "'w1=...;qwen3=...'")
     ap.add_argument("--shape", default="w1", help="the attention's decode shapes (SHAPES: w1, qwen3), comma-separated")
     ap.add_argument("--attention-only", action="store_true", help="skip the sampler rows")
+    ap.add_argument("--share", default="", help="N:P: sequences in groups of N share a P-slot prompt, read through "
+                    "share= (GRPO's samples after the shared prefill; W10: 8:64)")
+    ap.add_argument("--fills", default="64,192,318", help="the attention's filled cache slots, comma-separated")
     ap.add_argument("--moe", default="", help="also time qwen3_moe's experts: kernels/moe_experts.py's settings "
                     "BM:BN:BK:warps:stages[:CN][/the same for down], comma-separated ('default': SETTINGS)")
     ap.add_argument("--copy", action="store_true", help="also time a 2 GiB device copy (the card's rate)")
@@ -248,10 +271,12 @@ def main():
     samplers = [("gumbel (today: split 64, block 4096, 4 warps)", gumbel_sample)]
     samplers += [(f"cdf: block {blk}, {wp} warps, split {sp}", part(cdf_sample, split=sp, block=blk, warps=wp))
                  for sp, blk, wp in ((64, 4096, 8), (64, 4096, 4), (64, 2048, 4), (128, 2048, 8), (32, 8192, 8))]
-    found = {}
+    found, fills = {}, tuple(int(x) for x in args.fills.split(","))
     rows = [copy_row(args.reps)] if args.copy else []
     for sh in shapes:
-        rows += attention_rows(args.reps, parse(per_shape.get(sh, args.splits)), sh, found.setdefault(sh, {}))
+        rows += attention_rows(args.reps, parse(per_shape.get(sh, args.splits)), sh, found.setdefault(sh, {}),
+                               tuple(int(x) for x in args.share.split(":")) if args.share else None,
+                               fills)
         print("\n".join(rows), flush=True)
     if args.moe:
         from kernels.moe_experts import SETTINGS as MOE
@@ -268,7 +293,7 @@ def main():
         rows += sampler_rows(args.reps, args.calls, samplers)
     if args.json:
         mean = lambda v: sum(v["us"]) / len(v["us"])
-        best = {sh: min((v for v in found[sh].values() if v["splits"] == 1 and v["warps"] and len(v["us"]) == 3),
+        best = {sh: min((v for v in found[sh].values() if v["splits"] == 1 and v["warps"] and len(v["us"]) == len(fills)),
                         key=mean, default=None) for sh in shapes}
         with open(args.json, "w") as f:
             json.dump({"shapes": {sh: SHAPES[sh] for sh in shapes}, "variants": found, "best_unsplit": best}, f,
