@@ -23,7 +23,8 @@ def test_shared_prompt_is_the_shared_prefills_layout():
     assert src.tolist() == [0, 0, 0, 0, 4, 4, 4, 4] and shared.tolist() == [prompt]
     for b in range(B):
         first = b // n * n
-        assert torch.equal(k[b, :, :prompt], k0[first, :, :prompt]) and torch.equal(v[b, :, :prompt], v0[first, :, :prompt])
+        assert torch.equal(k[b, :, :prompt], k0[first, :, :prompt])
+        assert torch.equal(v[b, :, :prompt], v0[first, :, :prompt])
         assert torch.equal(ok[b, :prompt], ok0[first, :prompt])
         assert torch.equal(k[b, :, prompt:], k0[b, :, prompt:]) and torch.equal(v[b, :, prompt:], v0[b, :, prompt:])
         assert torch.equal(ok[b, prompt:], ok0[b, prompt:])

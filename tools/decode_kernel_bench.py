@@ -88,15 +88,15 @@ def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: d
     rows = []
     for filled in fills:
         last = torch.tensor([filled], device=dev)
-        want = decode_attention(qkv[0], cos, sin, pos, ks[0].clone(), vs[0].clone(), ok, last, 0.125, block=128,
-                                warps=4, stages=2, heads=1)
+        want = decode_attention(qkv[0], cos, sin, pos, ks[0], vs[0], ok, last, 0.125, block=128, warps=4, stages=2,
+                                heads=1)
         gb = B * nkv * (filled + 1) * D * 2 * ks[0].element_size() / 1e9   # K and V read (and the new slot written)
         for var in variants:
             splits, block, warps, stages, heads = (*var, None, None, None)[:5]
             kw = dict(splits=splits, block=block, warps=warps, stages=stages, heads=heads, **extra)
             name = ("1 program per (seq, head)" if splits == 1 else f"split {splits}") + f", block {block}" + (
-                f", {warps} warps, {stages} stages" if warps else "") + (f", {heads} KV heads a program" if heads else "") + (
-                ", shared prompt" if share else "")
+                f", {warps} warps, {stages} stages" if warps else "") + (
+                f", {heads} KV heads a program" if heads else "") + (", shared prompt" if share else "")
             def run(kw=kw):
                 for i in range(L):
                     decode_attention(qkv[i], cos, sin, pos, ks[i], vs[i], ok, last, 0.125, **kw)
@@ -259,6 +259,14 @@ def main():
     ap.add_argument("--json", default="", help="also write each attention variant's times and the fastest unsplit "
                     "one (mean over the fills) here")
     args = ap.parse_args()
+    try:   # the two options' numbers, checked before any GPU work
+        fills = tuple(int(x) for x in args.fills.split(","))
+        share = tuple(int(x) for x in args.share.split(":")) if args.share else None
+        if any(f < 0 for f in fills) or (share and (len(share) != 2 or min(share) < 1)):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--fills takes slot counts >= 0 (64,192,318), --share N:P with N, P >= 1 (8:64); got "
+                         f"--fills {args.fills!r} --share {args.share!r}")
     if not torch.cuda.is_available():
         raise SystemExit("decode_kernel_bench needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
@@ -271,12 +279,11 @@ def main():
     samplers = [("gumbel (today: split 64, block 4096, 4 warps)", gumbel_sample)]
     samplers += [(f"cdf: block {blk}, {wp} warps, split {sp}", part(cdf_sample, split=sp, block=blk, warps=wp))
                  for sp, blk, wp in ((64, 4096, 8), (64, 4096, 4), (64, 2048, 4), (128, 2048, 8), (32, 8192, 8))]
-    found, fills = {}, tuple(int(x) for x in args.fills.split(","))
+    found = {}
     rows = [copy_row(args.reps)] if args.copy else []
     for sh in shapes:
         rows += attention_rows(args.reps, parse(per_shape.get(sh, args.splits)), sh, found.setdefault(sh, {}),
-                               tuple(int(x) for x in args.share.split(":")) if args.share else None,
-                               fills)
+                               share, fills)
         print("\n".join(rows), flush=True)
     if args.moe:
         from kernels.moe_experts import SETTINGS as MOE
@@ -293,8 +300,8 @@ def main():
         rows += sampler_rows(args.reps, args.calls, samplers)
     if args.json:
         mean = lambda v: sum(v["us"]) / len(v["us"])
-        best = {sh: min((v for v in found[sh].values() if v["splits"] == 1 and v["warps"] and len(v["us"]) == len(fills)),
-                        key=mean, default=None) for sh in shapes}
+        whole = lambda v: v["splits"] == 1 and v["warps"] and len(v["us"]) == len(fills)   # timed at every fill
+        best = {sh: min(filter(whole, found[sh].values()), key=mean, default=None) for sh in shapes}
         with open(args.json, "w") as f:
             json.dump({"shapes": {sh: SHAPES[sh] for sh in shapes}, "variants": found, "best_unsplit": best}, f,
                       indent=1)
