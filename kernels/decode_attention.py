@@ -59,40 +59,37 @@ if HAS_TRITON:
                           s_qkv, s_cs, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, sok_b, pm_ptr, ps_ptr, pa_ptr, tick_ptr,
                           qn_ptr, kn_ptr, eps, src_ptr, shared_ptr,
                           NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, HEADS: tl.constexpr,
-                          RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                          PRECISION: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
+                          ROWS: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                          BLOCK: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr,
                           SHARE: tl.constexpr):
-        # program (sequence b, KV heads [h0, h0 + HEADS), split). Its rows are the HEADS * G query heads of those
-        # KV heads (consecutive in qkv), padded to RP; its K/V tiles hold BLOCK slots of each of the HEADS heads
-        # side by side, and a row's scores outside its own head are masked, so one tl.dot serves all heads
-        b, hb, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-        h0 = hb * HEADS
-        r = tl.arange(0, RP)                                           # rows: query heads h0 * G + r
-        hr = r // G                                                    # (RP,) each row's KV head, from h0
+        # program (sequences [b0, b0 + ROWS), KV heads [h0, h0 + HEADS), split). Its rows are, sequence by
+        # sequence, the HEADS * G query heads of those KV heads (consecutive in qkv), padded to RP; its K/V tiles
+        # hold BLOCK slots of each (sequence, head) side by side, and a row's scores outside its own sequence and
+        # head are masked, so one tl.dot serves them all
+        pb, hb, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+        b0, h0 = pb * ROWS, hb * HEADS
+        r = tl.arange(0, RP)
+        ri = tl.minimum(r // (HEADS * G), ROWS - 1)                    # (RP,) each row's sequence, from b0
+        rr = r % (HEADS * G)                                           # its query head, from h0 * G
+        hr = rr // G                                                   # (RP,) its KV head, from h0
+        bq = b0 + ri                                                   # (RP,) int64
         d = tl.arange(0, DP)
         dm = d < D
-        rm = r < HEADS * G
+        rm = r < ROWS * HEADS * G
         qm = rm[:, None] & dm[None, :]
         # rotary: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]): each column's partner
         half = D // 2
         partner = tl.where(d < half, d + half, d - half)
         sign = tl.where(d < half, -1.0, 1.0)
-        p = tl.load(pos_ptr + b)
-        cos = tl.load(cos_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32)       # (DP,)
-        sin = tl.load(sin_ptr + p * s_cs + d, mask=dm, other=0.0).to(tl.float32) * sign
-        row = qkv_ptr + b * s_qkv
-        qh = (h0 * G + r)[:, None] * D                                 # (RP, 1) offsets of the rows' query heads
-        q = tl.load(row + qh + d[None, :], mask=qm, other=0.0).to(tl.float32)          # (RP, DP)
-        q2 = tl.load(row + qh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
+        cs = tl.load(pos_ptr + bq)[:, None] * s_cs + d[None, :]        # (RP, DP) each row's table entries
+        cos = tl.load(cos_ptr + cs, mask=qm, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + cs, mask=qm, other=0.0).to(tl.float32) * sign[None, :]
+        row = qkv_ptr + bq[:, None] * s_qkv                            # (RP, 1)
+        qh = (h0 * G + rr)[:, None] * D                                # (RP, 1) offsets of the rows' query heads
         kh = (h0 + hr)[:, None] * D                                    # (RP, 1) each row's own KV head
         kr = row + NH * D
-        k_new = tl.load(kr + kh + d[None, :], mask=qm, other=0.0).to(tl.float32)       # (RP, DP)
-        k2 = tl.load(kr + kh + partner[None, :], mask=qm, other=0.0).to(tl.float32)
-        if QK_NORM:   # qwen3's RMSNorm of each head before rotary; q2, k2 hold the same values permuted
-            q, q2 = _head_norm(q, q2, qn_ptr, d, partner, dm, eps, D)
-            k_new, k2 = _head_norm(k_new, k2, kn_ptr, d, partner, dm, eps, D)
-        q = (q * cos[None, :] + q2 * sin[None, :]).to(k_ptr.dtype.element_ty)
-        k_new = (k_new * cos[None, :] + k2 * sin[None, :]).to(k_ptr.dtype.element_ty)     # (RP, DP)
+        q = _rotated(row + qh, d, partner, qm, cos, sin, qn_ptr, dm, eps, D, QK_NORM).to(k_ptr.dtype.element_ty)
+        k_new = _rotated(kr + kh, d, partner, qm, cos, sin, kn_ptr, dm, eps, D, QK_NORM).to(k_ptr.dtype.element_ty)
         v_new = tl.load(kr + NKV * D + kh + d[None, :], mask=qm, other=0.0).to(k_ptr.dtype.element_ty)
         last = tl.load(last_ptr)
         # split `part` reads slots [lo, hi) of [0, last): chunks of whole blocks, so the grid stays fixed while
@@ -103,41 +100,52 @@ if HAS_TRITON:
         lo = part * chunk
         hi = tl.minimum(tl.minimum(lo + chunk, last), S)
         if part == 0:                                                  # one program writes the new K/V: one row
-            wm = qm & (r % G == 0)[:, None]                            # of each KV head
+            wm = qm & (r % G == 0)[:, None]                            # of each (sequence, KV head)
             wm = wm & (tl.zeros((RP, 1), tl.int64) + last < S)        # (RP, 1): a scalar mask fails interpreted
             hw = (h0 + hr)[:, None].to(tl.int64)
-            tl.store(k_ptr + b * sk_b + hw * sk_h + last * sk_s + d[None, :], k_new, mask=wm)
-            tl.store(v_ptr + b * sv_b + hw * sv_h + last * sv_s + d[None, :], v_new, mask=wm)
+            tl.store(k_ptr + bq[:, None] * sk_b + hw * sk_h + last * sk_s + d[None, :], k_new, mask=wm)
+            tl.store(v_ptr + bq[:, None] * sv_b + hw * sv_h + last * sv_s + d[None, :], v_new, mask=wm)
         # split 0 starts from the new token, from registers (its score, weight 1); the others from nothing
         m0 = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale
         first = part == 0
         m = tl.where(first, m0, -float("inf"))                         # (RP,) running max
         s = tl.where(first, tl.full((RP,), 1.0, tl.float32), 0.0)     # running sum
         acc = tl.where(first, v_new.to(tl.float32), 0.0)               # (RP, DP) running output
-        c = tl.arange(0, HEADS * BLOCK)                                # tile columns: head c // BLOCK, its slot
-        hc = c // BLOCK
-        kc = k_ptr + b * sk_b + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
-        vc = v_ptr + b * sv_b + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
-        own = hr[:, None] == hc[None, :]                               # (RP, HEADS * BLOCK)
+        c = tl.arange(0, ROWS * HEADS * BLOCK)                         # tile columns: (sequence, head, slot)
+        ci, hc = c // (HEADS * BLOCK), c // BLOCK % HEADS
+        bc = (b0 + ci)[:, None]                                        # (columns, 1) each column's sequence
+        kc = k_ptr + bc * sk_b + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
+        vc = v_ptr + bc * sv_b + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
+        own = (ri[:, None] == ci[None, :]) & (hr[:, None] == hc[None, :])   # (RP, ROWS * HEADS * BLOCK)
+        okc = ok_ptr + (b0 + ci) * sok_b                               # each column's key mask
+        mid = lo                                                       # [lo, mid): tiles read once for all sequences
         if SHARE:   # slots below `shared`: row src's copy (the same values), so a prompt's rows fetch one copy
-            src, shared = tl.load(src_ptr + b), tl.load(shared_ptr)
-            dk, dv = (src - b) * sk_b, (src - b) * sv_b                # offsets from row b's cache to row src's
+            srcs, shared = tl.load(src_ptr + b0 + ci), tl.load(shared_ptr)   # (columns,)
+            dk, dv = (srcs - b0 - ci) * sk_b, (srcs - b0 - ci) * sv_b  # offsets from each column's cache to its src's
+            if ROWS > 1:   # one src for all of the program's sequences: their whole tiles below shared, once
+                one = tl.min(srcs, 0) == tl.max(srcs, 0)
+                mid = tl.where(one, tl.minimum(tl.maximum(shared // BLOCK * BLOCK, lo), hi), lo)
+                m, s, acc = _attend_shared(q, m, s, acc, k_ptr + tl.min(srcs, 0) * sk_b, v_ptr + tl.min(srcs, 0)
+                                           * sv_b, ok_ptr + bq[:, None] * sok_b, lo, mid, h0, hr, rm, d, dm, sk_h,
+                                           sk_s, sv_h, sv_s, scale, HEADS, BLOCK, PRECISION)
         else:
             shared, dk, dv = 0, 0, 0
-        m, s, acc = _attend_slots(q, m, s, acc, kc, vc, ok_ptr + b * sok_b, c, lo, hi, shared, dk, dv, own, dm,
+        m, s, acc = _attend_slots(q, m, s, acc, kc, vc, okc, c, mid, hi, shared, dk, dv, own, dm,
                                   sk_s, sv_s, scale, BLOCK, PRECISION, SHARE)
+        out = o_ptr + bq[:, None] * so_b + qh + d[None, :]
         if SPLITS == 1:
             o = acc / s[:, None]
-            tl.store(o_ptr + b * so_b + qh + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm)
+            tl.store(out, o.to(o_ptr.dtype.element_ty), mask=qm)
         else:
-            _combine(o_ptr + b * so_b + qh + d[None, :], qm, m, s, acc, (b * (NKV // HEADS) + hb) * SPLITS, part,
-                     pm_ptr, ps_ptr, pa_ptr, tick_ptr + b * (NKV // HEADS) + hb, RP, DP, SPLITS)
+            _combine(out, qm, m, s, acc, (pb * (NKV // HEADS) + hb) * SPLITS, part,
+                     pm_ptr, ps_ptr, pa_ptr, tick_ptr + pb * (NKV // HEADS) + hb, RP, DP, SPLITS)
 
     @triton.jit
     def _attend_slots(q, m, s, acc, kc, vc, okr, c, lo, hi, shared, dk, dv, own, dm, sk_s, sv_s, scale,
                       BLOCK: tl.constexpr, PRECISION: tl.constexpr, SHARE: tl.constexpr):
-        # the online softmax (m, s, acc) of q (RP, DP) over the cache's slots [lo, hi): kc, vc (HEADS * BLOCK, DP)
-        # point at slot 0 of row b's heads, okr at its key mask; SHARE: slots below `shared` at offsets dk, dv
+        # the online softmax (m, s, acc) of q (RP, DP) over the cache's slots [lo, hi): kc, vc (columns, DP)
+        # point at slot 0 of each column's (sequence, head), okr (columns,) at its key mask; SHARE: slots below
+        # `shared` at offsets dk, dv (columns,)
         for s0 in range(lo, hi, BLOCK):
             j = s0 + c % BLOCK
             jm = j < hi
@@ -147,18 +155,54 @@ if HAS_TRITON:
             if SHARE:
                 ko += tl.where(j < shared, dk, 0)
                 vo += tl.where(j < shared, dv, 0)
-            k = tl.load(kc + ko[:, None], mask=kv, other=0.0)          # (HEADS * BLOCK, DP)
+            k = tl.load(kc + ko[:, None], mask=kv, other=0.0)          # (columns, DP)
             v = tl.load(vc + vo[:, None], mask=kv, other=0.0)
-            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (RP, HEADS * BLOCK) float32
-            sc = tl.where(own & ok[None, :], sc, -float("inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            shift = tl.where(m_new == -float("inf"), 0.0, m_new)       # nothing visible yet: exp(-inf - -inf) is nan
-            p_ = tl.exp(sc - shift[:, None])
-            alpha = tl.exp(m - shift)
-            s = s * alpha + tl.sum(p_, 1)
-            acc = acc * alpha[:, None] + tl.dot(p_.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            m, s, acc = _online(q, m, s, acc, k, v, own & ok[None, :], scale, PRECISION)
         return m, s, acc
+
+    @triton.jit
+    def _attend_shared(q, m, s, acc, ks, vs, okq, lo, hi, h0, hr, rm, d, dm, sk_h, sk_s, sv_h, sv_s, scale,
+                       HEADS: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+        # slots [lo, hi) of one src (ks, vs: its cache rows) for all of the program's rows: tiles of BLOCK slots of
+        # each head, read once; okq (RP, 1): each row's own key mask
+        c = tl.arange(0, HEADS * BLOCK)
+        hc = c // BLOCK
+        kc = ks + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
+        vc = vs + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
+        own = hr[:, None] == hc[None, :]                               # (RP, HEADS * BLOCK)
+        for s0 in range(lo, hi, BLOCK):
+            j = s0 + c % BLOCK
+            jm = j < hi
+            ok = (tl.load(okq + j[None, :], mask=rm[:, None] & jm[None, :], other=0) != 0)   # (RP, HEADS * BLOCK)
+            kv = jm[:, None] & dm[None, :]
+            k = tl.load(kc + j[:, None] * sk_s, mask=kv, other=0.0)    # (HEADS * BLOCK, DP)
+            v = tl.load(vc + j[:, None] * sv_s, mask=kv, other=0.0)
+            m, s, acc = _online(q, m, s, acc, k, v, own & ok & jm[None, :], scale, PRECISION)
+        return m, s, acc
+
+    @triton.jit
+    def _online(q, m, s, acc, k, v, visible, scale, PRECISION: tl.constexpr):
+        # one tile's step of the online softmax: scores (RP, columns) float32, P @ V with P in the cache's dtype;
+        # the columns a row may not see (visible false) score -inf
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        sc = tl.where(visible, sc, -float("inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)           # nothing visible yet: exp(-inf - -inf) is nan
+        p_ = tl.exp(sc - shift[:, None])
+        alpha = tl.exp(m - shift)
+        s = s * alpha + tl.sum(p_, 1)
+        acc = acc * alpha[:, None] + tl.dot(p_.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, s, acc
+
+    @triton.jit
+    def _rotated(x_row, d, partner, m, cos, sin, w_ptr, dm, eps, D: tl.constexpr, NORM: tl.constexpr):
+        # the heads at offsets x_row (RP, 1) in float32: qwen3's RMSNorm of each head first where NORM, then the
+        # rotation (cos, sin (RP, DP), sin signed); x2 holds the same values at their rotary partners
+        x = tl.load(x_row + d[None, :], mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + partner[None, :], mask=m, other=0.0).to(tl.float32)
+        if NORM:
+            x, x2 = _head_norm(x, x2, w_ptr, d, partner, dm, eps, D)
+        return x * cos + x2 * sin
 
     @triton.jit
     def _head_norm(x, x2, w_ptr, d, partner, dm, eps, D: tl.constexpr):
@@ -207,34 +251,51 @@ if HAS_TRITON:
     def _decode_attention_op(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor,
                              key_ok: Tensor, last: Tensor, scale: float, block: int, warps: int, stages: int,
                              splits: int, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float,
-                             heads: int = 1, src: Optional[Tensor] = None, shared: Optional[Tensor] = None) -> Tensor:
+                             heads: int = 1, src: Optional[Tensor] = None, shared: Optional[Tensor] = None,
+                             rows: int = 1) -> Tensor:
+        args = (qkv, cos, sin, pos, k, v, key_ok, last, scale, splits, q_norm, k_norm, eps, src, shared)
+        setting = (block, warps, stages, heads, rows)
+        try:
+            return _launch(*args, *setting)
+        except triton.runtime.errors.OutOfResources as e:
+            D = k.shape[3]
+            at = max(16, 1 << (D - 1).bit_length())
+            small = SMALL.get(at) if setting == DEFAULTS.get(at) and at not in OVERRIDDEN else None
+            if small is None:
+                raise too_big(D, setting, e) from None
+        # the default's tiles do not fit this card's shared memory (nothing was launched): the small setting
+        b, w, st, hd, rw = small
+        try:
+            return _launch(*args, b, w, st, math.gcd(hd, k.shape[1]), math.gcd(rw, k.shape[0]))
+        except triton.runtime.errors.OutOfResources as e:
+            raise too_big(k.shape[3], small, e) from None
+
+    def _launch(qkv, cos, sin, pos, k, v, key_ok, last, scale, splits, q_norm, k_norm, eps, src, shared, block, warps,
+                stages, heads, rows) -> Tensor:
         B, nkv, S, D = k.shape
         nh = qkv.shape[1] // D - 2 * nkv
         out = torch.empty(B, nh * D, dtype=qkv.dtype, device=qkv.device)
         G = nh // nkv
-        RP, DP = max(16, triton.next_power_of_2(heads * G)), max(16, triton.next_power_of_2(D))
-        groups = B * (nkv // heads)                                    # (sequence, heads' group) pairs
+        RP, DP = max(16, triton.next_power_of_2(rows * heads * G)), max(16, triton.next_power_of_2(D))
+        groups = B // rows * (nkv // heads)                            # (sequences' group, heads' group) pairs
         n = groups * splits if splits > 1 else 1                       # partials: only a split run needs them
         pm, ps = (torch.empty(n * RP, dtype=torch.float32, device=qkv.device) for _ in range(2))
         pa = torch.empty(n * RP * DP, dtype=torch.float32, device=qkv.device)
-        try:
-            _decode_attention[(B, nkv // heads, splits)](
-                qkv, cos, sin, pos, k, v, key_ok, last, out, scale, S, qkv.stride(0), cos.stride(0),
-                k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0),
-                key_ok.stride(0), pm, ps, pa, _tickets(groups if splits > 1 else 1, qkv.device),
-                cos if q_norm is None else q_norm, cos if k_norm is None else k_norm, eps,
-                pos if src is None else src, last if shared is None else shared,
-                NH=nh, NKV=nkv, G=G, HEADS=heads, RP=RP, D=D, DP=DP, BLOCK=block,
-                PRECISION="ieee" if k.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
-                SPLITS=splits, QK_NORM=q_norm is not None, SHARE=src is not None, num_warps=warps,
-                num_stages=stages)
-        except triton.runtime.errors.OutOfResources as e:
-            raise too_big(D, (block, warps, stages, heads), e) from None
+        _decode_attention[(B // rows, nkv // heads, splits)](
+            qkv, cos, sin, pos, k, v, key_ok, last, out, scale, S, qkv.stride(0), cos.stride(0),
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0),
+            key_ok.stride(0), pm, ps, pa, _tickets(groups if splits > 1 else 1, qkv.device),
+            cos if q_norm is None else q_norm, cos if k_norm is None else k_norm, eps,
+            pos if src is None else src, last if shared is None else shared,
+            NH=nh, NKV=nkv, G=G, HEADS=heads, ROWS=rows, RP=RP, D=D, DP=DP, BLOCK=block,
+            PRECISION="ieee" if k.dtype == torch.float32 else "tf32",   # float32: no TF32 rounding
+            SPLITS=splits, QK_NORM=q_norm is not None, SHARE=src is not None, num_warps=warps,
+            num_stages=stages)
         return out
 
     @_decode_attention_op.register_fake
     def _(qkv, cos, sin, pos, k, v, key_ok, last, scale, block, warps, stages, splits, q_norm, k_norm, eps, heads=1,
-          src=None, shared=None):
+          src=None, shared=None, rows=1):
         return qkv.new_empty(qkv.shape[0], qkv.shape[1] - 2 * k.shape[1] * k.shape[3])
 
 
@@ -275,20 +336,26 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
                              f"{src.dtype} {tuple(src.shape)}, shared {shared.dtype} {tuple(shared.shape)}")
 
 
-# unsplit launch settings (block, warps, stages, heads) by head_dim, each chosen by timing candidates at a real
-# decode shape (64: W1's, 128: qwen3's) over many layers' caches, so that reads come from memory as in the decode
-# step; 256 takes small tiles because large K and V tiles, double-buffered, would not fit in shared memory.
-# heads: KV heads per program. Two of qwen3's (2 query heads each) fill 4 of the dot's 16 rows instead of 2, and
-# halve the programs that each pay the prologue's chain of dependent loads; with 16-slot blocks and 3 stages their
-# tiles still let 4 programs share an SM. How they were picked: docs/architectures.md, "Decode attention and
-# experts, timed". FAST_DECODE_ATTN="128=16x4x3x2,..." overrides entries for a run
-# (tools/decode_kernel_bench.py --shape qwen3,w1 times the candidates)
-SETTINGS = {64: (64, 4, 3, 1), 128: (16, 4, 3, 2), 256: (32, 4, 2, 1)}
+# unsplit launch settings (block, warps, stages, heads, rows) by head_dim, each chosen by timing candidates at a
+# real decode shape (64: W1's, 128: qwen3's) over many layers' caches, so that reads come from memory as in the
+# decode step; 256 takes small tiles because large K and V tiles, double-buffered, would not fit in shared memory.
+# heads: KV heads per program; rows: sequences per program. qwen3's (2 query heads a KV head) takes one KV head
+# of 4 sequences: 8 of the dot's 16 rows used instead of 4, tiles of 4 x 32 slots, and with share= the samples of
+# one prompt read its shared slots once for 4 of them instead of each moving them through the L2. W1's keeps one
+# sequence: its 7 query heads a KV head already fill most of the dot's rows, and 2 sequences timed slower there.
+# How they were picked: docs/architectures.md, "Decode attention and experts, timed", and docs/kernels.md, "What
+# the shared prompt still costs".
+# FAST_DECODE_ATTN="128=32x4x2x1x4,..." overrides entries for a run (tools/decode_kernel_bench.py --shape qwen3,w1
+# [--share 8:64] times the candidates)
+SETTINGS = {64: (64, 4, 3, 1, 1), 128: (32, 4, 2, 1, 4), 256: (32, 4, 2, 1, 1)}
 DEFAULTS = dict(SETTINGS)
+# where a default's tiles do not fit a card's shared memory (128: 2 stages of 4 x 32 slots, 128 KB; cards of
+# compute capability 8.6 and 8.9 give a program about 100 KB), the op launches this instead: 48 KB of tiles
+SMALL = {128: (16, 4, 3, 2, 1)}
 OVERRIDDEN = set()   # head_dims whose entry FAST_DECODE_ATTN set (too_big names it)
 for _item in filter(None, os.environ.get("FAST_DECODE_ATTN", "").split(",")):
     _d, _s = _item.split("=")
-    SETTINGS[int(_d)] = (*(int(x) for x in _s.split("x")), 1)[:4]
+    SETTINGS[int(_d)] = (*(int(x) for x in _s.split("x")), 1, 1)[:5]
     OVERRIDDEN.add(int(_d))
 
 
@@ -299,25 +366,25 @@ def too_big(D: int, setting: tuple, e: Exception) -> Exception:
     at = max(16, 1 << (D - 1).bit_length())
     what = "x".join(map(str, setting))
     if at in OVERRIDDEN and tuple(SETTINGS[at][:3]) == tuple(setting[:3]):
-        default = "x".join(map(str, DEFAULTS.get(at, (32, 4, 2, 1))))
-        return UserError(f"FAST_DECODE_ATTN={at}={what} (block x warps x stages x KV heads a program) needs more "
+        default = "x".join(map(str, DEFAULTS.get(at, (32, 4, 2, 1, 1))))
+        return UserError(f"FAST_DECODE_ATTN={at}={what} (block x warps x stages x KV heads x sequences a program) needs more "
                          f"shared memory than this GPU has ({str(e).splitlines()[0][:120]}): use a smaller block or "
                          f"fewer stages, or unset it (the default at head_dim {at}: {default})")
-    return ValueError(f"decode_attention: block x warps x stages x heads {what} at head_dim {D} does not fit this "
+    return ValueError(f"decode_attention: block x warps x stages x heads x rows {what} at head_dim {D} does not fit this "
                       f"GPU ({str(e).splitlines()[0][:120]})")
 
 
-def settings(D: int) -> tuple[int, int, int, int]:
-    """(block, warps, stages, heads) of the unsplit kernel at head_dim D: SETTINGS' entry at the next power of
-    two."""
+def settings(D: int) -> tuple[int, int, int, int, int]:
+    """(block, warps, stages, heads, rows) of the unsplit kernel at head_dim D: SETTINGS' entry at the next
+    power of two."""
     at = max(16, 1 << (D - 1).bit_length())
-    return SETTINGS.get(at) or (SETTINGS[64] if at < 64 else (32, 4, 2, 1))
+    return SETTINGS.get(at) or (SETTINGS[64] if at < 64 else (32, 4, 2, 1, 1))
 
 
 def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Tensor, key_ok: Tensor,
                      last: Tensor, scale: float, block: int | None = None, warps: int | None = None,
                      stages: int | None = None, splits: int = 1, qk_norm: tuple | None = None,
-                     heads: int | None = None, share: tuple | None = None) -> Tensor:
+                     heads: int | None = None, share: tuple | None = None, rows: int | None = None) -> Tensor:
     """See the module's docstring. The Triton kernel (CUDA, or TRITON_INTERPRET=1); block, warps, stages: the
     kernel's settings, by default SETTINGS' for this head_dim (`settings`). splits > 1: flash-decoding, each
     (sequence, KV head)'s filled slots cut into `splits` chunks of whole blocks, one program each (the grid is
@@ -326,21 +393,27 @@ def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tens
     (D,), eps): RMSNorm each head of q and k before the rotation, as transformers' Qwen3RMSNorm does. heads: KV
     heads per program (a power of two; cut to the largest that divides the model's KV heads). share (src (B,)
     int64, shared (1,) int64): read row b's slots below shared[0] from row src[b] (equal there: the caller's
-    promise, which the kernel cannot check without reading both)."""
-    b, w, st, hd = settings(k.shape[-1]) if k.dim() == 4 else (128, 4, 2, 1)
+    promise, which the kernel cannot check without reading both). rows: sequences per program (a power of two;
+    cut to the largest that divides the batch), their tiles side by side; with share, when they all read one
+    src, its slots below shared are read once for all of them (the tiles then differ in shape from an unshared
+    call's, so the two agree to rounding, not bit for bit)."""
+    b, w, st, hd, rw = settings(k.shape[-1]) if k.dim() == 4 else (128, 4, 2, 1, 1)
     block, warps, stages = block or (b if splits == 1 else 32), warps or w, stages or st
-    heads = heads or (hd if splits == 1 else 1)
+    heads, rows = heads or (hd if splits == 1 else 1), rows or (rw if splits == 1 else 1)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two >= 1, got {splits}")
     if heads < 1 or heads & (heads - 1):
         raise ValueError(f"heads must be a power of two >= 1, got {heads}")
+    if rows < 1 or rows & (rows - 1):
+        raise ValueError(f"rows must be a power of two >= 1, got {rows}")
     if block < 16 or block & (block - 1):   # tl.dot takes no dimension under 16
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     _check(qkv, cos, sin, pos, k, v, key_ok, last, qk_norm, share)
     qw, kw, eps = qk_norm or (None, None, 0.0)
     src, shared = share or (None, None)
     return _decode_attention_op(qkv, cos, sin, pos, k, v, key_ok, last, float(scale), block, warps, stages, splits,
-                                qw, kw, float(eps), math.gcd(heads, k.shape[1]), src, shared)
+                                qw, kw, float(eps), math.gcd(heads, k.shape[1]), src, shared,
+                                math.gcd(rows, k.shape[0]))
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

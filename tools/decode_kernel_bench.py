@@ -72,7 +72,7 @@ def shared_prompt(caches: list[Tensor], ok: Tensor, n: int, prompt: int) -> tupl
 def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: dict | None = None,
                    share: tuple | None = None, fills: tuple = (64, 192, 318)) -> list[str]:
     """variants: (splits, block), (splits, block, warps, stages) or (splits, block, warps, stages, heads: KV heads
-    per program). found: filled with {variant name: [us at each fill]} for --json. share (n, prompt): sequences in
+    per program[, rows: sequences per program]). found: filled with {variant name: [us at each fill]} for --json. share (n, prompt): sequences in
     groups of n hold one prompt's K/V in their first `prompt` slots, and every call passes share=(src, shared), as
     the engine does after the shared prefill. fills: the cache slots filled before the call."""
     B, nh, nkv, S, D, L = SHAPES[shape]
@@ -92,11 +92,12 @@ def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: d
                                 heads=1)
         gb = B * nkv * (filled + 1) * D * 2 * ks[0].element_size() / 1e9   # K and V read (and the new slot written)
         for var in variants:
-            splits, block, warps, stages, heads = (*var, None, None, None)[:5]
-            kw = dict(splits=splits, block=block, warps=warps, stages=stages, heads=heads, **extra)
+            splits, block, warps, stages, heads, seqs = (*var, None, None, None, None)[:6]
+            kw = dict(splits=splits, block=block, warps=warps, stages=stages, heads=heads, rows=seqs, **extra)
             name = ("1 program per (seq, head)" if splits == 1 else f"split {splits}") + f", block {block}" + (
                 f", {warps} warps, {stages} stages" if warps else "") + (
-                f", {heads} KV heads a program" if heads else "") + (", shared prompt" if share else "")
+                f", {heads} KV heads a program" if heads else "") + (
+                f", {seqs} sequences a program" if seqs else "") + (", shared prompt" if share else "")
             def run(kw=kw):
                 for i in range(L):
                     decode_attention(qkv[i], cos, sin, pos, ks[i], vs[i], ok, last, 0.125, **kw)
@@ -109,7 +110,7 @@ def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: d
                 continue
             if found is not None:
                 found.setdefault(name, {"splits": splits, "block": block, "warps": warps, "stages": stages,
-                                        "heads": heads, "us": []})
+                                        "heads": heads, "rows": seqs, "us": []})
                 found[name]["us"].append(us)
             rows.append(f"| attention {shape} | {filled} slots | {name} | {us:.2f} | {gb / us * 1e6 / 1e3:.2f} TB/s"
                         f"{' (as if unshared)' if share else ''}; "
@@ -246,7 +247,7 @@ def main():
     ap.add_argument("--reps", type=int, default=50, help="graph replays per measurement (median)")
     ap.add_argument("--calls", type=int, default=10, help="sampler calls per graph")
     ap.add_argument("--splits", default="1:128,4:32,4:64,8:32,8:64,16:16,16:32",
-                    help="attention splits:block[:warps:stages[:heads]], comma-separated; or per shape, "
+                    help="attention splits:block[:warps:stages[:heads[:rows]]], comma-separated; or per shape, "
                     "'w1=...;qwen3=...'")
     ap.add_argument("--shape", default="w1", help="the attention's decode shapes (SHAPES: w1, qwen3), comma-separated")
     ap.add_argument("--attention-only", action="store_true", help="skip the sampler rows")
