@@ -255,15 +255,15 @@ if HAS_TRITON:
                              rows: int = 1) -> Tensor:
         args = (qkv, cos, sin, pos, k, v, key_ok, last, scale, splits, q_norm, k_norm, eps, src, shared)
         setting = (block, warps, stages, heads, rows)
-        try:
-            return _launch(*args, *setting)
-        except triton.runtime.errors.OutOfResources as e:
-            D = k.shape[3]
-            at = max(16, 1 << (D - 1).bit_length())
-            small = SMALL.get(at) if setting == DEFAULTS.get(at) and at not in OVERRIDDEN else None
-            if small is None:
-                raise too_big(D, setting, e) from None
-        # the default's tiles do not fit this card's shared memory (nothing was launched): the small setting
+        at = max(16, 1 << (k.shape[3] - 1).bit_length())
+        small = SMALL.get(at) if setting == DEFAULTS.get(at) and at not in OVERRIDDEN else None
+        if small is None or (qkv.device, at) not in _TOO_SMALL:
+            try:
+                return _launch(*args, *setting)
+            except triton.runtime.errors.OutOfResources as e:
+                if small is None:
+                    raise too_big(k.shape[3], setting, e) from None
+            _TOO_SMALL.add((qkv.device, at))   # nothing was launched; later calls go straight to the small setting
         b, w, st, hd, rw = small
         try:
             return _launch(*args, b, w, st, math.gcd(hd, k.shape[1]), math.gcd(rw, k.shape[0]))
@@ -352,6 +352,7 @@ DEFAULTS = dict(SETTINGS)
 # where a default's tiles do not fit a card's shared memory (128: 2 stages of 4 x 32 slots, 128 KB; cards of
 # compute capability 8.6 and 8.9 give a program about 100 KB), the op launches this instead: 48 KB of tiles
 SMALL = {128: (16, 4, 3, 2, 1)}
+_TOO_SMALL: set = set()   # (device, head_dim entry) where the default did not fit
 OVERRIDDEN = set()   # head_dims whose entry FAST_DECODE_ATTN set (too_big names it)
 for _item in filter(None, os.environ.get("FAST_DECODE_ATTN", "").split(",")):
     _d, _s = _item.split("=")

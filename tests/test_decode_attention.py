@@ -250,6 +250,8 @@ da._decode_attention = SmallCard()
 assert da.SETTINGS[128] == (32, 4, 2, 1, 4)
 check_attention(da.decode_attention, B=4, nh=4, nkv=2, S=40, D=128, last=30)
 assert launched == [(32, 4, 2, 1, 4), (16, 4, 3, 2, 1)], launched
+check_attention(da.decode_attention, B=4, nh=4, nkv=2, S=40, D=128, last=30)
+assert launched[2:] == [(16, 4, 3, 2, 1)], launched                # remembered: no second attempt
 da.OVERRIDDEN.add(128)
 with pytest.raises(UserError, match="FAST_DECODE_ATTN=128=32x4x2x1x4"):
     check_attention(da.decode_attention, B=4, nh=4, nkv=2, S=40, D=128, last=30)
