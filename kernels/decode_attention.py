@@ -395,12 +395,16 @@ def decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tens
     heads per program (a power of two; cut to the largest that divides the model's KV heads). share (src (B,)
     int64, shared (1,) int64): read row b's slots below shared[0] from row src[b] (equal there: the caller's
     promise, which the kernel cannot check without reading both). rows: sequences per program (a power of two;
-    cut to the largest that divides the batch), their tiles side by side; with share, when they all read one
-    src, its slots below shared are read once for all of them (the tiles then differ in shape from an unshared
-    call's, so the two agree to rounding, not bit for bit)."""
+    cut to the largest that divides the batch; by default the setting's where heads and block are the setting's
+    too, else 1), their tiles side by side; with share, when they all read one src, its slots below shared are
+    read once for all of them (the tiles then differ in shape from an unshared call's, so the two agree to
+    rounding, not bit for bit)."""
     b, w, st, hd, rw = settings(k.shape[-1]) if k.dim() == 4 else (128, 4, 2, 1, 1)
+    # the setting's sequences a program only with its own heads and block: a caller's heads or block with the
+    # default's 4 sequences could ask for tiles past any card's shared memory
+    rows = rows or (rw if splits == 1 and heads is None and block is None else 1)
     block, warps, stages = block or (b if splits == 1 else 32), warps or w, stages or st
-    heads, rows = heads or (hd if splits == 1 else 1), rows or (rw if splits == 1 else 1)
+    heads = heads or (hd if splits == 1 else 1)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two >= 1, got {splits}")
     if heads < 1 or heads & (heads - 1):

@@ -230,6 +230,7 @@ def test_default_past_shared_memory_falls_back_interpreted():
     8.9): the op launches SMALL's setting instead and the result is right; an override that does not fit still
     fails with its UserError (kernels/decode_attention.py: _decode_attention_op)."""
     run_interpreted("""
+import functools
 import importlib
 import pytest
 import triton
@@ -252,6 +253,8 @@ check_attention(da.decode_attention, B=4, nh=4, nkv=2, S=40, D=128, last=30)
 assert launched == [(32, 4, 2, 1, 4), (16, 4, 3, 2, 1)], launched
 check_attention(da.decode_attention, B=4, nh=4, nkv=2, S=40, D=128, last=30)
 assert launched[2:] == [(16, 4, 3, 2, 1)], launched                # remembered: no second attempt
+check_attention(functools.partial(da.decode_attention, heads=2, block=16), B=4, nh=4, nkv=2, S=40, D=128, last=30)
+assert launched[3] == (16, 4, 2, 2, 1), launched                   # a caller's heads: one sequence a program
 da.OVERRIDDEN.add(128)
 with pytest.raises(UserError, match="FAST_DECODE_ATTN=128=32x4x2x1x4"):
     check_attention(da.decode_attention, B=4, nh=4, nkv=2, S=40, D=128, last=30)
