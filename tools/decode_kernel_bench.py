@@ -72,9 +72,10 @@ def shared_prompt(caches: list[Tensor], ok: Tensor, n: int, prompt: int) -> tupl
 def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: dict | None = None,
                    share: tuple | None = None, fills: tuple = (64, 192, 318)) -> list[str]:
     """variants: (splits, block), (splits, block, warps, stages) or (splits, block, warps, stages, heads: KV heads
-    per program[, rows: sequences per program]). found: filled with {variant name: [us at each fill]} for --json. share (n, prompt): sequences in
-    groups of n hold one prompt's K/V in their first `prompt` slots, and every call passes share=(src, shared), as
-    the engine does after the shared prefill. fills: the cache slots filled before the call."""
+    per program[, rows: sequences per program]). found: filled with {variant name: [us at each fill]} for --json.
+    share (n, prompt): sequences in groups of n hold one prompt's K/V in their first `prompt` slots, and every call
+    passes share=(src, shared), as the engine does after the shared prefill. fills: the cache slots filled before
+    the call."""
     B, nh, nkv, S, D, L = SHAPES[shape]
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
