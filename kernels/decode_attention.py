@@ -10,20 +10,21 @@ per sequence.
     # the same, reading each row b's slots below shared[0] from row src[b]'s cache: the caller guarantees they
     # hold equal values there (GRPO's samples of one prompt, whose prompt slots the shared prefill copied)
 
-Why: in engines/fast_decode.py's step (W1, docs/benchmarks.md: batch 128, 320 cache slots, 14 query / 2 KV
-heads of 64), cuDNN's scaled_dot_product_attention with a boolean mask reads all S slots of every sequence
-although most are still empty, and the rotary embedding and the two cache writes around it are three more
-small kernels per layer (measured: docs/kernels.md, "Decode attention"). Here one program per (sequence,
-KV head) rotates the group's g query heads and its key in registers, stores the key and value in the cache,
-then reads that head's K/V once for all g query heads (GQA) up to the slot before `last`, which the graph
-passes as a device tensor, so each replay reads only the cache so far; the new token's own key and value
-enter the online softmax from registers. With `share`, the rows of one prompt read its slots from one row: the
-cache still holds every row's copy, but the programs of a prompt's samples run side by side and fetch the same
-addresses, which the L2 cache then serves; a copy per row would be fetched from memory by each. A program may take several KV heads (`heads`): its tiles then hold
-each head's block of slots side by side, and each query row's scores outside its own head are masked, so one
-dot product per block serves them all. Scores and the online softmax are float32; P @ V takes P in the
-cache's dtype (as flash attention does); q and k are rounded to the cache's dtype after the rotation, as
-the layer-by-layer computation does.
+Why: in engines/fast_decode.py's step (W1, docs/benchmarks.md: batch 128, 320 cache slots, 14 query / 2 KV heads
+of 64), cuDNN's scaled_dot_product_attention with a boolean mask reads all S slots of every sequence although most
+are still empty, and the rotary embedding and the two cache writes around it are three more small kernels per
+layer (measured: docs/kernels.md, "Decode attention"). Here one program per (sequence, KV head) rotates the
+group's g query heads and its key in registers, stores the key and value in the cache, then reads that head's K/V
+once for all g query heads (GQA) up to the slot before `last`, which the graph passes as a device tensor, so each
+replay reads only the cache so far; the new token's own key and value enter the online softmax from registers.
+With `share`, the rows of one prompt read its slots from one row: the cache still holds every row's copy, but the
+programs of a prompt's samples run side by side and fetch the same addresses, which the L2 cache then serves; a
+copy per row would be fetched from memory by each. A program may take several KV heads (`heads`): its tiles then
+hold each head's block of slots side by side, and each query row's scores outside its own head are masked, so one
+dot product per block serves them all. It may take several sequences too (`rows`), tiled the same way; with
+`share`, when they read one src, the slots below `shared` are loaded once for all of them. Scores and the online
+softmax are float32; P @ V takes P in the cache's dtype (as flash attention does); q and k are rounded to the
+cache's dtype after the rotation, as the layer-by-layer computation does.
 
 `decode_attention_reference` is the torch twin with the same contract (the CPU path and the tests' yardstick).
 The kernel is wrapped as a torch custom op (mutating k and v), so the decode step that calls it still compiles
@@ -309,7 +310,8 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k: Tensor, v: Ten
         raise ValueError(f"qkv must be (B, (heads + 2 kv_heads) * head_dim) with heads % kv_heads == 0 and an even "
                          f"head_dim; got qkv {tuple(qkv.shape)}, k {tuple(k.shape)}")
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or cos.shape[0] < S:
-        raise ValueError(f"cos, sin must be (>= S, head_dim) = (>= {S}, {D}), got {tuple(cos.shape)}, {tuple(sin.shape)}")
+        raise ValueError(f"cos, sin must be (>= S, head_dim) = (>= {S}, {D}), "
+                         f"got {tuple(cos.shape)}, {tuple(sin.shape)}")
     if pos.shape != (B,) or pos.dtype != torch.long:
         raise ValueError(f"pos must be a ({B},) int64 tensor, got {pos.dtype} {tuple(pos.shape)}")
     if key_ok.shape != (B, S) or key_ok.dtype not in (torch.bool, torch.uint8):
@@ -368,11 +370,11 @@ def too_big(D: int, setting: tuple, e: Exception) -> Exception:
     what = "x".join(map(str, setting))
     if at in OVERRIDDEN and tuple(SETTINGS[at][:3]) == tuple(setting[:3]):
         default = "x".join(map(str, DEFAULTS.get(at, (32, 4, 2, 1, 1))))
-        return UserError(f"FAST_DECODE_ATTN={at}={what} (block x warps x stages x KV heads x sequences a program) needs more "
-                         f"shared memory than this GPU has ({str(e).splitlines()[0][:120]}): use a smaller block or "
-                         f"fewer stages, or unset it (the default at head_dim {at}: {default})")
-    return ValueError(f"decode_attention: block x warps x stages x heads x rows {what} at head_dim {D} does not fit this "
-                      f"GPU ({str(e).splitlines()[0][:120]})")
+        return UserError(f"FAST_DECODE_ATTN={at}={what} (block x warps x stages x KV heads x sequences a program) "
+                         f"needs more shared memory than this GPU has ({str(e).splitlines()[0][:120]}): "
+                         f"use a smaller block or fewer stages, or unset it (the default at head_dim {at}: {default})")
+    return ValueError(f"decode_attention: block x warps x stages x heads x rows {what} at head_dim {D} does not fit "
+                      f"this GPU ({str(e).splitlines()[0][:120]})")
 
 
 def settings(D: int) -> tuple[int, int, int, int, int]:
