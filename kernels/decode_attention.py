@@ -69,11 +69,7 @@ if HAS_TRITON:
         # head are masked, so one tl.dot serves them all
         pb, hb, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
         b0, h0 = pb * ROWS, hb * HEADS
-        r = tl.arange(0, RP)
-        ri = tl.minimum(r // (HEADS * G), ROWS - 1)                    # (RP,) each row's sequence, from b0
-        rr = r % (HEADS * G)                                           # its query head, from h0 * G
-        hr = rr // G                                                   # (RP,) its KV head, from h0
-        bq = b0 + ri                                                   # (RP,) int64
+        r, rr, hr, c, hc, bq, bc, own = _layout(b0, G, HEADS, ROWS, RP, BLOCK)
         d = tl.arange(0, DP)
         dm = d < D
         rm = r < ROWS * HEADS * G
@@ -82,10 +78,10 @@ if HAS_TRITON:
         half = D // 2
         partner = tl.where(d < half, d + half, d - half)
         sign = tl.where(d < half, -1.0, 1.0)
-        cs = tl.load(pos_ptr + bq)[:, None] * s_cs + d[None, :]        # (RP, DP) each row's table entries
-        cos = tl.load(cos_ptr + cs, mask=qm, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + cs, mask=qm, other=0.0).to(tl.float32) * sign[None, :]
-        row = qkv_ptr + bq[:, None] * s_qkv                            # (RP, 1)
+        cs = tl.load(pos_ptr + bq) * s_cs + d[None, :]                 # (RP or 1, DP) each row's table entries
+        cos = tl.load(cos_ptr + cs, mask=dm[None, :], other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + cs, mask=dm[None, :], other=0.0).to(tl.float32) * sign[None, :]
+        row = qkv_ptr + bq * s_qkv                                     # (RP or 1, 1)
         qh = (h0 * G + rr)[:, None] * D                                # (RP, 1) offsets of the rows' query heads
         kh = (h0 + hr)[:, None] * D                                    # (RP, 1) each row's own KV head
         kr = row + NH * D
@@ -104,42 +100,61 @@ if HAS_TRITON:
             wm = qm & (r % G == 0)[:, None]                            # of each (sequence, KV head)
             wm = wm & (tl.zeros((RP, 1), tl.int64) + last < S)        # (RP, 1): a scalar mask fails interpreted
             hw = (h0 + hr)[:, None].to(tl.int64)
-            tl.store(k_ptr + bq[:, None] * sk_b + hw * sk_h + last * sk_s + d[None, :], k_new, mask=wm)
-            tl.store(v_ptr + bq[:, None] * sv_b + hw * sv_h + last * sv_s + d[None, :], v_new, mask=wm)
+            tl.store(k_ptr + bq * sk_b + hw * sk_h + last * sk_s + d[None, :], k_new, mask=wm)
+            tl.store(v_ptr + bq * sv_b + hw * sv_h + last * sv_s + d[None, :], v_new, mask=wm)
         # split 0 starts from the new token, from registers (its score, weight 1); the others from nothing
         m0 = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale
         first = part == 0
         m = tl.where(first, m0, -float("inf"))                         # (RP,) running max
         s = tl.where(first, tl.full((RP,), 1.0, tl.float32), 0.0)     # running sum
         acc = tl.where(first, v_new.to(tl.float32), 0.0)               # (RP, DP) running output
-        c = tl.arange(0, ROWS * HEADS * BLOCK)                         # tile columns: (sequence, head, slot)
-        ci, hc = c // (HEADS * BLOCK), c // BLOCK % HEADS
-        bc = (b0 + ci)[:, None]                                        # (columns, 1) each column's sequence
-        kc = k_ptr + bc * sk_b + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
-        vc = v_ptr + bc * sv_b + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
-        own = (ri[:, None] == ci[None, :]) & (hr[:, None] == hc[None, :])   # (RP, ROWS * HEADS * BLOCK)
-        okc = ok_ptr + (b0 + ci) * sok_b                               # each column's key mask
+        hk = (h0 + hc).to(tl.int64)
+        kc = k_ptr + (bc * sk_b + hk * sk_h)[:, None] + d[None, :]     # (columns, DP) or (HEADS * BLOCK, DP)
+        vc = v_ptr + (bc * sv_b + hk * sv_h)[:, None] + d[None, :]
+        okc = ok_ptr + bc * sok_b                                      # each column's key mask (or the one row's)
         mid = lo                                                       # [lo, mid): tiles read once for all sequences
         if SHARE:   # slots below `shared`: row src's copy (the same values), so a prompt's rows fetch one copy
-            srcs, shared = tl.load(src_ptr + b0 + ci), tl.load(shared_ptr)   # (columns,)
-            dk, dv = (srcs - b0 - ci) * sk_b, (srcs - b0 - ci) * sv_b  # offsets from each column's cache to its src's
+            srcs, shared = tl.load(src_ptr + bc), tl.load(shared_ptr)  # (columns,) or one
+            dk, dv = (srcs - bc) * sk_b, (srcs - bc) * sv_b            # offsets from each column's cache to its src's
             if ROWS > 1:   # one src for all of the program's sequences: their whole tiles below shared, once
                 one = tl.min(srcs, 0) == tl.max(srcs, 0)
                 mid = tl.where(one, tl.minimum(tl.maximum(shared // BLOCK * BLOCK, lo), hi), lo)
                 m, s, acc = _attend_shared(q, m, s, acc, k_ptr + tl.min(srcs, 0) * sk_b, v_ptr + tl.min(srcs, 0)
-                                           * sv_b, ok_ptr + bq[:, None] * sok_b, lo, mid, h0, hr, rm, d, dm, sk_h,
+                                           * sv_b, ok_ptr + bq * sok_b, lo, mid, h0, hr, rm, d, dm, sk_h,
                                            sk_s, sv_h, sv_s, scale, HEADS, BLOCK, PRECISION)
         else:
             shared, dk, dv = 0, 0, 0
         m, s, acc = _attend_slots(q, m, s, acc, kc, vc, okc, c, mid, hi, shared, dk, dv, own, dm,
                                   sk_s, sv_s, scale, BLOCK, PRECISION, SHARE)
-        out = o_ptr + bq[:, None] * so_b + qh + d[None, :]
+        out = o_ptr + bq * so_b + qh + d[None, :]
         if SPLITS == 1:
             o = acc / s[:, None]
             tl.store(out, o.to(o_ptr.dtype.element_ty), mask=qm)
         else:
             _combine(out, qm, m, s, acc, (pb * (NKV // HEADS) + hb) * SPLITS, part,
                      pm_ptr, ps_ptr, pa_ptr, tick_ptr + pb * (NKV // HEADS) + hb, RP, DP, SPLITS)
+
+    @triton.jit
+    def _layout(b0, G: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr):
+        # the program's rows r (RP,): (sequence, query head) padded to RP, each row's query head rr from h0 * G and
+        # KV head hr from h0; its tile columns c: (sequence, head hc, slot); bq, bc: the rows' and the columns'
+        # sequences; own (RP, columns): a row's own sequence and head. A padded row owns no column, so the compiler
+        # knows its scores are -inf and drops their softmax work: W1's shape (7 of 16 rows real) compiles to 406
+        # instructions a block of slots, against 443 where padded rows took a real head's columns (sm_90, triton 3.6)
+        r = tl.arange(0, RP)
+        c = tl.arange(0, ROWS * HEADS * BLOCK)
+        hc = c // BLOCK % HEADS
+        if ROWS == 1:   # scalar offsets: the code is then the one-sequence kernel's (413 instructions with vectors)
+            rr, hr, bq, bc = r, r // G, b0, b0
+            own = hr[:, None] == hc[None, :]
+        else:
+            rr = r % (HEADS * G)
+            hr = rr // G
+            ri = tl.minimum(r // (HEADS * G), ROWS - 1)                # in range: the padded rows' loads stay in bounds
+            ci = c // (HEADS * BLOCK)
+            bq, bc = (b0 + ri)[:, None], b0 + ci                       # (RP, 1), (columns,) int64
+            own = ((r // (HEADS * G))[:, None] == ci[None, :]) & (hr[:, None] == hc[None, :])
+        return r, rr, hr, c, hc, bq, bc, own
 
     @triton.jit
     def _attend_slots(q, m, s, acc, kc, vc, okr, c, lo, hi, shared, dk, dv, own, dm, sk_s, sv_s, scale,
@@ -170,7 +185,7 @@ if HAS_TRITON:
         hc = c // BLOCK
         kc = ks + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
         vc = vs + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
-        own = hr[:, None] == hc[None, :]                               # (RP, HEADS * BLOCK)
+        own = (hr[:, None] == hc[None, :]) & rm[:, None]              # (RP, HEADS * BLOCK)
         for s0 in range(lo, hi, BLOCK):
             j = s0 + c % BLOCK
             jm = j < hi
