@@ -170,6 +170,47 @@ def test_bad_shapes_are_named():
         decode_attention_reference(torch.zeros(2, (6 + 6) * 8), cs, cs, pos.float(), kv, kv, ok, last, 1.0)
 
 
+def check_layout(G: int, heads: int, rows: int, block: int):
+    """The kernel's rows and tile columns (`_layout`, run by `_probe_layout`): a row owns exactly the columns of
+    its own sequence and KV head, and a padded row owns none. The second is speed, not correctness: a padded row
+    that owns columns gets real scores, and the compiler keeps their softmax work (docs/kernels.md)."""
+    import triton
+    RP, C = max(16, triton.next_power_of_2(rows * heads * G)), rows * heads * block
+    out = torch.zeros(RP, C, dtype=torch.int8)
+    _probe_layout[(1,)](out, G=G, HEADS=heads, ROWS=rows, RP=RP, BLOCK=block)
+    r, c = torch.arange(RP)[:, None], torch.arange(C)[None, :]
+    n = heads * G                                                  # rows a sequence
+    want = (r < rows * n) & (r // n == c // (heads * block)) & (r % n // G == c // block % heads)
+    assert torch.equal(out.bool(), want), (G, heads, rows, block, out)
+
+
+_da = importlib.import_module("kernels.decode_attention")
+if getattr(_da, "_layout", None) is not None:
+    import triton
+    import triton.language as tl
+
+    from kernels.decode_attention import _layout  # noqa: E402
+
+    @triton.jit
+    def _probe_layout(out_ptr, G: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr, RP: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        r, rr, hr, c, hc, bq, bc, own = _layout(0, G, HEADS, ROWS, RP, BLOCK)
+        tl.store(out_ptr + r[:, None] * (ROWS * HEADS * BLOCK) + c[None, :], own.to(tl.int8))
+
+
+def test_padded_rows_own_no_column_interpreted():
+    run_interpreted("""
+from tests.test_decode_attention import check_layout
+check_layout(7, 1, 1, 64)     # W1's shape: 7 rows of 16
+check_layout(2, 1, 4, 32)     # qwen3's default: 4 sequences of 2 rows, 8 of 16
+check_layout(2, 2, 1, 16)     # qwen3's old setting: 2 KV heads of 2 rows, 4 of 16
+check_layout(3, 2, 2, 16)     # 12 of 16
+check_layout(1, 1, 1, 16)     # MHA: 1 of 16
+check_layout(2, 2, 4, 16)     # 16 of 16: none padded
+print("ok")
+""")
+
+
 def test_kernel_interpreted():
     run_interpreted("""
 import functools
