@@ -144,7 +144,7 @@ if HAS_TRITON:
         r = tl.arange(0, RP)
         c = tl.arange(0, ROWS * HEADS * BLOCK)
         hc = c // BLOCK % HEADS
-        if ROWS == 1:   # scalar offsets: the code is then the one-sequence kernel's (413 instructions with vectors)
+        if ROWS == 1:   # scalar offsets: the code is then the one-sequence kernel's (414 instructions with vectors)
             rr, hr, bq, bc = r, r // G, b0, b0
             own = hr[:, None] == hc[None, :]
         else:
