@@ -271,7 +271,7 @@ if HAS_TRITON:
                              rows: int = 1) -> Tensor:
         args = (qkv, cos, sin, pos, k, v, key_ok, last, scale, splits, q_norm, k_norm, eps, src, shared)
         setting = (block, warps, stages, heads, rows)
-        at = max(16, 1 << (k.shape[3] - 1).bit_length())
+        at = entry(k.shape[3])
         small = SMALL.get(at) if setting == DEFAULTS.get(at) and at not in OVERRIDDEN else None
         if small is None or (qkv.device, at) not in _TOO_SMALL:
             try:
@@ -381,7 +381,7 @@ def too_big(D: int, setting: tuple, e: Exception) -> Exception:
     """The one-line error for a launch setting whose tiles do not fit the card (Triton's OutOfResources, e):
     a UserError naming FAST_DECODE_ATTN where the setting came from it, else a ValueError naming the arguments."""
     from config_tree import UserError
-    at = max(16, 1 << (D - 1).bit_length())
+    at = entry(D)
     what = "x".join(map(str, setting))
     if at in OVERRIDDEN and tuple(SETTINGS[at][:3]) == tuple(setting[:3]):
         default = "x".join(map(str, DEFAULTS.get(at, (32, 4, 2, 1, 1))))
@@ -392,10 +392,15 @@ def too_big(D: int, setting: tuple, e: Exception) -> Exception:
                       f"this GPU ({str(e).splitlines()[0][:120]})")
 
 
+def entry(D: int) -> int:
+    """SETTINGS' key for head_dim D: the next power of two, at least 16."""
+    return max(16, 1 << (D - 1).bit_length())
+
+
 def settings(D: int) -> tuple[int, int, int, int, int]:
     """(block, warps, stages, heads, rows) of the unsplit kernel at head_dim D: SETTINGS' entry at the next
     power of two."""
-    at = max(16, 1 << (D - 1).bit_length())
+    at = entry(D)
     return SETTINGS.get(at) or (SETTINGS[64] if at < 64 else (32, 4, 2, 1, 1))
 
 
