@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -325,6 +326,11 @@ def rollout_rank(monkeypatch):
         except KeyboardInterrupt:   # a value, so that a wrong one fails the test instead of ending pytest's session
             return "interrupted"
     before = signal.getsignal(signal.SIGINT)
+    # what a SIGINT does here depends on the process, not on generate_loop: say so where it is not Python's default
+    # (a handler another test left, a blocked signal, a test thread), since the tests below would only see {}
+    assert threading.current_thread() is threading.main_thread(), "signal handlers run in the main thread only"
+    assert before is signal.default_int_handler, f"SIGINT's handler before the test is {before!r}, not Python's"
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, []), "SIGINT is blocked in this thread"
     yield run
     assert signal.getsignal(signal.SIGINT) is before   # generate_loop put it back (Stop.restore)
     signal.signal(signal.SIGINT, before)                 # ... and if it did not, the next tests still get theirs
