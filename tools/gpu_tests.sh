@@ -16,7 +16,8 @@
 #              gate of 2026-11-28 ran `kernels` out of 400 s, its last test after them unfinished)  (T_TESTS)
 #   arch-*     tests/test_architectures.py's GPU tests (every family graphed and compiled; the generic path's step
 #              compiles too), in two processes  (T_ARCH=540: arch-train 259-359 s)
-#   dist       with 2+ GPUs: tests/test_distributed.py, in 6 groups side by side  (T_DIST=300)
+#   dist       with 2+ GPUs: tests/test_distributed.py, in 6 groups side by side  (T_DIST=300); on one GPU the
+#              table has a skipped `dist` row instead, so a one-GPU run does not pass for the whole gate
 #   sweep      tools/kernel_sweep.py --size gpu: each kernel against its torch twin at edge shapes, in three
 #              processes (each family's first launches are mostly Triton compiles): `sweep` the sampling,
 #              decode-attention and log-prob families and the decoder, `sweep-exact` the exact path's kernels,
@@ -97,6 +98,8 @@ if [ "$ngpu" -ge 2 ]; then   # as tools/gpu_dist.sh: they mostly wait on imports
     for k in "${groups[@]}"; do dist_stage "dist-$k" "$k" & done
     dist_stage dist-rest "not ($(printf '%s or ' "${groups[@]}" | sed 's/ or $//'))" &
     dist_stage dist-arch-fsdp2 fsdp2 tests/test_architectures.py &   # qwen3 and qwen3_moe under FSDP2 (#32)
+else   # the summary says so: a one-GPU run is not the whole gate
+    echo "needs 2 GPUs, $ngpu visible" >"$out/dist-skipped.txt"
 fi
 sweep sweep 0 sample,decode,logprob,linear,loss,decoder &
 sweep sweep-exact 0 exact_gemm,exact_cat,exact_silu,exact_attn,exact_rope,exact_rows &
@@ -150,6 +153,9 @@ for path in sorted(glob.glob(os.path.join(out, "junit-*.xml"))):
 pytest_stages = ["tests", "kernels", "graphs", "arch-decode", "arch-train"] + [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(out, "dist-*.rc"))]
 for stage in [s for s in pytest_stages if not os.path.exists(os.path.join(out, f"junit-{s}.xml"))]:
     rows.append((stage, "(pytest)", 0, 1, 0, f"no junit XML (exit {rc(stage)}): see {stage}.log"))
+if os.path.exists(os.path.join(out, "dist-skipped.txt")):
+    why = open(os.path.join(out, "dist-skipped.txt")).read().strip()
+    rows.append(("dist", "tests/test_distributed.py, FSDP2 families", 0, 0, 1, f"not run: {why}"))
 
 logs = lambda pattern: sorted(os.path.basename(p)[:-4] for p in glob.glob(os.path.join(out, pattern)))
 for log in logs("sweep*.log") + logs("sanitizer-*.log"):
