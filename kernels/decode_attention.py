@@ -119,12 +119,19 @@ if HAS_TRITON:
             if ROWS > 1:   # one src for all of the program's sequences: their whole tiles below shared, once
                 one = tl.min(srcs, 0) == tl.max(srcs, 0)
                 mid = tl.where(one, tl.minimum(tl.maximum(shared // BLOCK * BLOCK, lo), hi), lo)
+        else:
+            shared, dk, dv = 0, 0, 0
+        # the key mask of the own loop's first tile, fetched before the shared tiles' loop: each loop fetches
+        # its next tile's mask a tile early, as the software pipeline does not (its wait was a quarter of qwen3's
+        # stalls: docs/kernels.md, "The key mask's load")
+        jo = mid + c % BLOCK
+        ok0 = tl.load(okc + jo, mask=jo < hi, other=0)
+        if SHARE:
+            if ROWS > 1:
                 m, s, acc = _attend_shared(q, m, s, acc, k_ptr + tl.min(srcs, 0) * sk_b, v_ptr + tl.min(srcs, 0)
                                            * sv_b, ok_ptr + bq * sok_b, lo, mid, h0, hr, rm, d, dm, sk_h,
                                            sk_s, sv_h, sv_s, scale, HEADS, BLOCK, PRECISION)
-        else:
-            shared, dk, dv = 0, 0, 0
-        m, s, acc = _attend_slots(q, m, s, acc, kc, vc, okc, c, mid, hi, shared, dk, dv, own, dm,
+        m, s, acc = _attend_slots(q, m, s, acc, kc, vc, okc, ok0, c, mid, hi, shared, dk, dv, own, dm,
                                   sk_s, sv_s, scale, BLOCK, PRECISION, SHARE)
         out = o_ptr + bq * so_b + qh + d[None, :]
         if SPLITS == 1:
@@ -157,7 +164,7 @@ if HAS_TRITON:
         return r, rr, hr, c, hc, bq, bc, own
 
     @triton.jit
-    def _attend_slots(q, m, s, acc, kc, vc, okr, c, lo, hi, shared, dk, dv, own, dm, sk_s, sv_s, scale,
+    def _attend_slots(q, m, s, acc, kc, vc, okr, okn, c, lo, hi, shared, dk, dv, own, dm, sk_s, sv_s, scale,
                       BLOCK: tl.constexpr, PRECISION: tl.constexpr, SHARE: tl.constexpr):
         # the online softmax (m, s, acc) of q (RP, DP) over the cache's slots [lo, hi): kc, vc (columns, DP)
         # point at slot 0 of each column's (sequence, head), okr (columns,) at its key mask; SHARE: slots below
@@ -165,7 +172,9 @@ if HAS_TRITON:
         for s0 in range(lo, hi, BLOCK):
             j = s0 + c % BLOCK
             jm = j < hi
-            ok = (tl.load(okr + j, mask=jm, other=0) != 0) & jm
+            ok = (okn != 0) & jm
+            jn = j + BLOCK                                             # the next tile's, fetched a tile early
+            okn = tl.load(okr + jn, mask=jn < hi, other=0)
             kv = jm[:, None] & dm[None, :]
             ko, vo = j * sk_s, j * sv_s                                # (HEADS * BLOCK,) offsets in row b
             if SHARE:
@@ -186,10 +195,14 @@ if HAS_TRITON:
         kc = ks + (h0 + hc)[:, None].to(tl.int64) * sk_h + d[None, :]
         vc = vs + (h0 + hc)[:, None].to(tl.int64) * sv_h + d[None, :]
         own = (hr[:, None] == hc[None, :]) & rm[:, None]              # (RP, HEADS * BLOCK)
+        jn = lo + c % BLOCK
+        okn = tl.load(okq + jn[None, :], mask=rm[:, None] & (jn < hi)[None, :], other=0)   # (RP, HEADS * BLOCK)
         for s0 in range(lo, hi, BLOCK):
             j = s0 + c % BLOCK
             jm = j < hi
-            ok = (tl.load(okq + j[None, :], mask=rm[:, None] & jm[None, :], other=0) != 0)   # (RP, HEADS * BLOCK)
+            ok = okn != 0
+            jn = j + BLOCK                                             # the next tile's mask, a tile early
+            okn = tl.load(okq + jn[None, :], mask=rm[:, None] & (jn < hi)[None, :], other=0)
             kv = jm[:, None] & dm[None, :]
             k = tl.load(kc + j[:, None] * sk_s, mask=kv, other=0.0)    # (HEADS * BLOCK, DP)
             v = tl.load(vc + j[:, None] * sv_s, mask=kv, other=0.0)
