@@ -28,3 +28,13 @@ def test_shared_prompt_is_the_shared_prefills_layout():
         assert torch.equal(ok[b, :prompt], ok0[first, :prompt])
         assert torch.equal(k[b, :, prompt:], k0[b, :, prompt:]) and torch.equal(v[b, :, prompt:], v0[b, :, prompt:])
         assert torch.equal(ok[b, prompt:], ok0[b, prompt:])
+
+
+def test_bad_numbers_fail_before_any_gpu_work():
+    """--once (a profiler's single call), --fills and --share take non-negative slot counts: a bad one ends the
+    run with a line naming all three, before the CUDA check."""
+    import subprocess
+    for bad in (["--once", "-3"], ["--fills", "64,-1"], ["--share", "8"]):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "decode_kernel_bench.py"), "--out",
+                            os.devnull, *bad], capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "--once a slot count >= 0" in r.stderr, (bad, r.stderr)

@@ -69,14 +69,12 @@ def shared_prompt(caches: list[Tensor], ok: Tensor, n: int, prompt: int) -> tupl
     return src, torch.tensor([prompt], device=ok.device)
 
 
-def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: dict | None = None,
-                   share: tuple | None = None, fills: tuple = (64, 192, 318)) -> list[str]:
-    """variants: (splits, block), (splits, block, warps, stages) or (splits, block, warps, stages, heads: KV heads
-    per program[, rows: sequences per program]). found: filled with {variant name: [us at each fill]} for --json.
-    share (n, prompt): sequences in groups of n hold one prompt's K/V in their first `prompt` slots, and every call
-    passes share=(src, shared), as the engine does after the shared prefill. fills: the cache slots filled before
-    the call."""
+def attention_inputs(shape: str, share: tuple | None, layers: int | None = None) -> tuple:
+    """Random bf16 decode-attention inputs at SHAPES[shape] for `layers` layers (default: the shape's): qkv, the
+    K and V caches (lists of a tensor per layer), cos, sin, pos, the key mask (a few holes, as left padding) and
+    the share= keyword ({} without share: see attention_rows)."""
     B, nh, nkv, S, D, L = SHAPES[shape]
+    L = layers or L
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     qkv = [torch.randn(B, (nh + 2 * nkv) * D, device=dev, dtype=dt, generator=g) for _ in range(L)]
@@ -84,8 +82,42 @@ def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: d
     vs = [torch.randn(B, nkv, S, D, device=dev, dtype=dt, generator=g) for _ in range(L)]
     cos, sin = torch.randn(S, D, device=dev, dtype=dt), torch.randn(S, D, device=dev, dtype=dt)
     pos = torch.arange(B, device=dev) % S
-    ok = torch.rand(B, S, device=dev, generator=g) > 0.1                # (B, S) a few holes, as left padding
+    ok = torch.rand(B, S, device=dev, generator=g) > 0.1                # (B, S)
     extra = dict(share=shared_prompt(ks + vs, ok, *share)) if share else {}
+    return qkv, ks, vs, cos, sin, pos, ok, extra
+
+
+def profile_once(shape: str, share: tuple | None, filled: int) -> str:
+    """One call of the default-settings kernel with `filled` slots, as the engine makes it (qwen3's shape with its
+    q/k norm), between cudaProfilerStart and cudaProfilerStop after three warm-up calls, so that `ncu
+    --profile-from-start off` (or nsys's capture range) takes exactly that launch, with cold caches by ncu's
+    default cache control."""
+    qkv, ks, vs, cos, sin, pos, ok, extra = attention_inputs(shape, share, layers=1)
+    D = ks[0].shape[-1]
+    if shape == "qwen3":
+        extra["qk_norm"] = tuple(torch.rand(D, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2)) + (1e-6,)
+    last = torch.tensor([filled], device="cuda")
+    call = lambda: decode_attention(qkv[0], cos, sin, pos, ks[0], vs[0], ok, last, 0.125, **extra)
+    for _ in range(3):                                                  # compiled and warm
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    return f"| attention {shape} | {filled} slots | one call for a profiler, default settings | | |"
+
+
+def attention_rows(reps: int, variants: list[tuple], shape: str = "w1", found: dict | None = None,
+                   share: tuple | None = None, fills: tuple = (64, 192, 318)) -> list[str]:
+    """variants: (splits, block), (splits, block, warps, stages) or (splits, block, warps, stages, heads: KV heads
+    per program[, rows: sequences per program]). found: filled with {variant name: [us at each fill]} for --json.
+    share (n, prompt): sequences in groups of n hold one prompt's K/V in their first `prompt` slots, and every call
+    passes share=(src, shared), as the engine does after the shared prefill. fills: the cache slots filled before
+    the call."""
+    qkv, ks, vs, cos, sin, pos, ok, extra = attention_inputs(shape, share)
+    B, nh, nkv, S, D, L = SHAPES[shape]
+    dev, dt = "cuda", torch.bfloat16
     rows = []
     for filled in fills:
         last = torch.tensor([filled], device=dev)
@@ -260,15 +292,18 @@ def main():
     ap.add_argument("--copy", action="store_true", help="also time a 2 GiB device copy (the card's rate)")
     ap.add_argument("--json", default="", help="also write each attention variant's times and the fastest unsplit "
                     "one (mean over the fills) here")
+    ap.add_argument("--once", type=int, default=None, metavar="FILL",
+                    help="instead of timing: each --shape's kernel called once at FILL slots (with --share) between "
+                    "cudaProfilerStart and Stop, for `ncu --profile-from-start off` (docs/kernels.md)")
     args = ap.parse_args()
     try:   # the two options' numbers, checked before any GPU work
         fills = tuple(int(x) for x in args.fills.split(","))
         share = tuple(int(x) for x in args.share.split(":")) if args.share else None
-        if any(f < 0 for f in fills) or (share and (len(share) != 2 or min(share) < 1)):
+        if any(f < 0 for f in fills) or (share and (len(share) != 2 or min(share) < 1)) or (args.once or 0) < 0:
             raise ValueError
     except ValueError:
-        raise SystemExit(f"--fills takes slot counts >= 0 (64,192,318), --share N:P with N, P >= 1 (8:64); got "
-                         f"--fills {args.fills!r} --share {args.share!r}")
+        raise SystemExit(f"--fills takes slot counts >= 0 (64,192,318), --share N:P with N, P >= 1 (8:64), --once a "
+                         f"slot count >= 0; got --fills {args.fills!r} --share {args.share!r} --once {args.once}")
     if not torch.cuda.is_available():
         raise SystemExit("decode_kernel_bench needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
@@ -281,6 +316,9 @@ def main():
     samplers = [("gumbel (today: split 64, block 4096, 4 warps)", gumbel_sample)]
     samplers += [(f"cdf: block {blk}, {wp} warps, split {sp}", part(cdf_sample, split=sp, block=blk, warps=wp))
                  for sp, blk, wp in ((64, 4096, 8), (64, 4096, 4), (64, 2048, 4), (128, 2048, 8), (32, 8192, 8))]
+    if args.once is not None:
+        print("\n".join(profile_once(sh, share, args.once) for sh in shapes))
+        return
     found = {}
     rows = [copy_row(args.reps)] if args.copy else []
     for sh in shapes:
