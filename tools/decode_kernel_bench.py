@@ -296,7 +296,7 @@ def main():
                     help="instead of timing: each --shape's kernel called once at FILL slots (with --share) between "
                     "cudaProfilerStart and Stop, for `ncu --profile-from-start off` (docs/kernels.md)")
     args = ap.parse_args()
-    try:   # the two options' numbers, checked before any GPU work
+    try:   # the options' numbers, checked before any GPU work
         fills = tuple(int(x) for x in args.fills.split(","))
         share = tuple(int(x) for x in args.share.split(":")) if args.share else None
         if any(f < 0 for f in fills) or (share and (len(share) != 2 or min(share) < 1)) or (args.once or 0) < 0:
