@@ -114,7 +114,7 @@ def test_fsdp_on_a_vlm_matches_one_process_and_shards_the_tower(tmp_path):
              for cmd, out in zip([[sys.executable], torchrun], outs)]
     for p in procs:
         log, _ = p.communicate(timeout=600)
-        assert p.returncode == 0, log[-3000:]
+        assert p.returncode == 0, log[-8000:]   # enough to show where a rank stopped, before torchrun's report
     ones, twos = (torch.load(out / "result.pt") for out in outs)
     for train_tower in (False, True):
         one, two = ones[train_tower], twos[train_tower]
@@ -128,6 +128,8 @@ def test_fsdp_on_a_vlm_matches_one_process_and_shards_the_tower(tmp_path):
 
 if __name__ == "__main__":
     worker(sys.argv[1])
-    if torch.distributed.is_initialized():
+    if torch.distributed.is_initialized():   # as tests/offload_worker.py: FSDP's meshes hold the group in cycles,
+        import gc                            # collected here, not at exit after gloo is gone (a rank of this test
+        gc.collect()                         # aborted once in CI, "terminate called"; when in the run, not logged)
         torch.distributed.barrier()   # tearing gloo down while a peer still works can abort ("terminate called")
         torch.distributed.destroy_process_group()
