@@ -13,7 +13,7 @@ from torch import Tensor
 from engines.decode_weights import project
 from engines.moe import moe_block
 from kernels import decode_attention_kernel
-from kernels.decode_attention import rotate
+from kernels.decode_attention_ref import rotate
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:

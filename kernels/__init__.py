@@ -37,7 +37,8 @@ import os
 import torch
 from torch import Tensor
 
-from kernels.decode_attention import decode_attention, decode_attention_reference
+from kernels.decode_attention import decode_attention
+from kernels.decode_attention_ref import decode_attention_reference
 from kernels.fused_kl import fused_kl, fused_kl_reference  # noqa: F401  (full-vocabulary KL: kernels/fused_kl.py)
 from kernels.linear_logprob import linear_logprob_entropy
 from kernels.logprob_loss import linear_logprob_loss

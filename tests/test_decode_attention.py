@@ -15,7 +15,8 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from kernels.decode_attention import decode_attention, decode_attention_reference, head_norm  # noqa: E402
+from kernels.decode_attention import decode_attention  # noqa: E402
+from kernels.decode_attention_ref import decode_attention_reference, head_norm  # noqa: E402
 from tests.interpret import run_interpreted  # noqa: E402
 
 
@@ -62,7 +63,7 @@ def check_attention(fn, device="cpu", B=3, nh=6, nkv=2, S=150, D=40, last=97, dt
 
 def check_norm(fn, device="cpu", B=3, nh=4, nkv=2, S=40, D=16, last=20, dtype=torch.float32, tol=1e-5):
     """With qk_norm, fn equals the reference run on q/k/v whose heads were normed beforehand by transformers'
-    Qwen3RMSNorm formula (kernels.decode_attention.head_norm), cache write included. Both outputs are rounded to
+    Qwen3RMSNorm formula (kernels.decode_attention_ref.head_norm), cache write included. Both outputs are rounded to
     dtype: in bf16 they may differ by an ulp of the larger values, hence a relative part of 2 bf16 ulps."""
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     cast = lambda t: t.to(device=device, dtype=dtype)

@@ -42,7 +42,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import logprob as logprob_mod  # noqa: E402
-from kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+from kernels.decode_attention import decode_attention  # noqa: E402
+from kernels.decode_attention_ref import decode_attention_reference  # noqa: E402
 from kernels.linear_logprob import linear_logprob_entropy  # noqa: E402
 from kernels.logprob import logprob_entropy, logprob_entropy_reference  # noqa: E402
 from kernels.logprob_loss import linear_logprob_loss  # noqa: E402
