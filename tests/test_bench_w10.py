@@ -34,3 +34,25 @@ def test_ab_twins_each_value(tmp_path):
 def test_unknown_model_is_named(tmp_path):
     p, rows = run(tmp_path, "--only", "qwen9")
     assert p.returncode != 0 and "unknown model(s) qwen9" in p.stderr and rows is None
+
+
+def test_floor_rows(tmp_path):
+    """--floor: the read rate in the json, each row's decode floor at that rate, and the per-parameter ratio at the
+    floors, which is bytes per parameter over qwen2's (the rate cancels)."""
+    p, rows = run(tmp_path, "--only", "qwen3,qwen3_moe", "--floor")
+    assert p.returncode == 0, p.stdout + p.stderr
+    rate = json.loads((tmp_path / "w10.json").read_text())["read_rate"]
+    assert rate > 0
+    q2 = rows[0]
+    for r in rows:
+        assert abs(r["decode_floor_s"] - 7 * r["bytes_per_step"] / rate) < 1e-12   # --tiny: 8 new tokens
+        assert abs(r["x_floor"] - r["engine_s"] / r["decode_floor_s"]) < 1e-9
+        want = (r["bytes_per_step"] / r["params_read"]) / (q2["bytes_per_step"] / q2["params_read"])
+        assert abs(r["x_qwen2_at_floors"] - want) < 1e-12
+    assert rows[2]["x_qwen2_at_floors"] > 1   # the experts a batch reads, over the top_k a token's parameters count
+    assert "| qwen3_moe | " in p.stdout.split("x qwen2 per parameter at the floors")[1]
+
+
+def test_floor_with_ab_fails_first(tmp_path):
+    p, rows = run(tmp_path, "--floor", "--ab", "FAST_DECODE_SHARED_READS")
+    assert p.returncode != 0 and "--floor and --ab do not combine" in p.stderr and rows is None

@@ -7,6 +7,7 @@
     python tools/bench_w10.py --only granite --hf granite --check --profile granite   # + log-prob gap, kernel table
     python tools/bench_w10.py --only qwen2,qwen3,qwen3_moe --no-hf --keep-cache   # states kept, as training's auto
     python tools/bench_w10.py --only qwen3 --no-hf --ab FAST_DECODE_SHARED_READS  # a switch off and on, in one process
+    python tools/bench_w10.py --no-hf --keep-cache --floor   # + each model's decode floor at the card's read rate
 
 Workload: 16 prompts x 8 samples, 64 random tokens each, 256 new tokens, temperature 1, top_p 1, random bf16
 weights built here from each family's config class (no hub), EOS outside the vocabulary, so every row runs to
@@ -23,7 +24,9 @@ over rounds, with the range). A token reads every weight except the embedding ro
 reads the whole vocabulary matrix); an MoE token reads its top_k experts of E. Goals (issue 32): every listed family within 1.3x of qwen2; the generic path
 within 2x and at most 0.5x of transformers' static-cache generate. "x qwen2 per byte" divides instead by the bytes
 a decode step of the whole batch reads (bytes_per_step: the experts some token of the batch picks, not top_k of
-them, and the K/V cache at its mean length), which is what bounds a memory-bound step.
+them, and the K/V cache at its mean length), which is what bounds a memory-bound step. --floor measures the
+card's read rate in the same command (read_rate) and gives each model its decode floor: its decode steps'
+bytes at that rate, the engine's seconds over it, and the per-parameter ratio to qwen2 were both at their floors.
 """
 import argparse
 import json
@@ -109,6 +112,36 @@ def bytes_per_step(model, row: dict, work: dict, dtype) -> int:
     B = work["prompts"] * work["samples"]
     weights = params_read(model, B) * torch.finfo(dtype).bits // 8
     return int(weights + B * (work["prompt_len"] + work["new"] / 2) * row["kv_bytes_per_position"])
+
+
+def read_rate(device, reps: int = 20) -> float:
+    """The device's streaming read rate in bytes/s: torch.sum over one bf16 buffer (2 GiB on a GPU, replayed in a
+    CUDA graph, so no launch gap counts; 256 MiB on a CPU), the median of `reps` reads."""
+    x = torch.ones((2 << 30 if device.type == "cuda" else 256 << 20) // 2, dtype=torch.bfloat16, device=device)
+    fn = lambda: x.sum()
+    if device.type == "cuda":
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        fn = graph.replay
+    _, times, _ = bench_workload.timed(fn, reps)
+    return x.numel() * x.element_size() / statistics.median(times)
+
+
+def floors(rows: list[dict], rate: float, work: dict):
+    """Each timed row's decode floor (its work["new"] - 1 decode steps' bytes_per_step at `rate`; the prefill and
+    sampling left out, so a lower bound), the engine's seconds over it, and its seconds per parameter over qwen2's
+    were both engines at their floors (a ratio of bytes per parameter: the rate cancels)."""
+    base = next((b for b in rows if b["model"] == "qwen2" and "bytes_per_step" in b), None)
+    for r in rows:
+        if "engine_s" not in r or "error" in r:
+            continue
+        r["decode_floor_s"] = (work["new"] - 1) * r["bytes_per_step"] / rate
+        r["x_floor"] = r["engine_s"] / r["decode_floor_s"]
+        if base is not None:
+            r["x_qwen2_at_floors"] = (r["bytes_per_step"] / r["params_read"]) / (base["bytes_per_step"]
+                                                                                 / base["params_read"])
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
@@ -251,6 +284,12 @@ def table(rows: list[dict], device: str) -> str:
         lines.append(f"| {r['model']} | {r['path']} | {r['params_read'] / 1e6:.1f}M | {r['engine_s']:.3f} "
                      f"({r['engine_min_s']:.3f}-{r['engine_max_s']:.3f}) | {rel} | {r['bytes_per_step'] / 1e9:.2f} | "
                      f"{per_byte} | {hf_s} | {ratio} | {gap} |")
+    floored = [r for r in rows if "decode_floor_s" in r]
+    if floored:
+        lines += ["", "| model | decode floor s | engine / floor | x qwen2 per parameter at the floors |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['decode_floor_s']:.3f} | {r['x_floor']:.2f} | "
+                  f"{r.get('x_qwen2_at_floors', float('nan')):.2f} |" for r in floored]
     return "\n".join(lines)
 
 
@@ -274,6 +313,8 @@ def main():
                    help="A/B an environment variable the engine reads at each rollout (e.g. FAST_DECODE_SHARED_READS): "
                    "each model's rollout is timed with VAR=0 and VAR=1 in every round, the order alternating by "
                    "round; a row per value; the check, profile and transformers' generate run for VAR=1 only")
+    p.add_argument("--floor", action="store_true",
+                   help="also measure the card's read rate and give each model its decode floor")
     p.add_argument("--check", action="store_true",
                    help="also measure each engine rollout's log-prob gap to teacher forcing (mean, max)")
     a = p.parse_args()
@@ -283,6 +324,8 @@ def main():
         sys.exit(f"bench_w10: unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     if a.repeats < 1:
         sys.exit(f"bench_w10: --repeats must be at least 1 (timed rounds), got {a.repeats}")
+    if a.floor and a.ab:
+        sys.exit("bench_w10: --floor and --ab do not combine (a twin's floor is its model's); run them apart")
     if "qwen2" not in names:
         names = ["qwen2"] + names                                   # the yardstick
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -292,6 +335,7 @@ def main():
         a.repeats = min(a.repeats, 2)
     start, rows, states = time.perf_counter(), [], []
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    extra = {}   # command-wide figures for the json (--floor's read_rate)
 
     def save(row: dict | None = None):   # after each stage: a run cut short keeps what it measured
         if row is not None and not any(r is row for r in rows):
@@ -301,7 +345,7 @@ def main():
             print(json.dumps(row), flush=True)
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"device": dev_name, "work": work, "rows": rows, "argv": sys.argv[1:],
+                json.dump({"device": dev_name, "work": work, "rows": rows, "argv": sys.argv[1:], **extra,
                            "FAST_DECODE_ATTN": os.environ.get("FAST_DECODE_ATTN", "")}, f, indent=1)
 
     def failed(name: str, e: Exception, row: dict | None, key: str = "error"):
@@ -356,6 +400,11 @@ def main():
         os.environ.pop(a.ab, None)
         if before is not None:
             os.environ[a.ab] = before
+    if a.floor:
+        extra["read_rate"] = read_rate(device)
+        floors(rows, extra["read_rate"], work)
+        save()
+        print(f"bench_w10: read rate {extra['read_rate'] / 1e12:.2f} TB/s", flush=True)
     print(table(rows, dev_name).format(**work))
 
 
