@@ -117,8 +117,8 @@ def bytes_per_step(model, row: dict, work: dict, dtype) -> int:
 def read_rate(device, reps: int = 20) -> dict:
     """The device's streaming read rate in bytes/s, the faster of two readers of one bf16 buffer (2 GiB on a GPU,
     256 MiB on a CPU), each the median of `reps` reads: torch.sum, and on a GPU a Triton kernel that only loads
-    and adds (torch.sum read ~9% slower on an H200); a GPU's reads are replayed in a CUDA graph, so no launch gap
-    counts. {"rate": the faster, "by": its reader, reader: rate for each}."""
+    and adds (torch.sum's reduction read slower on an H200: docs/benchmarks.md, W10); a GPU's reads are replayed
+    in a CUDA graph, so no launch gap counts. {"rate": the faster, "by": its reader, reader: rate for each}."""
     x = torch.ones((2 << 30 if device.type == "cuda" else 256 << 20) // 2, dtype=torch.bfloat16, device=device)
     readers = {"torch.sum": lambda: x.sum()}
     if device.type == "cuda":
